@@ -1,0 +1,1 @@
+"""Communicator backends: a communicator per agreed view with abortable collectives."""
