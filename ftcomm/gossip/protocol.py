@@ -1,0 +1,642 @@
+"""The SWIM + Lifeguard membership protocol as a pure state machine (no I/O, no clock).
+
+A driver feeds it datagrams (:meth:`Protocol.receive`), stream requests
+(:meth:`Protocol.handle_stream`) and clock ticks (:meth:`Protocol.tick`), each with the
+current time, and collects what it produced: datagrams to send
+(:meth:`take_datagrams`), stream requests to make (:meth:`take_stream_requests`) and
+membership events (:meth:`take_events`). :meth:`next_deadline` says when the next tick
+is needed. The asyncio runtime, the simulator and the tests are three drivers of this
+one class.
+
+Failure semantics: nothing here raises on input from the network. A malformed,
+unauthenticated or foreign packet is dropped and counted in ``stats``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from . import wire
+from .broadcast import BroadcastQueue
+from .config import GossipConfig, push_pull_interval, suspicion_confirmations
+from .lifeguard import Awareness, Suspicion
+from .wire import ACK, ALIVE, DEAD, NACK, PING, PING_REQ, SUSPECT
+
+ALIVE_STATE, SUSPECT_STATE, DEAD_STATE, LEFT_STATE = (
+    wire.STATE_ALIVE, wire.STATE_SUSPECT, wire.STATE_DEAD, wire.STATE_LEFT)
+_INF = math.inf
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """A snapshot of one member as this member sees it."""
+
+    id: str
+    host: str
+    port: int
+    incarnation: int
+    state: str  # alive | suspect | dead | left
+    metadata: bytes
+    since: float  # time of the last state change, in the driver's clock
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    """A change in membership: kind is joined, suspect, alive, dead, left or metadata."""
+
+    kind: str
+    member: MemberInfo
+    time: float
+    source: str  # the member whose message caused it
+
+
+@dataclass(frozen=True)
+class Datagram:
+    address: tuple[str, int]
+    data: bytes
+    target: str | None  # member id the datagram is meant for, when known (fault filters use it)
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """A TCP request/response exchange the driver must perform (push/pull)."""
+
+    address: tuple[str, int]
+    target: str | None
+    data: bytes
+    purpose: str  # join | push_pull | reconnect
+
+
+@dataclass
+class _Member:
+    id: str
+    host: str
+    port: int
+    incarnation: int
+    state: int
+    meta: bytes
+    since: float
+
+    def info(self) -> MemberInfo:
+        return MemberInfo(self.id, self.host, self.port, self.incarnation,
+                          wire.STATE_NAMES[self.state], self.meta, self.since)
+
+    def record(self) -> list:
+        return [self.id, self.host, self.port, self.incarnation, self.state, self.meta]
+
+
+@dataclass
+class _Probe:
+    target: str
+    seq: int
+    ack_deadline: float
+    acked: bool = False
+    indirect_sent: bool = False
+    expected_nacks: int = 0
+    nacks: int = 0
+
+
+@dataclass
+class _Relay:
+    origin: tuple[str, int]
+    origin_id: str
+    origin_seq: int
+    deadline: float
+
+
+@dataclass
+class _Timers:
+    probe: float = _INF
+    gossip: float = _INF
+    push_pull: float = _INF
+    reconnect: float = _INF
+    reap: float = _INF
+
+
+class Protocol:
+    """One member's view of the cluster and the protocol that maintains it."""
+
+    def __init__(self, member_id: str, host: str, port: int, *, cluster: str = "ftcomm",
+                 secret: bytes | None = None, config: GossipConfig | None = None,
+                 metadata: bytes = b"", seed: int | None = None) -> None:
+        self.config = config or GossipConfig()
+        self.id = member_id
+        self._rng = random.Random(seed)
+        self._dgram = wire.Sealer(cluster, member_id, secret, self.config.max_datagram_bytes)
+        self._stream = wire.Sealer(cluster, member_id, secret, self.config.max_stream_bytes)
+        self._check_metadata(metadata)
+        self._self = _Member(member_id, host, port, 0, ALIVE_STATE, metadata, 0.0)
+        self._members: dict[str, _Member] = {member_id: self._self}
+        self._live: list[str] = []  # other members that are alive or suspect
+        self._live_index: dict[str, int] = {}
+        self._recent_dead: dict[str, float] = {}
+        self._suspicions: dict[str, Suspicion] = {}
+        self._relays: dict[int, _Relay] = {}
+        self._probe: _Probe | None = None
+        self._probe_order: list[str] = []
+        self._probe_pos = 0
+        self._seq = 0
+        self._broadcasts = BroadcastQueue()
+        self._awareness = Awareness(self.config.awareness_max_multiplier)
+        self._timers = _Timers()
+        self._out: list[Datagram] = []
+        self._streams: list[StreamRequest] = []
+        self._events: list[MemberEvent] = []
+        self.stats: Counter[str] = Counter()
+        self.leaving = False
+        self.started = False
+
+    # ---------------------------------------------------------------- public API
+    @property
+    def incarnation(self) -> int:
+        return self._self.incarnation
+
+    @property
+    def metadata(self) -> bytes:
+        return self._self.meta
+
+    @property
+    def awareness(self) -> int:
+        return self._awareness.score
+
+    def num_members(self) -> int:
+        """Members believed alive or suspect, this one included."""
+        return len(self._live) + 1
+
+    def members(self) -> list[MemberInfo]:
+        return [m.info() for m in self._members.values()]
+
+    def member(self, member_id: str) -> MemberInfo | None:
+        m = self._members.get(member_id)
+        return m.info() if m else None
+
+    def start(self, now: float) -> None:
+        """Begin probing and announce this member."""
+        self.started = True
+        self._self.since = now
+        self._queue_alive_self()
+        cfg = self.config
+        self._timers.probe = now + self._rng.uniform(0, cfg.probe_interval)
+        self._timers.gossip = now + self._rng.uniform(0, cfg.gossip_interval)
+        if cfg.push_pull_interval > 0:
+            self._timers.push_pull = now + self._rng.uniform(0.5, 1.0) * cfg.push_pull_interval
+        self._timers.reconnect = now + cfg.reconnect_interval if cfg.reconnect_interval > 0 else _INF
+        self._timers.reap = now + 1.0
+
+    def bootstrap(self, records: list[list], now: float) -> None:
+        """Adopt a member table known out of band (``[id, host, port, incarnation, state, meta]``
+        records) without announcing each entry or emitting events: a static host list, or a
+        simulator starting from a converged cluster."""
+        for member_id, host, port, incarnation, state, meta in records:
+            if member_id == self.id or member_id in self._members:
+                continue
+            self._members[member_id] = _Member(member_id, host, port, incarnation, state, meta, now)
+            if state in (ALIVE_STATE, SUSPECT_STATE):
+                self._members[member_id].state = ALIVE_STATE
+                self._add_live(member_id)
+
+    def record(self) -> list:
+        """This member's own record, as exchanged by push/pull."""
+        return self._self.record()
+
+    def join_request(self) -> bytes:
+        """The first push/pull to send to a seed address."""
+        return self._push_pull_message(join=True)
+
+    def set_metadata(self, metadata: bytes, now: float) -> None:
+        """Replace this member's metadata; it spreads under a new incarnation."""
+        self._check_metadata(metadata)
+        self._self.meta = metadata
+        self._self.incarnation += 1
+        self._queue_alive_self()
+
+    def leave(self, now: float) -> None:
+        """Announce a graceful departure: every member will mark this one *left*.
+
+        The notice is sent directly to every live member and also gossiped; keep
+        driving the protocol for ``leave_propagate_time`` afterwards.
+        """
+        if self.leaving:
+            return
+        self.leaving = True
+        notice = wire.encode([DEAD, self.id, self._self.incarnation, self.id])
+        self._broadcasts.queue(self.id, notice)
+        for member_id in self._live:
+            m = self._members[member_id]
+            self._send((m.host, m.port), member_id, [notice])
+
+    def receive(self, data: bytes, source: tuple[str, int], now: float) -> None:
+        """Handle one datagram from ``source``."""
+        try:
+            sender, messages = self._dgram.open(data)
+        except wire.WireError as err:
+            self.stats["dropped"] += 1
+            self.stats["dropped." + err.reason] += 1
+            return
+        self.stats["datagrams_received"] += 1
+        self.stats["bytes_received"] += len(data)
+        for message in messages:
+            kind = message[0]
+            if kind == PING:
+                self._on_ping(message, source, sender)
+            elif kind == ACK:
+                self._on_ack(message[1])
+            elif kind == PING_REQ:
+                self._on_ping_req(message, source, sender, now)
+            elif kind == NACK:
+                if self._probe is not None and self._probe.seq == message[1]:
+                    self._probe.nacks += 1
+            elif kind == ALIVE:
+                self._on_alive(message[1], message[2], message[3], message[4], message[5], sender, now)
+            elif kind == SUSPECT:
+                self._on_suspect(message[1], message[2], message[3], now)
+            elif kind == DEAD:
+                self._on_dead(message[1], message[2], message[3], now)
+
+    def handle_stream(self, data: bytes, now: float) -> bytes:
+        """Answer one TCP request (push/pull or a members query); never raises."""
+        try:
+            sender, messages = self._stream.open(data, wire.STREAM_TYPES)
+            if len(messages) != 1:
+                raise wire.WireError("malformed", "a request holds exactly one message")
+        except wire.WireError as err:
+            self.stats["dropped"] += 1
+            self.stats["dropped." + err.reason] += 1
+            return self._stream.seal([wire.encode([wire.ERROR, err.reason])])
+        message = messages[0]
+        self.stats["streams_received"] += 1
+        if message[0] == wire.PUSH_PULL:
+            self._merge(message[2], sender, now)
+            return self._push_pull_message(join=False)
+        if message[0] == wire.MEMBERS_QUERY:
+            return self._stream.seal([wire.encode([wire.MEMBERS_REPLY, self._records()])])
+        return self._stream.seal([wire.encode([wire.ERROR, "unexpected_request"])])
+
+    def handle_stream_reply(self, data: bytes, now: float) -> bool:
+        """Merge the reply to a push/pull this member made; False when it was unusable."""
+        try:
+            sender, messages = self._stream.open(data, wire.STREAM_TYPES)
+        except wire.WireError as err:
+            self.stats["dropped"] += 1
+            self.stats["dropped." + err.reason] += 1
+            return False
+        if len(messages) != 1 or messages[0][0] != wire.PUSH_PULL:
+            self.stats["stream_replies_rejected"] += 1
+            return False
+        self._merge(messages[0][2], sender, now)
+        return True
+
+    def tick(self, now: float) -> None:
+        """Run every timer that is due at ``now``."""
+        if not self.started:
+            return
+        cfg = self.config
+        if self._relays:
+            self._expire_relays(now)
+        probe = self._probe
+        if probe and not probe.acked and not probe.indirect_sent and now >= probe.ack_deadline:
+            self._send_indirect_probes(probe)
+        if now >= self._timers.probe:
+            if probe is not None:
+                stalled = now - self._timers.probe > cfg.probe_interval
+                if stalled:  # this member was paused: its own silence explains a missing ack
+                    self._probe = None
+                    self._awareness.apply(1)
+                    self.stats["probes_abandoned_after_stall"] += 1
+                else:
+                    self._finish_probe(probe, now)
+            if not self.leaving:
+                self._start_probe(now)
+            self._timers.probe = now + self._awareness.scale(cfg.probe_interval)
+        if self._suspicions:
+            for member_id, suspicion in list(self._suspicions.items()):
+                if now >= suspicion.deadline:
+                    self._declare_dead(member_id, suspicion.incarnation, now)
+        if now >= self._timers.gossip:
+            self._timers.gossip = now + cfg.gossip_interval
+            if len(self._broadcasts):
+                self._gossip(now)
+        if now >= self._timers.push_pull:
+            self._timers.push_pull = now + self._push_pull_period()
+            self._start_push_pull(now)
+        if now >= self._timers.reconnect:
+            self._timers.reconnect = now + cfg.reconnect_interval
+            self._start_reconnect()
+        if now >= self._timers.reap:
+            self._timers.reap = now + 1.0
+            self._reap(now)
+
+    def next_deadline(self) -> float:
+        """The earliest time at which :meth:`tick` has work to do."""
+        t = self._timers
+        deadline = min(t.probe, t.push_pull)
+        if len(self._broadcasts):
+            deadline = min(deadline, t.gossip)
+        if len(self._members) > len(self._live) + 1:  # dead or left members exist
+            deadline = min(deadline, t.reap, t.reconnect)
+        probe = self._probe
+        if probe and not probe.acked and not probe.indirect_sent:
+            deadline = min(deadline, probe.ack_deadline)
+        for suspicion in self._suspicions.values():
+            deadline = min(deadline, suspicion.deadline)
+        for relay in self._relays.values():
+            deadline = min(deadline, relay.deadline)
+        return deadline
+
+    def take_datagrams(self) -> list[Datagram]:
+        out, self._out = self._out, []
+        return out
+
+    def take_stream_requests(self) -> list[StreamRequest]:
+        out, self._streams = self._streams, []
+        return out
+
+    def take_events(self) -> list[MemberEvent]:
+        out, self._events = self._events, []
+        return out
+
+    # ---------------------------------------------------------------- probing
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        return self._seq
+
+    def _next_probe_target(self) -> str | None:
+        for _ in range(2 * len(self._live) + 2):
+            if self._probe_pos >= len(self._probe_order):
+                self._probe_order = list(self._live)
+                self._rng.shuffle(self._probe_order)
+                self._probe_pos = 0
+                if not self._probe_order:
+                    return None
+            member_id = self._probe_order[self._probe_pos]
+            self._probe_pos += 1
+            if member_id in self._live_index:
+                return member_id
+        return None
+
+    def _start_probe(self, now: float) -> None:
+        target = self._next_probe_target()
+        if target is None:
+            return
+        m = self._members[target]
+        seq = self._next_seq()
+        buddy = None
+        if m.state == SUSPECT_STATE:  # Lifeguard buddy system: tell the suspect first
+            buddy = wire.encode([SUSPECT, target, m.incarnation, self.id])
+        self._send((m.host, m.port), target, [wire.encode([PING, seq, target])], buddy)
+        self._probe = _Probe(target, seq, now + self._awareness.scale(self.config.probe_timeout))
+
+    def _send_indirect_probes(self, probe: _Probe) -> None:
+        probe.indirect_sent = True
+        target = self._members.get(probe.target)
+        if target is None or target.state not in (ALIVE_STATE, SUSPECT_STATE):
+            return
+        helpers = self._random_live(self.config.indirect_checks, exclude=probe.target)
+        request = wire.encode([PING_REQ, probe.seq, target.id, target.host, target.port])
+        for helper_id in helpers:
+            helper = self._members[helper_id]
+            self._send((helper.host, helper.port), helper_id, [request])
+        probe.expected_nacks = len(helpers)
+
+    def _finish_probe(self, probe: _Probe, now: float) -> None:
+        self._probe = None
+        if probe.acked:
+            return
+        if probe.expected_nacks:
+            self._awareness.apply(probe.expected_nacks - probe.nacks)
+        else:
+            self._awareness.apply(1)
+        m = self._members.get(probe.target)
+        if m is not None and m.state in (ALIVE_STATE, SUSPECT_STATE):
+            self.stats["probes_failed"] += 1
+            self._on_suspect(m.id, m.incarnation, self.id, now)
+
+    def _on_ping(self, message: list, source: tuple[str, int], sender: str) -> None:
+        if message[2] != self.id:
+            self.stats["dropped.wrong_target"] += 1
+            return
+        notice = None
+        m = self._members.get(sender)
+        if m is not None and m.state == DEAD_STATE:  # it must learn it was declared dead
+            notice = wire.encode([DEAD, sender, m.incarnation, self.id])
+        self._send(source, sender, [wire.encode([ACK, message[1]])], notice)
+
+    def _on_ack(self, seq: int) -> None:
+        probe = self._probe
+        if probe is not None and probe.seq == seq:
+            if not probe.acked:
+                probe.acked = True
+                self._awareness.apply(-1)
+            return
+        relay = self._relays.pop(seq, None)
+        if relay is not None:
+            self._send(relay.origin, relay.origin_id, [wire.encode([ACK, relay.origin_seq])])
+
+    def _on_ping_req(self, message: list, source: tuple[str, int], sender: str, now: float) -> None:
+        _, origin_seq, target_id, host, port = message
+        seq = self._next_seq()
+        deadline = now + self.config.probe_timeout * self.config.nack_timeout_fraction
+        self._relays[seq] = _Relay(source, sender, origin_seq, deadline)
+        self._send((host, port), target_id, [wire.encode([PING, seq, target_id])])
+
+    def _expire_relays(self, now: float) -> None:
+        for seq in [s for s, r in self._relays.items() if now >= r.deadline]:
+            relay = self._relays.pop(seq)
+            self._send(relay.origin, relay.origin_id, [wire.encode([NACK, relay.origin_seq])])
+
+    # ---------------------------------------------------------------- state changes
+    def _on_alive(self, member_id: str, incarnation: int, host: str, port: int, meta: bytes,
+                  source: str, now: float) -> None:
+        if member_id == self.id:
+            if incarnation > self._self.incarnation and not self.leaving:
+                self._refute(incarnation)
+            return
+        if len(meta) > self.config.max_metadata_bytes:
+            self.stats["dropped.oversized_metadata"] += 1
+            return
+        m = self._members.get(member_id)
+        if m is None:
+            m = _Member(member_id, host, port, incarnation, ALIVE_STATE, meta, now)
+            self._members[member_id] = m
+            self._add_live(member_id)
+            self._emit("joined", m, now, source)
+        else:
+            if incarnation <= m.incarnation:
+                return
+            previous_state, previous_meta = m.state, m.meta
+            m.incarnation, m.host, m.port, m.meta = incarnation, host, port, meta
+            if previous_state != ALIVE_STATE:
+                self._suspicions.pop(member_id, None)
+                m.state, m.since = ALIVE_STATE, now
+                self._recent_dead.pop(member_id, None)
+                self._add_live(member_id)
+                self._emit("alive", m, now, source)
+            if meta != previous_meta:
+                self._emit("metadata", m, now, source)
+        self._broadcasts.queue(member_id, wire.encode([ALIVE, member_id, incarnation, host, port, meta]))
+
+    def _on_suspect(self, member_id: str, incarnation: int, suspecter: str, now: float) -> None:
+        if member_id == self.id:
+            if not self.leaving and incarnation >= self._self.incarnation:
+                self._refute(incarnation)
+            return
+        m = self._members.get(member_id)
+        if m is None or incarnation < m.incarnation or m.state in (DEAD_STATE, LEFT_STATE):
+            return
+        if m.state == SUSPECT_STATE and incarnation == m.incarnation:
+            suspicion = self._suspicions.get(member_id)
+            if suspicion is not None and suspicion.confirm(suspecter):
+                self._broadcasts.queue(member_id, wire.encode([SUSPECT, member_id, incarnation, suspecter]))
+            return
+        n = self.num_members()
+        cfg = self.config
+        self._suspicions[member_id] = Suspicion(
+            incarnation, suspecter, now, suspicion_confirmations(cfg.suspicion_mult, n),
+            cfg.min_suspicion_timeout(n), cfg.max_suspicion_timeout(n))
+        m.state, m.incarnation, m.since = SUSPECT_STATE, incarnation, now
+        self._emit("suspect", m, now, suspecter)
+        self._broadcasts.queue(member_id, wire.encode([SUSPECT, member_id, incarnation, suspecter]))
+
+    def _on_dead(self, member_id: str, incarnation: int, reporter: str, now: float) -> None:
+        if member_id == self.id:
+            if not self.leaving and incarnation >= self._self.incarnation:
+                self._refute(incarnation)
+            return
+        m = self._members.get(member_id)
+        if m is None or incarnation < m.incarnation or m.state == LEFT_STATE:
+            return
+        left = reporter == member_id
+        if m.state == DEAD_STATE and not left:
+            return
+        self._suspicions.pop(member_id, None)
+        self._remove_live(member_id)
+        m.state, m.incarnation, m.since = (LEFT_STATE if left else DEAD_STATE), incarnation, now
+        self._recent_dead[member_id] = now
+        self._emit("left" if left else "dead", m, now, reporter)
+        self._broadcasts.queue(member_id, wire.encode([DEAD, member_id, incarnation, reporter]))
+
+    def _declare_dead(self, member_id: str, incarnation: int, now: float) -> None:
+        self.stats["declared_dead"] += 1
+        self._on_dead(member_id, incarnation, self.id, now)
+
+    def _refute(self, incarnation: int) -> None:
+        self.stats["refutations"] += 1
+        self._self.incarnation = max(self._self.incarnation, incarnation) + 1
+        self._awareness.apply(1)
+        self._queue_alive_self()
+
+    def _queue_alive_self(self) -> None:
+        s = self._self
+        self._broadcasts.queue(s.id, wire.encode([ALIVE, s.id, s.incarnation, s.host, s.port, s.meta]))
+
+    def _emit(self, kind: str, m: _Member, now: float, source: str) -> None:
+        self._events.append(MemberEvent(kind, m.info(), now, source))
+
+    def _add_live(self, member_id: str) -> None:
+        if member_id in self._live_index:
+            return
+        self._live_index[member_id] = len(self._live)
+        self._live.append(member_id)
+        # Probe a newcomer within the current round, at a random place in it.
+        position = self._rng.randint(self._probe_pos, len(self._probe_order))
+        self._probe_order.insert(position, member_id)
+
+    def _remove_live(self, member_id: str) -> None:
+        index = self._live_index.pop(member_id, None)
+        if index is None:
+            return
+        last = self._live.pop()
+        if last != member_id:
+            self._live[index] = last
+            self._live_index[last] = index
+
+    def _random_live(self, count: int, exclude: str | None = None) -> list[str]:
+        pool = self._live
+        if len(pool) <= count + 1:
+            return [m for m in pool if m != exclude][:count]
+        picked = self._rng.sample(pool, count + 1)
+        return [m for m in picked if m != exclude][:count]
+
+    def _reap(self, now: float) -> None:
+        cfg = self.config
+        for member_id, since in list(self._recent_dead.items()):
+            if now - since > cfg.gossip_to_the_dead_time:
+                del self._recent_dead[member_id]
+        if len(self._members) == len(self._live) + 1:
+            return
+        for m in [m for m in self._members.values() if m.state in (DEAD_STATE, LEFT_STATE)]:
+            retention = cfg.left_member_retention if m.state == LEFT_STATE else cfg.dead_member_retention
+            if now - m.since > retention:
+                del self._members[m.id]
+
+    # ---------------------------------------------------------------- dissemination
+    def _send(self, address: tuple[str, int], target: str | None, messages: list[bytes],
+              first: bytes | None = None) -> None:
+        budget = self.config.max_datagram_bytes - self._dgram.overhead - sum(len(m) + 1 for m in messages)
+        extra = self._broadcasts.take(budget, self.config.retransmit_limit(self.num_members()), first)
+        data = self._dgram.seal(messages + extra)
+        self._out.append(Datagram(address, data, target))
+        self.stats["datagrams_sent"] += 1
+        self.stats["bytes_sent"] += len(data)
+
+    def _gossip(self, now: float) -> None:
+        targets = self._random_live(self.config.gossip_nodes)
+        if self._recent_dead:
+            targets.extend(self._rng.sample(sorted(self._recent_dead), 1))
+        budget = self.config.max_datagram_bytes - self._dgram.overhead
+        limit = self.config.retransmit_limit(self.num_members())
+        for target in targets:
+            messages = self._broadcasts.take(budget, limit)
+            if not messages:
+                return
+            m = self._members.get(target)
+            if m is None:
+                continue
+            data = self._dgram.seal(messages)
+            self._out.append(Datagram((m.host, m.port), data, target))
+            self.stats["datagrams_sent"] += 1
+            self.stats["bytes_sent"] += len(data)
+
+    # ---------------------------------------------------------------- anti-entropy
+    def _records(self) -> list[list]:
+        return [m.record() for m in self._members.values()]
+
+    def _push_pull_message(self, join: bool) -> bytes:
+        return self._stream.seal([wire.encode([wire.PUSH_PULL, join, self._records()])])
+
+    def _push_pull_period(self) -> float:
+        return push_pull_interval(self.config.push_pull_interval, self.num_members())
+
+    def _start_push_pull(self, now: float) -> None:
+        picked = self._random_live(1)
+        if picked:
+            m = self._members[picked[0]]
+            self._streams.append(StreamRequest((m.host, m.port), m.id, self._push_pull_message(False), "push_pull"))
+
+    def _start_reconnect(self) -> None:
+        dead = [m for m in self._members.values() if m.state == DEAD_STATE]
+        if dead:
+            m = self._rng.choice(dead)
+            self._streams.append(StreamRequest((m.host, m.port), m.id, self._push_pull_message(False), "reconnect"))
+
+    def _merge(self, records: list[list], sender: str, now: float) -> None:
+        for member_id, host, port, incarnation, state, meta in records:
+            if state == ALIVE_STATE:
+                self._on_alive(member_id, incarnation, host, port, meta, sender, now)
+            elif state == LEFT_STATE:
+                self._on_dead(member_id, incarnation, member_id, now)
+            else:  # a remote "dead" is only a suspicion here: let the member refute
+                self._on_suspect(member_id, incarnation, sender, now)
+
+    def _check_metadata(self, metadata: bytes) -> None:
+        if len(metadata) > self.config.max_metadata_bytes:
+            raise ValueError(
+                f"member metadata is {len(metadata)} bytes; the limit is "
+                f"max_metadata_bytes={self.config.max_metadata_bytes}: keep it to small status fields")
