@@ -1,0 +1,77 @@
+"""The ``ftcomm`` command: ``members`` (live member table) and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import __version__
+from .errors import FtcommError
+
+
+def _members(args: argparse.Namespace) -> int:
+    from .gossip.runtime import query_members
+
+    members = query_members(args.peer, cluster=args.cluster, secret=args.secret, timeout=args.timeout)
+    if args.json:
+        print(json.dumps([m.__dict__ for m in members]))
+        return 0
+    rows = [("ID", "ADDRESS", "STATE", "INC", "STEP", "METADATA")]
+    for m in sorted(members, key=lambda m: m.id):
+        meta = dict(m.metadata)
+        step = meta.pop("step", "-")
+        rest = " ".join(f"{k}={v}" for k, v in sorted(meta.items(), key=lambda kv: str(kv[0]))) or "-"
+        rows.append((m.id, m.address, m.state, str(m.incarnation), str(step), rest))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[5])
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import gossip_demo
+
+    return gossip_demo(members=args.members)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ftcomm", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"ftcomm {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    members = commands.add_parser("members", help="print the member table of a running group")
+    members.add_argument("--peer", required=True, metavar="HOST:PORT", help="gossip address of any member")
+    members.add_argument("--secret", default=os.environ.get("FTCOMM_SECRET"),
+                         help="shared secret of the group (default: $FTCOMM_SECRET)")
+    members.add_argument("--cluster", default=os.environ.get("FTCOMM_CLUSTER", "ftcomm"),
+                         help="cluster name (default: $FTCOMM_CLUSTER or ftcomm)")
+    members.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer")
+    members.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    members.set_defaults(run=_members)
+
+    demo = commands.add_parser("demo", help="run a local demonstration")
+    demo.add_argument("which", nargs="?", choices=["gossip"], default="gossip",
+                      help="gossip: start local members, kill one, show who noticed when")
+    demo.add_argument("--members", type=int, default=8, help="number of local members")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except FtcommError as exc:
+        print(f"ftcomm: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"ftcomm: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,483 @@
+"""The gossip runtime: a background thread driving the protocol over UDP and pyzmq TCP.
+
+One :class:`GossipNode` per process. Its thread runs an asyncio loop (uvloop when
+importable) that owns the :class:`~ftcomm.gossip.protocol.Protocol`; other threads only
+read an immutable snapshot of the members and post commands to the loop, so the
+training thread never blocks on the gossip thread. UDP carries probes and gossip; a
+ROUTER socket on the same port number over TCP serves push/pull and requests such as
+``ftcomm members``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets as _secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from ..errors import GossipError, JoinError
+from .config import GossipConfig
+from .faults import FaultFilter, _address_key
+from .protocol import MemberEvent, MemberInfo, Protocol
+
+log = logging.getLogger(__name__)
+
+try:  # pragma: no cover - depends on the platform
+    import uvloop as _uvloop
+except ImportError:  # pragma: no cover
+    _uvloop = None
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member as seen by this node; ``metadata`` is the decoded record."""
+
+    id: str
+    host: str
+    port: int
+    state: str
+    incarnation: int
+    metadata: dict
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class GossipEvent:
+    """A membership change, delivered to subscribers with the wall-clock time it was seen."""
+
+    kind: str  # joined | suspect | alive | dead | left | metadata
+    member: Member
+    time: float  # time.time() on this host
+    source: str  # id of the member whose message caused it
+
+
+def decode_metadata(raw: bytes) -> dict:
+    if not raw:
+        return {}
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:
+        return {"_undecodable": raw.hex()}
+    return value if isinstance(value, dict) else {"_value": value}
+
+
+def encode_metadata(value: dict) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _member(info: MemberInfo) -> Member:
+    return Member(info.id, info.host, info.port, info.state, info.incarnation, decode_metadata(info.metadata))
+
+
+def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
+    """``"host:port"`` or ``(host, port)`` to ``(host, port)``, with a clear error."""
+    try:
+        return _address_key(address)
+    except (ValueError, IndexError):
+        raise ValueError(f"bad address {address!r}: expected HOST:PORT") from None
+
+
+class GossipNode:
+    """A member of the gossip cluster, running in a background thread.
+
+    Failure semantics: :meth:`start` raises :class:`JoinError` when seeds were given
+    and none answered within ``config.join_timeout``; no other method blocks on the
+    network. Callbacks run on the gossip thread and must return quickly; an exception
+    in one is logged and does not stop the node.
+    """
+
+    def __init__(self, bind: str | tuple[str, int] = ("127.0.0.1", 0), *, cluster: str = "ftcomm",
+                 secret: str | bytes | None = None, config: GossipConfig | None = None,
+                 metadata: dict | None = None, fault_filter: FaultFilter | None = None) -> None:
+        self.config = config or GossipConfig()
+        self.cluster = cluster
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        self._bind = parse_address(bind)
+        self._initial_metadata = encode_metadata(metadata or {})
+        if len(self._initial_metadata) > self.config.max_metadata_bytes:
+            raise ValueError(f"metadata is {len(self._initial_metadata)} bytes; the limit is "
+                             f"max_metadata_bytes={self.config.max_metadata_bytes}")
+        self.faults = fault_filter
+        self.id: str = ""
+        self.host, self.port = self._bind
+        self._protocol: Protocol | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._udp: socket.socket | None = None
+        self._zmq: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+        self._tasks: set[asyncio.Task] = set()
+        self._snapshot: tuple[Member, ...] = ()
+        self._subscribers: list[Callable[[GossipEvent], None]] = []
+        self._stopped = threading.Event()
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, seeds: Iterable[str | tuple[str, int]] = ()) -> "GossipNode":
+        """Bind, start the thread, and join through ``seeds`` (none: start a new cluster)."""
+        if self._thread is not None:
+            raise GossipError("this GossipNode was already started")
+        seed_addresses = [parse_address(s) for s in seeds]
+        self._bind_sockets()
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(ready, failure), name=f"ftcomm-gossip-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
+        seed_addresses = [s for s in seed_addresses if s != (self.host, self.port)]
+        if seed_addresses:
+            future = asyncio.run_coroutine_threadsafe(self._join(seed_addresses), self._loop)
+            try:
+                joined = future.result(self.config.join_timeout + self.config.request_timeout + 5)
+            except BaseException:
+                self.stop()
+                raise
+            if not joined:
+                self.stop()
+                raise JoinError(
+                    f"no seed answered within {self.config.join_timeout:.1f} s "
+                    f"(tried {', '.join(f'{h}:{p}' for h, p in seed_addresses)}): check the addresses, "
+                    f"that a member runs there, and that cluster name and secret match")
+        return self
+
+    def leave(self) -> None:
+        """Announce a graceful departure (members see *left*, not *dead*), then stop."""
+        if self._loop is None or self._stopped.is_set():
+            return
+        self._call(lambda p: p.leave(time.monotonic()))
+        time.sleep(self.config.leave_propagate_time)  # the loop keeps forwarding the notice meanwhile
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop the thread and close every socket. Idempotent; does not announce anything."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or self._stopped.is_set():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(5)
+        except (RuntimeError, TimeoutError, asyncio.CancelledError, Exception) as exc:  # loop already gone
+            log.debug("gossip shutdown: %r", exc)
+        thread.join(5)
+        self._stopped.set()
+
+    def __enter__(self) -> "GossipNode":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ public reads and writes
+    def members(self) -> list[Member]:
+        """A snapshot of every known member, this one included (thread-safe, non-blocking)."""
+        return list(self._snapshot)
+
+    def live_members(self) -> list[Member]:
+        return [m for m in self._snapshot if m.state in ("alive", "suspect")]
+
+    def member(self, member_id: str) -> Member | None:
+        for m in self._snapshot:
+            if m.id == member_id:
+                return m
+        return None
+
+    def subscribe(self, callback: Callable[[GossipEvent], None]) -> Callable[[], None]:
+        """Call ``callback(event)`` on the gossip thread for every membership change.
+
+        Returns a function that unsubscribes.
+        """
+        self._subscribers = self._subscribers + [callback]
+
+        def unsubscribe() -> None:
+            self._subscribers = [c for c in self._subscribers if c is not callback]
+        return unsubscribe
+
+    def set_metadata(self, metadata: dict) -> None:
+        """Replace this member's metadata record; raises ValueError when it is too large."""
+        encoded = encode_metadata(metadata)
+        if len(encoded) > self.config.max_metadata_bytes:
+            raise ValueError(f"metadata is {len(encoded)} bytes; the limit is "
+                             f"max_metadata_bytes={self.config.max_metadata_bytes}: keep it to small status fields")
+        self._call(lambda p: p.set_metadata(encoded, time.monotonic()))
+
+    def stats(self) -> dict[str, int]:
+        """Protocol counters (datagrams, bytes, drops by reason, ...)."""
+        return self._query(lambda p: dict(p.stats))
+
+    def incarnation(self) -> int:
+        return self._query(lambda p: p.incarnation)
+
+    # ------------------------------------------------------------------ thread plumbing
+    def _call(self, fn: Callable[[Protocol], None]) -> None:
+        if self._loop is None or self._stopped.is_set():
+            raise GossipError("the gossip node is not running")
+
+        def run() -> None:
+            fn(self._protocol)
+            self._flush()
+        self._loop.call_soon_threadsafe(run)
+
+    def _query(self, fn):
+        if self._loop is None or self._stopped.is_set():
+            raise GossipError("the gossip node is not running")
+
+        async def run():
+            return fn(self._protocol)
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(5)
+
+    def _bind_sockets(self) -> None:
+        host, port = self._bind
+        ctx = zmq.asyncio.Context()
+        for _ in range(50):
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                udp.bind((host, port))
+            except OSError as exc:
+                udp.close()
+                ctx.term()
+                raise GossipError(f"cannot bind UDP {host}:{port}: {exc.strerror}") from None
+            bound_port = udp.getsockname()[1]
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.MAXMSGSIZE, self.config.max_stream_bytes)
+            try:
+                router.bind(f"tcp://{host}:{bound_port}")
+            except zmq.ZMQError as exc:
+                router.close()
+                udp.close()
+                if port:  # an explicit port was asked for
+                    ctx.term()
+                    raise GossipError(f"cannot bind TCP {host}:{port}: {exc}") from None
+                continue  # the TCP twin of an automatic UDP port is taken; pick another
+            udp.setblocking(False)
+            self._udp, self._router, self._zmq = udp, router, ctx
+            self.host, self.port = host, bound_port
+            self.id = f"{host}:{bound_port}/{_secrets.token_hex(4)}"
+            return
+        ctx.term()
+        raise GossipError(f"no free port pair (UDP and TCP) found on {host}")
+
+    def _run(self, ready: threading.Event, failure: list) -> None:
+        loop = _uvloop.new_event_loop() if _uvloop else asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            now = time.monotonic()
+            self._protocol = Protocol(self.id, self.host, self.port, cluster=self.cluster, secret=self._secret,
+                                      config=self.config, metadata=self._initial_metadata)
+            self._protocol.start(now)
+            loop.add_reader(self._udp.fileno(), self._on_readable)
+            self._spawn(self._serve_streams())
+            self._flush()
+        except BaseException as exc:  # pragma: no cover - reported to start()
+            failure.append(exc)
+            ready.set()
+            loop.close()
+            return
+        ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _shutdown(self) -> None:
+        self._stopping = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._loop.remove_reader(self._udp.fileno())
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._router.close(linger=0)
+        self._udp.close()
+        self._zmq.term()
+        self._loop.stop()
+
+    def _spawn(self, coroutine) -> None:
+        task = self._loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ driving the protocol
+    def _on_readable(self) -> None:
+        if self._drain_udp():
+            self._flush()
+
+    def _drain_udp(self) -> bool:
+        """Feed every queued datagram to the protocol; True if any arrived."""
+        protocol, faults, local = self._protocol, self.faults, (self.host, self.port)
+        received = False
+        while True:
+            try:
+                data, source = self._udp.recvfrom(65536)
+            except (BlockingIOError, InterruptedError):
+                return received
+            except OSError:
+                return received
+            if faults is not None and not faults.allows(local, source):
+                continue
+            protocol.receive(data, source, time.monotonic())
+            received = True
+
+    def _on_timer(self) -> None:
+        self._timer, self._timer_at = None, float("inf")
+        self._drain_udp()  # after a pause, read what arrived before judging anyone by the clock
+        self._protocol.tick(time.monotonic())
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what the protocol produced, publish events, and re-arm the timer."""
+        if self._stopping:
+            return
+        protocol, faults, local = self._protocol, self.faults, (self.host, self.port)
+        for datagram in protocol.take_datagrams():
+            if faults is not None:
+                if not faults.allows(local, datagram.address):
+                    continue
+                if faults.delay > 0:
+                    self._loop.call_later(faults.delay, self._sendto, datagram.data, datagram.address)
+                    continue
+            self._sendto(datagram.data, datagram.address)
+        for request in protocol.take_stream_requests():
+            if faults is None or faults.allows(local, request.address):
+                self._spawn(self._push_pull(request.address, request.data))
+        events = protocol.take_events()
+        if events:
+            self._snapshot = tuple(_member(info) for info in protocol.members())
+            self._publish(events)
+        elif len(self._snapshot) == 0:
+            self._snapshot = tuple(_member(info) for info in protocol.members())
+        deadline = protocol.next_deadline()
+        if deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = deadline
+            self._timer = self._loop.call_later(max(0.0, deadline - time.monotonic()), self._on_timer)
+
+    def _sendto(self, data: bytes, address: tuple[str, int]) -> None:
+        try:
+            self._udp.sendto(data, address)
+        except OSError as exc:  # unreachable host, full buffer: the protocol tolerates loss
+            self._protocol.stats["send_errors"] += 1
+            log.debug("gossip sendto %s failed: %s", address, exc)
+
+    def _publish(self, events: list[MemberEvent]) -> None:
+        wall = time.time()
+        for event in events:
+            published = GossipEvent(event.kind, _member(event.member), wall, event.source)
+            for callback in self._subscribers:
+                try:
+                    callback(published)
+                except Exception:
+                    log.exception("gossip event subscriber failed on %s", event.kind)
+
+    # ------------------------------------------------------------------ TCP: push/pull and requests
+    async def _serve_streams(self) -> None:
+        router = self._router
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) < 2:
+                continue
+            reply = self._protocol.handle_stream(frames[-1], time.monotonic())
+            self._flush()
+            try:
+                await router.send_multipart(frames[:-1] + [reply])
+            except zmq.ZMQError as exc:  # the requester went away
+                log.debug("gossip stream reply failed: %s", exc)
+
+    async def _request(self, address: tuple[str, int], data: bytes) -> bytes | None:
+        sock = self._zmq.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_stream_bytes)
+        try:
+            sock.connect(f"tcp://{address[0]}:{address[1]}")
+            await sock.send(data)
+            if await sock.poll(int(self.config.request_timeout * 1000)):
+                return await sock.recv()
+            return None
+        finally:
+            sock.close(linger=0)
+
+    async def _push_pull(self, address: tuple[str, int], data: bytes) -> bool:
+        reply = await self._request(address, data)
+        if reply is None:
+            self._protocol.stats["push_pull_failed"] += 1
+            return False
+        merged = self._protocol.handle_stream_reply(reply, time.monotonic())
+        self._protocol.stats["push_pull_done"] += 1
+        self._flush()
+        return merged
+
+    async def _join(self, seeds: list[tuple[str, int]]) -> bool:
+        deadline = time.monotonic() + self.config.join_timeout
+        while True:
+            results = await asyncio.gather(
+                *(self._push_pull(seed, self._protocol.join_request()) for seed in seeds))
+            if any(results):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(self.config.join_retry_interval)
+
+
+def query_members(peer: str | tuple[str, int], *, cluster: str = "ftcomm", secret: str | bytes | None = None,
+                  timeout: float = 2.0) -> list[Member]:
+    """Ask the member at ``peer`` for its member table over TCP (no node needed).
+
+    Raises :class:`GossipError` with a one-line reason when there is no answer within
+    ``timeout`` or the answer cannot be authenticated.
+    """
+    from . import wire
+
+    address = parse_address(peer)
+    key = secret.encode() if isinstance(secret, str) else secret
+    sealer = wire.Sealer(cluster, f"ftcomm-cli/{_secrets.token_hex(4)}", key, GossipConfig().max_stream_bytes)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{address[0]}:{address[1]}")
+        sock.send(sealer.seal([wire.encode([wire.MEMBERS_QUERY])]))
+        if not sock.poll(int(timeout * 1000)):
+            raise GossipError(f"no answer from {address[0]}:{address[1]} within {timeout:g} s "
+                              f"(is an ftcomm member running there?)")
+        reply = sock.recv()
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    try:
+        _, messages = sealer.open(reply, wire.STREAM_TYPES)
+    except wire.WireError as err:
+        if err.reason in ("bad_hmac", "unauthenticated", "unexpected_auth"):
+            raise GossipError(f"authentication failed with {address[0]}:{address[1]}: "
+                              f"the member and this command use different secrets (--secret)") from None
+        if err.reason == "wrong_cluster":
+            raise GossipError(f"the member at {address[0]}:{address[1]} belongs to another cluster "
+                              f"(--cluster)") from None
+        raise GossipError(f"unreadable answer from {address[0]}:{address[1]}: {err}") from None
+    message = messages[0] if messages else [wire.ERROR, "empty reply"]
+    if message[0] == wire.ERROR:
+        raise GossipError(f"the member at {address[0]}:{address[1]} refused the request: {message[1]}")
+    if message[0] != wire.MEMBERS_REPLY:
+        raise GossipError(f"unexpected answer type {message[0]} from {address[0]}:{address[1]}")
+    return [Member(r[0], r[1], r[2], wire.STATE_NAMES[r[4]], r[3], decode_metadata(r[5])) for r in message[1]]
