@@ -1,0 +1,121 @@
+"""Real member processes on loopback with the default configuration: crash, pause, partition, leave.
+
+Every wait polls with a deadline; every test has a time limit.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from ftcomm.gossip.config import GossipConfig
+from ftcomm.gossip.local import AgentProcess, LocalCluster
+
+N = 8
+CFG = GossipConfig()
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def cluster():
+    with LocalCluster(N) as c:
+        c.wait_converged(timeout=20)
+        yield c
+
+
+def dead_events(agent: AgentProcess, member_id: str, since: int = 0) -> list[dict]:
+    return [e for e in agent.snapshot()[since:]
+            if e["ev"] == "member" and e["member"] == member_id and e["kind"] == "dead"]
+
+
+def test_eight_members_join_through_one_seed(cluster):
+    seed = cluster.agents[0]
+    assert all(a.address != seed.address for a in cluster.agents[1:])
+    for agent in cluster.agents:
+        ids = {m["id"] for m in agent.request(cmd="members")["members"] if m["state"] == "alive"}
+        assert ids == {a.id for a in cluster.agents}
+
+
+def test_kill_9_is_marked_dead_by_every_member_within_the_bound(cluster):
+    victim = cluster.agents[5]
+    killed_at = time.time()
+    victim.signal(signal.SIGKILL)
+    bound = CFG.detection_bound(N)
+    for agent in cluster.agents:
+        if agent is victim:
+            continue
+        event = agent.wait_for(lambda e: e.get("member") == victim.id and e.get("kind") == "dead",
+                               bound + 2, "death of the killed member")
+        assert event["t"] - killed_at <= bound
+
+
+def test_pause_past_the_timeout_is_declared_dead_and_rejoins_with_a_new_incarnation(cluster):
+    victim = cluster.agents[3]
+    others = [a for a in cluster.agents if a is not victim]
+    marks = [len(a.snapshot()) for a in others]
+    victim.signal(signal.SIGSTOP)
+    try:
+        for agent, mark in zip(others, marks):
+            agent.wait_for(lambda e: e.get("member") == victim.id and e.get("kind") == "dead",
+                           CFG.detection_bound(N) + 2, "death of the paused member", mark)
+        dead_incarnation = max(dead_events(a, victim.id)[-1]["incarnation"] for a in others)
+    finally:
+        victim.signal(signal.SIGCONT)
+    resumed_mark = [len(a.snapshot()) for a in others]
+    for agent, mark in zip(others, resumed_mark):
+        back = agent.wait_for(lambda e: e.get("member") == victim.id and e.get("kind") == "alive",
+                              10, "the resumed member to rejoin", mark)
+        assert back["incarnation"] > dead_incarnation
+    stats = victim.request(cmd="stats")["stats"]
+    assert stats.get("refutations", 0) >= 1
+
+
+def test_pause_shorter_than_the_suspicion_timeout_is_never_declared_dead(cluster):
+    victim = cluster.agents[2]
+    others = [a for a in cluster.agents if a is not victim]
+    marks = [len(a.snapshot()) for a in others]
+    pause = 0.6 * CFG.min_suspicion_timeout(N)
+    victim.signal(signal.SIGSTOP)
+    time.sleep(pause)  # the fault itself lasts this long
+    victim.signal(signal.SIGCONT)
+    # Watch for longer than any suspicion could last.
+    deadline = time.monotonic() + CFG.max_suspicion_timeout(N) + 2
+    while time.monotonic() < deadline:
+        for agent, mark in zip(others, marks):
+            assert not dead_events(agent, victim.id, mark), f"{agent.id} declared the paused member dead"
+        time.sleep(0.1)
+    for agent in others:
+        states = {m["id"]: m["state"] for m in agent.request(cmd="members")["members"]}
+        assert states[victim.id] == "alive"
+
+
+def test_partition_four_four_and_heal(cluster):
+    left, right = cluster.agents[:4], cluster.agents[4:]
+    side_a, side_b = [a.address for a in left], [a.address for a in right]
+    for agent in cluster.agents:
+        agent.request(cmd="partition", a=side_a, b=side_b)
+    bound = CFG.detection_bound(N) + 3
+    for side, other in ((left, right), (right, left)):
+        for agent in side:
+            for peer in other:
+                agent.wait_for(lambda e: e.get("member") == peer.id and e.get("kind") == "dead",
+                               bound, f"{peer.id} to be dead on the other side")
+    for agent in cluster.agents:
+        agent.request(cmd="heal")
+    cluster.wait_converged(timeout=CFG.reconnect_interval * 4 + 10)
+
+
+def test_leave_is_seen_as_left_by_all_within_one_second(cluster):
+    leaver = cluster.agents[6]
+    marks = [len(a.snapshot()) for a in cluster.agents]
+    leaver.send(cmd="leave")
+    leaving = leaver.wait_for(lambda e: e["ev"] == "leaving", 5, "the leave to start")
+    for agent, mark in zip(cluster.agents, marks):
+        if agent is leaver:
+            continue
+        event = agent.wait_for(lambda e: e.get("member") == leaver.id and e.get("kind") in ("left", "dead"),
+                               2, "the leave notice", mark)
+        assert event["kind"] == "left"
+        assert event["t"] - leaving["t"] < 1.0

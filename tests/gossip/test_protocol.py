@@ -1,0 +1,201 @@
+"""Behaviour of the sans-I/O protocol core, one behaviour per test, on a virtual clock."""
+
+from __future__ import annotations
+
+from ftcomm.gossip import wire
+from ftcomm.gossip.config import GossipConfig
+from ftcomm.gossip.wire import ACK, ALIVE, DEAD, NACK, PING, PING_REQ, SUSPECT
+
+from .helpers import MiniNet, address, decode, lone_node, member_id, packet
+
+CFG = GossipConfig()
+
+
+def test_probe_is_acked_and_nobody_is_suspected():
+    net = MiniNet(2)
+    net.run(5.0)
+    pings = [t for t in net.trace if t[1] == 0 and PING in t[3]]
+    acks = [t for t in net.trace if t[1] == 1 and t[2] == 0 and ACK in t[3]]
+    assert len(pings) >= 8 and len(acks) == len(pings)
+    assert all(ping[0] == ack[0] for ping, ack in zip(pings, acks))  # answered in the same instant
+    assert net.nodes[0].awareness == 0
+    assert net.kinds(0, 1) == [] and net.kinds(1, 0) == []
+
+
+def test_indirect_probe_rescues_a_member_whose_direct_path_drops():
+    net = MiniNet(5)
+    net.blocked |= {(0, 1), (1, 0)}
+    net.run(10.0)
+    assert any(t[1] == 0 and PING_REQ in t[3] for t in net.trace), "member 0 never asked for help"
+    relayed_acks = [t for t in net.trace if t[2] == 0 and ACK in t[3] and t[1] != 1]
+    assert relayed_acks, "no ack was relayed back to member 0"
+    assert "suspect" not in net.kinds(0, 1)
+    assert all("dead" not in net.kinds(i, 1) for i in range(5))
+
+
+def test_suspect_only_after_direct_and_indirect_probes_fail():
+    net = MiniNet(4)
+    net.down.add(3)
+    net.run(3.0)
+    suspicion = next(e for i in range(3) for e in net.events[i]
+                     if e.member.id == member_id(3) and e.kind == "suspect" and e.source == member_id(i))
+    suspecter = int(suspicion.source.split(".")[3].split(":")[0])
+    ping_reqs = [t for t in net.trace if t[1] == suspecter and PING_REQ in t[3] and t[0] < suspicion.time]
+    assert ping_reqs, "suspected without indirect probes"
+    # the probe that failed started at least one probe interval before the suspicion
+    assert suspicion.time - ping_reqs[-1][0] >= CFG.probe_interval - CFG.probe_timeout - 0.01
+
+
+def test_dead_after_the_suspicion_timeout():
+    net = MiniNet(3)  # too few members to confirm, so the timeout is the minimum
+    net.down.add(2)
+    net.run(8.0)
+    for i in (0, 1):
+        suspected, dead = net.first(i, 2, "suspect"), net.first(i, 2, "dead")
+        assert suspected is not None and dead is not None
+    origin = min((net.first(i, 2, "suspect") for i in (0, 1)), key=lambda e: e.time)
+    first_dead = min(net.first(i, 2, "dead").time for i in (0, 1))
+    assert abs((first_dead - origin.time) - CFG.min_suspicion_timeout(3)) < 0.02
+
+
+def test_refutation_with_a_higher_incarnation_cancels_suspicion():
+    net = MiniNet(3)
+    rumour = packet([SUSPECT, member_id(1), 0, member_id(0)], sender=member_id(0))
+    net.nodes[2].receive(rumour, address(0), net.now)
+    net.nodes[1].receive(rumour, address(0), net.now)
+    net.run(CFG.max_suspicion_timeout(3) + 2.0)
+    assert net.nodes[1].incarnation == 1
+    assert net.kinds(2, 1)[:2] == ["suspect", "alive"]
+    assert net.nodes[2].member(member_id(1)).state == "alive"
+    assert net.nodes[2].member(member_id(1)).incarnation == 1
+    assert all("dead" not in net.kinds(i, 1) for i in range(3))
+
+
+def test_buddy_system_puts_the_suspicion_on_the_probe_to_the_suspect():
+    node = lone_node(1, GossipConfig(retransmit_mult=1))
+    node.receive(packet([SUSPECT, member_id(1), 0, member_id(99)]), address(99), 0.0)
+    t = 0.0
+    while len(node._broadcasts):  # let ordinary gossip retire the news first
+        t += 0.05
+        node.tick(t)
+    node.take_datagrams()
+    for _ in range(200):
+        t += 0.05
+        node.tick(t)
+        pings = [decode(d.data) for d in node.take_datagrams() if d.target == member_id(1)]
+        pings = [m for m in pings if m[0][0] == PING]
+        if pings:
+            break
+    messages = pings[0]
+    assert [SUSPECT, member_id(1), 0, member_id(0)] in messages
+
+
+def test_awareness_rises_on_missed_acks_and_nacks_stretches_the_interval_and_falls_on_success():
+    node = lone_node(3)
+    t, ping_times, score_after_failure = 0.0, [], None
+    while t < 6.0:
+        t = round(t + 0.01, 6)
+        node.tick(t)
+        for d in node.take_datagrams():
+            messages = decode(d.data)
+            if messages[0][0] == PING:
+                ping_times.append(t)
+                seq = messages[0][1]
+    assert node.awareness > 0
+    gaps = [b - a for a, b in zip(ping_times, ping_times[1:])]
+    assert max(gaps) > CFG.probe_interval * 1.5, f"probe interval not stretched: {gaps}"
+    score_after_failure = node.awareness
+    node.receive(packet([ACK, seq], sender=member_id(1)), address(1), t)
+    assert node.awareness == score_after_failure - 1
+
+
+def test_nacks_from_healthy_helpers_do_not_raise_awareness():
+    node = lone_node(3)
+    t = 0.0
+    while node.stats["probes_failed"] == 0:
+        t = round(t + 0.01, 6)
+        node.tick(t)
+        for d in node.take_datagrams():
+            messages = decode(d.data)
+            if messages[0][0] == PING_REQ:  # the helper cannot reach the target either
+                node.receive(packet([NACK, messages[0][1]], sender=d.target), d.address, t)
+    assert node.awareness == 0
+
+
+def test_old_incarnations_and_dead_replays_are_ignored():
+    node = lone_node(1)
+    b, now = member_id(1), 1.0
+    node.receive(packet([ALIVE, b, 5, *address(1), b"new"]), address(9), now)
+    node.receive(packet([ALIVE, b, 3, *address(1), b"old"]), address(9), now)
+    node.receive(packet([SUSPECT, b, 4, member_id(9)]), address(9), now)
+    node.receive(packet([DEAD, b, 4, member_id(9)]), address(9), now)
+    info = node.member(b)
+    assert (info.state, info.incarnation, info.metadata) == ("alive", 5, b"new")
+    node.receive(packet([DEAD, b, 5, member_id(9)]), address(9), now)
+    assert node.member(b).state == "dead"
+    node.receive(packet([ALIVE, b, 5, *address(1), b"new"]), address(9), now)  # replay of the old alive
+    assert node.member(b).state == "dead"
+    node.receive(packet([ALIVE, b, 6, *address(1), b"new"]), address(9), now)  # a real rejoin
+    assert node.member(b).state == "alive" and node.member(b).incarnation == 6
+    kinds = [e.kind for e in node.take_events()]
+    assert kinds == ["metadata", "dead", "alive"]
+
+
+def test_leave_is_seen_as_left_not_dead_within_a_second():
+    net = MiniNet(6)
+    net.run(1.0)
+    net.nodes[5].leave(net.now)
+    left_at = net.now
+    net.run(1.0)
+    for i in range(5):
+        event = net.first(i, 5, "left")
+        assert event is not None and event.time - left_at < 1.0
+        assert "dead" not in net.kinds(i, 5)
+    net.down.add(5)
+    net.run(CFG.max_suspicion_timeout(6) + 2)
+    assert all(net.nodes[i].member(member_id(5)).state == "left" for i in range(5))
+
+
+def test_push_pull_merges_a_divergent_table():
+    from ftcomm.gossip.protocol import Protocol
+
+    a = Protocol(member_id(0), *address(0), seed=1)
+    b = Protocol(member_id(1), *address(1), seed=2)
+    a.bootstrap([[member_id(2), *address(2), 3, wire.STATE_ALIVE, b"c"]], 0.0)
+    b.bootstrap([[member_id(3), *address(3), 7, wire.STATE_ALIVE, b"d"]], 0.0)
+    a.start(0.0)
+    b.start(0.0)
+    reply = b.handle_stream(a.join_request(), 1.0)
+    assert a.handle_stream_reply(reply, 1.0)
+    for node in (a, b):
+        ids = {m.id for m in node.members() if m.state == "alive"}
+        assert ids == {member_id(i) for i in range(4)}
+    assert a.member(member_id(3)).incarnation == 7 and b.member(member_id(2)).metadata == b"c"
+
+
+def test_metadata_change_reaches_every_member():
+    net = MiniNet(20)
+    net.run(0.5)
+    net.nodes[7].set_metadata(b"step=42", net.now)
+    changed_at = net.now
+    net.run(2.0)
+    times = []
+    for i in range(20):
+        if i == 7:
+            continue
+        assert net.nodes[i].member(member_id(7)).metadata == b"step=42"
+        times.append(net.first(i, 7, "metadata").time - changed_at)
+    assert max(times) < 2.0
+
+
+def test_a_member_declared_dead_learns_it_and_rejoins_with_a_new_incarnation():
+    net = MiniNet(4)
+    net.down.add(3)
+    net.run(CFG.max_suspicion_timeout(4) + 2)
+    assert all(net.nodes[i].member(member_id(3)).state == "dead" for i in range(3))
+    net.down.discard(3)  # it was only paused: it resumes with its old table
+    net.run(3.0)
+    assert net.nodes[3].incarnation >= 1
+    for i in range(3):
+        info = net.nodes[i].member(member_id(3))
+        assert info.state == "alive" and info.incarnation == net.nodes[3].incarnation

@@ -1,0 +1,55 @@
+"""The ftcomm command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ftcomm.cli import main
+from ftcomm.gossip import GossipConfig, GossipNode
+
+
+@pytest.fixture
+def member():
+    node = GossipNode(config=GossipConfig(), secret="topsecret", metadata={"step": 7, "status": "active"}).start()
+    yield node
+    node.stop()
+
+
+def test_members_prints_a_table(member, capsys):
+    assert main(["members", "--peer", member.address, "--secret", "topsecret"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:5] == ["ID", "ADDRESS", "STATE", "INC", "STEP"]
+    row = out[1].split()
+    assert row[:5] == [member.id, member.address, "alive", "0", "7"] and "status=active" in out[1]
+
+
+def test_members_json(member, capsys):
+    assert main(["members", "--peer", member.address, "--secret", "topsecret", "--json"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["id"] == member.id and record["metadata"] == {"step": 7, "status": "active"}
+
+
+@pytest.mark.parametrize("secret", [None, "wrong"])
+def test_wrong_or_missing_secret_is_one_clear_line(member, secret):
+    args = [sys.executable, "-m", "ftcomm", "members", "--peer", member.address]
+    if secret:
+        args += ["--secret", secret]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=30, env={"PATH": ""})
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0
+    assert "authentication failed" in result.stderr
+
+
+def test_no_answer_is_one_clear_line(capsys):
+    assert main(["members", "--peer", "127.0.0.1:9", "--timeout", "0.3"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no answer from 127.0.0.1:9" in err
+
+
+def test_bad_address_is_refused(capsys):
+    assert main(["members", "--peer", "nonsense"]) == 2
+    assert "HOST:PORT" in capsys.readouterr().err
