@@ -17,34 +17,24 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import wire
 from .broadcast import BroadcastQueue
 from .config import GossipConfig, push_pull_interval, suspicion_confirmations
 from .lifeguard import Awareness, Suspicion
+from .members import (
+    ALIVE_STATE,
+    DEAD_STATE,
+    LEFT_STATE,
+    SUSPECT_STATE,
+    MemberInfo,
+    MemberState,
+    MemberTable,
+)
 from .wire import ACK, ALIVE, DEAD, NACK, PING, PING_REQ, SUSPECT
 
-ALIVE_STATE, SUSPECT_STATE, DEAD_STATE, LEFT_STATE = (
-    wire.STATE_ALIVE, wire.STATE_SUSPECT, wire.STATE_DEAD, wire.STATE_LEFT)
 _INF = math.inf
-
-
-@dataclass(frozen=True)
-class MemberInfo:
-    """A snapshot of one member as this member sees it."""
-
-    id: str
-    host: str
-    port: int
-    incarnation: int
-    state: str  # alive | suspect | dead | left
-    metadata: bytes
-    since: float  # time of the last state change, in the driver's clock
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return (self.host, self.port)
 
 
 @dataclass(frozen=True)
@@ -72,24 +62,6 @@ class StreamRequest:
     target: str | None
     data: bytes
     purpose: str  # join | push_pull | reconnect
-
-
-@dataclass
-class _Member:
-    id: str
-    host: str
-    port: int
-    incarnation: int
-    state: int
-    meta: bytes
-    since: float
-
-    def info(self) -> MemberInfo:
-        return MemberInfo(self.id, self.host, self.port, self.incarnation,
-                          wire.STATE_NAMES[self.state], self.meta, self.since)
-
-    def record(self) -> list:
-        return [self.id, self.host, self.port, self.incarnation, self.state, self.meta]
 
 
 @dataclass
@@ -132,16 +104,11 @@ class Protocol:
         self._dgram = wire.Sealer(cluster, member_id, secret, self.config.max_datagram_bytes)
         self._stream = wire.Sealer(cluster, member_id, secret, self.config.max_stream_bytes)
         self._check_metadata(metadata)
-        self._self = _Member(member_id, host, port, 0, ALIVE_STATE, metadata, 0.0)
-        self._members: dict[str, _Member] = {member_id: self._self}
-        self._live: list[str] = []  # other members that are alive or suspect
-        self._live_index: dict[str, int] = {}
-        self._recent_dead: dict[str, float] = {}
+        self._self = MemberState(member_id, host, port, 0, ALIVE_STATE, metadata, 0.0)
+        self._table = MemberTable(self._self, self._rng)
         self._suspicions: dict[str, Suspicion] = {}
         self._relays: dict[int, _Relay] = {}
         self._probe: _Probe | None = None
-        self._probe_order: list[str] = []
-        self._probe_pos = 0
         self._seq = 0
         self._broadcasts = BroadcastQueue()
         self._awareness = Awareness(self.config.awareness_max_multiplier)
@@ -168,13 +135,13 @@ class Protocol:
 
     def num_members(self) -> int:
         """Members believed alive or suspect, this one included."""
-        return len(self._live) + 1
+        return self._table.num_live()
 
     def members(self) -> list[MemberInfo]:
-        return [m.info() for m in self._members.values()]
+        return [m.info() for m in self._table.by_id.values()]
 
     def member(self, member_id: str) -> MemberInfo | None:
-        m = self._members.get(member_id)
+        m = self._table.get(member_id)
         return m.info() if m else None
 
     def start(self, now: float) -> None:
@@ -195,12 +162,10 @@ class Protocol:
         records) without announcing each entry or emitting events: a static host list, or a
         simulator starting from a converged cluster."""
         for member_id, host, port, incarnation, state, meta in records:
-            if member_id == self.id or member_id in self._members:
+            if member_id == self.id or self._table.get(member_id) is not None:
                 continue
-            self._members[member_id] = _Member(member_id, host, port, incarnation, state, meta, now)
-            if state in (ALIVE_STATE, SUSPECT_STATE):
-                self._members[member_id].state = ALIVE_STATE
-                self._add_live(member_id)
+            state = ALIVE_STATE if state == SUSPECT_STATE else state
+            self._table.add(MemberState(member_id, host, port, incarnation, state, meta, now))
 
     def record(self) -> list:
         """This member's own record, as exchanged by push/pull."""
@@ -228,9 +193,8 @@ class Protocol:
         self.leaving = True
         notice = wire.encode([DEAD, self.id, self._self.incarnation, self.id])
         self._broadcasts.queue(self.id, notice)
-        for member_id in self._live:
-            m = self._members[member_id]
-            self._send((m.host, m.port), member_id, [notice])
+        for member_id in self._table.live:
+            self._send(self._table.get(member_id).address, member_id, [notice])
 
     def receive(self, data: bytes, source: tuple[str, int], now: float) -> None:
         """Handle one datagram from ``source``."""
@@ -276,7 +240,7 @@ class Protocol:
             self._merge(message[2], sender, now)
             return self._push_pull_message(join=False)
         if message[0] == wire.MEMBERS_QUERY:
-            return self._stream.seal([wire.encode([wire.MEMBERS_REPLY, self._records()])])
+            return self._stream.seal([wire.encode([wire.MEMBERS_REPLY, self._table.records()])])
         return self._stream.seal([wire.encode([wire.ERROR, "unexpected_request"])])
 
     def handle_stream_reply(self, data: bytes, now: float) -> bool:
@@ -331,7 +295,7 @@ class Protocol:
             self._start_reconnect()
         if now >= self._timers.reap:
             self._timers.reap = now + 1.0
-            self._reap(now)
+            self._table.reap(now, cfg.gossip_to_the_dead_time, cfg.dead_member_retention, cfg.left_member_retention)
 
     def next_deadline(self) -> float:
         """The earliest time at which :meth:`tick` has work to do."""
@@ -339,7 +303,7 @@ class Protocol:
         deadline = min(t.probe, t.push_pull)
         if len(self._broadcasts):
             deadline = min(deadline, t.gossip)
-        if len(self._members) > len(self._live) + 1:  # dead or left members exist
+        if self._table.has_gone_members():
             deadline = min(deadline, t.reap, t.reconnect)
         probe = self._probe
         if probe and not probe.acked and not probe.indirect_sent:
@@ -367,25 +331,11 @@ class Protocol:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         return self._seq
 
-    def _next_probe_target(self) -> str | None:
-        for _ in range(2 * len(self._live) + 2):
-            if self._probe_pos >= len(self._probe_order):
-                self._probe_order = list(self._live)
-                self._rng.shuffle(self._probe_order)
-                self._probe_pos = 0
-                if not self._probe_order:
-                    return None
-            member_id = self._probe_order[self._probe_pos]
-            self._probe_pos += 1
-            if member_id in self._live_index:
-                return member_id
-        return None
-
     def _start_probe(self, now: float) -> None:
-        target = self._next_probe_target()
+        target = self._table.next_probe_target()
         if target is None:
             return
-        m = self._members[target]
+        m = self._table.get(target)
         seq = self._next_seq()
         buddy = None
         if m.state == SUSPECT_STATE:  # Lifeguard buddy system: tell the suspect first
@@ -395,14 +345,13 @@ class Protocol:
 
     def _send_indirect_probes(self, probe: _Probe) -> None:
         probe.indirect_sent = True
-        target = self._members.get(probe.target)
+        target = self._table.get(probe.target)
         if target is None or target.state not in (ALIVE_STATE, SUSPECT_STATE):
             return
-        helpers = self._random_live(self.config.indirect_checks, exclude=probe.target)
+        helpers = self._table.random_live(self.config.indirect_checks, exclude=probe.target)
         request = wire.encode([PING_REQ, probe.seq, target.id, target.host, target.port])
         for helper_id in helpers:
-            helper = self._members[helper_id]
-            self._send((helper.host, helper.port), helper_id, [request])
+            self._send(self._table.get(helper_id).address, helper_id, [request])
         probe.expected_nacks = len(helpers)
 
     def _finish_probe(self, probe: _Probe, now: float) -> None:
@@ -413,7 +362,7 @@ class Protocol:
             self._awareness.apply(probe.expected_nacks - probe.nacks)
         else:
             self._awareness.apply(1)
-        m = self._members.get(probe.target)
+        m = self._table.get(probe.target)
         if m is not None and m.state in (ALIVE_STATE, SUSPECT_STATE):
             self.stats["probes_failed"] += 1
             self._on_suspect(m.id, m.incarnation, self.id, now)
@@ -423,7 +372,7 @@ class Protocol:
             self.stats["dropped.wrong_target"] += 1
             return
         notice = None
-        m = self._members.get(sender)
+        m = self._table.get(sender)
         if m is not None and m.state == DEAD_STATE:  # it must learn it was declared dead
             notice = wire.encode([DEAD, sender, m.incarnation, self.id])
         self._send(source, sender, [wire.encode([ACK, message[1]])], notice)
@@ -461,11 +410,10 @@ class Protocol:
         if len(meta) > self.config.max_metadata_bytes:
             self.stats["dropped.oversized_metadata"] += 1
             return
-        m = self._members.get(member_id)
+        m = self._table.get(member_id)
         if m is None:
-            m = _Member(member_id, host, port, incarnation, ALIVE_STATE, meta, now)
-            self._members[member_id] = m
-            self._add_live(member_id)
+            m = MemberState(member_id, host, port, incarnation, ALIVE_STATE, meta, now)
+            self._table.add(m)
             self._emit("joined", m, now, source)
         else:
             if incarnation <= m.incarnation:
@@ -475,8 +423,7 @@ class Protocol:
             if previous_state != ALIVE_STATE:
                 self._suspicions.pop(member_id, None)
                 m.state, m.since = ALIVE_STATE, now
-                self._recent_dead.pop(member_id, None)
-                self._add_live(member_id)
+                self._table.mark_live(member_id)
                 self._emit("alive", m, now, source)
             if meta != previous_meta:
                 self._emit("metadata", m, now, source)
@@ -487,7 +434,7 @@ class Protocol:
             if not self.leaving and incarnation >= self._self.incarnation:
                 self._refute(incarnation)
             return
-        m = self._members.get(member_id)
+        m = self._table.get(member_id)
         if m is None or incarnation < m.incarnation or m.state in (DEAD_STATE, LEFT_STATE):
             return
         if m.state == SUSPECT_STATE and incarnation == m.incarnation:
@@ -509,16 +456,15 @@ class Protocol:
             if not self.leaving and incarnation >= self._self.incarnation:
                 self._refute(incarnation)
             return
-        m = self._members.get(member_id)
+        m = self._table.get(member_id)
         if m is None or incarnation < m.incarnation or m.state == LEFT_STATE:
             return
         left = reporter == member_id
         if m.state == DEAD_STATE and not left:
             return
         self._suspicions.pop(member_id, None)
-        self._remove_live(member_id)
+        self._table.mark_gone(member_id, now)
         m.state, m.incarnation, m.since = (LEFT_STATE if left else DEAD_STATE), incarnation, now
-        self._recent_dead[member_id] = now
         self._emit("left" if left else "dead", m, now, reporter)
         self._broadcasts.queue(member_id, wire.encode([DEAD, member_id, incarnation, reporter]))
 
@@ -536,45 +482,8 @@ class Protocol:
         s = self._self
         self._broadcasts.queue(s.id, wire.encode([ALIVE, s.id, s.incarnation, s.host, s.port, s.meta]))
 
-    def _emit(self, kind: str, m: _Member, now: float, source: str) -> None:
+    def _emit(self, kind: str, m: MemberState, now: float, source: str) -> None:
         self._events.append(MemberEvent(kind, m.info(), now, source))
-
-    def _add_live(self, member_id: str) -> None:
-        if member_id in self._live_index:
-            return
-        self._live_index[member_id] = len(self._live)
-        self._live.append(member_id)
-        # Probe a newcomer within the current round, at a random place in it.
-        position = self._rng.randint(self._probe_pos, len(self._probe_order))
-        self._probe_order.insert(position, member_id)
-
-    def _remove_live(self, member_id: str) -> None:
-        index = self._live_index.pop(member_id, None)
-        if index is None:
-            return
-        last = self._live.pop()
-        if last != member_id:
-            self._live[index] = last
-            self._live_index[last] = index
-
-    def _random_live(self, count: int, exclude: str | None = None) -> list[str]:
-        pool = self._live
-        if len(pool) <= count + 1:
-            return [m for m in pool if m != exclude][:count]
-        picked = self._rng.sample(pool, count + 1)
-        return [m for m in picked if m != exclude][:count]
-
-    def _reap(self, now: float) -> None:
-        cfg = self.config
-        for member_id, since in list(self._recent_dead.items()):
-            if now - since > cfg.gossip_to_the_dead_time:
-                del self._recent_dead[member_id]
-        if len(self._members) == len(self._live) + 1:
-            return
-        for m in [m for m in self._members.values() if m.state in (DEAD_STATE, LEFT_STATE)]:
-            retention = cfg.left_member_retention if m.state == LEFT_STATE else cfg.dead_member_retention
-            if now - m.since > retention:
-                del self._members[m.id]
 
     # ---------------------------------------------------------------- dissemination
     def _send(self, address: tuple[str, int], target: str | None, messages: list[bytes],
@@ -587,16 +496,16 @@ class Protocol:
         self.stats["bytes_sent"] += len(data)
 
     def _gossip(self, now: float) -> None:
-        targets = self._random_live(self.config.gossip_nodes)
-        if self._recent_dead:
-            targets.extend(self._rng.sample(sorted(self._recent_dead), 1))
+        targets = self._table.random_live(self.config.gossip_nodes)
+        if self._table.recent_dead:
+            targets.extend(self._rng.sample(sorted(self._table.recent_dead), 1))
         budget = self.config.max_datagram_bytes - self._dgram.overhead
         limit = self.config.retransmit_limit(self.num_members())
         for target in targets:
             messages = self._broadcasts.take(budget, limit)
             if not messages:
                 return
-            m = self._members.get(target)
+            m = self._table.get(target)
             if m is None:
                 continue
             data = self._dgram.seal(messages)
@@ -605,23 +514,20 @@ class Protocol:
             self.stats["bytes_sent"] += len(data)
 
     # ---------------------------------------------------------------- anti-entropy
-    def _records(self) -> list[list]:
-        return [m.record() for m in self._members.values()]
-
     def _push_pull_message(self, join: bool) -> bytes:
-        return self._stream.seal([wire.encode([wire.PUSH_PULL, join, self._records()])])
+        return self._stream.seal([wire.encode([wire.PUSH_PULL, join, self._table.records()])])
 
     def _push_pull_period(self) -> float:
         return push_pull_interval(self.config.push_pull_interval, self.num_members())
 
     def _start_push_pull(self, now: float) -> None:
-        picked = self._random_live(1)
+        picked = self._table.random_live(1)
         if picked:
-            m = self._members[picked[0]]
+            m = self._table.get(picked[0])
             self._streams.append(StreamRequest((m.host, m.port), m.id, self._push_pull_message(False), "push_pull"))
 
     def _start_reconnect(self) -> None:
-        dead = [m for m in self._members.values() if m.state == DEAD_STATE]
+        dead = [m for m in self._table.by_id.values() if m.state == DEAD_STATE]
         if dead:
             m = self._rng.choice(dead)
             self._streams.append(StreamRequest((m.host, m.port), m.id, self._push_pull_message(False), "reconnect"))

@@ -1,0 +1,140 @@
+"""The member table of one member: every known member's state, the live set and the probe order."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from . import wire
+
+ALIVE_STATE, SUSPECT_STATE, DEAD_STATE, LEFT_STATE = (
+    wire.STATE_ALIVE, wire.STATE_SUSPECT, wire.STATE_DEAD, wire.STATE_LEFT)
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """A snapshot of one member as this member sees it."""
+
+    id: str
+    host: str
+    port: int
+    incarnation: int
+    state: str  # alive | suspect | dead | left
+    metadata: bytes
+    since: float  # time of the last state change, in the driver's clock
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+
+@dataclass
+class MemberState:
+    """The mutable entry of one member in the table."""
+
+    id: str
+    host: str
+    port: int
+    incarnation: int
+    state: int
+    meta: bytes
+    since: float
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    def info(self) -> MemberInfo:
+        return MemberInfo(self.id, self.host, self.port, self.incarnation,
+                          wire.STATE_NAMES[self.state], self.meta, self.since)
+
+    def record(self) -> list:
+        return [self.id, self.host, self.port, self.incarnation, self.state, self.meta]
+
+
+class MemberTable:
+    """All known members; the *live* ones (alive or suspect, this member excluded) are
+    kept in a list for O(1) random picks and walked in a shuffled round-robin order."""
+
+    def __init__(self, own: MemberState, rng: random.Random) -> None:
+        self.own = own
+        self.by_id: dict[str, MemberState] = {own.id: own}
+        self.live: list[str] = []
+        self._live_index: dict[str, int] = {}
+        self.recent_dead: dict[str, float] = {}  # id -> time it was declared dead or left
+        self._rng = rng
+        self._probe_order: list[str] = []
+        self._probe_pos = 0
+
+    def get(self, member_id: str) -> MemberState | None:
+        return self.by_id.get(member_id)
+
+    def num_live(self) -> int:
+        """Members believed alive or suspect, this one included."""
+        return len(self.live) + 1
+
+    def has_gone_members(self) -> bool:
+        return len(self.by_id) > len(self.live) + 1
+
+    def add(self, member: MemberState) -> None:
+        self.by_id[member.id] = member
+        if member.state in (ALIVE_STATE, SUSPECT_STATE):
+            self.mark_live(member.id)
+
+    def mark_live(self, member_id: str) -> None:
+        self.recent_dead.pop(member_id, None)
+        if member_id in self._live_index:
+            return
+        self._live_index[member_id] = len(self.live)
+        self.live.append(member_id)
+        # Probe a newcomer within the current round, at a random place in it.
+        position = self._rng.randint(self._probe_pos, len(self._probe_order))
+        self._probe_order.insert(position, member_id)
+
+    def mark_gone(self, member_id: str, now: float) -> None:
+        """A member became dead or left: out of the live set, into the recently dead."""
+        self.recent_dead[member_id] = now
+        index = self._live_index.pop(member_id, None)
+        if index is None:
+            return
+        last = self.live.pop()
+        if last != member_id:
+            self.live[index] = last
+            self._live_index[last] = index
+
+    def next_probe_target(self) -> str | None:
+        for _ in range(2 * len(self.live) + 2):
+            if self._probe_pos >= len(self._probe_order):
+                self._probe_order = list(self.live)
+                self._rng.shuffle(self._probe_order)
+                self._probe_pos = 0
+                if not self._probe_order:
+                    return None
+            member_id = self._probe_order[self._probe_pos]
+            self._probe_pos += 1
+            if member_id in self._live_index:
+                return member_id
+        return None
+
+    def random_live(self, count: int, exclude: str | None = None) -> list[str]:
+        pool = self.live
+        if len(pool) <= count + 1:
+            return [m for m in pool if m != exclude][:count]
+        picked = self._rng.sample(pool, count + 1)
+        return [m for m in picked if m != exclude][:count]
+
+    def records(self) -> list[list]:
+        return [m.record() for m in self.by_id.values()]
+
+    def reap(self, now: float, gossip_to_the_dead_time: float, dead_retention: float,
+             left_retention: float) -> None:
+        """Forget the recently dead after a while, and dead and left members after longer."""
+        for member_id, since in list(self.recent_dead.items()):
+            if now - since > gossip_to_the_dead_time:
+                del self.recent_dead[member_id]
+        if not self.has_gone_members():
+            return
+        for m in [m for m in self.by_id.values() if m.state in (DEAD_STATE, LEFT_STATE)]:
+            retention = left_retention if m.state == LEFT_STATE else dead_retention
+            if now - m.since > retention:
+                del self.by_id[m.id]
