@@ -23,9 +23,9 @@ from dataclasses import asdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from ftcomm.gossip.config import GossipConfig  # noqa: E402
-from ftcomm.gossip.local import LocalCluster  # noqa: E402
-from ftcomm.gossip.sim import run_scenario  # noqa: E402
+from ftcomm.gossip.config import GossipConfig
+from ftcomm.gossip.local import LocalCluster
+from ftcomm.gossip.sim import run_scenario
 
 
 def main() -> int:

@@ -5,7 +5,9 @@
 Detection and dissemination: N = 10, 100, 1000 at 0% and 5% loss, 60 virtual seconds,
 member 0 changes its metadata at t=10 s and the last member crashes at t=20 s. Beside
 each detection figure stands SWIM's analytic expectation of the first detection,
-T * e / (e - 1), computed for the same probe interval. False positives: 10 virtual
+T * e / (e - 1), computed for the same probe interval; detection is also repeated over
+many crashes at random instants (200 at N=10, 50 at N=100, 10 at N=1000) per loss rate,
+with the mean and percentiles of the time until the last member marks the crash dead. False positives: 10 virtual
 minutes at 5% loss with one member stalled for 2 s. Speed: 1000 members for 60 virtual
 seconds, run alone, wall-clock time. Scenarios run two at a time (one per core); the
 speed run runs by itself.
@@ -17,6 +19,8 @@ import argparse
 import json
 import os
 import platform
+import random
+import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -24,10 +28,15 @@ from dataclasses import asdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from ftcomm.gossip.config import GossipConfig  # noqa: E402
-from ftcomm.gossip.sim import run_scenario  # noqa: E402
+from ftcomm.gossip.config import GossipConfig
+from ftcomm.gossip.sim import run_scenario
 
 TARGET_LAST_DEAD_S = {10: 5.0, 100: 8.0, 1000: 10.0}
+TRIALS = {10: 200, 100: 50, 1000: 10}  # crashes per N and loss, at random instants
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def _scenario(kwargs: dict) -> dict:
@@ -43,6 +52,9 @@ def main() -> int:
     quiet_duration = 120.0 if args.quick else 600.0
     jobs = [dict(kind="detection", n=n, loss=loss, duration=60.0, crash_at=20.0, metadata_at=10.0, seed=11)
             for n in sizes for loss in (0.0, 0.05)]
+    instants = random.Random(7)
+    jobs += [dict(kind="trial", n=n, loss=loss, duration=32.0, crash_at=20.0 + 5.0 * instants.random(),
+                  metadata_at=None, seed=100 + seed) for n in sizes for loss in (0.0, 0.05) for seed in range(TRIALS[n])]
     jobs += [dict(kind="false_positives", n=n, loss=0.05, duration=quiet_duration, crash_at=None,
                   metadata_at=None, stall_at=30.0, stall_for=2.0, seed=12) for n in sizes]
     started = time.perf_counter()
@@ -55,6 +67,24 @@ def main() -> int:
     for r in detection:
         r["target_last_dead_s"] = TARGET_LAST_DEAD_S[r["n"]]
         r["min_suspicion_timeout_s"] = round(cfg.min_suspicion_timeout(r["n"]), 3)
+    trials = []
+    for n in sizes:
+        for loss in (0.0, 0.05):
+            runs = [r for r in results if r["kind"] == "trial" and r["n"] == n and r["loss"] == loss]
+            last = sorted(r["crash_last_dead_s"] for r in runs)
+            trials.append({
+                "n": n, "loss": loss, "runs": len(runs),
+                "analytic_first_detection_s": runs[0]["analytic_first_detection_s"],
+                "mean_first_suspect_s": round(statistics.mean(r["crash_first_suspect_s"] for r in runs), 3),
+                "mean_first_dead_s": round(statistics.mean(r["crash_first_dead_s"] for r in runs), 3),
+                "mean_last_dead_s": round(statistics.mean(last), 3),
+                "p50_last_dead_s": _percentile(last, 0.50),
+                "p90_last_dead_s": _percentile(last, 0.90),
+                "p99_last_dead_s": _percentile(last, 0.99),
+                "max_last_dead_s": last[-1],
+                "within_target_fraction": round(sum(v <= TARGET_LAST_DEAD_S[n] for v in last) / len(last), 3),
+                "target_last_dead_s": TARGET_LAST_DEAD_S[n],
+            })
     growth = {}
     if 100 in sizes and 1000 in sizes:
         for loss in (0.0, 0.05):
@@ -69,6 +99,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "config": asdict(cfg),
         "detection": detection,
+        "detection_trials": trials,
         "false_positives": [r for r in results if r["kind"] == "false_positives"],
         "traffic_growth": growth,
         "speed": {"n": speed["n"], "virtual_s": speed["duration_s"], "wall_s": speed["wall_s"],
@@ -85,6 +116,13 @@ def main() -> int:
         print(f"{r['n']:>5} {r['loss']:>5} {r['analytic_first_detection_s']:>12} {r['crash_first_suspect_s']:>11} "
               f"{r['crash_first_dead_s']:>9} {r['crash_last_dead_s']:>9} {r['target_last_dead_s']:>6} "
               f"{r['metadata_9999pct_s']:>11} {r['messages_per_member_s']:>6} {r['bytes_per_member_s']:>7}")
+    print(f"\n{'N':>5} {'loss':>5} {'runs':>4} {'analytic 1st':>12} {'mean 1st suspect':>16} "
+          f"{'mean 1st dead':>13} {'last dead p50':>13} {'p90':>6} {'p99':>6} {'max':>6} {'target':>6} {'within':>6}")
+    for t in trials:
+        print(f"{t['n']:>5} {t['loss']:>5} {t['runs']:>4} {t['analytic_first_detection_s']:>12} "
+              f"{t['mean_first_suspect_s']:>16} {t['mean_first_dead_s']:>13} {t['p50_last_dead_s']:>13} "
+              f"{t['p90_last_dead_s']:>6} {t['p99_last_dead_s']:>6} {t['max_last_dead_s']:>6} "
+              f"{t['target_last_dead_s']:>6} {t['within_target_fraction']:>6}")
     for r in report["false_positives"]:
         print(f"false positives N={r['n']} {r['duration_s']:.0f}s at 5% loss with a 2 s stall: "
               f"dead={r['false_dead_declarations']} stalled_declared_dead={r['stalled_member_declared_dead']} "

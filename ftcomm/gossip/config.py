@@ -168,7 +168,7 @@ class GossipConfig:
         if self.max_datagram_bytes < 512:
             raise ValueError("GossipConfig.max_datagram_bytes must be at least 512")
 
-    def with_overrides(self, **overrides: object) -> "GossipConfig":
+    def with_overrides(self, **overrides: object) -> GossipConfig:
         """A copy with some fields replaced; unknown names raise a clear error."""
         known = {f.name for f in fields(self)}
         unknown = sorted(set(overrides) - known)

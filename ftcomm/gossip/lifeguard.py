@@ -32,7 +32,7 @@ class Suspicion:
     confirmations (distinct members other than the first suspecter).
     """
 
-    __slots__ = ("incarnation", "start", "k", "min_timeout", "max_timeout", "confirmers", "deadline")
+    __slots__ = ("confirmers", "deadline", "incarnation", "k", "max_timeout", "min_timeout", "start")
 
     def __init__(self, incarnation: int, suspecter: str, start: float, k: int,
                  min_timeout: float, max_timeout: float) -> None:

@@ -16,8 +16,8 @@ import secrets as _secrets
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import msgpack
 import zmq
@@ -130,7 +130,7 @@ class GossipNode:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self, seeds: Iterable[str | tuple[str, int]] = ()) -> "GossipNode":
+    def start(self, seeds: Iterable[str | tuple[str, int]] = ()) -> GossipNode:
         """Bind, start the thread, and join through ``seeds`` (none: start a new cluster)."""
         if self._thread is not None:
             raise GossipError("this GossipNode was already started")
@@ -181,7 +181,7 @@ class GossipNode:
         thread.join(5)
         self._stopped.set()
 
-    def __enter__(self) -> "GossipNode":
+    def __enter__(self) -> GossipNode:
         return self
 
     def __exit__(self, *exc: object) -> None:

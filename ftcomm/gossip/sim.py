@@ -19,8 +19,8 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 from .config import GossipConfig, parse_assignments
 from .protocol import MemberEvent, Protocol
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     config = GossipConfig().with_overrides(**parse_assignments(args.set))
-    never = lambda v: None if v < 0 else v  # noqa: E731
+    never = lambda v: None if v < 0 else v
     result = run_scenario(args.n, loss=args.loss, duration=args.duration, crash_at=never(args.crash_at),
                           metadata_at=never(args.metadata_at), stall_at=never(args.stall_at),
                           stall_for=args.stall_for, seed=args.seed, config=config)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgpack
 
