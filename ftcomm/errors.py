@@ -13,3 +13,35 @@ class GossipError(FtcommError):
 
 class JoinError(GossipError):
     """No seed member answered within the join timeout."""
+
+
+class MembershipChanged(FtcommError):
+    """The view changed during a collective; the collective's result must not be used.
+
+    Raised by the group's collectives inside :meth:`ftcomm.FaultTolerantGroup.execute`,
+    which catches it, re-forms the group, reconciles state and retries.
+    """
+
+
+class CollectiveAborted(MembershipChanged):
+    """A collective was abandoned because a member of its view was suspected, died or left."""
+
+
+class CommunicatorError(MembershipChanged):
+    """The backend failed a collective or could not form a communicator (a peer vanished)."""
+
+
+class QuorumLost(FtcommError):
+    """This worker cannot reach a majority of the previous view within ``quorum_timeout``."""
+
+
+class ConfigMismatch(FtcommError):
+    """Workers of one group were started with incompatible settings."""
+
+
+class RetryLimitExceeded(FtcommError):
+    """``execute`` failed ``max_retries`` times in a row because the membership kept changing."""
+
+
+class FtcommTimeout(FtcommError, TimeoutError):
+    """A bounded wait of ftcomm ran out (group formation, init)."""

@@ -182,6 +182,18 @@ class Protocol:
         self._self.incarnation += 1
         self._queue_alive_self()
 
+    def declare_dead(self, member_id: str, now: float) -> bool:
+        """Declare a member dead on outside evidence (its host refused a connection).
+
+        The death is gossiped like any other; a member declared dead by mistake refutes
+        it. Returns False when the member is unknown or already dead or left.
+        """
+        m = self._table.get(member_id)
+        if m is None or member_id == self.id or m.state in (DEAD_STATE, LEFT_STATE):
+            return False
+        self._declare_dead(member_id, m.incarnation, now)
+        return True
+
     def leave(self, now: float) -> None:
         """Announce a graceful departure: every member will mark this one *left*.
 

@@ -121,6 +121,7 @@ class GossipNode:
         self._timer_at = float("inf")
         self._tasks: set[asyncio.Task] = set()
         self._snapshot: tuple[Member, ...] = ()
+        self._snapshot_stale = True
         self._subscribers: list[Callable[[GossipEvent], None]] = []
         self._stopped = threading.Event()
         self._stopping = False
@@ -220,6 +221,10 @@ class GossipNode:
                              f"max_metadata_bytes={self.config.max_metadata_bytes}: keep it to small status fields")
         self._call(lambda p: p.set_metadata(encoded, time.monotonic()))
 
+    def declare_dead(self, member_id: str) -> None:
+        """Declare a member dead on outside evidence; see :meth:`Protocol.declare_dead`."""
+        self._call(lambda p: p.declare_dead(member_id, time.monotonic()))
+
     def stats(self) -> dict[str, int]:
         """Protocol counters (datagrams, bytes, drops by reason, ...)."""
         return self._query(lambda p: dict(p.stats))
@@ -234,6 +239,7 @@ class GossipNode:
 
         def run() -> None:
             fn(self._protocol)
+            self._snapshot_stale = True  # this member's own record may have changed
             self._flush()
         self._loop.call_soon_threadsafe(run)
 
@@ -362,11 +368,11 @@ class GossipNode:
             if faults is None or faults.allows(local, request.address):
                 self._spawn(self._push_pull(request.address, request.data))
         events = protocol.take_events()
+        if events or self._snapshot_stale:
+            self._snapshot_stale = False
+            self._snapshot = tuple(_member(info) for info in protocol.members())
         if events:
-            self._snapshot = tuple(_member(info) for info in protocol.members())
             self._publish(events)
-        elif len(self._snapshot) == 0:
-            self._snapshot = tuple(_member(info) for info in protocol.members())
         deadline = protocol.next_deadline()
         if deadline < self._timer_at:
             if self._timer is not None:

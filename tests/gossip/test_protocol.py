@@ -199,3 +199,14 @@ def test_a_member_declared_dead_learns_it_and_rejoins_with_a_new_incarnation():
     for i in range(3):
         info = net.nodes[i].member(member_id(3))
         assert info.state == "alive" and info.incarnation == net.nodes[3].incarnation
+
+
+def test_declared_dead_on_evidence_spreads_and_a_live_member_refutes_it():
+    net = MiniNet(4)
+    net.run(0.5)
+    assert net.nodes[0].declare_dead(member_id(3), net.now)
+    assert not net.nodes[0].declare_dead(member_id(3), net.now)  # already dead
+    net.run(0.5)
+    assert all(net.first(i, 3, "dead") is not None for i in (1, 2))
+    net.run(3.0)  # member 3 is alive: it hears of its death and rejoins
+    assert all(net.nodes[i].member(member_id(3)).state == "alive" for i in range(3))

@@ -50,6 +50,13 @@ def test_join_events_metadata_and_leave(nodes):
     assert ("metadata", c.id) in kinds and ("left", b.id) in kinds and ("dead", b.id) not in kinds
 
 
+def test_own_metadata_change_shows_in_own_snapshot(nodes):
+    (a,) = nodes(1)
+    a.set_metadata({"proposal": 7})
+    wait_until(lambda: a.member(a.id).metadata.get("proposal") == 7, 2, "own metadata in own snapshot")
+    assert a.member(a.id).incarnation == 1
+
+
 def test_oversized_metadata_is_refused_with_a_clear_error(nodes):
     (a,) = nodes(1)
     with pytest.raises(ValueError, match="max_metadata_bytes"):

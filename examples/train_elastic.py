@@ -1,0 +1,133 @@
+"""Elastic data-parallel training of a small MLP with ftcomm.
+
+The task is a synthetic classification problem generated from a seed (a random teacher
+network labels Gaussian inputs), so nothing is downloaded. Start several of these on
+one machine or many; kill, stop, add or remove any of them while they train:
+
+    python examples/train_elastic.py --bind 127.0.0.1:7000 --steps 300
+    python examples/train_elastic.py --bind 127.0.0.1:7001 --peers 127.0.0.1:7000 --steps 300
+
+Every line on stdout is a JSON object: ``ready``, one ``view`` per view change, a
+``step`` every ``--report-every`` committed steps, and ``done`` with the final loss,
+accuracy and state digest. With ``--control``, JSON commands on stdin drive the fault
+filter of the gossip layer (``partition``, ``heal``) for tests; the worker exits when
+stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ftcomm
+from ftcomm.gossip import FaultFilter, GossipConfig
+
+
+def make_task(seed: int, samples: int = 8192, features: int = 32, classes: int = 4):
+    """Inputs and teacher labels, identical on every worker for a given seed."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=g)
+    teacher = torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.Tanh(), torch.nn.Linear(64, classes))
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        y = teacher(x).argmax(dim=1)
+    return x, y
+
+
+def make_model(features: int = 32, classes: int = 4, hidden: int = 128) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes))
+
+
+def emit(**fields) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def control_loop(faults: FaultFilter, stop: threading.Event) -> None:
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["cmd"] == "partition":
+            faults.partition(command["a"], command["b"])
+        elif command["cmd"] == "heal":
+            faults.heal()
+        emit(ev="ok", cmd=command["cmd"], t=time.time())
+    stop.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bind", default=None, help="gossip address HOST:PORT (default: automatic)")
+    parser.add_argument("--peers", default=None, help="comma-separated gossip addresses of other workers")
+    parser.add_argument("--steps", type=int, default=300, help="committed steps to train")
+    parser.add_argument("--batch", type=int, default=64, help="per-worker batch size")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the task and the initial model")
+    parser.add_argument("--min-workers", type=int, default=1)
+    parser.add_argument("--max-workers", type=int, default=None)
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of work per step")
+    parser.add_argument("--report-every", type=int, default=50)
+    parser.add_argument("--control", action="store_true", help="read fault-injection commands on stdin")
+    parser.add_argument("--gossip", default="{}", help="GossipConfig overrides as JSON")
+    parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack
+
+    torch.manual_seed(args.seed)
+    x, y = make_task(args.seed)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    faults = FaultFilter() if args.control else None
+    gossip = GossipConfig().with_overrides(**json.loads(args.gossip))
+    ft = ftcomm.init(backend="gloo", peers=args.peers, bind=args.bind, min_workers=args.min_workers,
+                     max_workers=args.max_workers, gossip=gossip, fault_filter=faults)
+    ft.register_state(model=model, optimizer=optimizer)
+    emit(ev="ready", id=ft.id, address=ft.gossip.address, pid=__import__("os").getpid(), rank=ft.rank,
+         world=ft.world_size, t=time.time())
+    stop = threading.Event()
+    if args.control:
+        threading.Thread(target=control_loop, args=(faults, stop), daemon=True).start()
+
+    reported = 0
+    generator = torch.Generator()
+    while ft.step < args.steps and not stop.is_set():
+        # Each worker draws its own batch for this step; (step, rank) makes it reproducible.
+        generator.manual_seed(args.seed * 1_000_003 + ft.step * 1009 + ft.rank)
+        index = torch.randint(0, len(x), (args.batch,), generator=generator)
+        loss = F.cross_entropy(model(x[index]), y[index])
+        loss.backward()
+        if args.step_time:
+            time.sleep(args.step_time)  # stands in for a heavier model's compute
+        if ft.wait_gradients_ready(model):
+            optimizer.step()
+        optimizer.zero_grad()
+        while reported < len(ft.events):
+            emit(ev="view", t=time.time(), **dataclasses.asdict(ft.events[reported]))
+            reported += 1
+        if ft.step % args.report_every == 0:
+            emit(ev="step", step=ft.step, rank=ft.rank, world=ft.world_size, loss=round(loss.item(), 4),
+                 t=time.time())
+    with torch.no_grad():
+        logits = model(x)
+        final_loss = F.cross_entropy(logits, y).item()
+        accuracy = (logits.argmax(dim=1) == y).float().mean().item()
+    emit(ev="done", id=ft.id, step=ft.step, rank=ft.rank, world=ft.world_size, loss=round(final_loss, 5),
+         accuracy=round(accuracy, 5), digest=ft.state.digest(ft.step), views=len(ft.events), t=time.time())
+    ft.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,613 @@
+"""The group engine: one worker's lifecycle of views, communicators and training state.
+
+The lifecycle is one loop with named phases, run by :meth:`FaultTolerantGroup._recover`
+whenever the current view can no longer be used:
+
+    detect -> agree -> form (+ verify) -> reconcile -> run
+
+*Detect* happens on the gossip thread (:meth:`_on_gossip` fires the abort signal the
+moment a member of the view is suspect, dead or left, or the view is superseded) or in
+the training thread when the backend fails a collective (then the crash fast path
+probes the view's members and declares dead those whose host refuses a connection).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .backends.base import AbortSignal
+from .backends.gloo import GlooCommunicator
+from .errors import (CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout, MembershipChanged,
+                     QuorumLost, RetryLimitExceeded)
+from .gossip import FaultFilter, GossipConfig, GossipEvent, GossipNode
+from .rendezvous import Rendezvous, refused_many
+from .state import TrainingState
+from .view import (ACTIVE, JOINING, LEAVING, Candidate, Status, View, agreed, candidate, encode_status,
+                   superseded)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """Options of a fault-tolerant group (``ftcomm.init(**options)``); see docs/CONFIGURATION.md."""
+
+    settle_interval: float = 0.05
+    init_timeout: float = 120.0
+    formation_timeout: float = 10.0
+    quorum_timeout: float = 300.0
+    max_retries: int = 5
+    bucket_mb: float = 25.0
+    partition_policy: str = "quorum"
+    step_publish_interval: float = 2.0
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    fault_filter: FaultFilter | None = None
+    handle_signals: bool = True
+
+
+@dataclass(frozen=True)
+class ViewChange:
+    """One re-formation: why, who changed, and how long each phase took (seconds)."""
+
+    view_id: int
+    members: tuple[str, ...]
+    reason: str  # init | crash | hang | leave | join | partition | rejoin | backend
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    detect_s: float  # how long the failed collective was blocked before the fault was noticed
+    agree_s: float
+    form_s: float
+    reconcile_s: float
+    time: float  # time.time() when the group was ready again
+
+    @property
+    def total_s(self) -> float:
+        return self.detect_s + self.agree_s + self.form_s + self.reconcile_s
+
+
+class FaultTolerantGroup:
+    """A data-parallel group that survives crashes, hangs, leaves, joins and partitions."""
+
+    def __init__(self, backend: str = "gloo", peers: Iterable[str] = (), bind: str = "127.0.0.1:0",
+                 min_workers: int = 1, max_workers: int | None = None, cluster: str = "ftcomm",
+                 secret: str | None = None, options: GroupOptions | None = None) -> None:
+        if backend != "gloo":
+            raise ValueError(f"unknown backend {backend!r}: this build supports 'gloo'")
+        if min_workers < 1 or (max_workers is not None and max_workers < min_workers):
+            raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
+        self.options = opts = options or GroupOptions()
+        if opts.partition_policy not in ("quorum", "availability"):
+            raise ValueError("partition_policy must be 'quorum' or 'availability'")
+        self.min_workers, self.max_workers = min_workers, max_workers
+        self.settings = {"backend": backend, "min_workers": min_workers, "max_workers": max_workers,
+                         "partition_policy": opts.partition_policy}
+        self._config = hashlib.blake2b(json.dumps(self.settings, sort_keys=True).encode(), digest_size=4).hexdigest()
+        self.state = TrainingState()
+        self.step = 0
+        self.events: list[ViewChange] = []
+        self._view: View | None = None
+        self._comm: GlooCommunicator | None = None
+        self._abort = AbortSignal()
+        self._changed = threading.Event()
+        self._phase = JOINING
+        self._proposal: tuple[int, str] | None = None
+        self._joined_at = time.time()
+        self._join_pending = False
+        self._state_replaced = False
+        self._rejoined = False
+        self._waiting_since = time.monotonic()
+        self._bucket_params: list[list[torch.Tensor]] = []
+        self._needs_reconcile = False
+        self._broken: str | None = None
+        self._faults: list[tuple[float, str, str]] = []  # (time, kind, member) since the last view
+        self._last_step_publish = 0.0
+        self._closed = False
+        self._proposals: dict[tuple[int, str], tuple[str, ...]] = {}
+        host = bind.rsplit(":", 1)[0] if isinstance(bind, str) else bind[0]
+        self._rendezvous = Rendezvous(host, opts.formation_timeout)
+        self._gossip = GossipNode(bind, cluster=cluster, secret=secret, config=opts.gossip,
+                                  metadata=self._status_record(), fault_filter=opts.fault_filter)
+        self._gossip.subscribe(self._on_gossip)
+        self.id = ""
+        try:
+            self._gossip.start(peers)
+            self.id = self._gossip.id
+            self._install_exit_hooks()
+            self._recover("init", time.monotonic(), opts.init_timeout)
+        except BaseException:
+            self._gossip.stop()
+            raise
+
+    # ------------------------------------------------------------------ public attributes
+    @property
+    def view(self) -> View:
+        return self._view
+
+    @property
+    def rank(self) -> int:
+        return self._view.rank_of(self.id)
+
+    @property
+    def world_size(self) -> int:
+        return self._view.size
+
+    @property
+    def gossip(self) -> GossipNode:
+        return self._gossip
+
+    def register_state(self, model: Any = None, optimizer: Any = None, sampler: Any = None, **extras: Any) -> None:
+        """Register what must be identical on every worker (``state_dict`` objects or plain values)."""
+        self.state.register(model=model, optimizer=optimizer, sampler=sampler, **extras)
+
+    # ------------------------------------------------------------------ training API
+    def wait_gradients_ready(self, model_or_params: Any) -> bool:
+        """Average gradients across the view in flat buckets.
+
+        True: the gradients are averaged and the optimizer may step (the step is counted
+        as committed). False: the view changed during the step; the step is discarded
+        and the registered state was reconciled across the new view before returning.
+        Never hangs on a failed peer: a fault aborts the wait within milliseconds of
+        gossip reporting it. Raises QuorumLost when this worker is cut off from the
+        majority for longer than ``quorum_timeout``.
+        """
+        params = [p for p in _parameters(model_or_params) if p.requires_grad]
+        self._state_replaced = False
+        self._waiting_since = time.monotonic()
+        try:
+            self._prepare()
+            if self._needs_reconcile:
+                self._reconcile()
+            # Gradients computed on state that was just replaced are not valid: contribute none.
+            valid = 0.0 if self._state_replaced else 1.0
+            join = 1.0 if self._admissible_joiner() else 0.0
+            buckets, tail = self._flatten(params, valid, join)
+            handles = [self._comm.allreduce([b], "sum") for b in buckets]
+            self._waiting_since = time.monotonic()
+            for h in handles:
+                h.wait(self._abort)
+        except MembershipChanged as exc:
+            self._recover(self._classify(exc), self._waiting_since)
+            return False
+        contributors = float(tail[-2])
+        if contributors < 1:
+            return False  # every worker just received state: nobody's gradients are valid
+        self._unflatten(params, buckets, 1.0 / contributors)
+        if float(tail[-1]) > 0:
+            self._join_pending = True
+        self._commit()
+        return True
+
+    def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` (which calls this group's collectives); on a membership fault re-form,
+        reconcile and retry, up to ``max_retries`` consecutive failures."""
+        failures = 0
+        while True:
+            self._waiting_since = time.monotonic()
+            try:
+                self._prepare()
+                if self._needs_reconcile:
+                    self._reconcile()
+                return fn(*args, **kwargs)
+            except MembershipChanged as exc:
+                failures += 1
+                if failures > self.options.max_retries:
+                    raise RetryLimitExceeded(
+                        f"execute failed {failures} times in a row because the membership kept changing "
+                        f"(last: {exc}); raise max_retries or investigate the unstable workers") from exc
+                self._recover(self._classify(exc), self._waiting_since)
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place across the view. Raises MembershipChanged (caught by ``execute``) on a fault."""
+        return self._run(lambda: self._comm.allreduce([tensor], op))[0]
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self._run(lambda: self._comm.broadcast(tensor, src))
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self._run(lambda: self._comm.allgather(tensor))
+
+    def barrier(self) -> None:
+        self._run(lambda: self._comm.barrier())
+
+    def shutdown(self) -> None:
+        """Leave gracefully: peers see *left* and re-form at once, without a suspicion wait."""
+        if self._closed:
+            return
+        self._closed = True
+        self._phase = LEAVING
+        self._abort.fire("this worker is shutting down")
+        try:
+            self._publish()
+            self._gossip.leave()
+        except FtcommError:
+            pass
+        if self._comm is not None:
+            self._comm.abandon()
+            self._comm = None
+
+    # ------------------------------------------------------------------ lifecycle phases
+    def _recover(self, reason: str, detected_at: float, timeout: float | None = None) -> None:
+        """Agree on a new view, form and verify its communicator, reconcile the state."""
+        noticed = time.monotonic()
+        previous = self._view
+        self._rejoined = False
+        if self._comm is not None:
+            self._comm.abandon()
+            self._comm = None
+        deadline = noticed + (timeout if timeout is not None else self.options.quorum_timeout)
+        while True:
+            started = time.monotonic()
+            view = self._agree(deadline)
+            agreed_at = time.monotonic()
+            try:
+                self._form(view)
+            except (MembershipChanged, FtcommTimeout) as exc:
+                log.info("forming view %d failed (%s); agreeing again", view.id, exc)
+                self._probe_crashed(view)
+                continue
+            formed_at = time.monotonic()
+            try:
+                if self.state.registered:
+                    self._reconcile()
+                else:
+                    self._needs_reconcile = True
+            except MembershipChanged as exc:
+                log.info("reconciling view %d failed (%s); agreeing again", view.id, exc)
+                reason = self._classify(exc)
+                continue
+            break
+        done = time.monotonic()
+        before = previous.members if previous else ()
+        if self._rejoined:
+            reason = "rejoin"
+        change = ViewChange(view.id, view.members, reason,
+                            tuple(m for m in view.members if m not in before),
+                            tuple(m for m in before if m not in view.members),
+                            round(noticed - detected_at, 4), round(agreed_at - started, 4),
+                            round(formed_at - agreed_at, 4), round(done - formed_at, 4), time.time())
+        self.events.append(change)
+        self._faults.clear()
+        self._broken = None
+        log.info("view %d: %d members (%s), rank %d; detect %.3f agree %.3f form %.3f reconcile %.3f s",
+                 view.id, view.size, reason, self.rank, change.detect_s, change.agree_s, change.form_s,
+                 change.reconcile_s)
+
+    def _agree(self, deadline: float) -> View:
+        """Wait until a view containing this worker is agreed (see ftcomm.view)."""
+        last: Candidate | None = None
+        settled_since = last_debug = 0.0
+        while True:
+            now = time.monotonic()
+            if now > deadline:
+                self._raise_stuck(last)
+            self._changed.clear()
+            statuses, addresses = self._statuses()
+            own = statuses.get(self.id)
+            if own is None:
+                self._changed.wait(0.02)
+                continue
+            self._check_config(statuses)
+            if self._phase == ACTIVE and superseded(own, statuses):
+                self._become_joiner("a newer view exists without this worker")
+                continue
+            if self._phase == JOINING and self._group_exists(statuses):
+                view = self._adopt(statuses, addresses)
+                if view is not None:
+                    return view
+            else:
+                previous = self._view if self._phase == ACTIVE else None
+                cand = candidate(self.id, previous, statuses, self._config, self.max_workers)
+                if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
+                    last_debug = now
+                    log.debug("agreeing: candidate %s (view %d, quorum %s); proposals %s", cand.members,
+                              cand.view_id, cand.quorum,
+                              {s.id: (s.alive, s.phase, s.current_view, s.proposal) for s in statuses.values()})
+                usable = (self.id in cand.members and len(cand.members) >= self.min_workers
+                          and (cand.quorum or self.options.partition_policy == "availability"))
+                if not usable:
+                    last = None
+                elif cand != last:
+                    last, settled_since = cand, now
+                elif now - settled_since >= self.options.settle_interval:
+                    key = (cand.view_id, cand.digest)
+                    if self._proposal != key:
+                        self._rendezvous.publish_proposal(cand.view_id, cand.digest, cand.members)
+                        self._proposal = key
+                        self._publish()
+                    if agreed(cand, statuses):
+                        return self._enter(View(cand.view_id, cand.members))
+            self._changed.wait(0.02)
+
+    def _adopt(self, statuses: dict[str, Status], addresses: dict[str, tuple[str, int]]) -> View | None:
+        """As a joiner: agree to a proposal of the existing group that includes this worker."""
+        for status in statuses.values():
+            if not (status.alive and status.phase == ACTIVE and status.proposal and status.config == self._config):
+                continue
+            key = status.proposal
+            members = self._proposals.get(key)
+            if members is None and status.id in addresses:
+                members = self._rendezvous.fetch_proposal(*addresses[status.id], *key)
+                if members is not None:
+                    self._proposals[key] = members
+            if not members or self.id not in members:
+                continue
+            if self._proposal != key:
+                self._proposal = key
+                self._publish()
+            proposal = Candidate(members, key[0], True, ())
+            if agreed(proposal, statuses):
+                return self._enter(View(key[0], members))
+        return None
+
+    def _enter(self, view: View) -> View:
+        """Make ``view`` current: from now on gossip about its members fires the abort signal."""
+        self._abort = AbortSignal()
+        self._view = view
+        self._phase = ACTIVE
+        statuses, _ = self._statuses()
+        for member in view.members:
+            status = statuses.get(member)
+            if member != self.id and (status is None or not status.alive):
+                self._abort.fire(f"{member} is no longer alive")
+        return view
+
+    def _form(self, view: View) -> None:
+        """Form the communicator through rank 0's store and verify it with a tiny allreduce."""
+        _, addresses = self._statuses()
+        rank0 = view.members[0]
+        if rank0 not in addresses:
+            raise CommunicatorError(f"rank 0 ({rank0}) of view {view.id} is not reachable through gossip")
+        store = self._rendezvous.view_store(view, *addresses[rank0])
+        timeout = self.options.formation_timeout
+        comm = GlooCommunicator.form(store, view.rank_of(self.id), view.size, view.id, self._abort, timeout)
+        self._comm = comm
+        self._publish()
+        check = int(view.digest, 16) >> 1
+        probe = torch.tensor([check, -check], dtype=torch.int64)
+        comm.allreduce([probe], "min").wait(self._abort, timeout)
+        if probe.tolist() != [check, -check]:
+            raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
+
+    def _reconcile(self) -> bool:
+        """Make every member's registered state identical; True if this worker received state."""
+        self._needs_reconcile = True
+        comm, abort = self._comm, self._abort
+        mine = torch.tensor([self.step, self.state.digest(self.step)], dtype=torch.int64)
+        gathered = comm.allgather(mine).wait(abort)
+        pairs = [tuple(t.tolist()) for t in gathered]
+        loaded = False
+        if len(set(pairs)) > 1:
+            top = max(p[0] for p in pairs)
+            source = min(r for r, p in enumerate(pairs) if p[0] == top)
+            payload = self.state.to_bytes(self.step) if comm.rank == source else b""
+            length = torch.tensor([len(payload)], dtype=torch.int64)
+            comm.broadcast(length, source).wait(abort)
+            buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if comm.rank == source
+                      else torch.empty(int(length.item()), dtype=torch.uint8))
+            comm.broadcast(buffer, source).wait(abort)
+            if pairs[comm.rank] != pairs[source]:
+                self.step = self.state.load_bytes(buffer.numpy().tobytes())
+                loaded = True
+                self._state_replaced = True
+        self._needs_reconcile = False
+        return loaded
+
+    # ------------------------------------------------------------------ gossip side
+    def _on_gossip(self, event: GossipEvent) -> None:
+        """Runs on the gossip thread: fire the abort signal the moment the view is damaged."""
+        self._changed.set()
+        view, member = self._view, event.member
+        if member.id == self.id:
+            return
+        if view is not None and member.id in view.members and event.kind in ("suspect", "dead", "left"):
+            self._faults.append((time.monotonic(), event.kind, member.id))
+            self._abort.fire(f"{member.id} is {event.kind}")
+            return
+        status = Status.from_metadata(member.id, member.state, member.metadata)
+        if view is None or status is None or status.config != self._config or not status.alive:
+            return
+        if member.id in view.members:
+            if status.proposal is not None and status.proposal[0] > view.id:
+                self._abort.fire(f"{member.id} proposes view {status.proposal[0]}")  # it saw a fault
+        elif status.phase == ACTIVE and status.current_view > max(view.id, (self._proposal or (0, ""))[0]):
+            self._faults.append((time.monotonic(), "superseded", member.id))
+            self._abort.fire(f"view {status.current_view} exists without this worker")
+
+    def _statuses(self) -> tuple[dict[str, Status], dict[str, tuple[str, int]]]:
+        statuses, addresses = {}, {}
+        for m in self._gossip.members():
+            status = Status.from_metadata(m.id, m.state, m.metadata)
+            if status is not None:
+                statuses[m.id] = status
+                if "rz" in m.metadata:
+                    addresses[m.id] = (m.host, int(m.metadata["rz"]))
+        return statuses, addresses
+
+    def _status_record(self) -> dict:
+        current = self._view.id if self._view is not None and self._phase == ACTIVE else 0
+        record = encode_status(self._phase, current, self._proposal, self._joined_at, self._config, self.step,
+                               self._rendezvous.port)
+        record["set"] = [self.settings["backend"], self.min_workers, self.max_workers,
+                         self.settings["partition_policy"]]
+        return record
+
+    def _publish(self) -> None:
+        self._last_step_publish = time.monotonic()
+        self._gossip.set_metadata(self._status_record())
+
+    def _admissible_joiner(self) -> bool:
+        """A worker waits to join and the view has room for it (the pending-join flag)."""
+        view = self._view
+        if self.max_workers is not None and view.size >= self.max_workers:
+            return False
+        for m in self._gossip.live_members():
+            if m.id not in view.members and m.metadata.get("ph") == JOINING and m.metadata.get("cf") == self._config:
+                return True
+        return False
+
+    def _group_exists(self, statuses: dict[str, Status]) -> bool:
+        return any(s.alive and s.phase == ACTIVE and s.current_view > 0 and s.config == self._config
+                   for s in statuses.values() if s.id != self.id)
+
+    def _become_joiner(self, why: str) -> None:
+        log.warning("rejoining the group as a new member: %s", why)
+        self._phase, self._view, self._proposal = JOINING, None, None
+        self._rejoined = True
+        self._joined_at = time.time()
+        self._needs_reconcile = True
+        self._publish()
+
+    def _check_config(self, statuses: dict[str, Status]) -> None:
+        """Refuse to train with a group started with other settings (the newer worker raises)."""
+        for m in self._gossip.live_members():
+            status = statuses.get(m.id)
+            if status is None or status.config == self._config or m.id == self.id:
+                continue
+            if status.phase == ACTIVE or status.joined_at < self._joined_at:
+                theirs = m.metadata.get("set") or []
+                names = ["backend", "min_workers", "max_workers", "partition_policy"]
+                mine = [self.settings[n] for n in names]
+                diffs = [f"{n}={a!r} but the group uses {n}={b!r}" for n, a, b in zip(names, mine, theirs) if a != b]
+                detail = "; ".join(diffs) or "settings differ"
+                raise ConfigMismatch(f"this worker was started with {detail} (member {m.id}): "
+                                     f"start all workers of a group with the same settings")
+
+    # ------------------------------------------------------------------ helpers
+    def _prepare(self) -> None:
+        """Before a collective: recover if the last one failed or a join is due at this boundary."""
+        if self._closed:
+            raise FtcommError("the group was shut down")
+        if self._broken is not None:
+            self._recover(self._broken, self._waiting_since)
+        if self._join_pending:
+            self._join_pending = False
+            self._recover("join", time.monotonic())
+        if self._abort.reason is not None:
+            raise MembershipChanged(self._abort.reason)
+
+    def _run(self, start: Callable[[], Any]) -> Any:
+        self._prepare()
+        if self._needs_reconcile:
+            self._reconcile()
+        handle = start()
+        self._waiting_since = time.monotonic()
+        try:
+            return handle.wait(self._abort)
+        except MembershipChanged as exc:
+            self._broken = self._classify(exc)
+            raise
+
+    def _commit(self) -> None:
+        self.step += 1
+        if time.monotonic() - self._last_step_publish >= self.options.step_publish_interval:
+            self._publish()
+
+    def _classify(self, exc: BaseException) -> str:
+        """Why the view broke: crash, hang, leave, partition, superseded or backend."""
+        if isinstance(exc, CommunicatorError) and self._view is not None:
+            self._probe_crashed(self._view)
+        kinds = {kind for _, kind, _ in self._faults}
+        lost = {member for _, kind, member in self._faults if kind != "superseded"}
+        if "left" in kinds:
+            return "leave"
+        if "superseded" in kinds:
+            return "superseded"
+        if "crash" in kinds:
+            return "crash"
+        if len(lost) > 1 and self._view is not None and 2 * len(lost) >= self._view.size:
+            return "partition"
+        if "suspect" in kinds:
+            return "hang"
+        if "dead" in kinds:
+            return "crash"
+        return "backend"
+
+    def _probe_crashed(self, view: View) -> None:
+        """Crash fast path: members whose host refuses a connection are declared dead now."""
+        others = [m for m in view.members if m != self.id]
+        by_id = {m.id: m for m in self._gossip.members()}
+        targets = [(m, (by_id[m].host, by_id[m].port)) for m in others if m in by_id and by_id[m].state != "dead"]
+        for (member, _), gone in zip(targets, refused_many([a for _, a in targets])):
+            if gone:
+                self._faults.append((time.monotonic(), "crash", member))
+                self._gossip.declare_dead(member)
+
+    def _raise_stuck(self, last: Candidate | None) -> None:
+        if self._view is None or self._phase == JOINING:
+            raise FtcommTimeout(
+                f"no view with at least min_workers={self.min_workers} members could be agreed "
+                f"(this worker sees {len(self._gossip.live_members())} live members; group full or "
+                f"peers unreachable?)")
+        raise QuorumLost(f"cannot reach a majority of view {self._view.id} ({self._view.size} members) "
+                         f"within {self.options.quorum_timeout:g} s: this worker is on the minority side "
+                         f"of a partition or the others are gone")
+
+    def _flatten(self, params: list[torch.Tensor], valid: float, join: float):
+        limit = max(1, int(self.options.bucket_mb * (1 << 20) / 4))
+        buckets, current, size = [], [], 0
+        for p in params:
+            current.append(p)
+            size += p.numel()
+            if size >= limit:
+                buckets.append(current)
+                current, size = [], 0
+        buckets.append(current)
+        flats = []
+        for i, group in enumerate(buckets):
+            pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in group]
+            if valid == 0.0:
+                pieces = [torch.zeros_like(x) for x in pieces]
+            if i == len(buckets) - 1:
+                pieces.append(torch.tensor([valid, join], dtype=torch.float32))
+            flats.append(torch.cat(pieces) if pieces else torch.zeros(0))
+        self._bucket_params = buckets
+        return flats, flats[-1][-2:]
+
+    def _unflatten(self, params: list[torch.Tensor], flats: list[torch.Tensor], scale: float) -> None:
+        for group, flat in zip(self._bucket_params, flats):
+            offset = 0
+            for p in group:
+                n = p.numel()
+                chunk = flat[offset:offset + n].view_as(p).mul_(scale)
+                if p.grad is None:
+                    p.grad = chunk.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(chunk)
+                offset += n
+
+    def _install_exit_hooks(self) -> None:
+        atexit.register(self.shutdown)
+        if not self.options.handle_signals or threading.current_thread() is not threading.main_thread():
+            return
+        previous_hook = sys.excepthook
+
+        def excepthook(kind, value, tb):
+            self.shutdown()
+            previous_hook(kind, value, tb)
+        sys.excepthook = excepthook
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            self.shutdown()
+            if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
+                previous(signum, frame)
+            else:
+                raise SystemExit(128 + signum)
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _parameters(model_or_params: Any) -> list[torch.Tensor]:
+    if hasattr(model_or_params, "parameters"):
+        return list(model_or_params.parameters())
+    return list(model_or_params)

@@ -1,0 +1,112 @@
+"""Child processes that speak JSON lines: the gossip agents and training workers of the
+demos, tests and benchmarks. Every wait polls with a deadline; nothing here can hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+
+
+class ChildProcess:
+    """A child that prints JSON lines (first ``{"ev": "ready", "id", "address", "pid"}``) and
+    reads JSON commands on stdin; it must exit when stdin closes."""
+
+    def __init__(self, command: list[str], ready_timeout: float | None = 30.0, env: dict | None = None) -> None:
+        self.command = command
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self.stderr_tail: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_reader.start()
+        if ready_timeout is not None:
+            self.wait_ready(ready_timeout)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait for the process to be ready; learn its id, address and pid."""
+        ready = self.wait_for(lambda e: e["ev"] in ("ready", "error"), timeout, "ready")
+        if ready["ev"] == "error":
+            self.close()
+            raise RuntimeError(f"process failed to start: {ready['message']}")
+        self.id: str = ready["id"]
+        self.address: str = ready["address"]
+        self.pid: int = ready["pid"]
+
+    def _read_stderr(self) -> None:
+        for line in self.process.stderr:
+            self.stderr_tail.append(line)
+            del self.stderr_tail[:-200]
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            with self._lock:
+                self.events.append(event)
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return list(self.events)
+
+    def wait_for(self, predicate: Callable[[dict], bool], timeout: float, what: str = "an event",
+                 start: int = 0) -> dict:
+        """The first event (from index ``start``) matching ``predicate``; polls until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                for event in self.events[start:]:
+                    if predicate(event):
+                        return event
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"process {getattr(self, 'address', self.process.pid)}: no {what} within {timeout:g} s")
+            if self.process.poll() is not None and not self._reader.is_alive():
+                raise RuntimeError(f"process exited with {self.process.returncode} while waiting for {what}: "
+                                   f"{''.join(self.stderr_tail)[-3000:]}")
+            time.sleep(0.01)
+
+    def request(self, timeout: float = 10.0, **command: object) -> dict:
+        """Send a command and wait for its answer (members, stats) or acknowledgement."""
+        start = len(self.snapshot())
+        self.send(**command)
+        name = command["cmd"]
+        return self.wait_for(lambda e: e["ev"] == name or (e["ev"] == "ok" and e.get("cmd") == name),
+                             timeout, f"answer to {name}", start)
+
+    def send(self, **command: object) -> None:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.process.pid, sig)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the process (politely, then by force) and reap it."""
+        if self.process.poll() is None:
+            try:
+                self.signal(signal.SIGCONT)
+                self.process.stdin.close()
+            except (OSError, ValueError):
+                pass
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+        for stream in (self.process.stdout, self.process.stderr):
+            try:
+                stream.close()
+            except (OSError, ValueError):
+                pass

@@ -1,0 +1,146 @@
+"""View agreement: from eventually-consistent membership to one agreed, ordered view.
+
+Pure functions over what gossip shows (no I/O). Each member publishes a small status
+record in its gossip metadata (:class:`Status`); every member runs the same rule on the
+same records, so once gossip has converged they compute the same candidate, and the
+view is agreed when every member of the candidate publishes the same proposal.
+
+The rule (see docs/ARCHITECTURE.md):
+
+1. Candidate: the previous view's members that are alive and not leaving, in their
+   previous order, then joiners ordered by (join time, id), up to ``max_workers``.
+   With no previous view (a fresh group) the candidate is the joiners alone.
+2. Quorum: the candidate holds a strict majority of the previous view's members that
+   are not confirmed gone (left gracefully); a tie goes to the side holding the
+   previous rank 0.
+3. Agreement: every candidate member publishes the same ``(view id, digest)``; the
+   view id is one more than the highest current view id among the candidate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+JOINING, ACTIVE, LEAVING = "joining", "active", "leaving"
+
+
+@dataclass(frozen=True)
+class View:
+    """An agreed, ordered member list; a member's rank is its index."""
+
+    id: int
+    members: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def digest(self) -> str:
+        return view_digest(self.id, self.members)
+
+    def rank_of(self, member_id: str) -> int:
+        return self.members.index(member_id)
+
+
+def view_digest(view_id: int, members: tuple[str, ...] | list[str]) -> str:
+    text = f"{view_id}\n" + "\n".join(members)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class Status:
+    """What one member publishes about itself in gossip metadata (a few dozen bytes)."""
+
+    id: str
+    alive: bool  # gossip state is alive (not suspect, dead or left)
+    left: bool  # gossip state is left: confirmed gone
+    phase: str  # joining | active | leaving
+    current_view: int  # id of its current agreed view, 0 for none
+    proposal: tuple[int, str] | None  # (view id, digest) it proposes, if any
+    joined_at: float
+    config: str  # digest of the settings that must match across the group
+
+    @classmethod
+    def from_metadata(cls, member_id: str, gossip_state: str, meta: dict) -> "Status | None":
+        """Decode; None when the record is not an ftcomm worker's (or is malformed)."""
+        try:
+            proposal = (int(meta["pv"]), str(meta["pd"])) if meta.get("pv") else None
+            return cls(member_id, gossip_state == "alive", gossip_state == "left", str(meta["ph"]),
+                       int(meta["cv"]), proposal, float(meta["jt"]), str(meta["cf"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | None, joined_at: float,
+                  config: str, step: int, rendezvous_port: int) -> dict:
+    """The metadata record for :meth:`Status.from_metadata` (plus step and rendezvous)."""
+    meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
+    if proposal is not None:
+        meta["pv"], meta["pd"] = proposal
+    return meta
+
+
+def has_quorum(previous: View | None, members: list[str] | tuple[str, ...], gone: set[str]) -> bool:
+    """Strict majority of the previous view's members not confirmed gone; ties to the old rank 0."""
+    if previous is None:
+        return True
+    eligible = [m for m in previous.members if m not in gone]
+    if not eligible:
+        return True  # everybody else left gracefully: nobody can contest
+    present = set(members)
+    kept = sum(1 for m in eligible if m in present)
+    if 2 * kept > len(eligible):
+        return True
+    return 2 * kept == len(eligible) and previous.members[0] in present
+
+
+@dataclass(frozen=True)
+class Candidate:
+    members: tuple[str, ...]
+    view_id: int
+    quorum: bool
+    standby: tuple[str, ...]  # eligible joiners beyond max_workers
+
+    @property
+    def digest(self) -> str:
+        return view_digest(self.view_id, self.members)
+
+
+def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], config: str,
+              max_workers: int | None) -> Candidate:
+    """The view this member proposes, computed only from ``previous`` and gossip."""
+    usable = {s.id: s for s in statuses.values() if s.alive and s.phase != LEAVING and s.config == config}
+    if previous is not None:
+        survivors = [m for m in previous.members if m in usable]
+    else:
+        survivors = []
+    joiners = sorted((s for s in usable.values() if s.phase == JOINING and s.id not in survivors),
+                     key=lambda s: (s.joined_at, s.id))
+    ordered = survivors + [s.id for s in joiners]
+    limit = len(ordered) if max_workers is None else max_workers
+    members, standby = tuple(ordered[:limit]), tuple(ordered[limit:])
+    gone = {s.id for s in statuses.values() if s.left}
+    quorum = has_quorum(previous, members, gone)
+    view_id = 1 + max([statuses[m].current_view for m in members if m in statuses] +
+                      [previous.id if previous else 0])
+    return Candidate(members, view_id, quorum, standby)
+
+
+def agreed(proposal: Candidate, statuses: dict[str, Status]) -> bool:
+    """Every member of the proposal is alive and publishes exactly this proposal."""
+    key = (proposal.view_id, proposal.digest)
+    return all(m in statuses and statuses[m].alive and statuses[m].proposal == key for m in proposal.members)
+
+
+def superseded(own: Status, statuses: dict[str, Status]) -> bool:
+    """Some live member of our group already holds a newer view than any we took part in.
+
+    A view is only agreed when all its members published it, so a member whose own
+    proposal is older than another member's current view was left out of that view
+    (it hung, or sat on the minority side of a partition) and must rejoin as a joiner.
+    """
+    mine = max(own.current_view, own.proposal[0] if own.proposal else 0)
+    return any(s.alive and s.config == own.config and s.phase == ACTIVE and s.current_view > mine
+               for s in statuses.values() if s.id != own.id)
