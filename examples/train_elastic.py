@@ -10,8 +10,9 @@ one machine or many; kill, stop, add or remove any of them while they train:
 Every line on stdout is a JSON object: ``ready``, one ``view`` per view change, a
 ``step`` every ``--report-every`` committed steps, and ``done`` with the final loss,
 accuracy and state digest. With ``--control``, JSON commands on stdin drive the fault
-filter of the gossip layer (``partition``, ``heal``) for tests; the worker exits when
-stdin closes.
+filter of the gossip layer (``partition``, ``heal``), stop training at a given step
+(``stop_at``) or report progress (``status``), for tests and demos; the worker then
+also stops when stdin closes.
 """
 
 from __future__ import annotations
@@ -55,15 +56,32 @@ def emit(**fields) -> None:
     sys.stdout.flush()
 
 
-def control_loop(faults: FaultFilter, stop: threading.Event) -> None:
-    for line in sys.stdin:
-        command = json.loads(line)
-        if command["cmd"] == "partition":
-            faults.partition(command["a"], command["b"])
-        elif command["cmd"] == "heal":
-            faults.heal()
-        emit(ev="ok", cmd=command["cmd"], t=time.time())
-    stop.set()
+class Control:
+    """Commands on stdin (with --control): partition, heal, stop_at, status."""
+
+    def __init__(self, faults: FaultFilter) -> None:
+        self.faults = faults
+        self.stop_at: int | None = None
+        self.closed = threading.Event()
+
+    def loop(self, ft) -> None:
+        for line in sys.stdin:
+            command = json.loads(line)
+            name = command["cmd"]
+            if name == "partition":
+                self.faults.partition(command["a"], command["b"])
+            elif name == "heal":
+                self.faults.heal()
+            elif name == "stop_at":
+                self.stop_at = int(command["step"])
+            elif name == "status":
+                emit(ev="status", step=ft.step, t=time.time())
+                continue
+            emit(ev="ok", cmd=name, t=time.time())
+        self.closed.set()
+
+    def should_stop(self, step: int) -> bool:
+        return self.closed.is_set() or (self.stop_at is not None and step >= self.stop_at)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     ft.register_state(model=model, optimizer=optimizer)
     emit(ev="ready", id=ft.id, address=ft.gossip.address, pid=__import__("os").getpid(), rank=ft.rank,
          world=ft.world_size, t=time.time())
-    stop = threading.Event()
-    if args.control:
-        threading.Thread(target=control_loop, args=(faults, stop), daemon=True).start()
+    control = Control(faults) if args.control else None
+    if control is not None:
+        threading.Thread(target=control.loop, args=(ft,), daemon=True).start()
 
     reported = 0
     generator = torch.Generator()
-    while ft.step < args.steps and not stop.is_set():
+    while ft.step < args.steps and not (control and control.should_stop(ft.step)):
         # Each worker draws its own batch for this step; (step, rank) makes it reproducible.
         generator.manual_seed(args.seed * 1_000_003 + ft.step * 1009 + ft.rank)
         index = torch.randint(0, len(x), (args.batch,), generator=generator)

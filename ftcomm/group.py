@@ -14,6 +14,7 @@ probes the view's members and declares dead those whose host refuses a connectio
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import json
 import logging
@@ -70,6 +71,9 @@ class ViewChange:
     form_s: float
     reconcile_s: float
     time: float  # time.time() when the group was ready again
+    abort_latency_s: float | None = None  # from the abort signal firing to the training thread noticing
+    step: int | None = None  # committed step once the state was reconciled in this view
+    state_digest: int | None = None  # digest of the registered state then (equal on every member)
 
     @property
     def total_s(self) -> float:
@@ -96,7 +100,8 @@ class FaultTolerantGroup:
         self.state = TrainingState()
         self.step = 0
         self.events: list[ViewChange] = []
-        self._view: View | None = None
+        self._view: View | None = None  # the current view: formed and verified
+        self._forming: View | None = None  # a view agreed on and being formed
         self._comm: GlooCommunicator | None = None
         self._abort = AbortSignal()
         self._changed = threading.Event()
@@ -106,6 +111,7 @@ class FaultTolerantGroup:
         self._join_pending = False
         self._state_replaced = False
         self._rejoined = False
+        self._reconciled_digest: int | None = None
         self._waiting_since = time.monotonic()
         self._bucket_params: list[list[torch.Tensor]] = []
         self._needs_reconcile = False
@@ -240,6 +246,8 @@ class FaultTolerantGroup:
     def _recover(self, reason: str, detected_at: float, timeout: float | None = None) -> None:
         """Agree on a new view, form and verify its communicator, reconcile the state."""
         noticed = time.monotonic()
+        fired_at, gave_up_at = self._abort.fired_at, self._abort.noticed_at
+        abort_latency = round(gave_up_at - fired_at, 4) if fired_at is not None and gave_up_at is not None else None
         previous = self._view
         self._rejoined = False
         if self._comm is not None:
@@ -254,12 +262,18 @@ class FaultTolerantGroup:
                 self._form(view)
             except (MembershipChanged, FtcommTimeout) as exc:
                 log.info("forming view %d failed (%s); agreeing again", view.id, exc)
+                self._forming = None  # this worker stays in the view (or phase) it had
+                if self._comm is not None:
+                    self._comm.abandon()
+                    self._comm = None
                 self._probe_crashed(view)
                 continue
+            self._view, self._forming, self._phase = view, None, ACTIVE
+            self._publish()
             formed_at = time.monotonic()
             try:
                 if self.state.registered:
-                    self._reconcile()
+                    self._reconcile(stamp=False)
                 else:
                     self._needs_reconcile = True
             except MembershipChanged as exc:
@@ -269,14 +283,16 @@ class FaultTolerantGroup:
             break
         done = time.monotonic()
         before = previous.members if previous else ()
-        if self._rejoined:
-            reason = "rejoin"
+        reason = "rejoin" if self._rejoined else self._reason_for(reason, before, view)
         change = ViewChange(view.id, view.members, reason,
                             tuple(m for m in view.members if m not in before),
                             tuple(m for m in before if m not in view.members),
                             round(noticed - detected_at, 4), round(agreed_at - started, 4),
-                            round(formed_at - agreed_at, 4), round(done - formed_at, 4), time.time())
+                            round(formed_at - agreed_at, 4), round(done - formed_at, 4), time.time(),
+                            abort_latency)
         self.events.append(change)
+        if not self._needs_reconcile:
+            self._record_reconciled()
         self._faults.clear()
         self._broken = None
         log.info("view %d: %d members (%s), rank %d; detect %.3f agree %.3f form %.3f reconcile %.3f s",
@@ -305,6 +321,11 @@ class FaultTolerantGroup:
                 view = self._adopt(statuses, addresses)
                 if view is not None:
                     return view
+                if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
+                    last_debug = now
+                    log.debug("joining: proposals %s; fetched %s",
+                              {s.id: (s.alive, s.phase, s.current_view, s.proposal) for s in statuses.values()},
+                              self._proposals)
             else:
                 previous = self._view if self._phase == ACTIVE else None
                 cand = candidate(self.id, previous, statuses, self._config, self.max_workers)
@@ -351,10 +372,9 @@ class FaultTolerantGroup:
         return None
 
     def _enter(self, view: View) -> View:
-        """Make ``view`` current: from now on gossip about its members fires the abort signal."""
+        """Start forming ``view``: from now on gossip about its members fires the abort signal."""
         self._abort = AbortSignal()
-        self._view = view
-        self._phase = ACTIVE
+        self._forming = view
         statuses, _ = self._statuses()
         for member in view.members:
             status = statuses.get(member)
@@ -372,15 +392,18 @@ class FaultTolerantGroup:
         timeout = self.options.formation_timeout
         comm = GlooCommunicator.form(store, view.rank_of(self.id), view.size, view.id, self._abort, timeout)
         self._comm = comm
-        self._publish()
         check = int(view.digest, 16) >> 1
         probe = torch.tensor([check, -check], dtype=torch.int64)
         comm.allreduce([probe], "min").wait(self._abort, timeout)
         if probe.tolist() != [check, -check]:
             raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
 
-    def _reconcile(self) -> bool:
-        """Make every member's registered state identical; True if this worker received state."""
+    def _reconcile(self, stamp: bool = True) -> bool:
+        """Make every member's registered state identical; True if this worker received state.
+
+        ``stamp``: record the reconciled state in the latest view change (a reconcile
+        deferred until the state was registered belongs to the view formed before it).
+        """
         self._needs_reconcile = True
         comm, abort = self._comm, self._abort
         mine = torch.tensor([self.step, self.state.digest(self.step)], dtype=torch.int64)
@@ -401,13 +424,22 @@ class FaultTolerantGroup:
                 loaded = True
                 self._state_replaced = True
         self._needs_reconcile = False
+        self._reconciled_digest = self.state.digest(self.step) if loaded else int(mine[1])
+        if stamp:
+            self._record_reconciled()
         return loaded
+
+    def _record_reconciled(self) -> None:
+        """Stamp the latest view change with the state every member holds after reconciling."""
+        if self.state.registered and self.events:
+            self.events[-1] = dataclasses.replace(self.events[-1], step=self.step,
+                                                  state_digest=self._reconciled_digest)
 
     # ------------------------------------------------------------------ gossip side
     def _on_gossip(self, event: GossipEvent) -> None:
         """Runs on the gossip thread: fire the abort signal the moment the view is damaged."""
         self._changed.set()
-        view, member = self._view, event.member
+        view, member = self._forming or self._view, event.member
         if member.id == self.id:
             return
         if view is not None and member.id in view.members and event.kind in ("suspect", "dead", "left"):
@@ -418,9 +450,9 @@ class FaultTolerantGroup:
         if view is None or status is None or status.config != self._config or not status.alive:
             return
         if member.id in view.members:
-            if status.proposal is not None and status.proposal[0] > view.id:
-                self._abort.fire(f"{member.id} proposes view {status.proposal[0]}")  # it saw a fault
-        elif status.phase == ACTIVE and status.current_view > max(view.id, (self._proposal or (0, ""))[0]):
+            if status.proposal is not None and status.proposal != (view.id, view.digest):
+                self._abort.fire(f"{member.id} proposes view {status.proposal[0]}")  # it saw a change
+        elif status.phase == ACTIVE and status.current_view > view.id:
             self._faults.append((time.monotonic(), "superseded", member.id))
             self._abort.fire(f"view {status.current_view} exists without this worker")
 
@@ -532,6 +564,21 @@ class FaultTolerantGroup:
         if "dead" in kinds:
             return "crash"
         return "backend"
+
+    def _reason_for(self, noticed: str, before: tuple[str, ...], view: View) -> str:
+        """Name a re-formation by what happened to the members it dropped."""
+        removed = [m for m in before if m not in view.members]
+        if not removed:
+            return "join" if noticed not in ("init",) and len(view.members) > len(before) else noticed
+        states = {m.id: m.state for m in self._gossip.members()}
+        kinds = [states.get(m, "dead") for m in removed]
+        if all(k == "left" for k in kinds):
+            return "leave"
+        if len(removed) > 1 and 2 * len(removed) >= len(before):
+            return "partition"
+        if any(k == "suspect" for k in kinds) or noticed == "hang":
+            return "hang"
+        return "crash" if any(k == "dead" for k in kinds) else noticed
 
     def _probe_crashed(self, view: View) -> None:
         """Crash fast path: members whose host refuses a connection are declared dead now."""

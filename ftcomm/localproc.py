@@ -68,7 +68,9 @@ class ChildProcess:
                     if predicate(event):
                         return event
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"process {getattr(self, 'address', self.process.pid)}: no {what} within {timeout:g} s")
+                tail = "".join(self.stderr_tail[-12:])
+                raise TimeoutError(f"process {getattr(self, 'address', self.process.pid)}: no {what} within "
+                                   f"{timeout:g} s; its stderr ends with:\n{tail}")
             if self.process.poll() is not None and not self._reader.is_alive():
                 raise RuntimeError(f"process exited with {self.process.returncode} while waiting for {what}: "
                                    f"{''.join(self.stderr_tail)[-3000:]}")

@@ -72,20 +72,27 @@ class Rendezvous:
             return None
 
     def view_store(self, view: View, host: str, port: int) -> Any:
-        """The store the ranks of ``view`` form their communicator through (rank 0's)."""
-        return dist.PrefixStore(f"view/{view.id}/{view.digest}", self._client(host, port))
+        """The store the ranks of ``view`` form their communicator through (rank 0's).
+
+        Always a new connection: a formation that is abandoned may keep its builder
+        thread blocked on its store, and a TCPStore client serializes its requests.
+        """
+        return dist.PrefixStore(f"view/{view.id}/{view.digest}", self._connect(host, port))
 
     def _client(self, host: str, port: int) -> Any:
+        """A cached connection for short reads (proposals); never used by a formation."""
         if (host, port) == (self.host, self.port):
             return self.store
         client = self._clients.get((host, port))
         if client is None:
-            if refused(host, port):
-                raise CommunicatorError(f"the rendezvous store at {host}:{port} refused the connection")
-            try:
-                client = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=self.timeout))
-            except RuntimeError as exc:
-                raise CommunicatorError(f"cannot reach the rendezvous store at {host}:{port}: "
-                                        f"{str(exc).splitlines()[0][:200]}") from None
-            self._clients[(host, port)] = client
+            client = self._clients[(host, port)] = self._connect(host, port)
         return client
+
+    def _connect(self, host: str, port: int) -> Any:
+        if refused(host, port):
+            raise CommunicatorError(f"the rendezvous store at {host}:{port} refused the connection")
+        try:
+            return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise CommunicatorError(f"cannot reach the rendezvous store at {host}:{port}: "
+                                    f"{str(exc).splitlines()[0][:200]}") from None

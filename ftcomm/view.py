@@ -12,7 +12,7 @@ The rule (see docs/ARCHITECTURE.md):
    With no previous view (a fresh group) the candidate is the joiners alone.
 2. Quorum: the candidate holds a strict majority of the previous view's members that
    are not confirmed gone (left gracefully); a tie goes to the side holding the
-   previous rank 0.
+   previous view's lowest-ranked member that is not confirmed gone (rank 0 unless it left).
 3. Agreement: every candidate member publishes the same ``(view id, digest)``; the
    view id is one more than the highest current view id among the candidate.
 """
@@ -83,7 +83,7 @@ def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | Non
 
 
 def has_quorum(previous: View | None, members: list[str] | tuple[str, ...], gone: set[str]) -> bool:
-    """Strict majority of the previous view's members not confirmed gone; ties to the old rank 0."""
+    """Strict majority of the previous view's members not confirmed gone; ties to the lowest such rank."""
     if previous is None:
         return True
     eligible = [m for m in previous.members if m not in gone]
@@ -93,7 +93,8 @@ def has_quorum(previous: View | None, members: list[str] | tuple[str, ...], gone
     kept = sum(1 for m in eligible if m in present)
     if 2 * kept > len(eligible):
         return True
-    return 2 * kept == len(eligible) and previous.members[0] in present
+    # A tie goes to the side holding the oldest member not confirmed gone (rank 0 unless it left).
+    return 2 * kept == len(eligible) and eligible[0] in present
 
 
 @dataclass(frozen=True)
@@ -134,13 +135,15 @@ def agreed(proposal: Candidate, statuses: dict[str, Status]) -> bool:
     return all(m in statuses and statuses[m].alive and statuses[m].proposal == key for m in proposal.members)
 
 
-def superseded(own: Status, statuses: dict[str, Status]) -> bool:
-    """Some live member of our group already holds a newer view than any we took part in.
+def superseded(own: Status, statuses: dict[str, Status], forming: int = 0) -> bool:
+    """Some live member of our group holds a newer view than this member ever formed.
 
-    A view is only agreed when all its members published it, so a member whose own
-    proposal is older than another member's current view was left out of that view
-    (it hung, or sat on the minority side of a partition) and must rejoin as a joiner.
+    A view becomes a member's current view only once every member has formed it, so a
+    member whose current view (or the view it is forming) is older than another
+    member's current view was left out of it (it hung, or sat on the minority side of a
+    partition) and must rejoin as a joiner. Proposals do not count: a left-out member
+    may well propose a newer view id from its stale table.
     """
-    mine = max(own.current_view, own.proposal[0] if own.proposal else 0)
+    mine = max(own.current_view, forming)
     return any(s.alive and s.config == own.config and s.phase == ACTIVE and s.current_view > mine
                for s in statuses.values() if s.id != own.id)

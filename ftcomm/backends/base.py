@@ -12,6 +12,7 @@ waited to completion belongs to a communicator that must then be abandoned.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 from ..errors import CollectiveAborted, FtcommTimeout
@@ -23,6 +24,8 @@ class AbortSignal:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reason: str | None = None
+        self.fired_at: float | None = None  # time.monotonic() of the first fire
+        self.noticed_at: float | None = None  # when a waiting collective first gave up because of it
         self._waiters: set[threading.Event] = set()
 
     @property
@@ -33,13 +36,10 @@ class AbortSignal:
         with self._lock:
             if self._reason is None:
                 self._reason = reason
+                self.fired_at = time.monotonic()
             waiters = list(self._waiters)
         for event in waiters:
             event.set()
-
-    def reset(self) -> None:
-        with self._lock:
-            self._reason = None
 
     def wait(self, wake: threading.Event, is_done: Callable[[], bool], timeout: float | None, what: str) -> None:
         """Block until ``is_done()``; raise if the signal fires first or time runs out.
@@ -57,6 +57,8 @@ class AbortSignal:
         if is_done():
             return
         if self._reason is not None:
+            if self.noticed_at is None:
+                self.noticed_at = time.monotonic()
             raise CollectiveAborted(f"{what} abandoned: {self._reason}")
         raise FtcommTimeout(f"{what} did not complete within {timeout:g} s")
 

