@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-every", type=int, default=50)
     parser.add_argument("--control", action="store_true", help="read fault-injection commands on stdin")
     parser.add_argument("--gossip", default="{}", help="GossipConfig overrides as JSON")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden width (3150: about 10M parameters)")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -105,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     x, y = make_task(args.seed)
-    model = make_model()
+    model = make_model(hidden=args.hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     faults = FaultFilter() if args.control else None
     gossip = GossipConfig().with_overrides(**json.loads(args.gossip))
+    init_started = time.time()
     ft = ftcomm.init(backend="gloo", peers=args.peers, bind=args.bind, min_workers=args.min_workers,
                      max_workers=args.max_workers, gossip=gossip, fault_filter=faults)
     ft.register_state(model=model, optimizer=optimizer)
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=control.loop, args=(ft,), daemon=True).start()
 
     reported = 0
+    awaiting_commit = True  # report the first committed step after each view change
     generator = torch.Generator()
     while ft.step < args.steps and not (control and control.should_stop(ft.step)):
         # Each worker draws its own batch for this step; (step, rank) makes it reproducible.
@@ -130,10 +133,15 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_time)  # stands in for a heavier model's compute
         if ft.wait_gradients_ready(model):
             optimizer.step()
+            if awaiting_commit:
+                awaiting_commit = False
+                emit(ev="first_step", view_id=ft.view.id, step=ft.step, since_init_s=time.time() - init_started,
+                     t=time.time())
         optimizer.zero_grad()
         while reported < len(ft.events):
             emit(ev="view", t=time.time(), **dataclasses.asdict(ft.events[reported]))
             reported += 1
+            awaiting_commit = True
         if ft.step % args.report_every == 0:
             emit(ev="step", step=ft.step, rank=ft.rank, world=ft.world_size, loss=round(loss.item(), 4),
                  t=time.time())

@@ -31,9 +31,11 @@ def _members(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import gossip_demo
+    from .demo import gossip_demo, train_demo
 
-    return gossip_demo(members=args.members)
+    if args.which == "gossip":
+        return gossip_demo(members=args.members)
+    return train_demo(steps=args.steps)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     members.set_defaults(run=_members)
 
     demo = commands.add_parser("demo", help="run a local demonstration")
-    demo.add_argument("which", nargs="?", choices=["gossip"], default="gossip",
-                      help="gossip: start local members, kill one, show who noticed when")
-    demo.add_argument("--members", type=int, default=8, help="number of local members")
+    demo.add_argument("which", nargs="?", choices=["train", "gossip"], default="train",
+                      help="train (default): 4 local workers train while one is killed, one hangs and one "
+                           "joins; gossip: start local members, kill one, show who noticed when")
+    demo.add_argument("--members", type=int, default=8, help="gossip demo: number of local members")
+    demo.add_argument("--steps", type=int, default=450, help="train demo: committed steps to train")
     demo.set_defaults(run=_demo)
     return parser
 

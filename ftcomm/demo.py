@@ -1,12 +1,18 @@
-"""Demonstrations that run on one machine: ``ftcomm demo gossip``."""
+"""Demonstrations that run on one machine: ``ftcomm demo train`` and ``ftcomm demo gossip``."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import signal
+import sys
 import time
 
 from .gossip.config import GossipConfig
 from .gossip.local import LocalCluster
+from .localproc import ChildProcess
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
 
 
 def gossip_demo(members: int = 8, out=print) -> int:
@@ -39,3 +45,70 @@ def gossip_demo(members: int = 8, out=print) -> int:
             f"(min suspicion timeout {config.min_suspicion_timeout(members):.2f} s, "
             f"probe interval {config.probe_interval:.2f} s)")
     return 0
+
+
+def _trainer(seed_address: str | None, steps: int) -> ChildProcess:
+    command = [sys.executable, "-u", str(EXAMPLE), "--bind", "127.0.0.1:0", "--steps", str(steps),
+               "--step-time", "0.015", "--report-every", "100000"]
+    if seed_address:
+        command += ["--peers", seed_address]
+    return ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def train_demo(steps: int = 450, out=print) -> int:
+    """4 local workers train an MLP; one is killed, one is stopped, one joins; print the timeline."""
+    started = time.time()
+    out("starting 4 training workers on 127.0.0.1 (an MLP on a synthetic task) ...")
+    workers = [_trainer(None, steps)]
+    try:
+        workers[0].wait_ready(60)
+        workers += [_trainer(workers[0].address, steps) for _ in range(3)]
+        for w in workers[1:]:
+            w.wait_ready(60)
+        out(f"t={time.time() - started:5.1f}s  all 4 workers are training")
+        for w in workers:
+            w.wait_for(lambda e: e["ev"] == "view" and len(e["members"]) == 4, 60, "a 4-worker view")
+        names = {w.id: f"worker{i}" for i, w in enumerate(workers)}
+        time.sleep(1.5)
+        out(f"t={time.time() - started:5.1f}s  kill -9 worker1")
+        workers[1].signal(signal.SIGKILL)
+        time.sleep(2.5)
+        out(f"t={time.time() - started:5.1f}s  SIGSTOP worker2 (a hang)")
+        workers[2].signal(signal.SIGSTOP)
+        time.sleep(3.0)
+        out(f"t={time.time() - started:5.1f}s  start worker4")
+        newcomer = _trainer(workers[0].address, steps)
+        workers.append(newcomer)
+        newcomer.wait_ready(60)
+        names[newcomer.id] = "worker4"
+        time.sleep(1.0)
+        out(f"t={time.time() - started:5.1f}s  SIGCONT worker2: it finds it was left out and rejoins")
+        workers[2].signal(signal.SIGCONT)
+        finishers = [w for i, w in enumerate(workers) if i != 1]
+        done = [w.wait_for(lambda e: e["ev"] == "done", 120, "the end of training") for w in finishers]
+        out("\nview changes seen by worker0 (phase times in seconds):")
+        out(f"  {'view':>4} {'reason':9} {'size':>4} {'detect':>7} {'agree':>6} {'form':>6} {'reconcile':>9}  change")
+        for e in workers[0].snapshot():
+            if e["ev"] != "view":
+                continue
+            change = " ".join([f"+{names.get(m, m)}" for m in e["added"]] + [f"-{names.get(m, m)}" for m in e["removed"]])
+            out(f"  {e['view_id']:>4} {e['reason']:9} {len(e['members']):>4} {e['detect_s']:>7.3f} "
+                f"{e['agree_s']:>6.3f} {e['form_s']:>6.3f} {e['reconcile_s']:>9.3f}  {change}")
+        rejoin = [e for e in workers[2].snapshot() if e["ev"] == "view" and e["reason"] == "rejoin"]
+        if rejoin:
+            out(f"  worker2 rejoined in view {rejoin[0]['view_id']} and received the group's state")
+        out("\nfinal state of every worker:")
+        for w, d in zip(finishers, done):
+            out(f"  {names[w.id]:8} step {d['step']:4d}  world {d['world']}  loss {d['loss']:.4f}  "
+                f"accuracy {d['accuracy']:.4f}  digest {d['digest']:x}")
+        same = len({d["digest"] for d in done}) == 1
+        out(f"\nall state digests equal: {'yes' if same else 'NO'}; finished in {time.time() - started:.1f} s")
+        return 0 if same else 1
+    finally:
+        for w in workers:
+            if w.alive():
+                try:
+                    w.signal(signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            w.close(timeout=10)
