@@ -45,16 +45,44 @@ class GroupOptions:
     """Options of a fault-tolerant group (``ftcomm.init(**options)``); see docs/CONFIGURATION.md."""
 
     settle_interval: float = 0.05
+    """A candidate view must stay unchanged this long before it is proposed. Longer batches
+    simultaneous changes into one re-formation; shorter re-forms sooner."""
+
     init_timeout: float = 120.0
+    """``init`` raises FtcommTimeout when no view with ``min_workers`` members forms in time."""
+
     formation_timeout: float = 10.0
+    """Bound on forming one communicator (rendezvous and Gloo connect); a formation that
+    times out is abandoned and the view agreed again."""
+
     quorum_timeout: float = 300.0
+    """How long a worker cut off from the majority waits for the partition to heal before
+    ``QuorumLost``. Long enough to ride out a switch reboot; short enough to free the node."""
+
     max_retries: int = 5
+    """Consecutive re-formations ``execute`` tolerates before ``RetryLimitExceeded``."""
+
     bucket_mb: float = 25.0
+    """Size of the flat gradient buckets of ``wait_gradients_ready`` (one allreduce each)."""
+
     partition_policy: str = "quorum"
+    """``quorum`` (safe): only a side holding a majority of the previous view (ties: its
+    oldest member) continues. ``availability``: every side continues; sides may diverge
+    and are not merged back automatically."""
+
     step_publish_interval: float = 2.0
+    """Minimum seconds between gossip updates of the committed step (shown by ``ftcomm
+    members``); every update is a broadcast to the whole group."""
+
     gossip: GossipConfig = field(default_factory=GossipConfig)
+    """The membership protocol's configuration (a GossipConfig, or a dict of its fields)."""
+
     fault_filter: FaultFilter | None = None
+    """Testing API: drop, delay or partition this worker's gossip traffic."""
+
     handle_signals: bool = True
+    """Install a SIGTERM handler and an excepthook that leave the group gracefully (main
+    thread only); ``shutdown`` also runs at interpreter exit."""
 
 
 @dataclass(frozen=True)

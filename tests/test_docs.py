@@ -6,6 +6,7 @@ import dataclasses
 import pathlib
 
 from ftcomm.gossip.config import GossipConfig
+from ftcomm.group import GroupOptions
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
@@ -14,6 +15,13 @@ def test_every_gossip_option_is_documented_with_its_default():
     table = (DOCS / "CONFIGURATION.md").read_text()
     for field in dataclasses.fields(GossipConfig):
         assert f"| `{field.name}` | `{field.default!r}` |" in table, f"{field.name} missing or stale"
+
+
+def test_every_group_option_is_documented_with_its_default():
+    table = (DOCS / "CONFIGURATION.md").read_text()
+    for field in dataclasses.fields(GroupOptions):
+        default = "GossipConfig()" if field.default is dataclasses.MISSING else repr(field.default)
+        assert f"| `{field.name}` | `{default}` |" in table, f"{field.name} missing or stale"
 
 
 def _cells(row: str) -> list[str]:

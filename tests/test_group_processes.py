@@ -122,3 +122,46 @@ def test_mismatched_settings_are_refused_with_a_clear_error(cluster):
     wait_until(lambda: any("ConfigMismatch" in line for line in stranger.stderr_tail), 10, "the error")
     text = "".join(stranger.stderr_tail)
     assert "max_workers=8 but the group uses max_workers=4" in text
+
+
+def test_random_churn_among_four_to_six_workers(cluster):
+    """Kills, pauses, graceful leaves and joins at random for a while; no hang, one state."""
+    duration = float(__import__("os").environ.get("FTCOMM_CHURN_SECONDS", "60"))
+    rng = random.Random(20261121)
+    live = cluster.start(4, ["--min-workers", "1"])
+    cluster.wait_view(live, 4, timeout=60)
+    paused: list = []
+    ends = time.monotonic() + duration
+    actions = []
+    while time.monotonic() < ends:
+        time.sleep(rng.uniform(1.5, 4.0))
+        for w in paused:
+            w.signal(signal.SIGCONT)
+        paused.clear()
+        action = rng.choice(["kill", "pause", "leave", "join"])
+        if action == "join" and len(live) < 6 or len(live) <= 4:
+            live += cluster.start(1, ["--min-workers", "1"], wait=False)
+            action = "join"
+        elif action == "kill":
+            victim = live.pop(rng.randrange(len(live)))
+            victim.signal(signal.SIGKILL)
+        elif action == "leave":
+            victim = live.pop(rng.randrange(len(live)))
+            victim.signal(signal.SIGTERM)
+        else:
+            victim = live[rng.randrange(len(live))]
+            victim.signal(signal.SIGSTOP)
+            paused.append(victim)
+        actions.append(action)
+    for w in paused:
+        w.signal(signal.SIGCONT)
+    for w in live:
+        w.wait_ready(90)
+    deadline = time.monotonic() + 90
+    while True:  # no hang: every live worker ends up in one view with all the others
+        newest = [max((e for e in w.snapshot() if e["ev"] == "view"), key=lambda e: e["view_id"]) for w in live]
+        if len({v["view_id"] for v in newest}) == 1 and len(newest[0]["members"]) == len(live):
+            break
+        assert time.monotonic() < deadline, f"no common view after churn {actions}: {[v['view_id'] for v in newest]}"
+        time.sleep(0.1)
+    assert_invariants(live, cluster.finish(live))

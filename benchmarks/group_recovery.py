@@ -1,0 +1,186 @@
+"""Group benchmarks 2-5: recovery after kill -9 and SIGSTOP, join time, re-formation time by size.
+
+    python benchmarks/group_recovery.py [--runs 5] [--sizes 2,3,4,5,6,7,8]
+
+Workers are ``examples/train_elastic.py`` processes on 127.0.0.1 with the default
+configuration. *Recovery* is the time from the signal to the moment every survivor has
+committed its next step in the new view; the phase breakdown (detect, agree, form,
+reconcile) comes from the survivors' view-change records (median over survivors).
+*Join* is the time from the new process calling ``ftcomm.init()`` to its first committed
+step, with a model of about 10M parameters, joining a group of 2. The baseline measured
+in the same run is a cold start: the time from ``init()`` to the first committed step
+when all workers start together (what a restart-everybody system pays at minimum,
+before any re-initialisation of its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from ftcomm.localproc import ChildProcess  # noqa: E402
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_elastic.py")
+
+
+def worker(seed: str | None, extra: list[str] = ()) -> ChildProcess:
+    command = [sys.executable, "-u", EXAMPLE, "--bind", "127.0.0.1:0", "--control", "--steps", "100000000",
+               "--step-time", "0.01", "--report-every", "100000000", *extra]
+    if seed:
+        command += ["--peers", seed]
+    return ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+class Group:
+    def __init__(self, size: int, extra: list[str] = ()) -> None:
+        self.extra = list(extra)
+        self.workers = [worker(None, self.extra)]
+        self.workers[0].wait_ready(60)
+        self.seed = self.workers[0].address
+        self.grow(size)
+
+    def grow(self, size: int) -> None:
+        fresh = [worker(self.seed, self.extra) for _ in range(size - len(self.workers))]
+        for w in fresh:
+            w.wait_ready(90)
+        self.workers += fresh
+        self.wait_size(size)
+
+    def wait_size(self, size: int) -> int:
+        """Wait until every worker is in a view of ``size`` (the newest one each has seen)."""
+        deadline = time.monotonic() + 90
+        while True:
+            newest = [max((e for e in w.snapshot() if e["ev"] == "view"), key=lambda e: e["view_id"], default=None)
+                      for w in self.workers]
+            if all(v is not None and len(v["members"]) == size for v in newest) and \
+                    len({v["view_id"] for v in newest}) == 1:
+                return newest[0]["view_id"]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no common view of {size} within 90 s")
+            time.sleep(0.05)
+
+    def latest_view(self) -> int:
+        return max((e["view_id"] for w in self.workers for e in w.snapshot() if e["ev"] == "view"), default=0)
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.alive():
+                try:
+                    w.signal(signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            w.close(timeout=10)
+
+
+def fault_run(group: Group, sig: int, victim_index: int = 1) -> dict:
+    """Signal one worker; measure until every survivor committed a step in the new view."""
+    before = group.latest_view()
+    time.sleep(0.5)
+    victim = group.workers[victim_index]
+    survivors = [w for w in group.workers if w is not victim]
+    marks = [len(w.snapshot()) for w in survivors]
+    t0 = time.time()
+    victim.signal(sig)
+    views = [w.wait_for(lambda e: e["ev"] == "view" and e["view_id"] > before, 60, "new view", m)
+             for w, m in zip(survivors, marks)]
+    new_view = max(v["view_id"] for v in views)
+    firsts = [w.wait_for(lambda e: e["ev"] == "first_step" and e["view_id"] >= new_view, 60, "a commit", m)
+              for w, m in zip(survivors, marks)]
+    result = {
+        "recovery_s": round(max(f["t"] for f in firsts) - t0, 4),
+        "reason": views[0]["reason"],
+        "detect_s": round(statistics.median(v["detect_s"] for v in views), 4),
+        "agree_s": round(statistics.median(v["agree_s"] for v in views), 4),
+        "form_s": round(statistics.median(v["form_s"] for v in views), 4),
+        "reconcile_s": round(statistics.median(v["reconcile_s"] for v in views), 4),
+        "view_ready_s": round(max(v["time"] for v in views) - t0, 4),
+    }
+    if sig == signal.SIGSTOP:
+        victim.signal(signal.SIGKILL)
+    victim.close(timeout=10)
+    group.workers.remove(victim)
+    return result
+
+
+def summarize(runs: list[dict]) -> dict:
+    keys = ["recovery_s", "detect_s", "agree_s", "form_s", "reconcile_s", "view_ready_s"]
+    return {"runs": runs, **{f"median_{k}": round(statistics.median(r[k] for r in runs), 4) for k in keys}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--sizes", default="2,3,4,5,6,7,8")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "group_recovery.json"))
+    args = parser.parse_args()
+    report: dict = {"benchmark": "group_recovery",
+                    "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
+
+    group = Group(4)
+    try:
+        crash, hang = [], []
+        for _ in range(args.runs):
+            crash.append(fault_run(group, signal.SIGKILL))
+            group.grow(4)
+        for _ in range(args.runs):
+            hang.append(fault_run(group, signal.SIGSTOP))
+            group.grow(4)
+    finally:
+        group.close()
+    report["kill9_one_of_four"] = {**summarize(crash), "target_median_s": 1.0}
+    report["sigstop_one_of_four"] = {**summarize(hang), "target_median_s": 3.0}
+    print(json.dumps({k: {m: v for m, v in report[k].items() if m != "runs"}
+                      for k in ("kill9_one_of_four", "sigstop_one_of_four")}), flush=True)
+
+    big = ["--hidden", "3150"]  # about 10M parameters
+    joins, cold = [], []
+    for _ in range(max(3, args.runs // 2 + 1)):
+        start = [worker(None, big)]
+        start[0].wait_ready(60)
+        start.append(worker(start[0].address, big))
+        start[1].wait_ready(60)
+        cold += [w.wait_for(lambda e: e["ev"] == "first_step", 60, "first step")["since_init_s"] for w in start]
+        for w in start:
+            w.wait_for(lambda e: e["ev"] == "view" and len(e["members"]) == 2, 60, "a view of 2")
+        joiner = worker(start[0].address, big)
+        first = joiner.wait_for(lambda e: e["ev"] == "first_step", 90, "the joiner's first step")
+        joins.append(round(first["since_init_s"], 4))
+        for w in start + [joiner]:
+            w.close(timeout=10)
+    report["join_10m_params"] = {"init_to_first_commit_s": joins, "median_s": statistics.median(joins),
+                                 "target_s": 3.0,
+                                 "baseline_cold_start_init_to_first_commit_s": round(statistics.median(cold), 4)}
+    print(json.dumps(report["join_10m_params"]), flush=True)
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    by_size = []
+    for n in sizes:
+        g = Group(n)
+        try:
+            runs = [fault_run(g, signal.SIGKILL, victim_index=n - 1)]
+            if n > 2:
+                g.grow(n)
+                runs.append(fault_run(g, signal.SIGKILL, victim_index=n - 1))
+        finally:
+            g.close()
+        by_size.append({"world_size_before": n, **summarize(runs)})
+        print(json.dumps({"n": n, "median_recovery_s": by_size[-1]["median_recovery_s"],
+                          "median_agree_s": by_size[-1]["median_agree_s"],
+                          "median_form_s": by_size[-1]["median_form_s"]}), flush=True)
+    report["reformation_by_size"] = by_size
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

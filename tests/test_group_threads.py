@@ -1,0 +1,83 @@
+"""Several groups in one process (threads): a step that completed on some members but not others."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ftcomm
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def start_groups(n: int) -> list[ftcomm.FaultTolerantGroup]:
+    first = ftcomm.init(peers=[], bind="127.0.0.1:0", min_workers=1, handle_signals=False)
+    groups = [first]
+    results: list = [None] * (n - 1)
+
+    def join(i: int) -> None:
+        results[i] = ftcomm.init(peers=[first.gossip.address], bind="127.0.0.1:0", min_workers=1,
+                                 handle_signals=False)
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(n - 1)]
+    for t in threads:
+        t.start()
+    # The first worker admits the joiners at its step boundaries.
+    model = torch.nn.Linear(4, 2)
+    first.register_state(model=model)
+    while any(t.is_alive() for t in threads):
+        model(torch.randn(3, 4)).sum().backward()
+        first.wait_gradients_ready(model)
+        model.zero_grad()
+        for t in threads:
+            t.join(0.01)
+    return groups + results
+
+
+def run_steps(groups, models, optimizers, steps: int) -> None:
+    """Train until every group reached the same absolute step (reconciling may move a laggard)."""
+    target = max(g.step for g in groups) + steps
+
+    def loop(i: int) -> None:
+        g, m, o = groups[i], models[i], optimizers[i]
+        while g.step < target:
+            m(torch.randn(8, 4, generator=torch.Generator().manual_seed(g.step * 10 + i))).pow(2).sum().backward()
+            if g.wait_gradients_ready(m):
+                o.step()
+            o.zero_grad()
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+def test_a_step_committed_by_some_members_only_is_reconciled_from_the_most_advanced():
+    groups = start_groups(4)
+    try:
+        models = [torch.nn.Linear(4, 2) for _ in groups]
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        for g, m, o in zip(groups, models, optimizers):
+            g.register_state(model=m, optimizer=o)
+        run_steps(groups, models, optimizers, 5)
+        assert len({g.state.digest(g.step) for g in groups}) == 1
+        # Member 2 missed the last step: its step counter and model are one step behind.
+        laggard = groups[2]
+        laggard.step -= 1
+        with torch.no_grad():
+            models[2].weight.add_(0.5)
+        assert len({(g.step, g.state.digest(g.step)) for g in groups}) == 2
+        # The view changes (member 3 leaves); the survivors reconcile before the next step.
+        groups[3].shutdown()
+        run_steps(groups[:3], models[:3], optimizers[:3], 3)
+        survivors = groups[:3]
+        change = next(e for e in reversed(survivors[0].events) if e.reason == "leave")
+        assert change.state_digest is not None
+        assert len({g.step for g in survivors}) == 1
+        assert len({g.state.digest(g.step) for g in survivors}) == 1
+        stamped = {next(e for e in g.events if e.view_id == change.view_id).state_digest for g in survivors}
+        assert stamped == {change.state_digest}
+    finally:
+        for g in groups:
+            g.shutdown()
