@@ -139,6 +139,7 @@ def main() -> int:
     report["sigstop_one_of_four"] = {**summarize(hang), "target_median_s": 3.0}
     print(json.dumps({k: {m: v for m, v in report[k].items() if m != "runs"}
                       for k in ("kill9_one_of_four", "sigstop_one_of_four")}), flush=True)
+    save(report, args.out)
 
     big = ["--hidden", "3150"]  # about 10M parameters
     joins, cold = [], []
@@ -159,27 +160,42 @@ def main() -> int:
                                  "target_s": 3.0,
                                  "baseline_cold_start_init_to_first_commit_s": round(statistics.median(cold), 4)}
     print(json.dumps(report["join_10m_params"]), flush=True)
+    save(report, args.out)
 
     sizes = [int(s) for s in args.sizes.split(",")]
     by_size = []
     for n in sizes:
-        g = Group(n)
+        runs: list[dict] = []
         try:
-            runs = [fault_run(g, signal.SIGKILL, victim_index=n - 1)]
-            if n > 2:
-                g.grow(n)
+            g = Group(n)
+            try:
                 runs.append(fault_run(g, signal.SIGKILL, victim_index=n - 1))
-        finally:
-            g.close()
+                if n > 2:
+                    g.grow(n)
+                    runs.append(fault_run(g, signal.SIGKILL, victim_index=n - 1))
+            finally:
+                g.close()
+        except (TimeoutError, RuntimeError) as exc:  # recorded, not hidden: a failure is a result
+            by_size.append({"world_size_before": n, "failed": str(exc).splitlines()[0], "runs": runs})
+            print(json.dumps({"n": n, "failed": by_size[-1]["failed"]}), flush=True)
+            report["reformation_by_size"] = by_size
+            save(report, args.out)
+            continue
         by_size.append({"world_size_before": n, **summarize(runs)})
+        report["reformation_by_size"] = by_size
+        save(report, args.out)
         print(json.dumps({"n": n, "median_recovery_s": by_size[-1]["median_recovery_s"],
                           "median_agree_s": by_size[-1]["median_agree_s"],
                           "median_form_s": by_size[-1]["median_form_s"]}), flush=True)
     report["reformation_by_size"] = by_size
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    save(report, args.out)
     return 0
+
+
+def save(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

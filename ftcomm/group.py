@@ -141,7 +141,8 @@ class FaultTolerantGroup:
         self._rejoined = False
         self._reconciled_digest: int | None = None
         self._waiting_since = time.monotonic()
-        self._bucket_params: list[list[torch.Tensor]] = []
+        self._layout: list = []
+        self._layout_key: tuple = ()
         self._needs_reconcile = False
         self._broken: str | None = None
         self._faults: list[tuple[float, str, str]] = []  # (time, kind, member) since the last view
@@ -213,11 +214,11 @@ class FaultTolerantGroup:
         except MembershipChanged as exc:
             self._recover(self._classify(exc), self._waiting_since)
             return False
-        contributors = float(tail[-2])
+        contributors, joiners = float(tail[0]), float(tail[1])
         if contributors < 1:
             return False  # every worker just received state: nobody's gradients are valid
         self._unflatten(params, buckets, 1.0 / contributors)
-        if float(tail[-1]) > 0:
+        if joiners > 0:
             self._join_pending = True
         self._commit()
         return True
@@ -629,37 +630,62 @@ class FaultTolerantGroup:
                          f"of a partition or the others are gone")
 
     def _flatten(self, params: list[torch.Tensor], valid: float, join: float):
-        limit = max(1, int(self.options.bucket_mb * (1 << 20) / 4))
-        buckets, current, size = [], [], 0
-        for p in params:
-            current.append(p)
-            size += p.numel()
-            if size >= limit:
-                buckets.append(current)
-                current, size = [], 0
-        buckets.append(current)
-        flats = []
-        for i, group in enumerate(buckets):
-            pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in group]
-            if valid == 0.0:
-                pieces = [torch.zeros_like(x) for x in pieces]
-            if i == len(buckets) - 1:
-                pieces.append(torch.tensor([valid, join], dtype=torch.float32))
-            flats.append(torch.cat(pieces) if pieces else torch.zeros(0))
-        self._bucket_params = buckets
-        return flats, flats[-1][-2:]
+        """Copy gradients into persistent flat float32 buckets; the last one ends with [valid, join].
+
+        A float32 gradient that is already a view into its bucket (handed back by the
+        previous step and zeroed in place by the optimizer) is not copied at all.
+        """
+        layout = self._bucket_layout(params)
+        for flat, entries in layout:
+            for p, offset, n in entries:
+                view = flat[offset:offset + n]
+                grad = p.grad
+                if grad is None or valid == 0.0:
+                    view.zero_()
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad.reshape(-1))
+        tail = layout[-1][0][-2:]  # read after the allreduce: the sums over the view
+        tail[0], tail[1] = valid, join
+        return [flat for flat, _ in layout], tail
+
+    def _bucket_layout(self, params: list[torch.Tensor]):
+        key = tuple(id(p) for p in params)
+        if self._layout_key != key:
+            limit = max(1, int(self.options.bucket_mb * (1 << 20) / 4))
+            groups, current, size = [], [], 0
+            for p in params:
+                current.append(p)
+                size += p.numel()
+                if size >= limit:
+                    groups.append(current)
+                    current, size = [], 0
+            if current or not groups:
+                groups.append(current)
+            layout = []
+            for i, group in enumerate(groups):
+                total = sum(p.numel() for p in group) + (2 if i == len(groups) - 1 else 0)
+                flat = torch.zeros(total, dtype=torch.float32)
+                entries, offset = [], 0
+                for p in group:
+                    entries.append((p, offset, p.numel()))
+                    offset += p.numel()
+                layout.append((flat, entries))
+            self._layout, self._layout_key = layout, key
+        return self._layout
 
     def _unflatten(self, params: list[torch.Tensor], flats: list[torch.Tensor], scale: float) -> None:
-        for group, flat in zip(self._bucket_params, flats):
-            offset = 0
-            for p in group:
-                n = p.numel()
-                chunk = flat[offset:offset + n].view_as(p).mul_(scale)
-                if p.grad is None:
-                    p.grad = chunk.to(p.dtype).clone()
+        """Average in place and hand the gradients back (as views of the buckets when float32)."""
+        for flat, entries in self._layout:
+            flat.mul_(scale)
+            for p, offset, n in entries:
+                view = flat[offset:offset + n].view_as(p)
+                if p.dtype == torch.float32:
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view.to(p.dtype)
                 else:
-                    p.grad.copy_(chunk)
-                offset += n
+                    p.grad.copy_(view)
 
     def _install_exit_hooks(self) -> None:
         atexit.register(self.shutdown)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
@@ -12,27 +13,27 @@ import ftcomm
 pytestmark = pytest.mark.timeout(120)
 
 
-def start_groups(n: int) -> list[ftcomm.FaultTolerantGroup]:
-    first = ftcomm.init(peers=[], bind="127.0.0.1:0", min_workers=1, handle_signals=False)
-    groups = [first]
-    results: list = [None] * (n - 1)
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def join(i: int) -> None:
-        results[i] = ftcomm.init(peers=[first.gossip.address], bind="127.0.0.1:0", min_workers=1,
-                                 handle_signals=False)
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(n - 1)]
+
+def start_groups(n: int) -> list[ftcomm.FaultTolerantGroup]:
+    """``n`` groups in threads starting together (min_workers=n-1, so n-1 may carry on)."""
+    ports = [free_port() for _ in range(n)]
+    groups: list = [None] * n
+
+    def start(i: int) -> None:
+        groups[i] = ftcomm.init(peers=[f"127.0.0.1:{ports[0]}"] if i else [], bind=f"127.0.0.1:{ports[i]}",
+                                min_workers=n - 1, handle_signals=False)
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    # The first worker admits the joiners at its step boundaries.
-    model = torch.nn.Linear(4, 2)
-    first.register_state(model=model)
-    while any(t.is_alive() for t in threads):
-        model(torch.randn(3, 4)).sum().backward()
-        first.wait_gradients_ready(model)
-        model.zero_grad()
-        for t in threads:
-            t.join(0.01)
-    return groups + results
+    for t in threads:
+        t.join(60)
+    assert all(g is not None for g in groups)
+    return groups
 
 
 def run_steps(groups, models, optimizers, steps: int) -> None:
@@ -61,6 +62,7 @@ def test_a_step_committed_by_some_members_only_is_reconciled_from_the_most_advan
         for g, m, o in zip(groups, models, optimizers):
             g.register_state(model=m, optimizer=o)
         run_steps(groups, models, optimizers, 5)
+        assert {g.world_size for g in groups} == {4}
         assert len({g.state.digest(g.step) for g in groups}) == 1
         # Member 2 missed the last step: its step counter and model are one step behind.
         laggard = groups[2]
