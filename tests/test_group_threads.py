@@ -83,3 +83,48 @@ def test_a_step_committed_by_some_members_only_is_reconciled_from_the_most_advan
     finally:
         for g in groups:
             g.shutdown()
+
+
+def in_threads(groups, fn) -> list:
+    results: list = [None] * len(groups)
+
+    def call(i: int) -> None:
+        results[i] = fn(i, groups[i])
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_execute_runs_collectives_over_the_view_and_retries_after_a_member_leaves():
+    groups = start_groups(4)
+    try:
+        models = [torch.nn.Linear(4, 2) for _ in groups]
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        for g, m, o in zip(groups, models, optimizers):
+            g.register_state(model=m, optimizer=o)
+        run_steps(groups, models, optimizers, 1)  # everyone in one view
+
+        def collectives(i: int, g: ftcomm.FaultTolerantGroup):
+            def fn():
+                total = g.allreduce(torch.full((3,), float(g.rank + 1)), "sum")
+                biggest = g.allreduce(torch.tensor([float(g.rank)]), "max")
+                mine = torch.tensor([float(g.rank) * 10])
+                gathered = g.allgather(mine)
+                source = g.broadcast(torch.tensor([float(g.rank) + 100]), 0)
+                g.barrier()
+                return total.tolist(), biggest.item(), [t.item() for t in gathered], source.item(), g.world_size
+            return g.execute(fn)
+
+        first = in_threads(groups, collectives)
+        assert {r[0][0] for r in first} == {10.0} and {r[1] for r in first} == {3.0}
+        assert {tuple(r[2]) for r in first} == {(0.0, 10.0, 20.0, 30.0)} and {r[3] for r in first} == {100.0}
+        groups[3].shutdown()
+        second = in_threads(groups[:3], collectives)  # the first attempt aborts; execute retries
+        assert {r[4] for r in second} == {3} and {r[0][0] for r in second} == {6.0}
+        assert any(e.reason == "leave" for e in groups[0].events)
+    finally:
+        for g in groups:
+            g.shutdown()
