@@ -217,7 +217,7 @@ class FaultTolerantGroup:
         contributors, joiners = float(tail[0]), float(tail[1])
         if contributors < 1:
             return False  # every worker just received state: nobody's gradients are valid
-        self._unflatten(params, buckets, 1.0 / contributors)
+        self._unflatten(1.0 / contributors)
         if joiners > 0:
             self._join_pending = True
         self._commit()
@@ -673,7 +673,7 @@ class FaultTolerantGroup:
             self._layout, self._layout_key = layout, key
         return self._layout
 
-    def _unflatten(self, params: list[torch.Tensor], flats: list[torch.Tensor], scale: float) -> None:
+    def _unflatten(self, scale: float) -> None:
         """Average in place and hand the gradients back (as views of the buckets when float32)."""
         for flat, entries in self._layout:
             flat.mul_(scale)
