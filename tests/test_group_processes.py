@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from .train_cluster import TrainCluster, assert_invariants, wait_until
+from .polling import wait_until
+from .train_cluster import TrainCluster, assert_invariants
 
 pytestmark = pytest.mark.timeout(150)
 

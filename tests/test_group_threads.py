@@ -36,22 +36,31 @@ def start_groups(n: int) -> list[ftcomm.FaultTolerantGroup]:
     return groups
 
 
+def in_threads(groups, fn) -> list:
+    results: list = [None] * len(groups)
+
+    def call(i: int) -> None:
+        results[i] = fn(i, groups[i])
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
 def run_steps(groups, models, optimizers, steps: int) -> None:
     """Train until every group reached the same absolute step (reconciling may move a laggard)."""
     target = max(g.step for g in groups) + steps
 
-    def loop(i: int) -> None:
-        g, m, o = groups[i], models[i], optimizers[i]
+    def loop(i: int, g: ftcomm.FaultTolerantGroup) -> None:
+        m, o = models[i], optimizers[i]
         while g.step < target:
             m(torch.randn(8, 4, generator=torch.Generator().manual_seed(g.step * 10 + i))).pow(2).sum().backward()
             if g.wait_gradients_ready(m):
                 o.step()
             o.zero_grad()
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(groups))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    in_threads(groups, loop)
 
 
 def test_a_step_committed_by_some_members_only_is_reconciled_from_the_most_advanced():
@@ -83,19 +92,6 @@ def test_a_step_committed_by_some_members_only_is_reconciled_from_the_most_advan
     finally:
         for g in groups:
             g.shutdown()
-
-
-def in_threads(groups, fn) -> list:
-    results: list = [None] * len(groups)
-
-    def call(i: int) -> None:
-        results[i] = fn(i, groups[i])
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(groups))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return results
 
 
 def test_execute_runs_collectives_over_the_view_and_retries_after_a_member_leaves():

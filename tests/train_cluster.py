@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-import signal
 import sys
-import time
 
 from ftcomm.localproc import ChildProcess
 
@@ -62,12 +60,7 @@ class TrainCluster:
 
     def close(self) -> None:
         for w in self.workers:
-            if w.alive():
-                try:
-                    w.signal(signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-            w.close(timeout=10)
+            w.close(timeout=10)  # resumes a stopped worker first
 
 
 def views_by_id(workers: list[ChildProcess]) -> dict[int, list[dict]]:
@@ -93,11 +86,3 @@ def assert_invariants(workers: list[ChildProcess], done: list[dict], abort_bound
         for e in events:
             if e.get("abort_latency_s") is not None:
                 assert e["abort_latency_s"] <= abort_bound, f"abort took {e['abort_latency_s']} s"
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout} s")
-        time.sleep(0.05)

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import pytest
 
 from ftcomm.errors import GossipError, JoinError
 from ftcomm.gossip import FaultFilter, GossipConfig, GossipNode
 
+from ..polling import wait_until
+
 FAST = GossipConfig(probe_interval=0.2, probe_timeout=0.08, gossip_interval=0.05, suspicion_mult=3)
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture
