@@ -135,6 +135,7 @@ class FaultTolerantGroup:
         self._changed = threading.Event()
         self._phase = JOINING
         self._proposal: tuple[int, str] | None = None
+        self._view_floor = 0  # lowest view id to propose or adopt: views below it failed to form here
         self._joined_at = time.time()
         self._join_pending = False
         self._state_replaced = False
@@ -291,7 +292,11 @@ class FaultTolerantGroup:
                 self._form(view)
             except (MembershipChanged, FtcommTimeout) as exc:
                 log.info("forming view %d failed (%s); agreeing again", view.id, exc)
-                self._forming = None  # this worker stays in the view (or phase) it had
+                # This worker stays in the view (or phase) it had. Withdrawing the proposal
+                # aborts the other members' attempts at once; the retry gets a new view id.
+                self._forming, self._proposal = None, None
+                self._view_floor = max(self._view_floor, view.id + 1)
+                self._publish()
                 if self._comm is not None:
                     self._comm.abandon()
                     self._comm = None
@@ -385,6 +390,8 @@ class FaultTolerantGroup:
             if not (status.alive and status.phase == ACTIVE and status.proposal and status.config == self._config):
                 continue
             key = status.proposal
+            if key[0] < self._view_floor:
+                continue  # its formation failed here: wait for the retry's proposal
             members = self._proposals.get(key)
             if members is None and status.id in addresses:
                 members = self._rendezvous.fetch_proposal(*addresses[status.id], *key)
@@ -479,8 +486,9 @@ class FaultTolerantGroup:
         if view is None or status is None or status.config != self._config or not status.alive:
             return
         if member.id in view.members:
-            if status.proposal is not None and status.proposal != (view.id, view.digest):
-                self._abort.fire(f"{member.id} proposes view {status.proposal[0]}")  # it saw a change
+            if status.proposal != (view.id, view.digest):  # it saw a change, or gave up forming
+                what = f"proposes view {status.proposal[0]}" if status.proposal else "withdrew its proposal"
+                self._abort.fire(f"{member.id} {what}")
         elif status.phase == ACTIVE and status.current_view > view.id:
             self._faults.append((time.monotonic(), "superseded", member.id))
             self._abort.fire(f"view {status.current_view} exists without this worker")
@@ -498,7 +506,7 @@ class FaultTolerantGroup:
     def _status_record(self) -> dict:
         current = self._view.id if self._view is not None and self._phase == ACTIVE else 0
         record = encode_status(self._phase, current, self._proposal, self._joined_at, self._config, self.step,
-                               self._rendezvous.port)
+                               self._rendezvous.port, self._view_floor)
         record["set"] = [self.settings["backend"], self.min_workers, self.max_workers,
                          self.settings["partition_policy"]]
         return record

@@ -14,7 +14,11 @@ The rule (see docs/ARCHITECTURE.md):
    are not confirmed gone (left gracefully); a tie goes to the side holding the
    previous view's lowest-ranked member that is not confirmed gone (rank 0 unless it left).
 3. Agreement: every candidate member publishes the same ``(view id, digest)``; the
-   view id is one more than the highest current view id among the candidate.
+   view id is one more than the highest current view id among the candidate, raised
+   to the highest floor a candidate member publishes. A member whose formation of
+   view N failed withdraws its proposal and raises its floor to N + 1, so a retry
+   never reuses the rendezvous keys of an abandoned attempt (members retrying out of
+   step would otherwise meet each other's stale addresses).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class Status:
     proposal: tuple[int, str] | None  # (view id, digest) it proposes, if any
     joined_at: float
     config: str  # digest of the settings that must match across the group
+    floor: int = 0  # lowest view id it accepts: the views below failed to form there
 
     @classmethod
     def from_metadata(cls, member_id: str, gossip_state: str, meta: dict) -> "Status | None":
@@ -68,15 +73,17 @@ class Status:
         try:
             proposal = (int(meta["pv"]), str(meta["pd"])) if meta.get("pv") else None
             return cls(member_id, gossip_state == "alive", gossip_state == "left", str(meta["ph"]),
-                       int(meta["cv"]), proposal, float(meta["jt"]), str(meta["cf"]))
+                       int(meta["cv"]), proposal, float(meta["jt"]), str(meta["cf"]), int(meta.get("fl", 0)))
         except (KeyError, TypeError, ValueError):
             return None
 
 
 def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | None, joined_at: float,
-                  config: str, step: int, rendezvous_port: int) -> dict:
+                  config: str, step: int, rendezvous_port: int, floor: int = 0) -> dict:
     """The metadata record for :meth:`Status.from_metadata` (plus step and rendezvous)."""
     meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
+    if floor:
+        meta["fl"] = floor
     if proposal is not None:
         meta["pv"], meta["pd"] = proposal
     return meta
@@ -126,6 +133,7 @@ def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], c
     quorum = has_quorum(previous, members, gone)
     view_id = 1 + max([statuses[m].current_view for m in members if m in statuses] +
                       [previous.id if previous else 0])
+    view_id = max([view_id] + [statuses[m].floor for m in members if m in statuses])
     return Candidate(members, view_id, quorum, standby)
 
 

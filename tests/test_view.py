@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ftcomm.view import ACTIVE, JOINING, LEAVING, Status, View, agreed, candidate, has_quorum, superseded
+from ftcomm.view import (ACTIVE, JOINING, LEAVING, Status, View, agreed, candidate, encode_status, has_quorum,
+                         superseded)
 
 CFG = "cfg1"
 
@@ -53,6 +54,27 @@ def test_agreed_only_when_every_member_publishes_the_same_proposal():
     assert not agreed(cand, table(st("a", proposal=key), st("b", proposal=(2, "other"))))
     assert not agreed(cand, table(st("a", proposal=key), st("b", proposal=key, alive=False)))
     assert agreed(cand, table(st("a", proposal=key), st("b", proposal=key)))
+
+
+def test_a_retry_after_a_failed_formation_gets_a_new_view_id_everyone_follows():
+    previous = View(3, ("a", "b", "c"))
+    statuses = table(st("a", cv=3), st("b", cv=3), st("c", cv=3))
+    first = candidate("b", previous, statuses, CFG, None)
+    assert first.view_id == 4
+    # a's formation of view 4 failed: it publishes floor 5, and everybody proposes view 5
+    statuses["a"] = Status("a", True, False, ACTIVE, 3, None, 0.0, CFG, floor=5)
+    retry = candidate("b", previous, statuses, CFG, None)
+    assert retry.view_id == 5 and retry.members == first.members and retry.digest != first.digest
+    assert candidate("c", previous, statuses, CFG, None) == retry
+    # a joiner's floor counts too: the group cannot keep proposing a view it refuses
+    statuses["j"] = Status("j", True, False, JOINING, 0, None, 1.0, CFG, floor=7)
+    assert candidate("b", previous, statuses, CFG, None).view_id == 7
+
+
+def test_status_round_trips_through_metadata():
+    meta = encode_status(ACTIVE, 3, (4, "d4"), 1.5, CFG, 10, 4242, floor=5)
+    assert Status.from_metadata("a", "alive", meta) == Status("a", True, False, ACTIVE, 3, (4, "d4"), 1.5, CFG, 5)
+    assert Status.from_metadata("a", "alive", {"ph": ACTIVE}) is None
 
 
 def test_a_member_left_out_of_a_newer_view_knows_it():
