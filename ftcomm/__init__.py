@@ -19,7 +19,7 @@ import socket
 from typing import Any, Iterable
 
 from .errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
-                     MembershipChanged, QuorumLost, RetryLimitExceeded)
+                     MembershipChanged, NcclUnavailable, QuorumLost, RetryLimitExceeded)
 from .gossip import GossipConfig
 from .group import FaultTolerantGroup, GroupOptions, ViewChange
 from .view import View
@@ -27,7 +27,7 @@ from .view import View
 __version__ = "0.1.0"
 __all__ = [
     "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "FaultTolerantGroup", "FtcommError",
-    "FtcommTimeout", "GroupOptions", "MembershipChanged", "QuorumLost", "RetryLimitExceeded", "View",
+    "FtcommTimeout", "GroupOptions", "MembershipChanged", "NcclUnavailable", "QuorumLost", "RetryLimitExceeded", "View",
     "ViewChange", "init",
 ]
 

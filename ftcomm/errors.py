@@ -45,3 +45,7 @@ class RetryLimitExceeded(FtcommError):
 
 class FtcommTimeout(FtcommError, TimeoutError):
     """A bounded wait of ftcomm ran out (group formation, init)."""
+
+
+class NcclUnavailable(FtcommError):
+    """backend='nccl' cannot be used here: libnccl.so.2 missing or too old, or no CUDA device."""

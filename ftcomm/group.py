@@ -14,6 +14,7 @@ probes the view's members and declares dead those whose host refuses a connectio
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -28,8 +29,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .backends.base import AbortSignal
-from .backends.gloo import GlooCommunicator
-from .errors import (CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout, MembershipChanged,
+from .backends import communicator_class
+from .buckets import GradientBuckets
+from .errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout, MembershipChanged,
                      QuorumLost, RetryLimitExceeded)
 from .gossip import FaultFilter, GossipConfig, GossipEvent, GossipNode
 from .rendezvous import Rendezvous, refused_many
@@ -63,7 +65,15 @@ class GroupOptions:
     """Consecutive re-formations ``execute`` tolerates before ``RetryLimitExceeded``."""
 
     bucket_mb: float = 25.0
-    """Size of the flat gradient buckets of ``wait_gradients_ready`` (one allreduce each)."""
+    """Size of the flat gradient buckets of ``wait_gradients_ready`` (one allreduce each;
+    the first bucket is at most 1 MB so communication starts early, as in DDP). Larger
+    buckets mean fewer collectives; smaller ones start overlapping sooner."""
+
+    overlap: bool = True
+    """Reduce each bucket during backward as soon as its gradients are ready (hooks on the
+    parameters, installed at the first ``wait_gradients_ready``). Gradient accumulation
+    then needs ``with ft.no_sync():`` around all but the last backward. False: reduce
+    everything inside ``wait_gradients_ready``."""
 
     partition_policy: str = "quorum"
     """``quorum`` (safe): only a side holding a majority of the previous view (ties: its
@@ -114,8 +124,7 @@ class FaultTolerantGroup:
     def __init__(self, backend: str = "gloo", peers: Iterable[str] = (), bind: str = "127.0.0.1:0",
                  min_workers: int = 1, max_workers: int | None = None, cluster: str = "ftcomm",
                  secret: str | None = None, options: GroupOptions | None = None) -> None:
-        if backend != "gloo":
-            raise ValueError(f"unknown backend {backend!r}: this build supports 'gloo'")
+        self._backend = communicator_class(backend)  # NcclUnavailable here, before joining anyone
         if min_workers < 1 or (max_workers is not None and max_workers < min_workers):
             raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
         self.options = opts = options or GroupOptions()
@@ -130,7 +139,7 @@ class FaultTolerantGroup:
         self.events: list[ViewChange] = []
         self._view: View | None = None  # the current view: formed and verified
         self._forming: View | None = None  # a view agreed on and being formed
-        self._comm: GlooCommunicator | None = None
+        self._comm: Any = None  # the backend's communicator of the current view
         self._abort = AbortSignal()
         self._changed = threading.Event()
         self._phase = JOINING
@@ -142,8 +151,8 @@ class FaultTolerantGroup:
         self._rejoined = False
         self._reconciled_digest: int | None = None
         self._waiting_since = time.monotonic()
-        self._layout: list = []
-        self._layout_key: tuple = ()
+        self._buckets: GradientBuckets | None = None
+        self._step_lost = False  # a re-formation discarded the gradients backward was reducing
         self._needs_reconcile = False
         self._broken: str | None = None
         self._faults: list[tuple[float, str, str]] = []  # (time, kind, member) since the last view
@@ -196,33 +205,49 @@ class FaultTolerantGroup:
         Never hangs on a failed peer: a fault aborts the wait within milliseconds of
         gossip reporting it. Raises QuorumLost when this worker is cut off from the
         majority for longer than ``quorum_timeout``.
+
+        With ``overlap`` on, buckets are already being reduced during backward (hooks
+        installed by the first call, so the first step is not overlapped) and this call
+        waits only for what is still in flight.
         """
-        params = [p for p in _parameters(model_or_params) if p.requires_grad]
+        buckets = self._buckets_for(_parameters(model_or_params))
+        if self._step_lost:  # the group re-formed (in execute) after backward began reducing
+            self._step_lost = False
+            return False
         self._state_replaced = False
         self._waiting_since = time.monotonic()
         try:
+            if buckets.touched and (self._broken is not None or self._abort.reason is not None):
+                # backward already reduced part of this step in a view that is now broken
+                raise CollectiveAborted(self._abort.reason or f"the view broke ({self._broken})")
             self._prepare()
             if self._needs_reconcile:
                 self._reconcile()
             # Gradients computed on state that was just replaced are not valid: contribute none.
-            valid = 0.0 if self._state_replaced else 1.0
-            join = 1.0 if self._admissible_joiner() else 0.0
-            buckets, tail = self._flatten(params, valid, join)
-            handles = [self._comm.allreduce([b], "sum") for b in buckets]
+            handles, tail = buckets.finish(valid=not self._state_replaced)
             self._waiting_since = time.monotonic()
             for h in handles:
                 h.wait(self._abort)
         except MembershipChanged as exc:
-            self._recover(self._classify(exc), self._waiting_since)
+            buckets.discard()
+            self._recover(self._classify(exc) if self._broken is None else self._broken, self._waiting_since)
             return False
         contributors, joiners = float(tail[0]), float(tail[1])
         if contributors < 1:
+            buckets.discard()
             return False  # every worker just received state: nobody's gradients are valid
-        self._unflatten(1.0 / contributors)
+        buckets.hand_back(contributors)
         if joiners > 0:
             self._join_pending = True
         self._commit()
         return True
+
+    def no_sync(self):
+        """Context manager: backward passes inside accumulate gradients locally and start
+        no reduction (as DDP's ``no_sync``); the backward after it reduces the total."""
+        if self._buckets is None:
+            return contextlib.nullcontext()
+        return self._buckets.no_sync()
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` (which calls this group's collectives); on a membership fault re-form,
@@ -280,6 +305,9 @@ class FaultTolerantGroup:
         abort_latency = round(gave_up_at - fired_at, 4) if fired_at is not None and gave_up_at is not None else None
         previous = self._view
         self._rejoined = False
+        if self._buckets is not None and self._buckets.touched:
+            self._buckets.discard()
+            self._step_lost = True
         if self._comm is not None:
             self._comm.abandon()
             self._comm = None
@@ -426,10 +454,10 @@ class FaultTolerantGroup:
             raise CommunicatorError(f"rank 0 ({rank0}) of view {view.id} is not reachable through gossip")
         store = self._rendezvous.view_store(view, *addresses[rank0])
         timeout = self.options.formation_timeout
-        comm = GlooCommunicator.form(store, view.rank_of(self.id), view.size, view.id, self._abort, timeout)
+        comm = self._backend.form(store, view.rank_of(self.id), view.size, view.id, self._abort, timeout)
         self._comm = comm
         check = int(view.digest, 16) >> 1
-        probe = torch.tensor([check, -check], dtype=torch.int64)
+        probe = torch.tensor([check, -check], dtype=torch.int64, device=comm.device)
         comm.allreduce([probe], "min").wait(self._abort, timeout)
         if probe.tolist() != [check, -check]:
             raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
@@ -442,7 +470,7 @@ class FaultTolerantGroup:
         """
         self._needs_reconcile = True
         comm, abort = self._comm, self._abort
-        mine = torch.tensor([self.step, self.state.digest(self.step)], dtype=torch.int64)
+        mine = torch.tensor([self.step, self.state.digest(self.step)], dtype=torch.int64, device=comm.device)
         gathered = comm.allgather(mine).wait(abort)
         pairs = [tuple(t.tolist()) for t in gathered]
         loaded = False
@@ -450,13 +478,13 @@ class FaultTolerantGroup:
             top = max(p[0] for p in pairs)
             source = min(r for r, p in enumerate(pairs) if p[0] == top)
             payload = self.state.to_bytes(self.step) if comm.rank == source else b""
-            length = torch.tensor([len(payload)], dtype=torch.int64)
+            length = torch.tensor([len(payload)], dtype=torch.int64, device=comm.device)
             comm.broadcast(length, source).wait(abort)
-            buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if comm.rank == source
-                      else torch.empty(int(length.item()), dtype=torch.uint8))
+            buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(comm.device)
+                      if comm.rank == source else torch.empty(int(length.item()), dtype=torch.uint8, device=comm.device))
             comm.broadcast(buffer, source).wait(abort)
             if pairs[comm.rank] != pairs[source]:
-                self.step = self.state.load_bytes(buffer.numpy().tobytes())
+                self.step = self.state.load_bytes(buffer.cpu().numpy().tobytes())
                 loaded = True
                 self._state_replaced = True
         self._needs_reconcile = False
@@ -637,63 +665,24 @@ class FaultTolerantGroup:
                          f"within {self.options.quorum_timeout:g} s: this worker is on the minority side "
                          f"of a partition or the others are gone")
 
-    def _flatten(self, params: list[torch.Tensor], valid: float, join: float):
-        """Copy gradients into persistent flat float32 buckets; the last one ends with [valid, join].
+    def _buckets_for(self, params: list[torch.Tensor]) -> GradientBuckets:
+        params = [p for p in params if p.requires_grad]
+        buckets = self._buckets
+        if buckets is None or len(buckets.params) != len(params) or any(
+                a is not b for a, b in zip(buckets.params, params)):
+            if buckets is not None:
+                buckets.remove()
+            buckets = self._buckets = GradientBuckets(
+                params, self.options.bucket_mb, self.options.overlap,
+                launch=lambda flat: self._comm.allreduce([flat], "sum"),
+                may_overlap=self._may_overlap, world_size=lambda: self._comm.size,
+                join=lambda: 1.0 if self._admissible_joiner() else 0.0)
+        return buckets
 
-        A float32 gradient that is already a view into its bucket (handed back by the
-        previous step and zeroed in place by the optimizer) is not copied at all.
-        """
-        layout = self._bucket_layout(params)
-        for flat, entries in layout:
-            for p, offset, n in entries:
-                view = flat[offset:offset + n]
-                grad = p.grad
-                if grad is None or valid == 0.0:
-                    view.zero_()
-                elif grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad.reshape(-1))
-        tail = layout[-1][0][-2:]  # read after the allreduce: the sums over the view
-        tail[0], tail[1] = valid, join
-        return [flat for flat, _ in layout], tail
-
-    def _bucket_layout(self, params: list[torch.Tensor]):
-        key = tuple(id(p) for p in params)
-        if self._layout_key != key:
-            limit = max(1, int(self.options.bucket_mb * (1 << 20) / 4))
-            groups, current, size = [], [], 0
-            for p in params:
-                current.append(p)
-                size += p.numel()
-                if size >= limit:
-                    groups.append(current)
-                    current, size = [], 0
-            if current or not groups:
-                groups.append(current)
-            layout = []
-            for i, group in enumerate(groups):
-                total = sum(p.numel() for p in group) + (2 if i == len(groups) - 1 else 0)
-                flat = torch.zeros(total, dtype=torch.float32)
-                entries, offset = [], 0
-                for p in group:
-                    entries.append((p, offset, p.numel()))
-                    offset += p.numel()
-                layout.append((flat, entries))
-            self._layout, self._layout_key = layout, key
-        return self._layout
-
-    def _unflatten(self, scale: float) -> None:
-        """Average in place and hand the gradients back (as views of the buckets when float32)."""
-        for flat, entries in self._layout:
-            flat.mul_(scale)
-            for p, offset, n in entries:
-                view = flat[offset:offset + n].view_as(p)
-                if p.dtype == torch.float32:
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                        p.grad = view
-                elif p.grad is None:
-                    p.grad = view.to(p.dtype)
-                else:
-                    p.grad.copy_(view)
+    def _may_overlap(self) -> bool:
+        """Backward may start reducing: nothing has to happen before this step's collectives."""
+        return (self._comm is not None and self._broken is None and not self._join_pending
+                and not self._needs_reconcile and self._abort.reason is None and not self._closed)
 
     def _install_exit_hooks(self) -> None:
         atexit.register(self.shutdown)

@@ -19,14 +19,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_groups(n: int) -> list[ftcomm.FaultTolerantGroup]:
+def start_groups(n: int, **options) -> list[ftcomm.FaultTolerantGroup]:
     """``n`` groups in threads starting together (min_workers=n-1, so n-1 may carry on)."""
     ports = [free_port() for _ in range(n)]
     groups: list = [None] * n
 
     def start(i: int) -> None:
         groups[i] = ftcomm.init(peers=[f"127.0.0.1:{ports[0]}"] if i else [], bind=f"127.0.0.1:{ports[i]}",
-                                min_workers=n - 1, handle_signals=False)
+                                min_workers=n - 1, handle_signals=False, **options)
     threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
@@ -121,6 +121,52 @@ def test_execute_runs_collectives_over_the_view_and_retries_after_a_member_leave
         second = in_threads(groups[:3], collectives)  # the first attempt aborts; execute retries
         assert {r[4] for r in second} == {3} and {r[0][0] for r in second} == {6.0}
         assert any(e.reason == "leave" for e in groups[0].events)
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap):
+    """Three workers, different data, small buckets: the gradients handed back are the mean."""
+    groups = start_groups(3, overlap=overlap, bucket_mb=0.0002)
+    try:
+        def make() -> torch.nn.Module:
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                                       torch.nn.Tanh(), torch.nn.Linear(32, 2))
+        models = [make() for _ in groups]
+        reference = [make() for _ in groups]
+        inputs = [[torch.randn(5, 8, generator=torch.Generator().manual_seed(100 * s + i)) for s in range(4)]
+                  for i in range(len(groups))]
+
+        def train(i: int, g: ftcomm.FaultTolerantGroup) -> list[bool]:
+            optimizer = torch.optim.SGD(models[i].parameters(), lr=0.05)
+            results = []
+            for s in range(4):
+                models[i](inputs[i][s]).pow(2).mean().backward()
+                results.append(g.wait_gradients_ready(models[i]))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=s % 2 == 0)
+            return results
+
+        assert in_threads(groups, train) == [[True] * 4] * 3
+        # The same four steps without ftcomm: average the three local gradients by hand.
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in reference]
+        for s in range(4):
+            for i, m in enumerate(reference):
+                m(inputs[i][s]).pow(2).mean().backward()
+            for params in zip(*(m.parameters() for m in reference)):
+                mean = sum(p.grad for p in params) / len(params)
+                for p in params:
+                    p.grad = mean.clone()
+            for o in optimizers:
+                o.step()
+                o.zero_grad()
+        for m in models:
+            for p, q in zip(m.parameters(), reference[0].parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert groups[0]._buckets.bucket_count >= 3
     finally:
         for g in groups:
             g.shutdown()

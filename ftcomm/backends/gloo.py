@@ -69,6 +69,7 @@ class GlooCommunicator:
         self.rank = rank
         self.size = size
         self.view_id = view_id
+        self.device = torch.device("cpu")  # where the group puts its own small tensors
         self._pending: list[Handle] = []
 
     @classmethod

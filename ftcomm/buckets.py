@@ -1,0 +1,244 @@
+"""Gradient buckets: flat buffers reduced as soon as their gradients are ready.
+
+Parameters are packed, in reverse registration order (the order backward produces
+their gradients), into flat float32 buffers of about ``bucket_mb`` each; the first
+bucket is kept small so communication starts early. With overlap on, a hook after
+each gradient is accumulated copies it into its bucket, pre-scaled by ``1/world``, and
+launches a bucket's allreduce the moment it is complete and every earlier bucket has
+been launched — the same order on every worker, whatever order the hooks fire in.
+``finish`` then fills and launches whatever backward did not (unused parameters,
+a step where overlap was off) and returns the handles to wait on.
+
+The last bucket ends with two counters, ``[valid, join]``: after the allreduce they
+hold the number of workers whose gradients are valid and the number that saw a
+worker waiting to join (the pending-join flag of DESIGN §1.4).
+
+After a successful reduction each float32 gradient is handed back as a view of its
+bucket, so the next backward (when the optimizer zeroes instead of freeing) writes
+straight into the bucket and no copy is needed. After a failed step the buffers are
+replaced: an abandoned collective may still write into the old ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .backends.base import Handle
+from .errors import FtcommError
+
+FIRST_BUCKET_MB = 1.0  # as DDP: the gradients of the last layers go out without waiting for 25 MB
+_TAIL = 2  # [valid, join]
+
+
+class GradientBuckets:
+    """The buckets of one parameter list.
+
+    ``launch(flat)``: start an allreduce(sum) of ``flat`` on the current communicator.
+    ``may_overlap()``: asked at the first gradient of a step; False leaves the whole
+    step to ``finish`` (a re-formation or a join is due first).
+    ``world_size()``: the size gradients are pre-scaled by.
+    ``join()``: this worker's pending-join counter (1.0 when it sees a joiner waiting).
+    """
+
+    def __init__(self, params: list[torch.Tensor], bucket_mb: float, overlap: bool,
+                 launch: Callable[[torch.Tensor], Handle], may_overlap: Callable[[], bool],
+                 world_size: Callable[[], int], join: Callable[[], float]) -> None:
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise FtcommError("wait_gradients_ready needs every parameter on one device, got "
+                              f"{sorted(map(str, devices))}")
+        self.params = params
+        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        self._launch, self._may_overlap, self._world_size, self._join = launch, may_overlap, world_size, join
+        self._groups = _group(list(reversed(params)), bucket_mb)
+        self._slot: dict[int, tuple[int, int, int]] = {}
+        for b, group in enumerate(self._groups):
+            offset = 0
+            for p in group:
+                self._slot[id(p)] = (b, offset, p.numel())
+                offset += p.numel()
+        self._sizes = [sum(p.numel() for p in g) + (_TAIL if b == len(self._groups) - 1 else 0)
+                       for b, g in enumerate(self._groups)]
+        self._flats: list[torch.Tensor] = []
+        self._lock = threading.Lock()  # hooks may run on autograd's device threads
+        self._suspended = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params] if overlap else []
+        self._new_step()
+
+    @property
+    def bucket_count(self) -> int:
+        return len(self._groups)
+
+    @property
+    def touched(self) -> bool:
+        """Backward has copied gradients or started reductions in this step."""
+        return bool(self._filled or self._handles)
+
+    # ------------------------------------------------------------------ per step
+    def _new_step(self) -> None:
+        self._started = False  # a gradient of this step has arrived
+        self._overlapping = False
+        self._scale = 1.0  # the factor gradients were copied with
+        self._filled: set[int] = set()
+        self._ready = [0] * len(self._groups)
+        self._handles: list[Handle] = []
+        self._accumulated = False
+        self._error: BaseException | None = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally and start no reduction."""
+        with self._lock:
+            self._suspended += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._suspended -= 1
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        with self._lock:
+            if self._suspended:
+                return
+            if not self._started:
+                self._started = True
+                self._overlapping = self._may_overlap()
+                self._scale = 1.0 / self._world_size() if self._overlapping else 1.0
+            if not self._overlapping:
+                return
+            key = id(param)
+            if key in self._filled:  # a second backward before the reduction
+                self._accumulated, self._overlapping = True, False
+                return
+            self._filled.add(key)
+            b, offset, n = self._slot[key]
+            self._copy(param, self._buffers()[b][offset:offset + n])
+            self._ready[b] += 1
+            try:
+                self._launch_ready(valid=True)
+            except Exception as exc:  # noqa: BLE001 - never raise into autograd; finish reports it
+                self._error, self._overlapping = exc, False
+
+    def _launch_ready(self, valid: bool) -> None:
+        """Launch, in bucket order, every complete bucket after the ones already launched."""
+        last = len(self._groups) - 1
+        while len(self._handles) <= last:
+            b = len(self._handles)
+            if self._ready[b] < len(self._groups[b]):
+                return
+            flat = self._buffers()[b]
+            if b == last:
+                flat[-_TAIL], flat[-1] = (1.0 if valid else 0.0), self._join()
+            self._handles.append(self._launch(flat))
+
+    def finish(self, valid: bool) -> tuple[list[Handle], torch.Tensor]:
+        """Fill and launch what backward did not; the handles of every bucket, and the tail.
+
+        ``valid`` False: this worker's gradients were computed on state that was just
+        replaced and count as zero. Only an untouched step can be invalid: a step that
+        backward started reducing is discarded instead when the view changes.
+        """
+        with self._lock:
+            error, accumulated = self._error, self._accumulated
+            if error is not None or accumulated:
+                self._flats = []
+                self._new_step()
+            if error is not None:
+                raise error
+            if accumulated:
+                raise FtcommError("gradients were accumulated by more than one backward pass before "
+                                  "wait_gradients_ready: run all but the last inside `with ft.no_sync():`, "
+                                  "or start the group with overlap=False")
+            if not valid and self.touched:
+                raise FtcommError("a step already being reduced cannot be marked invalid")
+            if not self._overlapping:
+                self._scale = 1.0 / self._world_size()
+            flats = self._buffers()
+            for p in self.params:
+                if id(p) in self._filled:
+                    continue
+                b, offset, n = self._slot[id(p)]
+                view = flats[b][offset:offset + n]
+                if valid:
+                    self._copy(p, view)
+                else:
+                    view.zero_()
+                self._ready[b] += 1
+            self._launch_ready(valid)
+            return list(self._handles), flats[-1][-_TAIL:]
+
+    def hand_back(self, contributors: float) -> None:
+        """Turn the sums into averages over ``contributors`` and give the gradients back."""
+        correction = 1.0 / (contributors * self._scale)
+        for flat in self._flats:
+            if abs(correction - 1.0) > 1e-9:
+                flat.mul_(correction)
+        for p in self.params:
+            b, offset, n = self._slot[id(p)]
+            view = self._flats[b][offset:offset + n].view_as(p)
+            if p.dtype == torch.float32:
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.to(p.dtype)
+            else:
+                p.grad.copy_(view)
+        self._new_step()
+
+    def discard(self) -> None:
+        """After a failed step: detach gradients from the buffers and use new buffers from now on
+        (an abandoned collective may still write into the old ones)."""
+        with self._lock:
+            for p in self.params:
+                if p.grad is not None and self._is_bucket_view(p.grad):
+                    p.grad = p.grad.detach().clone()
+            self._flats = []
+            self._new_step()
+
+    def remove(self) -> None:
+        """Unregister the hooks (the parameter list changed)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ helpers
+    def _buffers(self) -> list[torch.Tensor]:
+        if not self._flats:
+            self._flats = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in self._sizes]
+        return self._flats
+
+    def _copy(self, param: torch.Tensor, view: torch.Tensor) -> None:
+        """The gradient into its slot, times the pre-scale (no copy when it already lives there)."""
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() == view.data_ptr():  # accumulated in place into the bucket
+            if self._scale != 1.0:
+                view.mul_(self._scale)
+        else:
+            torch.mul(grad.reshape(-1), self._scale, out=view)
+
+    def _is_bucket_view(self, tensor: torch.Tensor) -> bool:
+        ptr = tensor.data_ptr()
+        return any(f.data_ptr() <= ptr < f.data_ptr() + f.numel() * f.element_size() for f in self._flats)
+
+
+def _group(params: list[torch.Tensor], bucket_mb: float) -> list[list[torch.Tensor]]:
+    """Consecutive parameters in buckets: the first up to FIRST_BUCKET_MB, the rest ``bucket_mb``."""
+    groups: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    size = 0
+    for p in params:
+        current.append(p)
+        size += p.numel() * 4
+        cap = min(FIRST_BUCKET_MB, bucket_mb) if not groups else bucket_mb
+        if size >= cap * (1 << 20):
+            groups.append(current)
+            current, size = [], 0
+    if current or not groups:
+        groups.append(current)
+    return groups

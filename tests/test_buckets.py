@@ -1,0 +1,175 @@
+"""Gradient buckets without a communicator: order, overlap, accumulation, discarded steps.
+
+``FakeWorld`` stands in for the communicator: an allreduce(sum) over ``world``
+identical workers multiplies the bucket by ``world`` and completes at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftcomm.backends.base import AbortSignal, Handle
+from ftcomm.buckets import GradientBuckets
+from ftcomm.errors import FtcommError
+
+
+class FakeWorld:
+    def __init__(self, world: int = 2, overlap_allowed: bool = True) -> None:
+        self.world = world
+        self.overlap_allowed = overlap_allowed
+        self.launched: list[tuple[int, bool]] = []  # (bucket size, launched during backward)
+        self.in_backward = False
+
+    def launch(self, flat: torch.Tensor) -> Handle:
+        self.launched.append((flat.numel(), self.in_backward))
+        flat.mul_(self.world)
+        return Handle("fake allreduce", lambda complete: complete(), lambda: flat)
+
+    def buckets(self, params, bucket_mb: float = 0.0002, overlap: bool = True) -> GradientBuckets:
+        return GradientBuckets(params, bucket_mb, overlap, self.launch, lambda: self.overlap_allowed,
+                               lambda: self.world, lambda: 0.0)
+
+    def backward(self, model, seed: int) -> dict[str, torch.Tensor]:
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))
+        self.in_backward = True
+        model(x).pow(2).sum().backward()
+        self.in_backward = False
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def reduce(buckets: GradientBuckets, valid: bool = True) -> torch.Tensor:
+    handles, tail = buckets.finish(valid)
+    for h in handles:
+        h.wait(AbortSignal(), 1.0)
+    return tail
+
+
+def test_buckets_go_out_during_backward_in_order_and_average_exactly():
+    world, m = FakeWorld(), model()
+    params = list(m.parameters())
+    buckets = world.buckets(params)
+    assert buckets.bucket_count > 2
+    for step in range(3):
+        world.launched.clear()
+        local = world.backward(m, step)
+        tail = reduce(buckets)
+        assert tail.tolist() == [2.0, 0.0]  # both (identical) workers valid, no joiner
+        buckets.hand_back(float(tail[0]))
+        assert all(during for _, during in world.launched), "every bucket started during backward"
+        assert len(world.launched) == buckets.bucket_count
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(p.grad, local[n])  # the average over identical workers
+        m.zero_grad(set_to_none=step % 2 == 0)  # both styles: freed grads, and grads kept as bucket views
+    # the first bucket holds the last layer (backward produces it first); the last one ends with the tail
+    assert world.launched[0][0] == params[-1].numel() + params[-2].numel()
+    assert world.launched[-1][0] == params[0].numel() + params[1].numel() + 2
+
+
+def test_launch_order_is_bucket_order_whatever_order_the_hooks_fire_in():
+    world, m = FakeWorld(), model()
+    params = list(m.parameters())
+    buckets = world.buckets(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    for p in params:  # registration order: the reverse of the bucket order
+        buckets._on_grad(p)
+    assert [size for size, _ in world.launched] == [len(f) for f in buckets._buffers()]
+
+
+def test_no_sync_accumulates_and_the_last_backward_reduces_the_total():
+    world, m = FakeWorld(world=1), model()
+    buckets = world.buckets(list(m.parameters()))
+    with buckets.no_sync():
+        first = world.backward(m, 1)
+    assert world.launched == []
+    total = world.backward(m, 2)
+    assert not torch.equal(first["0.weight"], total["0.weight"])
+    tail = reduce(buckets)
+    buckets.hand_back(float(tail[0]))
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, total[n])
+
+
+def test_accumulating_without_no_sync_is_a_clear_error():
+    world, m = FakeWorld(world=1), model()
+    buckets = world.buckets(list(m.parameters()))
+    world.backward(m, 1)
+    world.backward(m, 2)
+    with pytest.raises(FtcommError, match="no_sync"):
+        buckets.finish(True)
+    world.backward(m, 3)  # the next step starts clean
+    tail = reduce(buckets)
+    assert tail.tolist() == [1.0, 0.0]
+
+
+def test_unused_parameters_are_reduced_as_zeros_in_finish():
+    world, m = FakeWorld(), model()
+    extra = torch.nn.Parameter(torch.ones(3))
+    params = list(m.parameters()) + [extra]  # last registered: first bucket, never gets a gradient
+    buckets = world.buckets(params)
+    world.backward(m, 0)
+    assert world.launched == []  # bucket 0 waits for the unused parameter, and the rest wait in order
+    tail = reduce(buckets)
+    buckets.hand_back(float(tail[0]))
+    assert torch.equal(extra.grad, torch.zeros(3))
+    assert len(world.launched) == buckets.bucket_count
+
+
+def test_without_permission_to_overlap_everything_waits_for_finish():
+    world, m = FakeWorld(overlap_allowed=False), model()
+    buckets = world.buckets(list(m.parameters()))
+    local = world.backward(m, 0)
+    assert world.launched == [] and not buckets.touched
+    tail = reduce(buckets)
+    buckets.hand_back(float(tail[0]))
+    torch.testing.assert_close(m[0].weight.grad, local["0.weight"])
+
+
+def test_an_invalid_step_contributes_zeros_and_is_averaged_over_the_valid_workers():
+    world, m = FakeWorld(world=1, overlap_allowed=False), model()
+    buckets = world.buckets(list(m.parameters()))
+    world.backward(m, 0)
+    tail = reduce(buckets, valid=False)
+    assert tail.tolist() == [0.0, 0.0]
+    assert all(float(f[:-2].abs().sum()) == 0.0 for f in buckets._flats[-1:])
+
+
+def test_partial_contributors_are_averaged_over_the_contributors_only():
+    world, m = FakeWorld(world=4), model()
+    buckets = world.buckets(list(m.parameters()))
+    local = world.backward(m, 0)
+    tail = reduce(buckets)
+    assert tail.tolist()[0] == 4.0
+    # pretend only two workers were valid: the sum holds g/4 from each of four copies, i.e. g,
+    # and the average over two contributors of pre-scaled sums is g * 4 / 2
+    buckets.hand_back(2.0)
+    torch.testing.assert_close(m[0].weight.grad, local["0.weight"] * 2)
+
+
+def test_discard_detaches_gradients_and_uses_new_buffers():
+    world, m = FakeWorld(), model()
+    buckets = world.buckets(list(m.parameters()))
+    world.backward(m, 0)
+    buckets.hand_back(float(reduce(buckets)[0]))
+    old = list(buckets._flats)  # an abandoned collective would keep them alive (and may write)
+    grad_before = m[0].weight.grad.clone()
+    assert buckets._is_bucket_view(m[0].weight.grad)
+    buckets.discard()
+    assert not buckets._is_bucket_view(m[0].weight.grad)
+    assert torch.equal(m[0].weight.grad, grad_before)
+    assert not {f.data_ptr() for f in buckets._buffers()} & {f.data_ptr() for f in old}
+
+
+def test_parameters_on_several_devices_are_refused():
+    world = FakeWorld()
+    a = torch.nn.Parameter(torch.ones(2))
+    b = torch.nn.Parameter(torch.ones(2, device="meta"))
+    with pytest.raises(FtcommError, match="one device"):
+        world.buckets([a, b])
