@@ -16,7 +16,7 @@ setup(
         "uvloop>=0.17; sys_platform != 'win32'",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "nvidia-nccl-cu12>=2.18"],
         "nccl": ["nvidia-nccl-cu12>=2.18"],
     },
     entry_points={"console_scripts": ["ftcomm=ftcomm.cli:main"]},
