@@ -11,8 +11,8 @@ Every line on stdout is a JSON object: ``ready``, one ``view`` per view change, 
 ``step`` every ``--report-every`` committed steps, and ``done`` with the final loss,
 accuracy and state digest. With ``--control``, JSON commands on stdin drive the fault
 filter of the gossip layer (``partition``, ``heal``), stop training at a given step
-(``stop_at``) or report progress (``status``), for tests and demos; the worker then
-also stops when stdin closes.
+(``stop_at``), report progress (``status``) or make the training loop raise an uncaught
+exception (``fail``), for tests and demos; the worker then also stops when stdin closes.
 """
 
 from __future__ import annotations
@@ -57,11 +57,12 @@ def emit(**fields) -> None:
 
 
 class Control:
-    """Commands on stdin (with --control): partition, heal, stop_at, status."""
+    """Commands on stdin (with --control): partition, heal, stop_at, status, fail."""
 
     def __init__(self, faults: FaultFilter) -> None:
         self.faults = faults
         self.stop_at: int | None = None
+        self.fail = False
         self.closed = threading.Event()
 
     def loop(self, ft) -> None:
@@ -72,6 +73,8 @@ class Control:
                 self.faults.partition(command["a"], command["b"])
             elif name == "heal":
                 self.faults.heal()
+            elif name == "fail":
+                self.fail = True
             elif name == "stop_at":
                 self.stop_at = int(command["step"])
             elif name == "status":
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         generator.manual_seed(args.seed * 1_000_003 + ft.step * 1009 + ft.rank)
         index = torch.randint(0, len(x), (args.batch,), generator=generator)
         loss = F.cross_entropy(model(x[index]), y[index])
+        if control is not None and control.fail:
+            raise RuntimeError("failure injected by the control command 'fail'")
         loss.backward()
         if args.step_time:
             time.sleep(args.step_time)  # stands in for a heavier model's compute

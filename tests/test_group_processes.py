@@ -88,6 +88,37 @@ def test_graceful_leave_reforms_without_waiting_for_suspicion(cluster):
     assert_invariants(stayers, cluster.finish(stayers))
 
 
+def test_an_uncaught_exception_leaves_gracefully(cluster):
+    workers, view_id = four(cluster)
+    failing = workers[1]
+    failing.send(cmd="fail")
+    assert failing.process.wait(30) != 0
+    assert any("failure injected" in line for line in failing.stderr_tail)
+    stayers = [w for w in workers if w is not failing]
+    views = cluster.wait_view(stayers, 3, timeout=10, after=view_id)
+    assert {v["reason"] for v in views} == {"leave"}  # announced: no suspicion timeout
+    assert max(v["agree_s"] + v["form_s"] for v in views) < 1.0
+    assert_invariants(stayers, cluster.finish(stayers))
+
+
+def test_sigterm_while_a_collective_hangs_on_a_stopped_peer_exits_promptly(cluster):
+    workers, view_id = four(cluster)
+    stopped, leaver = workers[3], workers[0]
+    stopped.signal(signal.SIGSTOP)
+    time.sleep(0.2)  # the others are now blocked in an allreduce that waits for the stopped worker
+    started = time.monotonic()
+    leaver.signal(signal.SIGTERM)
+    leaver.process.wait(10)
+    exit_s = time.monotonic() - started
+    assert exit_s < 3.0, f"exit took {exit_s:.2f} s with a collective pending"
+    stayers = workers[1:3]
+    cluster.wait_view(stayers, 2, timeout=20, after=view_id)
+    stopped.signal(signal.SIGCONT)
+    rest = workers[1:]
+    cluster.wait_view(rest, 3, timeout=30, after=view_id)
+    assert_invariants(rest, cluster.finish(rest))
+
+
 @pytest.mark.parametrize("split", [2, 3])
 def test_partition_only_the_quorum_side_commits_and_heals_to_one_state(cluster, split):
     workers, view_id = four(cluster)
