@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import ftcomm
 from ftcomm.backends import nccl
-from ftcomm.backends.base import AbortSignal
+from ftcomm.backends.base import AbortSignal, Handle
 from ftcomm.errors import CollectiveAborted, CommunicatorError, NcclUnavailable
 
 
@@ -231,3 +231,62 @@ def test_gpu_a_wait_is_abandoned_when_the_abort_signal_fires():
         handle.wait(abort, 10.0)
     assert time.perf_counter() - started < 0.1
     comm.abandon()
+
+
+# ---------------------------------------------------------------------- the watcher, with fakes
+class FakeEvent:
+    def __init__(self) -> None:
+        self.fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+
+class FakeLib:
+    """async_error answers from a script; describe as the real library formats it."""
+
+    def __init__(self, states: list[int]) -> None:
+        self.states = states
+        self.real = nccl.load()
+
+    def async_error(self, comm) -> int:
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def describe(self, result: int, comm=None) -> str:
+        return self.real.describe(result)
+
+
+def watched(watcher: nccl._Watcher, event: FakeEvent) -> Handle:
+    """A handle finished the way NcclCommunicator finishes its own."""
+    def finish():
+        if watcher.error is not None:
+            raise CommunicatorError(watcher.error)
+        return "done"
+    return Handle("fake collective", lambda complete: watcher.add(event, complete), finish)
+
+
+def test_watcher_completes_a_handle_when_its_event_fires():
+    watcher = nccl._Watcher(FakeLib([nccl.SUCCESS]), None, 1)
+    event = FakeEvent()
+    handle = watched(watcher, event)
+    time.sleep(0.05)
+    assert not handle.completed
+    event.fired = True
+    assert handle.wait(AbortSignal(), 2.0) == "done"
+    watcher.stop()
+
+
+def test_watcher_fails_pending_handles_on_an_asynchronous_nccl_error():
+    watcher = nccl._Watcher(FakeLib([nccl.SUCCESS, nccl.SUCCESS, 6]), None, 2)
+    handle = watched(watcher, FakeEvent())  # its event never fires: a peer died mid-collective
+    with pytest.raises(CommunicatorError, match=r"ncclRemoteError \(6\): remote process exited"):
+        handle.wait(AbortSignal(), 2.0)
+    watcher.stop()
+
+
+def test_an_abandoned_communicators_pending_handles_never_read_as_success():
+    watcher = nccl._Watcher(FakeLib([nccl.IN_PROGRESS]), None, 3)
+    handle = watched(watcher, FakeEvent())
+    watcher.stop()
+    with pytest.raises(CommunicatorError, match="abandoned"):
+        handle.wait(AbortSignal(), 2.0)

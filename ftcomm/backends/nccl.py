@@ -263,6 +263,8 @@ class _Watcher:
             for _, complete in done:
                 complete()
             time.sleep(0.0002 if len(done) < len(pending) else 0)
+        if self.error is None:
+            self.error = "the communicator was abandoned"  # no pending handle may read as a success
         with self._lock:
             pending, self._pending = self._pending, []
         for _, complete in pending:
@@ -337,17 +339,17 @@ class NcclCommunicator:
                             "ncclAllGather", self._comm)
         return self._launch(f"allgather in view {self.view_id}", enqueue, lambda: list(out.unbind(0)))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum") -> Handle:
-        """``output`` (n elements) receives this rank's n-element slice of the reduced ``input``."""
+    def reduce_scatter(self, output: torch.Tensor, source: torch.Tensor, op: str = "sum") -> Handle:
+        """``output`` (n elements) receives this rank's n-element slice of the reduced ``source``."""
         self._check_tensor(output)
-        self._check_tensor(input)
-        if input.numel() != output.numel() * self.size:
-            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+        self._check_tensor(source)
+        if source.numel() != output.numel() * self.size:
+            raise ValueError(f"reduce_scatter: the source has {source.numel()} elements, expected "
                              f"{output.numel()} x {self.size}")
 
         def enqueue(stream: int) -> None:
-            self._lib.check(self._lib.ncclReduceScatter(input.data_ptr(), output.data_ptr(), output.numel(),
-                                                        DATATYPES[input.dtype], OPS["avg" if op == "mean" else op],
+            self._lib.check(self._lib.ncclReduceScatter(source.data_ptr(), output.data_ptr(), output.numel(),
+                                                        DATATYPES[source.dtype], OPS["avg" if op == "mean" else op],
                                                         self._comm, stream), "ncclReduceScatter", self._comm)
         return self._launch(f"reduce_scatter({op}) in view {self.view_id}", enqueue, lambda: output)
 
