@@ -49,6 +49,15 @@ def in_threads(groups, fn) -> list:
     return results
 
 
+def linear_models(groups) -> tuple[list, list]:
+    """A small model and its optimizer per group, registered as the group's state."""
+    models = [torch.nn.Linear(4, 2) for _ in groups]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for g, m, o in zip(groups, models, optimizers):
+        g.register_state(model=m, optimizer=o)
+    return models, optimizers
+
+
 def run_steps(groups, models, optimizers, steps: int) -> None:
     """Train until every group reached the same absolute step (reconciling may move a laggard)."""
     target = max(g.step for g in groups) + steps
@@ -66,10 +75,7 @@ def run_steps(groups, models, optimizers, steps: int) -> None:
 def test_a_step_committed_by_some_members_only_is_reconciled_from_the_most_advanced():
     groups = start_groups(4)
     try:
-        models = [torch.nn.Linear(4, 2) for _ in groups]
-        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-        for g, m, o in zip(groups, models, optimizers):
-            g.register_state(model=m, optimizer=o)
+        models, optimizers = linear_models(groups)
         run_steps(groups, models, optimizers, 5)
         assert {g.world_size for g in groups} == {4}
         assert len({g.state.digest(g.step) for g in groups}) == 1
@@ -97,10 +103,7 @@ def test_a_step_committed_by_some_members_only_is_reconciled_from_the_most_advan
 def test_execute_runs_collectives_over_the_view_and_retries_after_a_member_leaves():
     groups = start_groups(4)
     try:
-        models = [torch.nn.Linear(4, 2) for _ in groups]
-        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-        for g, m, o in zip(groups, models, optimizers):
-            g.register_state(model=m, optimizer=o)
+        models, optimizers = linear_models(groups)
         run_steps(groups, models, optimizers, 1)  # everyone in one view
 
         def collectives(i: int, g: ftcomm.FaultTolerantGroup):

@@ -201,9 +201,7 @@ def load() -> Library:
     for source, path in library_candidates():
         try:
             return Library(path, source)
-        except NcclUnavailable:
-            raise
-        except (OSError, AttributeError) as exc:
+        except (OSError, AttributeError) as exc:  # not loadable, or not a complete libnccl
             tried.append(f"{path} ({source}): {str(exc).splitlines()[0][:200]}")
     raise NcclUnavailable("libnccl.so.2 not found; tried " + "; ".join(tried) +
                           f". Install it with pip install 'ftcomm[nccl]' or set {ENV_LIBRARY}")
@@ -308,9 +306,7 @@ class NcclCommunicator:
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensors: list[torch.Tensor], op: str = "sum") -> Handle:
         """In-place reduction of each tensor (one NCCL group); ``mean`` is ncclAvg."""
-        nccl_op = OPS["avg" if op == "mean" else op] if op in ("mean", "sum", "max", "min", "avg") else None
-        if nccl_op is None:
-            raise ValueError(f"unknown reduction {op!r}: use sum, mean, max or min")
+        nccl_op = _reduction(op)
         for t in tensors:
             self._check_tensor(t)
 
@@ -341,6 +337,7 @@ class NcclCommunicator:
 
     def reduce_scatter(self, output: torch.Tensor, source: torch.Tensor, op: str = "sum") -> Handle:
         """``output`` (n elements) receives this rank's n-element slice of the reduced ``source``."""
+        nccl_op = _reduction(op)
         self._check_tensor(output)
         self._check_tensor(source)
         if source.numel() != output.numel() * self.size:
@@ -349,7 +346,7 @@ class NcclCommunicator:
 
         def enqueue(stream: int) -> None:
             self._lib.check(self._lib.ncclReduceScatter(source.data_ptr(), output.data_ptr(), output.numel(),
-                                                        DATATYPES[source.dtype], OPS["avg" if op == "mean" else op],
+                                                        DATATYPES[source.dtype], nccl_op,
                                                         self._comm, stream), "ncclReduceScatter", self._comm)
         return self._launch(f"reduce_scatter({op}) in view {self.view_id}", enqueue, lambda: output)
 
@@ -404,6 +401,13 @@ class NcclCommunicator:
         handle = Handle(what, lambda complete: watcher.add(event, complete), finish)
         self._pending = [h for h in self._pending if not h.completed] + [handle]
         return handle
+
+
+def _reduction(op: str) -> int:
+    """The ncclRedOp_t of one of the group's reductions (``mean`` is ncclAvg)."""
+    if op not in ("sum", "mean", "max", "min"):
+        raise ValueError(f"unknown reduction {op!r}: use sum, mean, max or min")
+    return OPS["avg" if op == "mean" else op]
 
 
 def _exchange_unique_id(lib: Library, store: Any, rank: int, view_id: int, abort: AbortSignal,
