@@ -21,13 +21,15 @@ from typing import Any, Iterable
 from .errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
                      MembershipChanged, NcclUnavailable, QuorumLost, RetryLimitExceeded)
 from .gossip import GossipConfig
+from .data import ElasticSampler
 from .group import FaultTolerantGroup, GroupOptions, ViewChange
+from .scaling import LinearLRScaling
 from .view import View
 
 __version__ = "0.1.0"
 __all__ = [
-    "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "FaultTolerantGroup", "FtcommError",
-    "FtcommTimeout", "GroupOptions", "MembershipChanged", "NcclUnavailable", "QuorumLost", "RetryLimitExceeded", "View",
+    "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup", "FtcommError",
+    "FtcommTimeout", "GroupOptions", "LinearLRScaling", "MembershipChanged", "NcclUnavailable", "QuorumLost", "RetryLimitExceeded", "View",
     "ViewChange", "init",
 ]
 

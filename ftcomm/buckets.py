@@ -42,11 +42,14 @@ class GradientBuckets:
     step to ``finish`` (a re-formation or a join is due first).
     ``world_size()``: the size gradients are pre-scaled by.
     ``join()``: this worker's pending-join counter (1.0 when it sees a joiner waiting).
+    ``data_valid()``: this worker's batch matches the data plan (asked when the last
+    bucket launches); False counts its gradients as not valid, like ``finish(False)``.
     """
 
     def __init__(self, params: list[torch.Tensor], bucket_mb: float, overlap: bool,
                  launch: Callable[[torch.Tensor], Handle], may_overlap: Callable[[], bool],
-                 world_size: Callable[[], int], join: Callable[[], float]) -> None:
+                 world_size: Callable[[], int], join: Callable[[], float],
+                 data_valid: Callable[[], bool] = lambda: True) -> None:
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise FtcommError("wait_gradients_ready needs every parameter on one device, got "
@@ -54,6 +57,7 @@ class GradientBuckets:
         self.params = params
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self._launch, self._may_overlap, self._world_size, self._join = launch, may_overlap, world_size, join
+        self._data_valid = data_valid
         self._groups = _group(list(reversed(params)), bucket_mb)
         self._slot: dict[int, tuple[int, int, int]] = {}
         for b, group in enumerate(self._groups):
@@ -132,7 +136,7 @@ class GradientBuckets:
                 return
             flat = self._buffers()[b]
             if b == last:
-                flat[-_TAIL], flat[-1] = (1.0 if valid else 0.0), self._join()
+                flat[-_TAIL], flat[-1] = (1.0 if valid and self._data_valid() else 0.0), self._join()
             self._handles.append(self._launch(flat))
 
     def finish(self, valid: bool) -> tuple[list[Handle], torch.Tensor]:

@@ -112,6 +112,7 @@ class ViewChange:
     abort_latency_s: float | None = None  # from the abort signal firing to the training thread noticing
     step: int | None = None  # committed step once the state was reconciled in this view
     state_digest: int | None = None  # digest of the registered state then (equal on every member)
+    policy: dict | None = None  # what the batch-size / learning-rate policies set for this view
 
     @property
     def total_s(self) -> float:
@@ -192,8 +193,15 @@ class FaultTolerantGroup:
         return self._gossip
 
     def register_state(self, model: Any = None, optimizer: Any = None, sampler: Any = None, **extras: Any) -> None:
-        """Register what must be identical on every worker (``state_dict`` objects or plain values)."""
+        """Register what must be identical on every worker (``state_dict`` objects or plain values).
+
+        Objects that follow the group's steps (an :class:`ftcomm.ElasticSampler`, a
+        :class:`ftcomm.LinearLRScaling`) are bound to it here; see docs/API.md.
+        """
         self.state.register(model=model, optimizer=optimizer, sampler=sampler, **extras)
+        for obj in self.state.objects.values():
+            if hasattr(obj, "bind_group"):
+                obj.bind_group(self)
 
     # ------------------------------------------------------------------ training API
     def wait_gradients_ready(self, model_or_params: Any) -> bool:
@@ -211,8 +219,11 @@ class FaultTolerantGroup:
         waits only for what is still in flight.
         """
         buckets = self._buckets_for(_parameters(model_or_params))
+        for obj in self._participants("check_step"):
+            obj.check_step()
         if self._step_lost:  # the group re-formed (in execute) after backward began reducing
             self._step_lost = False
+            self._end_step(False)
             return False
         self._state_replaced = False
         self._waiting_since = time.monotonic()
@@ -231,14 +242,19 @@ class FaultTolerantGroup:
         except MembershipChanged as exc:
             buckets.discard()
             self._recover(self._classify(exc) if self._broken is None else self._broken, self._waiting_since)
+            self._end_step(False)
             return False
         contributors, joiners = float(tail[0]), float(tail[1])
-        if contributors < 1:
-            buckets.discard()
-            return False  # every worker just received state: nobody's gradients are valid
-        buckets.hand_back(contributors)
         if joiners > 0:
             self._join_pending = True
+        # Nobody's gradients are valid (every worker just received state), or a sampler is
+        # registered and some batch did not match the plan: committing would lose its samples.
+        if contributors < 1 or (self._participants("batch_valid") and contributors < self._comm.size - 0.5):
+            buckets.discard()
+            self._end_step(False)
+            return False
+        buckets.hand_back(contributors)
+        self._end_step(True)
         self._commit()
         return True
 
@@ -494,10 +510,24 @@ class FaultTolerantGroup:
         return loaded
 
     def _record_reconciled(self) -> None:
-        """Stamp the latest view change with the state every member holds after reconciling."""
+        """Stamp the latest view change with the state every member holds after reconciling, and
+        let the batch-size / learning-rate policies adapt to the view (same state, same result)."""
         if self.state.registered and self.events:
+            policy: dict = {}
+            for obj in self._participants("view_changed"):
+                policy.update(obj.view_changed(self.rank, self.world_size, self.step) or {})
             self.events[-1] = dataclasses.replace(self.events[-1], step=self.step,
-                                                  state_digest=self._reconciled_digest)
+                                                  state_digest=self._reconciled_digest, policy=policy or None)
+            if policy:
+                log.info("view %d: policy %s", self._view.id, policy)
+
+    def _participants(self, hook: str) -> list[Any]:
+        """Registered objects that follow the group's steps through ``hook``."""
+        return [obj for obj in self.state.objects.values() if hasattr(obj, hook)]
+
+    def _end_step(self, committed: bool) -> None:
+        for obj in self._participants("step_ended"):
+            obj.step_ended(committed)
 
     # ------------------------------------------------------------------ gossip side
     def _on_gossip(self, event: GossipEvent) -> None:
@@ -676,7 +706,8 @@ class FaultTolerantGroup:
                 params, self.options.bucket_mb, self.options.overlap,
                 launch=lambda flat: self._comm.allreduce([flat], "sum"),
                 may_overlap=self._may_overlap, world_size=lambda: self._comm.size,
-                join=lambda: 1.0 if self._admissible_joiner() else 0.0)
+                join=lambda: 1.0 if self._admissible_joiner() else 0.0,
+                data_valid=lambda: all(obj.batch_valid() for obj in self._participants("batch_valid")))
         return buckets
 
     def _may_overlap(self) -> bool:

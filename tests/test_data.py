@@ -1,0 +1,196 @@
+"""ElasticSampler: exactly-once consumption per epoch, in plain use and under simulated churn."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import random
+
+import pytest
+import torch
+
+from ftcomm.data import ElasticSampler, epoch_permutation
+from ftcomm.errors import FtcommError
+from ftcomm.scaling import LinearLRScaling
+
+
+class FakeGroup:
+    """What the sampler reads from a group: its place in the view and no_sync."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world_size = rank, world
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+
+class PrefetchingLoader:
+    """Iterates a batch sampler ``depth`` batches ahead of its consumer, as DataLoader worker processes do."""
+
+    def __init__(self, sampler: ElasticSampler, depth: int) -> None:
+        self.sampler, self.depth = sampler, depth
+
+    def __iter__(self):
+        source = iter(self.sampler)
+        queue = collections.deque()
+        while True:
+            while len(queue) <= self.depth:
+                try:
+                    queue.append(next(source))
+                except StopIteration:
+                    break
+            if not queue:
+                return
+            yield queue.popleft()
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_plain_use_splits_each_epoch_over_the_ranks_exactly_once(drop_last):
+    size, batch, world = 103, 16, 3
+    for epoch in range(2):
+        seen = []
+        for rank in range(world):
+            sampler = ElasticSampler(size, global_batch=batch, seed=7, drop_last=drop_last, rank=rank, world_size=world)
+            sampler.epoch = epoch
+            for indices in sampler:
+                seen.extend(indices if len(indices) > 0 else [])
+        order = epoch_permutation(size, 7, epoch).tolist()
+        expected = order[:size - size % batch] if drop_last else order
+        assert sorted(seen) == sorted(expected)
+        assert len(seen) == len(set(seen))
+
+
+def test_a_short_last_step_with_fewer_samples_than_workers_gives_weightless_indices():
+    group = FakeGroup(3, 4)
+    sampler = ElasticSampler(10, global_batch=8, seed=1)
+    sampler.bind_group(group)
+    sampler.offset = 8  # two samples left for four workers
+    it = iter(sampler)
+    indices = next(it)
+    batch = sampler._pending[0]
+    assert batch.count == 0 and len(indices) == 1 and batch.weight(1) == 0.0
+    group.rank = 0
+    sampler._pending.clear()
+    next(iter(sampler))
+    assert sampler._pending[0].count == 1 and sampler._pending[0].weight(1) == pytest.approx(4 / 2)
+
+
+def test_micro_batch_weights_give_the_global_mean():
+    group = FakeGroup(0, 3)
+    sampler = ElasticSampler(100, global_batch=40, micro_batch=5, seed=0)
+    sampler.bind_group(group)
+    indices = next(iter(sampler))
+    x = torch.arange(len(indices), dtype=torch.float32)
+    parts = list(sampler.micro_batches(x))
+    assert len(parts) == -(-len(indices) // 5)
+    # sum of weight * chunk mean, averaged over 3 workers, is the chunk's share of the global mean
+    total = sum(w * p[0].mean().item() for p, w in parts) / 3
+    assert total == pytest.approx(x.sum().item() / 40)
+
+
+def test_loading_state_of_another_configuration_is_refused():
+    a = ElasticSampler(100, global_batch=10)
+    b = ElasticSampler(100, global_batch=12)
+    with pytest.raises(FtcommError, match="same arguments"):
+        b.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError):
+        ElasticSampler(100, global_batch=10, worker_batch=3)
+
+
+def test_a_prefetching_loader_iterated_directly_is_a_clear_error():
+    sampler = ElasticSampler(100, global_batch=10)
+    sampler.bind_group(FakeGroup(0, 1))
+    loader = PrefetchingLoader(sampler, depth=2)
+    next(iter(loader))
+    with pytest.raises(FtcommError, match="sampler.steps"):
+        sampler.check_step()
+
+
+class Worker:
+    def __init__(self, sampler: ElasticSampler, group: FakeGroup, depth: int) -> None:
+        self.sampler, self.group = sampler, group
+        self.loader = PrefetchingLoader(sampler, depth)
+        self.stream = self._batches()
+
+    def _batches(self):
+        while True:
+            yield from self.sampler.steps(self.loader)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("policy", ["global", "worker"])
+def test_random_churn_consumes_every_index_exactly_once_per_epoch(seed, policy):
+    """Group semantics simulated step by step: a step commits only when every member's batch is
+    valid and no fault hit it; crashes, leaves and joins re-rank everyone, joiners get the state."""
+    rng = random.Random(seed)
+    size, epochs = 157, 4
+    kwargs = {"global_batch": 12} if policy == "global" else {"worker_batch": 3}
+
+    def new_worker(state=None):
+        sampler = ElasticSampler(size, seed=seed, **kwargs)
+        group = FakeGroup(0, 1)
+        sampler.bind_group(group)
+        if state is not None:
+            sampler.load_state_dict(state)
+        return Worker(sampler, group, depth=rng.choice([0, 0, 1, 3]))
+
+    def view_change(workers):
+        for rank, w in enumerate(workers):
+            w.group.rank, w.group.world_size = rank, len(workers)
+        leader = workers[0].sampler.state_dict()
+        for w in workers:
+            w.sampler.load_state_dict(leader)
+            w.sampler.view_changed(w.group.rank, len(workers), 0)
+
+    workers = [new_worker() for _ in range(4)]
+    view_change(workers)
+    consumed: dict[int, list[int]] = collections.defaultdict(list)
+    steps = 0
+    while workers[0].sampler.epoch < epochs:
+        steps += 1
+        assert steps < 2000
+        batches = [next(w.stream) for w in workers]
+        for w in workers:
+            w.sampler.check_step()
+        event = rng.random()
+        if event < 0.06 and len(workers) > 1:  # crash or leave during the step: discarded
+            for w in workers:
+                w.sampler.step_ended(False)
+            workers.pop(rng.randrange(len(workers)))
+            view_change(workers)
+            continue
+        if event < 0.12 and len(workers) < 6:  # a joiner admitted at this step boundary
+            workers.append(new_worker())
+            view_change(workers)
+            joiner = workers[-1]
+            next(joiner.stream)  # the joiner drew a batch before receiving the state
+        valid = all(w.sampler.batch_valid() for w in workers)
+        if valid:
+            epoch = workers[0].sampler.epoch
+            for w, indices in zip(workers, batches):
+                if w.sampler._pending[0].count:
+                    consumed[epoch].extend(indices)
+        for w in workers:
+            w.sampler.step_ended(valid)
+        states = {tuple(sorted(w.sampler.state_dict().items())) for w in workers}
+        assert len(states) == 1
+    for epoch in range(epochs):
+        assert sorted(consumed[epoch]) == list(range(size)), epoch
+
+
+def test_linear_lr_scaling_follows_the_world_with_warmup():
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaling = LinearLRScaling(optimizer, reference_world=4, warmup_steps=4)
+    info = scaling.view_changed(0, 2, 0)
+    assert info["lr_target"] == [pytest.approx(0.05)] and optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    for expected in (0.0875, 0.075, 0.0625, 0.05, 0.05):
+        scaling.step_ended(True)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+    scaling.step_ended(False)
+    copy = LinearLRScaling(torch.optim.SGD(model.parameters(), lr=0.1), reference_world=4)
+    copy.load_state_dict(scaling.state_dict())
+    assert copy.state_dict() == scaling.state_dict()
+    instant = LinearLRScaling(optimizer, reference_world=2)
+    instant.view_changed(0, 4, 0)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
