@@ -21,6 +21,7 @@ from typing import Any, Iterable
 from .errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
                      MembershipChanged, NcclUnavailable, QuorumLost, RetryLimitExceeded)
 from .gossip import GossipConfig
+from .checkpoint import FlashCheckpointer
 from .data import ElasticSampler
 from .group import FaultTolerantGroup, GroupOptions, ViewChange
 from .scaling import LinearLRScaling
@@ -28,7 +29,7 @@ from .view import View
 
 __version__ = "0.1.0"
 __all__ = [
-    "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup", "FtcommError",
+    "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup", "FlashCheckpointer", "FtcommError",
     "FtcommTimeout", "GroupOptions", "LinearLRScaling", "MembershipChanged", "NcclUnavailable", "QuorumLost", "RetryLimitExceeded", "View",
     "ViewChange", "init",
 ]

@@ -203,6 +203,13 @@ class FaultTolerantGroup:
             if hasattr(obj, "bind_group"):
                 obj.bind_group(self)
 
+    def state_restored(self, step: int | None) -> None:
+        """The registered state was loaded from a checkpoint of ``step`` (None: not on this member).
+        The members compare digests before the next collective; the newest state wins."""
+        if step is not None:
+            self.step = step
+        self._needs_reconcile = True
+
     # ------------------------------------------------------------------ training API
     def wait_gradients_ready(self, model_or_params: Any) -> bool:
         """Average gradients across the view in flat buckets.

@@ -26,7 +26,7 @@ def start_groups(n: int, **options) -> list[ftcomm.FaultTolerantGroup]:
 
     def start(i: int) -> None:
         groups[i] = ftcomm.init(peers=[f"127.0.0.1:{ports[0]}"] if i else [], bind=f"127.0.0.1:{ports[i]}",
-                                min_workers=n - 1, handle_signals=False, **options)
+                                min_workers=max(n - 1, 1), handle_signals=False, **options)
     threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()

@@ -1,0 +1,131 @@
+"""Flash checkpoints: round trip, pruning, checksums, and agreement on the step to restore."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+from ftcomm.checkpoint import FlashCheckpointer, _steps
+from tests.test_group_threads import in_threads, start_groups
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def trained_state(group, seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    group.register_state(model=model, optimizer=optimizer, note="hello", counts=[1, 2])
+    return model, optimizer
+
+
+@pytest.fixture
+def name():
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    yield job
+    shm = f"/dev/shm/ftcomm-{job}"
+    if os.path.isdir(shm):
+        for f in os.listdir(shm):
+            os.unlink(os.path.join(shm, f))
+        os.rmdir(shm)
+
+
+def test_save_restore_round_trip_and_keep(tmp_path, name):
+    (group,) = start_groups(1)
+    try:
+        model, optimizer = trained_state(group, 0)
+        checkpoints = FlashCheckpointer(group, tmp_path, keep=2, name=name)
+        digests = {}
+        for step in (3, 5, 9):
+            group.step = step
+            with torch.no_grad():
+                model[0].weight.add_(1.0)
+            pause = checkpoints.save()
+            assert 0 <= pause < 5
+            digests[step] = group.state.digest(step)
+        checkpoints.wait()
+        assert _steps(checkpoints.shm) == [9, 5] and _steps(tmp_path) == [9, 5]
+        # buffers are reused: shared memory holds the kept checkpoints plus one spare
+        assert len(os.listdir(checkpoints.shm)) <= 2 * 2 + 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        group.state.values["note"] = "changed"
+        assert checkpoints.restore() == 9
+        assert group.step == 9 and group.state.digest(9) == digests[9]
+        assert group.state.values["note"] == "hello"
+        checkpoints.close()
+    finally:
+        group.shutdown()
+
+
+def test_corrupted_and_partial_checkpoints_are_skipped(tmp_path, name, caplog):
+    (group,) = start_groups(1)
+    try:
+        model, _ = trained_state(group, 1)
+        checkpoints = FlashCheckpointer(group, tmp_path, keep=3, name=name)
+        for step in (1, 2, 3):
+            group.step = step
+            checkpoints.save()
+        checkpoints.wait()
+        expected = group.state.digest(1)
+        group.step = 1
+        expected = group.state.digest(1)
+        # step 3: flip a byte in both copies; step 2: only the record is gone from both (partial)
+        for place in (checkpoints.shm, tmp_path):
+            data = place / "step-000000000003.data"
+            raw = bytearray(data.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            data.write_bytes(bytes(raw))
+            (place / "step-000000000002.meta").unlink()
+        # step 1: the shared-memory copy is corrupt, the directory's copy is good
+        data = checkpoints.shm / "step-000000000001.data"
+        raw = bytearray(data.read_bytes())
+        raw[0] ^= 0x01
+        data.write_bytes(bytes(raw))
+        with torch.no_grad():
+            model[0].weight.zero_()
+        assert checkpoints.restore() == 1
+        assert group.state.digest(1) == expected
+        assert "skipping checkpoint of step 3" in caplog.text
+        checkpoints.close()
+    finally:
+        group.shutdown()
+
+
+def test_members_agree_on_the_newest_step_every_one_can_load(tmp_path, name):
+    groups = start_groups(2)
+    try:
+        models = [trained_state(g, 2)[0] for g in groups]
+        directories = [tmp_path / "a", tmp_path / "b"]
+        # separate shared-memory roots stand for two hosts; each member writes its own copy
+        checkpoints = [FlashCheckpointer(g, d, keep=3, name=name, shm_root=d / "shm")
+                       for g, d in zip(groups, directories)]
+        for c in checkpoints:
+            c.is_writer = lambda: True
+        for step in (4, 8):
+            for g, c in zip(groups, checkpoints):
+                g.step = step
+                c.save()
+        expected = groups[0].state.digest(8)
+        groups[0].step = 12
+        checkpoints[0].save()  # only member 0 has step 12
+        for c in checkpoints:
+            c.wait()
+        for m in models:
+            with torch.no_grad():
+                m[2].bias.fill_(7.0)
+        restored = in_threads(groups, lambda i, g: checkpoints[i].restore())
+        assert restored == [8, 8]
+        assert [g.step for g in groups] == [8, 8]
+        assert [g.state.digest(8) for g in groups] == [expected, expected]
+        for c in checkpoints:
+            c.close()
+    finally:
+        for g in groups:
+            g.shutdown()
