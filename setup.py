@@ -14,6 +14,7 @@ setup(
         "msgpack>=1.0",
         "numpy>=1.24",
         "uvloop>=0.17; sys_platform != 'win32'",
+        "xxhash>=3.0",
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "nvidia-nccl-cu12>=2.18"],

@@ -4,7 +4,7 @@ A checkpoint of step ``S`` is two files, in shared memory and (optionally) in a
 directory: ``step-S.data`` holds every tensor's raw bytes (64-byte aligned, no
 pickling), ``step-S.meta`` a small record (msgpack): the tensors' offsets, dtypes and
 shapes, the state's structure with tensors replaced by references (pickled; no tensor
-data in it), and a CRC-32 per 64 MB chunk of the data. The meta file is written last,
+data in it), and an XXH3-64 checksum per 64 MB piece of each tensor. The meta file is written last,
 by write + rename, so a checkpoint without one is partial and invisible.
 
 ``save()`` pauses training only for the copy into a shared-memory buffer whose pages
@@ -17,7 +17,9 @@ others read its copy.
 ``restore()`` after a whole-job restart: the members agree on the newest step every
 one of them can load (its checksums verify, from shared memory when the host is the
 same, else from the directory), load it and continue. A corrupted or partial
-checkpoint is skipped with a warning.
+checkpoint is skipped with a warning. A copy is verified before any of it is loaded;
+tensors then go straight into the registered objects' existing tensors where shape
+and dtype match (no new memory), into new ones otherwise.
 """
 
 from __future__ import annotations
@@ -31,20 +33,20 @@ import queue
 import re
 import threading
 import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
+import xxhash
 
 from .errors import FtcommError
+from .state import tensor_bytes
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-CHUNK = 64 << 20  # bytes per checksum: chunks are verified in parallel
+CHUNK = 64 << 20  # bytes per checksum piece
 ALIGN = 64
 MAX_CANDIDATES = 32  # newest steps each member offers when agreeing on one to restore
 _NAME = re.compile(r"^step-(\d{12})\.meta$")
@@ -107,10 +109,12 @@ def _view(buffer: Any, offset: int, dtype: str, shape: list[int], nbytes: int) -
     return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset).view(kind).view(shape)
 
 
-def _checksums(buffer: Any, size: int, pool: ThreadPoolExecutor) -> list[int]:
+def _checksums(buffer: Any, entries: list[list]) -> list[list[int]]:
+    """XXH3-64 of each ``CHUNK`` piece of each tensor's bytes in ``buffer``."""
     view = memoryview(buffer)
     try:
-        return list(pool.map(lambda lo: zlib.crc32(view[lo:min(lo + CHUNK, size)]), range(0, size, CHUNK)))
+        return [[xxhash.xxh3_64_intdigest(view[lo:lo + min(CHUNK, offset + nbytes - lo)])
+                 for lo in range(offset, offset + nbytes, CHUNK)] for offset, _, _, nbytes in entries]
     finally:
         view.release()
 
@@ -130,14 +134,14 @@ def _write_atomic(path: pathlib.Path, data: Any, sync: bool) -> None:
 
 def _meta_bytes(record: dict) -> bytes:
     body = msgpack.packb(record, use_bin_type=True)
-    return b"FTCK" + zlib.crc32(body).to_bytes(4, "little") + body
+    return b"FTCK" + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
 
 
 def _read_meta(path: pathlib.Path) -> dict:
     raw = path.read_bytes()
-    if raw[:4] != b"FTCK" or int.from_bytes(raw[4:8], "little") != zlib.crc32(raw[8:]):
+    if raw[:4] != b"FTCK" or int.from_bytes(raw[4:12], "little") != xxhash.xxh3_64_intdigest(raw[12:]):
         raise ValueError(f"{path}: bad header or metadata checksum")
-    record = msgpack.unpackb(raw[8:], raw=False)
+    record = msgpack.unpackb(raw[12:], raw=False)
     if record.get("format") != FORMAT:
         raise ValueError(f"{path}: format {record.get('format')} (this version reads {FORMAT})")
     return record
@@ -178,7 +182,6 @@ class FlashCheckpointer:
         self._slots: list[_Slot] = []
         self._slot_lock = threading.Condition()
         self._jobs: queue.Queue = queue.Queue()
-        self._pool = ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="ftcomm-crc")
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._background, name="ftcomm-checkpoint", daemon=True)
         self._worker.start()
@@ -229,22 +232,24 @@ class FlashCheckpointer:
         self.wait()
         self._jobs.put(None)
         self._worker.join(timeout=30)
-        self._pool.shutdown()
 
     def _take_slot(self, size: int) -> _Slot:
+        """A spare buffer of ``size`` bytes (one that holds no published checkpoint)."""
         with self._slot_lock:
             while True:
-                free = [s for s in self._slots if not s.busy]
-                fits = [s for s in free if s.size == size]
+                for s in [s for s in self._slots if not s.busy and not s.path.exists()]:
+                    self._retire(s)  # another writer pruned the checkpoint it held
+                spare = [s for s in self._slots if not s.busy and s.path.name.startswith(".slot-")]
+                fits = [s for s in spare if s.size == size]
                 if fits:
                     slot = fits[0]
                     break
-                if len(self._slots) <= self.keep or free:
-                    for s in free:  # the state changed size: drop buffers that no longer fit
-                        self._retire(s)
+                for s in spare:  # the state changed size: drop buffers that no longer fit
+                    self._retire(s)
+                if len(self._slots) <= self.keep:
                     slot = self._new_slot(size)
                     break
-                self._slot_lock.wait()  # every buffer is being persisted: wait for the oldest
+                self._slot_lock.wait()  # the previous save is still being published: wait for it
             slot.busy = True
             return slot
 
@@ -292,7 +297,7 @@ class FlashCheckpointer:
 
     def _publish(self, slot: _Slot, record: dict) -> None:
         step, size = record["step"], record["size"]
-        record["crc"] = _checksums(slot.buffer, size, self._pool)
+        record["checksums"] = _checksums(slot.buffer, record["tensors"])
         meta = _meta_bytes(record)
         data_path = self.shm / _name(step, "data")
         (self.shm / _name(step, "meta")).unlink(missing_ok=True)
@@ -366,36 +371,78 @@ class FlashCheckpointer:
         row[:len(values)] = torch.tensor(values, dtype=torch.int64)
         return [[int(v) for v in t.tolist() if v >= 0] for t in self.group.allgather(row)]
 
-    def _load_verified(self, step: int) -> tuple[dict, list[torch.Tensor]] | None:
-        """The step's record and tensors from the first copy whose checksums verify."""
+    def _load_verified(self, step: int) -> tuple[dict, Any, list[list]] | None:
+        """The step's record and a verified mapping of its data, from the first copy that verifies."""
         for place in (self.shm, self.directory):
             if place is None or not (place / _name(step, "meta")).exists():
                 continue
             try:
                 record = _read_meta(place / _name(step, "meta"))
+                size = record["size"]
                 with open(place / _name(step, "data"), "rb") as f:
-                    size = record["size"]
                     if os.fstat(f.fileno()).st_size < size:
-                        raise ValueError("data file is shorter than its record")
-                    buffer = mmap.mmap(f.fileno(), max(size, 1), access=mmap.ACCESS_COPY)
-                try:
-                    if _checksums(buffer, size, self._pool) != record["crc"]:
-                        raise ValueError("data checksum mismatch")
-                    tensors = [_view(buffer, *entry).clone() for entry in record["tensors"]]
-                finally:
-                    try:
-                        buffer.close()
-                    except BufferError:
-                        pass
-                return record, tensors
+                        raise ValueError("data file is shorter than its record (partial write)")
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                    buffer = mmap.mmap(f.fileno(), max(size, 1), flags=flags, prot=mmap.PROT_READ)
+                if _checksums(buffer, record["tensors"]) != record["checksums"]:
+                    buffer.close()
+                    raise ValueError("data checksum mismatch")
+                return record, buffer, record["tensors"]
             except (OSError, ValueError, KeyError) as exc:
                 log.warning("skipping checkpoint of step %d in %s: %s", step, place, exc)
         return None
 
-    def _apply(self, step: int, loaded: tuple[dict, list[torch.Tensor]]) -> None:
-        record, tensors = loaded
-        snapshot = _unflatten(pickle.loads(record["structure"]), tensors)
+    def _apply(self, step: int, loaded: tuple[dict, Any, list[list]]) -> None:
+        """Copy a verified checkpoint into the registered state (in place where possible)."""
+        record, buffer, entries = loaded
+        structure = pickle.loads(record["structure"])
+        source = memoryview(buffer)
+        try:
+            tensors = []
+            targets = _targets(structure, _flatten_live(self.group.state.snapshot(self.group.step)))
+            for index, (offset, dtype, shape, nbytes) in enumerate(entries):
+                target = targets.get(index)
+                if target is None or str(target.dtype).removeprefix("torch.") != dtype or \
+                        list(target.shape) != list(shape) or target.device.type != "cpu" or \
+                        not target.is_contiguous():
+                    target = torch.empty(shape, dtype=getattr(torch, dtype))
+                if nbytes:
+                    tensor_bytes(target)[:] = source[offset:offset + nbytes]
+                tensors.append(target)
+        finally:
+            source.release()
+            buffer.close()
+        snapshot = _unflatten(structure, tensors)
         state = self.group.state
         for name, obj in state.objects.items():
             obj.load_state_dict(snapshot["objects"][name])
         state.values.update(snapshot["values"])
+
+
+def _flatten_live(snapshot: Any, path: tuple = ()) -> dict[tuple, torch.Tensor]:
+    """Every tensor of a live snapshot by its path in the structure."""
+    found: dict[tuple, torch.Tensor] = {}
+    if isinstance(snapshot, torch.Tensor):
+        found[path] = snapshot.detach()
+    elif isinstance(snapshot, dict):
+        for k, v in snapshot.items():
+            found.update(_flatten_live(v, path + (k,)))
+    elif isinstance(snapshot, (list, tuple)):
+        for i, v in enumerate(snapshot):
+            found.update(_flatten_live(v, path + (i,)))
+    return found
+
+
+def _targets(structure: Any, live: dict[tuple, torch.Tensor], path: tuple = ()) -> dict[int, torch.Tensor]:
+    """For each tensor reference of a checkpoint's structure, the live tensor at the same path."""
+    found: dict[int, torch.Tensor] = {}
+    if isinstance(structure, _Ref):
+        if path in live:
+            found[structure.index] = live[path]
+    elif isinstance(structure, dict):
+        for k, v in structure.items():
+            found.update(_targets(v, live, path + (k,)))
+    elif isinstance(structure, (list, tuple)):
+        for i, v in enumerate(structure):
+            found.update(_targets(v, live, path + (i,)))
+    return found

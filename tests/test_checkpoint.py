@@ -129,3 +129,27 @@ def test_members_agree_on_the_newest_step_every_one_can_load(tmp_path, name):
     finally:
         for g in groups:
             g.shutdown()
+
+
+def test_back_to_back_saves_never_overwrite_a_published_checkpoint(tmp_path, name):
+    (group,) = start_groups(1)
+    try:
+        model, _ = trained_state(group, 3)
+        checkpoints = FlashCheckpointer(group, None, keep=2, name=name)
+        digests = {}
+        for step in range(1, 9):  # no wait between saves: buffers are still being published
+            group.step = step
+            with torch.no_grad():
+                model[0].bias.add_(1.0)
+            checkpoints.save()
+            digests[step] = group.state.digest(step)
+        checkpoints.wait()
+        assert _steps(checkpoints.shm) == [8, 7]
+        for step in (8, 7):
+            loaded = checkpoints._load_verified(step)
+            assert loaded is not None
+            checkpoints._apply(step, loaded)
+            assert group.state.digest(step) == digests[step]
+        checkpoints.close()
+    finally:
+        group.shutdown()
