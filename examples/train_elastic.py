@@ -7,9 +7,19 @@ one machine or many; kill, stop, add or remove any of them while they train:
     python examples/train_elastic.py --bind 127.0.0.1:7000 --steps 300
     python examples/train_elastic.py --bind 127.0.0.1:7001 --peers 127.0.0.1:7000 --steps 300
 
+Data comes through a ``DataLoader`` driven by an ``ftcomm.ElasticSampler``: every epoch
+visits each sample exactly once across crashes, hangs, leaves and joins. The default
+policy keeps the global batch constant (``--global-batch``; ``--micro-batch`` bounds
+memory with gradient accumulation); ``--worker-batch`` fixes the per-worker batch and
+scales the learning rate linearly with the world size instead. ``--checkpoint-dir``
+adds flash checkpoints every ``--checkpoint-every`` steps, restored when the whole job
+restarts. ``--ddp-rank``/``--ddp-world``/``--ddp-port`` run the same training under
+``torch.nn.parallel.DistributedDataParallel`` instead (a fixed world, for comparison).
+
 Every line on stdout is a JSON object: ``ready``, one ``view`` per view change, a
-``step`` every ``--report-every`` committed steps, and ``done`` with the final loss,
-accuracy and state digest. With ``--control``, JSON commands on stdin drive the fault
+``step`` every ``--report-every`` committed steps, ``batch`` for every committed step
+with ``--log-indices`` (this worker's sample indices), ``restored`` after a checkpoint
+restore, and ``done`` with the final loss, accuracy and state digest. With ``--control``, JSON commands on stdin drive the fault
 filter of the gossip layer (``partition``, ``heal``), stop training at a given step
 (``stop_at``), report progress (``status``) or make the training loop raise an uncaught
 exception (``fail``), for tests and demos; the worker then also stops when stdin closes.
@@ -29,6 +39,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 import ftcomm
 from ftcomm.gossip import FaultFilter, GossipConfig
@@ -92,7 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bind", default=None, help="gossip address HOST:PORT (default: automatic)")
     parser.add_argument("--peers", default=None, help="comma-separated gossip addresses of other workers")
     parser.add_argument("--steps", type=int, default=300, help="committed steps to train")
-    parser.add_argument("--batch", type=int, default=64, help="per-worker batch size")
+    parser.add_argument("--global-batch", type=int, default=256, help="samples per step (constant global batch)")
+    parser.add_argument("--worker-batch", type=int, default=None,
+                        help="fixed per-worker batch instead, with the learning rate scaled linearly by world size")
+    parser.add_argument("--lr-reference-world", type=int, default=4, help="world size --lr is tuned for (--worker-batch)")
+    parser.add_argument("--lr-warmup", type=int, default=0, help="steps to move to a new learning rate (--worker-batch)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="largest forward/backward (gradient accumulation)")
+    parser.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--log-indices", action="store_true", help="emit each committed step's sample indices")
+    parser.add_argument("--checkpoint-dir", default=None, help="flash checkpoints persisted here")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    parser.add_argument("--checkpoint-name", default="train-elastic", help="the job's name in /dev/shm")
+    parser.add_argument("--settle-interval", type=float, default=None, help="GroupOptions.settle_interval")
+    parser.add_argument("--ddp-rank", type=int, default=None, help="run under torch DDP as this rank")
+    parser.add_argument("--ddp-world", type=int, default=None)
+    parser.add_argument("--ddp-port", type=int, default=None, help="TCP port of the DDP rendezvous on 127.0.0.1")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0, help="seed of the task and the initial model")
     parser.add_argument("--min-workers", type=int, default=1)
@@ -111,52 +136,117 @@ def main(argv: list[str] | None = None) -> int:
     x, y = make_task(args.seed)
     model = make_model(hidden=args.hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.ddp_rank is not None:
+        return train_ddp(args, x, y, model, optimizer)
     faults = FaultFilter() if args.control else None
     gossip = GossipConfig().with_overrides(**json.loads(args.gossip))
     init_started = time.time()
     ft = ftcomm.init(backend="gloo", peers=args.peers, bind=args.bind, min_workers=args.min_workers,
-                     max_workers=args.max_workers, gossip=gossip, fault_filter=faults)
-    ft.register_state(model=model, optimizer=optimizer)
+                     max_workers=args.max_workers, gossip=gossip, fault_filter=faults,
+                     **({"settle_interval": args.settle_interval} if args.settle_interval is not None else {}))
+    sampler = make_sampler(args, len(x))
+    extras = {}
+    if args.worker_batch is not None:
+        extras["lr_scaling"] = ftcomm.LinearLRScaling(optimizer, args.lr_reference_world, args.lr_warmup)
+    ft.register_state(model=model, optimizer=optimizer, sampler=sampler, **extras)
+    checkpoints = None
+    if args.checkpoint_dir:
+        checkpoints = ftcomm.FlashCheckpointer(ft, args.checkpoint_dir, name=args.checkpoint_name)
+        restored = checkpoints.restore()
+        emit(ev="restored", step=restored, t=time.time())
     emit(ev="ready", id=ft.id, address=ft.gossip.address, pid=__import__("os").getpid(), rank=ft.rank,
          world=ft.world_size, t=time.time())
     control = Control(faults) if args.control else None
     if control is not None:
         threading.Thread(target=control.loop, args=(ft,), daemon=True).start()
 
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=sampler, num_workers=args.loader_workers)
     reported = 0
     awaiting_commit = True  # report the first committed step after each view change
-    generator = torch.Generator()
+    loss = torch.zeros(())
     while ft.step < args.steps and not (control and control.should_stop(ft.step)):
-        # Each worker draws its own batch for this step; (step, rank) makes it reproducible.
-        generator.manual_seed(args.seed * 1_000_003 + ft.step * 1009 + ft.rank)
-        index = torch.randint(0, len(x), (args.batch,), generator=generator)
-        loss = F.cross_entropy(model(x[index]), y[index])
-        if control is not None and control.fail:
-            raise RuntimeError("failure injected by the control command 'fail'")
-        loss.backward()
-        if args.step_time:
-            time.sleep(args.step_time)  # stands in for a heavier model's compute
-        if ft.wait_gradients_ready(model):
-            optimizer.step()
-            if awaiting_commit:
-                awaiting_commit = False
-                emit(ev="first_step", view_id=ft.view.id, step=ft.step, since_init_s=time.time() - init_started,
-                     t=time.time())
-        optimizer.zero_grad()
-        while reported < len(ft.events):
-            emit(ev="view", t=time.time(), **dataclasses.asdict(ft.events[reported]))
-            reported += 1
-            awaiting_commit = True
-        if ft.step % args.report_every == 0:
-            emit(ev="step", step=ft.step, rank=ft.rank, world=ft.world_size, loss=round(loss.item(), 4),
-                 t=time.time())
+        for inputs, targets in sampler.steps(loader):
+            for (xb, yb), weight in sampler.micro_batches(inputs, targets):
+                loss = F.cross_entropy(model(xb), yb)
+                (loss * weight).backward()
+            if control is not None and control.fail:
+                raise RuntimeError("failure injected by the control command 'fail'")
+            if args.step_time:
+                time.sleep(args.step_time)  # stands in for a heavier model's compute
+            if ft.wait_gradients_ready(model):
+                optimizer.step()
+                if args.log_indices:
+                    share = sampler.committed
+                    emit(ev="batch", step=ft.step, epoch=share.epoch, start=share.start, size=share.size,
+                         world=share.world, idx=sampler.indices(share) if share.count else [])
+                if awaiting_commit:
+                    awaiting_commit = False
+                    emit(ev="first_step", view_id=ft.view.id, step=ft.step, since_init_s=time.time() - init_started,
+                         t=time.time())
+                if checkpoints is not None and args.checkpoint_every and ft.step % args.checkpoint_every == 0:
+                    emit(ev="checkpoint", step=ft.step, pause_s=checkpoints.save(), t=time.time())
+            optimizer.zero_grad()
+            while reported < len(ft.events):
+                emit(ev="view", t=time.time(), **dataclasses.asdict(ft.events[reported]))
+                reported += 1
+                awaiting_commit = True
+            if ft.step % args.report_every == 0:
+                emit(ev="step", step=ft.step, rank=ft.rank, world=ft.world_size, epoch=sampler.epoch,
+                     loss=round(loss.item(), 4), t=time.time())
+            if ft.step >= args.steps or (control and control.should_stop(ft.step)):
+                break
+    final_loss, accuracy = evaluate(model, x, y)
+    if checkpoints is not None:
+        checkpoints.close()
+    emit(ev="done", id=ft.id, step=ft.step, rank=ft.rank, world=ft.world_size, loss=round(final_loss, 5),
+         accuracy=round(accuracy, 5), digest=ft.state.digest(ft.step), views=len(ft.events), epoch=sampler.epoch,
+         t=time.time())
+    ft.shutdown()
+    return 0
+
+
+def make_sampler(args, size: int, **place) -> ftcomm.ElasticSampler:
+    if args.worker_batch is not None:
+        return ftcomm.ElasticSampler(size, worker_batch=args.worker_batch, seed=args.seed,
+                                     micro_batch=args.micro_batch, **place)
+    return ftcomm.ElasticSampler(size, global_batch=args.global_batch, seed=args.seed,
+                                 micro_batch=args.micro_batch, **place)
+
+
+def evaluate(model, x, y) -> tuple[float, float]:
     with torch.no_grad():
         logits = model(x)
-        final_loss = F.cross_entropy(logits, y).item()
-        accuracy = (logits.argmax(dim=1) == y).float().mean().item()
-    emit(ev="done", id=ft.id, step=ft.step, rank=ft.rank, world=ft.world_size, loss=round(final_loss, 5),
-         accuracy=round(accuracy, 5), digest=ft.state.digest(ft.step), views=len(ft.events), t=time.time())
-    ft.shutdown()
+        return F.cross_entropy(logits, y).item(), (logits.argmax(dim=1) == y).float().mean().item()
+
+
+def train_ddp(args, x, y, model, optimizer) -> int:
+    """The same training on a fixed world under torch DDP: the reference curve."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.ddp_port}", rank=args.ddp_rank,
+                            world_size=args.ddp_world)
+    ddp = DistributedDataParallel(model)
+    sampler = make_sampler(args, len(x), rank=args.ddp_rank, world_size=args.ddp_world)
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=sampler, num_workers=args.loader_workers)
+    step = 0
+    while step < args.steps:
+        for inputs, targets in sampler.steps(loader):
+            for (xb, yb), weight in sampler.micro_batches(inputs, targets):
+                loss = F.cross_entropy(ddp(xb), yb)
+                (loss * weight).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if step % args.report_every == 0:
+                emit(ev="step", step=step, rank=args.ddp_rank, world=args.ddp_world, loss=round(loss.item(), 4),
+                     t=time.time())
+            if step >= args.steps:
+                break
+    final_loss, accuracy = evaluate(model, x, y)
+    emit(ev="done", step=step, rank=args.ddp_rank, world=args.ddp_world, loss=round(final_loss, 5),
+         accuracy=round(accuracy, 5), t=time.time())
+    dist.destroy_process_group()
     return 0
 
 
