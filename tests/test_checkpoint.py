@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import signal
+import sys
 import uuid
 
 import pytest
 import torch
 
 from ftcomm.checkpoint import FlashCheckpointer, _steps
-from tests.test_group_threads import in_threads, start_groups
+from ftcomm.localproc import ChildProcess
+from tests.polling import wait_until
+from tests.test_group_threads import free_port, in_threads, start_groups
+from tests.train_cluster import EXAMPLE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -153,3 +159,57 @@ def test_back_to_back_saves_never_overwrite_a_published_checkpoint(tmp_path, nam
         checkpoints.close()
     finally:
         group.shutdown()
+
+
+def test_whole_job_restart_resumes_from_the_newest_loadable_checkpoint(tmp_path, name):
+    """Three workers checkpoint every 8 steps and are all killed; the newest checkpoint is then
+    corrupted in both places and a partial one is left behind. Three new processes agree on the
+    newest loadable step, load it, and continue from exactly where it left the data."""
+    def start(steps: int) -> list[ChildProcess]:
+        seed = f"127.0.0.1:{free_port()}"
+        workers = []
+        for i in range(3):
+            command = [sys.executable, "-u", str(EXAMPLE), "--steps", str(steps), "--step-time", "0.02",
+                       "--control", "--log-indices", "--min-workers", "3", "--checkpoint-dir", str(tmp_path),
+                       "--checkpoint-every", "8", "--checkpoint-name", name, "--report-every", "1000000"]
+            command += ["--bind", seed] if i == 0 else ["--bind", "127.0.0.1:0", "--peers", seed]
+            workers.append(ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        for w in workers:
+            w.wait_ready(90)
+        return workers
+
+    first = start(1_000_000)
+    try:
+        assert all(w.wait_for(lambda e: e["ev"] == "restored", 5, "restored")["step"] is None for w in first)
+        wait_until(lambda: len(_steps(tmp_path)) >= 2 and _steps(tmp_path)[0] >= 24, 120, "three checkpoints")
+        for w in first:
+            w.signal(signal.SIGKILL)
+        logs = [e for w in first for e in w.snapshot() if e["ev"] == "batch"]
+    finally:
+        for w in first:
+            w.close()
+    shm = pathlib.Path(f"/dev/shm/ftcomm-{name}")
+    newest, previous = _steps(tmp_path)[:2]
+    assert _steps(shm)[:2] == [newest, previous]
+    for place in (shm, tmp_path):
+        data = place / f"step-{newest:012d}.data"
+        raw = bytearray(data.read_bytes())
+        raw[-100] ^= 0x40
+        data.write_bytes(bytes(raw))
+    (tmp_path / f"step-{newest + 8:012d}.data").write_bytes(b"partial")  # no record: invisible
+
+    second = start(previous + 16)
+    try:
+        restored = [w.wait_for(lambda e: e["ev"] == "restored", 60, "restored")["step"] for w in second]
+        assert restored == [previous] * 3
+        done = [w.wait_for(lambda e: e["ev"] == "done", 120, "done") for w in second]
+        assert {d["step"] for d in done} == {previous + 16} and len({d["digest"] for d in done}) == 1
+        # the data continues exactly where the checkpointed step left it
+        before = {e["step"]: (e["epoch"], e["start"], e["size"]) for e in logs}
+        epoch, start, size = before[previous]
+        after = sorted((e["step"], e["epoch"], e["start"]) for w in second for e in w.snapshot() if e["ev"] == "batch")
+        expected = (epoch + 1, 0) if start + size >= 8192 else (epoch, start + size)
+        assert after[0] == (previous + 1, *expected)
+    finally:
+        for w in second:
+            w.close()
