@@ -32,6 +32,7 @@ import dataclasses
 import faulthandler
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -77,7 +78,10 @@ class Control:
         self.closed = threading.Event()
 
     def loop(self, ft) -> None:
-        for line in sys.stdin:
+        # A stream of its own: a DataLoader worker forked while this thread blocks in a read
+        # closes sys.stdin at start and would wait forever for the lock this read holds.
+        stream = open(os.dup(sys.stdin.fileno()), encoding="utf-8")
+        for line in stream:
             command = json.loads(line)
             name = command["cmd"]
             if name == "partition":
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints = ftcomm.FlashCheckpointer(ft, args.checkpoint_dir, name=args.checkpoint_name)
         restored = checkpoints.restore()
         emit(ev="restored", step=restored, t=time.time())
-    emit(ev="ready", id=ft.id, address=ft.gossip.address, pid=__import__("os").getpid(), rank=ft.rank,
+    emit(ev="ready", id=ft.id, address=ft.gossip.address, pid=os.getpid(), rank=ft.rank,
          world=ft.world_size, t=time.time())
     control = Control(faults) if args.control else None
     if control is not None:

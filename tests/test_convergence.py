@@ -31,8 +31,25 @@ def test_training_through_churn_matches_training_without_it():
     assert changes[0] == (3, "crash") and changes[-1] == (4, "leave") and (5, "join") in changes, changes
     for view in churn["views"]:  # the constant-global-batch policy at every world size
         assert view["policy"]["global_batch"] == convergence.GLOBAL_BATCH
-        assert view["policy"]["worker_batch"] == -(-convergence.GLOBAL_BATCH // view["size"])
+        assert view["policy"]["worker_batch"] in (convergence.GLOBAL_BATCH // view["size"],
+                                                  -(-convergence.GLOBAL_BATCH // view["size"]))
     for a, b in ((churn, fixed), (fixed, ddp)):
         assert convergence.relative(a["loss"], b["loss"]) < 0.01
         assert convergence.relative(a["accuracy"], b["accuracy"]) < 0.01
     assert fixed["accuracy"] > 0.6  # it learned something: the comparison is not between untrained models
+
+
+def test_fixed_worker_batch_with_dataloader_worker_processes_through_churn():
+    """The other policy, with batches prefetched by DataLoader worker processes: exactly once
+    still holds, and every view's learning rate follows the world size."""
+    churn = convergence.run_ftcomm(STEPS, 0.06, churn=True,
+                                   extra=["--worker-batch", "64", "--loader-workers", "2", "--lr-warmup", "4"])
+    once = churn["exactly_once"]
+    assert once["ok"], once["problems"]
+    finished = sorted(once["samples_per_epoch"])[:-1]  # the last epoch may be in progress
+    assert finished and all(once["samples_per_epoch"][e] == convergence.SAMPLES for e in finished)
+    assert churn["digests_equal"]
+    for view in churn["views"]:
+        policy = view["policy"]
+        assert policy["policy"] == "fixed_worker_batch" and policy["lr_scale"] == view["size"] / 4
+        assert policy["global_batch"] == 64 * view["size"] or policy["offset"] + policy["global_batch"] == 8192
