@@ -203,12 +203,14 @@ class FaultTolerantGroup:
             if hasattr(obj, "bind_group"):
                 obj.bind_group(self)
 
-    def state_restored(self, step: int | None) -> None:
+    def state_restored(self, step: int | None, same_everywhere: bool = False) -> None:
         """The registered state was loaded from a checkpoint of ``step`` (None: not on this member).
-        The members compare digests before the next collective; the newest state wins."""
+        Unless every member loaded identical data (``same_everywhere``), the members compare
+        digests before the next collective and the newest state wins."""
         if step is not None:
             self.step = step
-        self._needs_reconcile = True
+        if not same_everywhere:
+            self._needs_reconcile = True
 
     # ------------------------------------------------------------------ training API
     def wait_gradients_ready(self, model_or_params: Any) -> bool:
