@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if control is not None:
         threading.Thread(target=control.loop, args=(ft,), daemon=True).start()
 
-    loader = DataLoader(TensorDataset(x, y), batch_sampler=sampler, num_workers=args.loader_workers)
+    loader = make_loader(args, x, y, sampler)
     reported = 0
     awaiting_commit = True  # report the first committed step after each view change
     loss = torch.zeros(())
@@ -217,6 +217,16 @@ def make_sampler(args, size: int, **place) -> ftcomm.ElasticSampler:
                                  micro_batch=args.micro_batch, **place)
 
 
+def make_loader(args, x, y, sampler) -> DataLoader:
+    """Loader worker processes come from a fork server, not a fork of this process: a fork
+    would inherit this worker's sockets (a crashed worker's ports would stay open, hiding the
+    crash from its peers' fast path) and whatever locks its threads hold."""
+    if not args.loader_workers:
+        return DataLoader(TensorDataset(x, y), batch_sampler=sampler)
+    return DataLoader(TensorDataset(x, y), batch_sampler=sampler, num_workers=args.loader_workers,
+                      multiprocessing_context="forkserver", persistent_workers=True)
+
+
 def evaluate(model, x, y) -> tuple[float, float]:
     with torch.no_grad():
         logits = model(x)
@@ -232,7 +242,7 @@ def train_ddp(args, x, y, model, optimizer) -> int:
                             world_size=args.ddp_world)
     ddp = DistributedDataParallel(model)
     sampler = make_sampler(args, len(x), rank=args.ddp_rank, world_size=args.ddp_world)
-    loader = DataLoader(TensorDataset(x, y), batch_sampler=sampler, num_workers=args.loader_workers)
+    loader = make_loader(args, x, y, sampler)
     step = 0
     while step < args.steps:
         for inputs, targets in sampler.steps(loader):

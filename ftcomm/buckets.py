@@ -149,8 +149,7 @@ class GradientBuckets:
         with self._lock:
             error, accumulated = self._error, self._accumulated
             if error is not None or accumulated:
-                self._flats = []
-                self._new_step()
+                self._detach_and_renew()
             if error is not None:
                 raise error
             if accumulated:
@@ -197,11 +196,14 @@ class GradientBuckets:
         """After a failed step: detach gradients from the buffers and use new buffers from now on
         (an abandoned collective may still write into the old ones)."""
         with self._lock:
-            for p in self.params:
-                if p.grad is not None and self._is_bucket_view(p.grad):
-                    p.grad = p.grad.detach().clone()
-            self._flats = []
-            self._new_step()
+            self._detach_and_renew()
+
+    def _detach_and_renew(self) -> None:
+        for p in self.params:
+            if p.grad is not None and self._is_bucket_view(p.grad):
+                p.grad = p.grad.detach().clone()
+        self._flats = []
+        self._new_step()
 
     def remove(self) -> None:
         """Unregister the hooks (the parameter list changed)."""
