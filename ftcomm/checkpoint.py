@@ -34,7 +34,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 import torch
@@ -74,8 +74,7 @@ def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
         tensors.append(value.detach())
         return _Ref(len(tensors) - 1)
     if isinstance(value, dict):
-        return type(value)((k, _flatten(v, tensors)) for k, v in value.items()) if type(value) is not dict \
-            else {k: _flatten(v, tensors) for k, v in value.items()}
+        return {k: _flatten(v, tensors) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         items = [_flatten(v, tensors) for v in value]
         return items if isinstance(value, list) else tuple(items)
@@ -91,6 +90,18 @@ def _unflatten(value: Any, tensors: list[torch.Tensor]) -> Any:
         items = [_unflatten(v, tensors) for v in value]
         return items if isinstance(value, list) else tuple(items)
     return value
+
+
+def _leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """Every leaf of a nested dict/list/tuple structure with its path of keys and indices."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, tree
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[list], int]:
@@ -364,7 +375,7 @@ class FlashCheckpointer:
             if (everywhere and not all(ok)) or not any(ok):
                 continue  # someone could not load it after all: agree again without that copy
             if loaded is not None:
-                self._apply(step, loaded)
+                self._apply(*loaded)
             self.group.state_restored(step if loaded is not None else None,
                                       same_everywhere=all(ok) and len({o[1] for o in outcome}) == 1)
             log.info("restored step %d%s", step, "" if everywhere else " (on some members; reconciled to the rest)")
@@ -375,7 +386,7 @@ class FlashCheckpointer:
         row[:len(values)] = torch.tensor(values, dtype=torch.int64)
         return [[int(v) for v in t.tolist() if v >= 0] for t in self.group.allgather(row)]
 
-    def _load_verified(self, step: int) -> tuple[dict, Any, list[list]] | None:
+    def _load_verified(self, step: int) -> tuple[dict, Any] | None:
         """The step's record and a verified mapping of its data, from the first copy that verifies."""
         for place in (self.shm, self.directory):
             if place is None or not (place / _name(step, "meta")).exists():
@@ -391,29 +402,30 @@ class FlashCheckpointer:
                 if _checksums(buffer, record["tensors"]) != record["checksums"]:
                     buffer.close()
                     raise ValueError("data checksum mismatch")
-                return record, buffer, record["tensors"]
+                return record, buffer
             except (OSError, ValueError, KeyError) as exc:
                 log.warning("skipping checkpoint of step %d in %s: %s", step, place, exc)
         return None
 
-    def _apply(self, step: int, loaded: tuple[dict, Any, list[list]]) -> None:
+    def _apply(self, record: dict, buffer: Any) -> None:
         """Copy a verified checkpoint into the registered state (in place where possible)."""
-        record, buffer, entries = loaded
         structure = pickle.loads(record["structure"])
+        live = {path: t.detach() for path, t in _leaves(self.group.state.snapshot(self.group.step))
+                if isinstance(t, torch.Tensor)}
+        targets = {ref.index: live[path] for path, ref in _leaves(structure) if isinstance(ref, _Ref) and path in live}
         source = memoryview(buffer)
         try:
             tensors, in_place = [], True
-            targets = _targets(structure, _flatten_live(self.group.state.snapshot(self.group.step)))
-            for index, (offset, dtype, shape, nbytes) in enumerate(entries):
+            for index, (offset, dtype, shape, nbytes) in enumerate(record["tensors"]):
                 target = targets.get(index)
                 if target is None or str(target.dtype).removeprefix("torch.") != dtype or \
                         list(target.shape) != list(shape) or target.device.type != "cpu" or \
                         not target.is_contiguous():
                     target = torch.empty(shape, dtype=getattr(torch, dtype))
+                    in_place = False
                 if nbytes:
                     tensor_bytes(target)[:] = source[offset:offset + nbytes]
                 tensors.append(target)
-                in_place = in_place and target is targets.get(index)
         finally:
             source.release()
             buffer.close()
@@ -424,34 +436,5 @@ class FlashCheckpointer:
             if in_place and isinstance(obj, torch.nn.Module) and all(
                     isinstance(v, torch.Tensor) for v in module_state.values()):
                 continue  # every tensor of its state dict was read into the module's own tensors
-            obj.load_state_dict(snapshot["objects"][name])
+            obj.load_state_dict(module_state)
         state.values.update(snapshot["values"])
-
-
-def _flatten_live(snapshot: Any, path: tuple = ()) -> dict[tuple, torch.Tensor]:
-    """Every tensor of a live snapshot by its path in the structure."""
-    found: dict[tuple, torch.Tensor] = {}
-    if isinstance(snapshot, torch.Tensor):
-        found[path] = snapshot.detach()
-    elif isinstance(snapshot, dict):
-        for k, v in snapshot.items():
-            found.update(_flatten_live(v, path + (k,)))
-    elif isinstance(snapshot, (list, tuple)):
-        for i, v in enumerate(snapshot):
-            found.update(_flatten_live(v, path + (i,)))
-    return found
-
-
-def _targets(structure: Any, live: dict[tuple, torch.Tensor], path: tuple = ()) -> dict[int, torch.Tensor]:
-    """For each tensor reference of a checkpoint's structure, the live tensor at the same path."""
-    found: dict[int, torch.Tensor] = {}
-    if isinstance(structure, _Ref):
-        if path in live:
-            found[structure.index] = live[path]
-    elif isinstance(structure, dict):
-        for k, v in structure.items():
-            found.update(_targets(v, live, path + (k,)))
-    elif isinstance(structure, (list, tuple)):
-        for i, v in enumerate(structure):
-            found.update(_targets(v, live, path + (i,)))
-    return found

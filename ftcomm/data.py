@@ -130,9 +130,13 @@ class ElasticSampler:
             return self._standalone
         return group.rank, group.world_size
 
+    def full_step(self, world: int) -> int:
+        """Samples of a full step for ``world`` workers under this sampler's policy."""
+        return self.global_batch if self.global_batch is not None else self.worker_batch * world
+
     def step_size(self, start: int, world: int) -> int:
         """Samples of the step at position ``start`` for ``world`` workers; 0 when the epoch is over."""
-        full = self.global_batch if self.global_batch is not None else self.worker_batch * world
+        full = self.full_step(world)
         remaining = self.size - start
         if remaining <= 0 or (self.drop_last and remaining < full):
             return 0
@@ -155,11 +159,6 @@ class ElasticSampler:
         if batch.count == 0:
             return [int(order[batch.start])]
         return order[batch.lo:batch.lo + batch.count].tolist()
-
-    def step_indices(self, batch: Batch) -> list[int]:
-        """Every index of the step ``batch`` belongs to (all workers' shares together)."""
-        self.indices(batch)
-        return self._permutation[1][batch.start:batch.start + batch.size].tolist()
 
     def __len__(self) -> int:
         """Steps left in the current epoch at the current world size."""
@@ -288,7 +287,7 @@ class ElasticSampler:
     def view_changed(self, rank: int, world: int, step: int) -> dict:
         """Called after each re-formation once the state is reconciled; what the policy does now."""
         self._restart = True
-        size = self.step_size(self.offset, world) or (self.global_batch or self.worker_batch * world)
+        size = self.step_size(self.offset, world) or self.full_step(world)
         _, count = share(self.offset, size, rank, world)
         accumulation = -(-count // self.micro_batch) if self.micro_batch else 1
         return {"policy": self.policy, "global_batch": size, "worker_batch": count,

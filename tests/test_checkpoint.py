@@ -41,67 +41,66 @@ def name():
         os.rmdir(shm)
 
 
-def test_save_restore_round_trip_and_keep(tmp_path, name):
-    (group,) = start_groups(1)
-    try:
-        model, optimizer = trained_state(group, 0)
-        checkpoints = FlashCheckpointer(group, tmp_path, keep=2, name=name)
-        digests = {}
-        for step in (3, 5, 9):
-            group.step = step
-            with torch.no_grad():
-                model[0].weight.add_(1.0)
-            pause = checkpoints.save()
-            assert 0 <= pause < 5
-            digests[step] = group.state.digest(step)
-        checkpoints.wait()
-        assert _steps(checkpoints.shm) == [9, 5] and _steps(tmp_path) == [9, 5]
-        # buffers are reused: shared memory holds the kept checkpoints plus one spare
-        assert len(os.listdir(checkpoints.shm)) <= 2 * 2 + 1
+@pytest.fixture
+def group():
+    """A group of one worker, shut down after the test."""
+    (solo,) = start_groups(1)
+    yield solo
+    solo.shutdown()
+
+
+def test_save_restore_round_trip_and_keep(tmp_path, name, group):
+    model, optimizer = trained_state(group, 0)
+    checkpoints = FlashCheckpointer(group, tmp_path, keep=2, name=name)
+    digests = {}
+    for step in (3, 5, 9):
+        group.step = step
         with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-        group.state.values["note"] = "changed"
-        assert checkpoints.restore() == 9
-        assert group.step == 9 and group.state.digest(9) == digests[9]
-        assert group.state.values["note"] == "hello"
-        checkpoints.close()
-    finally:
-        group.shutdown()
+            model[0].weight.add_(1.0)
+        pause = checkpoints.save()
+        assert 0 <= pause < 5
+        digests[step] = group.state.digest(step)
+    checkpoints.wait()
+    assert _steps(checkpoints.shm) == [9, 5] and _steps(tmp_path) == [9, 5]
+    # buffers are reused: shared memory holds the kept checkpoints plus one spare
+    assert len(os.listdir(checkpoints.shm)) <= 2 * 2 + 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    group.state.values["note"] = "changed"
+    assert checkpoints.restore() == 9
+    assert group.step == 9 and group.state.digest(9) == digests[9]
+    assert group.state.values["note"] == "hello"
+    checkpoints.close()
 
 
-def test_corrupted_and_partial_checkpoints_are_skipped(tmp_path, name, caplog):
-    (group,) = start_groups(1)
-    try:
-        model, _ = trained_state(group, 1)
-        checkpoints = FlashCheckpointer(group, tmp_path, keep=3, name=name)
-        for step in (1, 2, 3):
-            group.step = step
-            checkpoints.save()
-        checkpoints.wait()
-        expected = group.state.digest(1)
-        group.step = 1
-        expected = group.state.digest(1)
-        # step 3: flip a byte in both copies; step 2: only the record is gone from both (partial)
-        for place in (checkpoints.shm, tmp_path):
-            data = place / "step-000000000003.data"
-            raw = bytearray(data.read_bytes())
-            raw[len(raw) // 2] ^= 0xFF
-            data.write_bytes(bytes(raw))
-            (place / "step-000000000002.meta").unlink()
-        # step 1: the shared-memory copy is corrupt, the directory's copy is good
-        data = checkpoints.shm / "step-000000000001.data"
+def test_corrupted_and_partial_checkpoints_are_skipped(tmp_path, name, caplog, group):
+    model, _ = trained_state(group, 1)
+    checkpoints = FlashCheckpointer(group, tmp_path, keep=3, name=name)
+    for step in (1, 2, 3):
+        group.step = step
+        checkpoints.save()
+    checkpoints.wait()
+    group.step = 1
+    expected = group.state.digest(1)
+    # step 3: flip a byte in both copies; step 2: only the record is gone from both (partial)
+    for place in (checkpoints.shm, tmp_path):
+        data = place / "step-000000000003.data"
         raw = bytearray(data.read_bytes())
-        raw[0] ^= 0x01
+        raw[len(raw) // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
-        with torch.no_grad():
-            model[0].weight.zero_()
-        assert checkpoints.restore() == 1
-        assert group.state.digest(1) == expected
-        assert "skipping checkpoint of step 3" in caplog.text
-        checkpoints.close()
-    finally:
-        group.shutdown()
+        (place / "step-000000000002.meta").unlink()
+    # step 1: the shared-memory copy is corrupt, the directory's copy is good
+    data = checkpoints.shm / "step-000000000001.data"
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with torch.no_grad():
+        model[0].weight.zero_()
+    assert checkpoints.restore() == 1
+    assert group.state.digest(1) == expected
+    assert "skipping checkpoint of step 3" in caplog.text
+    checkpoints.close()
 
 
 def test_members_agree_on_the_newest_step_every_one_can_load(tmp_path, name):
@@ -137,28 +136,24 @@ def test_members_agree_on_the_newest_step_every_one_can_load(tmp_path, name):
             g.shutdown()
 
 
-def test_back_to_back_saves_never_overwrite_a_published_checkpoint(tmp_path, name):
-    (group,) = start_groups(1)
-    try:
-        model, _ = trained_state(group, 3)
-        checkpoints = FlashCheckpointer(group, None, keep=2, name=name)
-        digests = {}
-        for step in range(1, 9):  # no wait between saves: buffers are still being published
-            group.step = step
-            with torch.no_grad():
-                model[0].bias.add_(1.0)
-            checkpoints.save()
-            digests[step] = group.state.digest(step)
-        checkpoints.wait()
-        assert _steps(checkpoints.shm) == [8, 7]
-        for step in (8, 7):
-            loaded = checkpoints._load_verified(step)
-            assert loaded is not None
-            checkpoints._apply(step, loaded)
-            assert group.state.digest(step) == digests[step]
-        checkpoints.close()
-    finally:
-        group.shutdown()
+def test_back_to_back_saves_never_overwrite_a_published_checkpoint(tmp_path, name, group):
+    model, _ = trained_state(group, 3)
+    checkpoints = FlashCheckpointer(group, None, keep=2, name=name)
+    digests = {}
+    for step in range(1, 9):  # no wait between saves: buffers are still being published
+        group.step = step
+        with torch.no_grad():
+            model[0].bias.add_(1.0)
+        checkpoints.save()
+        digests[step] = group.state.digest(step)
+    checkpoints.wait()
+    assert _steps(checkpoints.shm) == [8, 7]
+    for step in (8, 7):
+        loaded = checkpoints._load_verified(step)
+        assert loaded is not None
+        checkpoints._apply(*loaded)
+        assert group.state.digest(step) == digests[step]
+    checkpoints.close()
 
 
 def test_whole_job_restart_resumes_from_the_newest_loadable_checkpoint(tmp_path, name):
