@@ -80,6 +80,12 @@ class GroupOptions:
     oldest member) continues. ``availability``: every side continues; sides may diverge
     and are not merged back automatically."""
 
+    leave_grace: float = 2.0
+    """A member that leaves gracefully after committing the step this worker is still in
+    has already sent its share of that step: the step is let finish (up to this many
+    seconds) before the view is re-formed, instead of being discarded. Crashes and hangs
+    abort at once."""
+
     step_publish_interval: float = 2.0
     """Minimum seconds between gossip updates of the committed step (shown by ``ftcomm
     members``); every update is a broadcast to the whole group."""
@@ -157,6 +163,7 @@ class FaultTolerantGroup:
         self._needs_reconcile = False
         self._broken: str | None = None
         self._faults: list[tuple[float, str, str]] = []  # (time, kind, member) since the last view
+        self._deferred_aborts: list[tuple[AbortSignal, str]] = []  # see _defer_abort
         self._last_step_publish = 0.0
         self._closed = False
         self._proposals: dict[tuple[int, str], tuple[str, ...]] = {}
@@ -537,6 +544,9 @@ class FaultTolerantGroup:
     def _end_step(self, committed: bool) -> None:
         for obj in self._participants("step_ended"):
             obj.step_ended(committed)
+        while self._deferred_aborts:
+            abort, reason = self._deferred_aborts.pop()
+            abort.fire(reason)
 
     # ------------------------------------------------------------------ gossip side
     def _on_gossip(self, event: GossipEvent) -> None:
@@ -547,7 +557,10 @@ class FaultTolerantGroup:
             return
         if view is not None and member.id in view.members and event.kind in ("suspect", "dead", "left"):
             self._faults.append((time.monotonic(), event.kind, member.id))
-            self._abort.fire(f"{member.id} is {event.kind}")
+            if event.kind == "left" and self._finished_step_in_flight(member):
+                self._defer_abort(f"{member.id} left after committing step {self.step + 1}")
+            else:
+                self._abort.fire(f"{member.id} is {event.kind}")
             return
         status = Status.from_metadata(member.id, member.state, member.metadata)
         if view is None or status is None or status.config != self._config or not status.alive:
@@ -559,6 +572,25 @@ class FaultTolerantGroup:
         elif status.phase == ACTIVE and status.current_view > view.id:
             self._faults.append((time.monotonic(), "superseded", member.id))
             self._abort.fire(f"view {status.current_view} exists without this worker")
+
+    def _finished_step_in_flight(self, member: Any) -> bool:
+        """``member`` left after committing the step this worker is still in: every
+        contribution to that step's collectives is then already on its way here."""
+        try:
+            their_step = int(member.metadata.get("st", -1))
+        except (TypeError, ValueError):
+            return False
+        return (self._forming is None and self._phase == ACTIVE and member.metadata.get("ph") == LEAVING
+                and their_step > self.step)
+
+    def _defer_abort(self, reason: str) -> None:
+        """Let the step in flight finish before the view is re-formed: the abort fires when the
+        step ends (committed or not) or after ``leave_grace`` seconds, whichever is first."""
+        abort = self._abort
+        self._deferred_aborts.append((abort, reason))
+        timer = threading.Timer(self.options.leave_grace, abort.fire, args=(reason,))
+        timer.daemon = True
+        timer.start()
 
     def _statuses(self) -> tuple[dict[str, Status], dict[str, tuple[str, int]]]:
         statuses, addresses = {}, {}

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
 
 import ftcomm
+from ftcomm.backends.base import AbortSignal, Handle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -178,6 +180,61 @@ def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap)
             for p, q in zip(m.parameters(), reference[0].parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert groups[0]._buckets.bucket_count >= 3
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def _observe_completions_late(group: ftcomm.FaultTolerantGroup, delay: float) -> None:
+    """This member's training thread learns that its allreduces completed ``delay`` seconds
+    late, as a descheduled worker would: the collective itself is done at the usual time."""
+    comm, real = group._comm, group._comm.allreduce
+
+    def slow_allreduce(tensors, op="sum"):
+        handle = real(tensors, op)
+
+        def register(complete) -> None:
+            def later() -> None:
+                handle._wake.wait(30)
+                time.sleep(delay)
+                complete()
+            threading.Thread(target=later, daemon=True).start()
+        return Handle(handle.what, register, lambda: handle.wait(AbortSignal()))
+    comm.allreduce = slow_allreduce
+
+
+@pytest.mark.parametrize("delay, grace, committed", [(0.8, 5.0, True), (1.5, 0.2, False)])
+def test_a_member_leaving_after_the_last_step_lets_a_slower_member_commit_it(delay, grace, committed):
+    """Member 0 commits a step and leaves at once (the end of a job). Member 1 contributed
+    to the same step but observes its completion later; member 0's share is already sent,
+    so the step commits on member 1 too (within ``leave_grace``) and then the view re-forms.
+    Past ``leave_grace`` the step is discarded instead of waiting on."""
+    groups = start_groups(2, overlap=False, leave_grace=grace)
+    try:
+        models, optimizers = linear_models(groups)
+        run_steps(groups, models, optimizers, 2)
+        _observe_completions_late(groups[1], delay)
+
+        def last_step(i: int, g: ftcomm.FaultTolerantGroup) -> bool:
+            models[i](torch.ones(8, 4) * (i + 1)).pow(2).sum().backward()
+            ok = g.wait_gradients_ready(models[i])
+            if ok:
+                optimizers[i].step()
+            if i == 0:
+                g.shutdown()
+            return ok
+        results = in_threads(groups, last_step)
+        assert results == [True, committed]
+        leaver, survivor = groups
+        if committed:
+            assert survivor.step == leaver.step
+            assert survivor.state.digest(survivor.step) == leaver.state.digest(leaver.step)
+            assert "left after committing" in survivor._abort.reason
+        else:
+            assert survivor.step == leaver.step - 1
+        # either way the survivor carries on alone in a new view
+        run_steps([survivor], models[1:], optimizers[1:], 1)
+        assert survivor.world_size == 1 and survivor.events[-1].reason == "leave"
     finally:
         for g in groups:
             g.shutdown()

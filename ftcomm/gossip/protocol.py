@@ -203,10 +203,14 @@ class Protocol:
         if self.leaving:
             return
         self.leaving = True
-        notice = wire.encode([DEAD, self.id, self._self.incarnation, self.id])
+        s = self._self
+        # The notice replaces this member's queued alive message, so the direct notices carry
+        # the newest metadata first: receivers see the last published state before *left*.
+        latest = wire.encode([ALIVE, s.id, s.incarnation, s.host, s.port, s.meta])
+        notice = wire.encode([DEAD, s.id, s.incarnation, s.id])
         self._broadcasts.queue(self.id, notice)
         for member_id in self._table.live:
-            self._send(self._table.get(member_id).address, member_id, [notice])
+            self._send(self._table.get(member_id).address, member_id, [latest, notice])
 
     def receive(self, data: bytes, source: tuple[str, int], now: float) -> None:
         """Handle one datagram from ``source``."""

@@ -156,6 +156,19 @@ def test_leave_is_seen_as_left_not_dead_within_a_second():
     assert all(net.nodes[i].member(member_id(5)).state == "left" for i in range(5))
 
 
+def test_metadata_set_just_before_leaving_arrives_before_the_leave_notice():
+    net = MiniNet(4)
+    net.run(1.0)
+    net.nodes[3].set_metadata(b"final", net.now)  # queued, then replaced by the notice at once
+    net.nodes[3].leave(net.now)
+    net.run(1.0)
+    for i in range(3):
+        member = net.nodes[i].member(member_id(3))
+        assert (member.state, member.metadata) == ("left", b"final")
+        kinds = net.kinds(i, 3)
+        assert "metadata" in kinds and kinds.index("metadata") < kinds.index("left")
+
+
 def test_push_pull_merges_a_divergent_table():
     from ftcomm.gossip.protocol import Protocol
 
