@@ -118,7 +118,7 @@ def run_ftcomm(steps: int, step_time: float, churn: bool, extra: list[str] = (),
     try:
         workers = _start(4, steps, step_time, None, extra)
         everyone += workers
-        timeline = []
+        timeline, victim = [], None
         if churn:
             _wait_view(workers, 4)
             _wait_step(workers, steps // 8, timeout)
@@ -138,6 +138,8 @@ def run_ftcomm(steps: int, step_time: float, churn: bool, extra: list[str] = (),
             leaver.signal(signal.SIGTERM)
             _wait_view(workers, 4)
         done = [w.wait_for(lambda e: e["ev"] == "done", timeout, "done") for w in workers]
+        # processes the killed worker had started (data-loader workers) and that outlived it
+        leftovers = len(victim.descendants()) if victim is not None else 0
         views = [e for e in workers[0].snapshot() if e["ev"] == "view"]
         logs = [[e for e in w.snapshot() if e["ev"] == "batch"] for w in everyone]
         return {"loss": done[0]["loss"], "accuracy": done[0]["accuracy"], "steps": done[0]["step"],
@@ -145,7 +147,7 @@ def run_ftcomm(steps: int, step_time: float, churn: bool, extra: list[str] = (),
                 "curve": _curve(everyone), "timeline": timeline, "initial_world": len(views[0]["members"]),
                 "views": [{"view_id": v["view_id"], "size": len(v["members"]), "reason": v["reason"],
                            "step": v["step"], "policy": v["policy"]} for v in views],
-                "exactly_once": check_exactly_once(logs, steps)}
+                "exactly_once": check_exactly_once(logs, steps), "leftover_processes": leftovers}
     finally:
         for w in everyone:
             w.close()

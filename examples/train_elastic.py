@@ -218,13 +218,15 @@ def make_sampler(args, size: int, **place) -> ftcomm.ElasticSampler:
 
 
 def make_loader(args, x, y, sampler) -> DataLoader:
-    """Loader worker processes come from a fork server, not a fork of this process: a fork
-    would inherit this worker's sockets (a crashed worker's ports would stay open, hiding the
-    crash from its peers' fast path) and whatever locks its threads hold."""
+    """Loader worker processes are spawned, not forked: a fork would inherit this worker's
+    sockets (a crashed worker's ports would stay open, hiding the crash from its peers' fast
+    path) and whatever locks its threads hold. Not from a fork server either: its children
+    keep it alive and watch it instead of this process, so they would outlive a kill -9 of
+    this worker; spawned ones see their parent die and exit within seconds."""
     if not args.loader_workers:
         return DataLoader(TensorDataset(x, y), batch_sampler=sampler)
     return DataLoader(TensorDataset(x, y), batch_sampler=sampler, num_workers=args.loader_workers,
-                      multiprocessing_context="forkserver", persistent_workers=True)
+                      multiprocessing_context="spawn", persistent_workers=True)
 
 
 def evaluate(model, x, y) -> tuple[float, float]:

@@ -18,8 +18,11 @@ class ChildProcess:
 
     def __init__(self, command: list[str], ready_timeout: float | None = 30.0, env: dict | None = None) -> None:
         self.command = command
+        # Its own process group: close() also stops what it started (data-loader workers,
+        # a fork server), which would otherwise outlive a kill -9 and hold its pipes open.
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+                                        stderr=subprocess.PIPE, text=True, bufsize=1, env=env,
+                                        start_new_session=True)
         self.events: list[dict] = []
         self._lock = threading.Lock()
         self.stderr_tail: list[str] = []
@@ -91,11 +94,26 @@ class ChildProcess:
     def signal(self, sig: int) -> None:
         os.kill(self.process.pid, sig)
 
+    def descendants(self) -> list[int]:
+        """Pids of live processes it started (its process group, itself excluded; Linux)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == self.process.pid:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.process.pid and fields[0] != "Z":  # process group, not a zombie
+                pids.append(int(entry))
+        return pids
+
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the process (politely, then by force) and reap it."""
+        """Stop the process (politely, then by force) and reap it, then whatever it started."""
         if self.process.poll() is None:
             try:
                 self.signal(signal.SIGCONT)
@@ -107,6 +125,12 @@ class ChildProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the group outlives its leader
+        except (ProcessLookupError, PermissionError):
+            pass
+        for reader in (self._reader, self._stderr_reader):
+            reader.join(timeout)
         for stream in (self.process.stdout, self.process.stderr):
             try:
                 stream.close()

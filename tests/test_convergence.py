@@ -39,9 +39,13 @@ def test_training_through_churn_matches_training_without_it():
     assert fixed["accuracy"] > 0.6  # it learned something: the comparison is not between untrained models
 
 
-def test_fixed_worker_batch_policy_through_churn():
-    """The other policy: exactly once still holds, and every view's learning rate follows the world size."""
-    churn = convergence.run_ftcomm(STEPS, 0.06, churn=True, extra=["--worker-batch", "64", "--lr-warmup", "4"])
+def test_fixed_worker_batch_with_dataloader_worker_processes_through_churn():
+    """The other policy, with batches prefetched by DataLoader worker processes: exactly once
+    still holds, every view's learning rate follows the world size, and the killed worker's
+    loader processes did not outlive it."""
+    churn = convergence.run_ftcomm(STEPS, 0.06, churn=True,
+                                   extra=["--worker-batch", "64", "--loader-workers", "2", "--lr-warmup", "4"])
+    assert churn["leftover_processes"] == 0
     once = churn["exactly_once"]
     assert once["ok"], once["problems"]
     finished = sorted(once["samples_per_epoch"])[:-1]  # the last epoch may be in progress
