@@ -30,19 +30,26 @@ def free_port() -> int:
 
 
 def start_groups(n: int, **options) -> list[ftcomm.FaultTolerantGroup]:
-    """``n`` groups in threads starting together (min_workers=n-1, so n-1 may carry on)."""
+    """``n`` groups in threads starting together (min_workers=n-1, so n-1 may carry on).
+
+    The first view must hold all ``n``: a member that showed up after the others had
+    formed theirs would be admitted only at a step boundary, and nobody steps in here. A
+    settle interval of 0.5 s (instead of 0.05) lets a slow starter into the first view.
+    """
     ports = [free_port() for _ in range(n)]
     groups: list = [None] * n
+    options.setdefault("settle_interval", 0.5)
 
     def start(i: int) -> None:
         groups[i] = ftcomm.init(peers=[f"127.0.0.1:{ports[0]}"] if i else [], bind=f"127.0.0.1:{ports[i]}",
-                                min_workers=max(n - 1, 1), handle_signals=False, **options)
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
+                                min_workers=max(n - 1, 1), handle_signals=False, init_timeout=30, **options)
+    threads = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
-    assert all(g is not None for g in groups)
+        t.join(40)
+    assert all(g is not None for g in groups), "not every group was formed"
+    assert {g.world_size for g in groups} == {n}, "the first view does not hold every group"
     return groups
 
 
@@ -51,11 +58,12 @@ def in_threads(groups, fn) -> list:
 
     def call(i: int) -> None:
         results[i] = fn(i, groups[i])
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(groups))]
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(groups))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads), "a group's thread did not finish within 60 s"
     return results
 
 
