@@ -78,10 +78,7 @@ class Control:
         self.closed = threading.Event()
 
     def loop(self, ft) -> None:
-        # A stream of its own: a DataLoader worker forked while this thread blocks in a read
-        # closes sys.stdin at start and would wait forever for the lock this read holds.
-        stream = open(os.dup(sys.stdin.fileno()), encoding="utf-8")
-        for line in stream:
+        for line in sys.stdin:
             command = json.loads(line)
             name = command["cmd"]
             if name == "partition":
@@ -210,10 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def make_sampler(args, size: int, **place) -> ftcomm.ElasticSampler:
-    if args.worker_batch is not None:
-        return ftcomm.ElasticSampler(size, worker_batch=args.worker_batch, seed=args.seed,
-                                     micro_batch=args.micro_batch, **place)
-    return ftcomm.ElasticSampler(size, global_batch=args.global_batch, seed=args.seed,
+    """``--worker-batch`` selects the fixed-per-worker-batch policy over ``--global-batch``."""
+    global_batch = args.global_batch if args.worker_batch is None else None
+    return ftcomm.ElasticSampler(size, global_batch=global_batch, worker_batch=args.worker_batch, seed=args.seed,
                                  micro_batch=args.micro_batch, **place)
 
 

@@ -50,6 +50,7 @@ CHUNK = 64 << 20  # bytes per checksum piece
 ALIGN = 64
 MAX_CANDIDATES = 32  # newest steps each member offers when agreeing on one to restore
 _NAME = re.compile(r"^step-(\d{12})\.meta$")
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # pages faulted in at mapping time
 
 
 @dataclass
@@ -69,27 +70,28 @@ class _Slot:
     busy: bool = False
 
 
+def _map_leaves(tree: Any, fn: Any) -> Any:
+    """``tree`` (nested dicts, lists, tuples) with every leaf replaced by ``fn(leaf)``."""
+    if isinstance(tree, dict):
+        return {k: _map_leaves(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        items = [_map_leaves(v, fn) for v in tree]
+        return items if isinstance(tree, list) else tuple(items)
+    return fn(tree)
+
+
 def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value.detach())
+    """``value`` with each tensor appended to ``tensors`` and replaced by its reference."""
+    def ref(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tensors.append(leaf.detach())
         return _Ref(len(tensors) - 1)
-    if isinstance(value, dict):
-        return {k: _flatten(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_flatten(v, tensors) for v in value]
-        return items if isinstance(value, list) else tuple(items)
-    return value
+    return _map_leaves(value, ref)
 
 
 def _unflatten(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, _Ref):
-        return tensors[value.index]
-    if isinstance(value, dict):
-        return {k: _unflatten(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_unflatten(v, tensors) for v in value]
-        return items if isinstance(value, list) else tuple(items)
-    return value
+    return _map_leaves(value, lambda leaf: tensors[leaf.index] if isinstance(leaf, _Ref) else leaf)
 
 
 def _leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
@@ -265,18 +267,21 @@ class FlashCheckpointer:
             return slot
 
     def _new_slot(self, size: int) -> _Slot:
-        path = self.shm / f".slot-{os.getpid()}-{time.monotonic_ns()}.data"
+        path = self._spare_path()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, max(size, 1))
             os.posix_fallocate(fd, 0, max(size, 1))
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            buffer = mmap.mmap(fd, max(size, 1), flags=flags)
+            buffer = mmap.mmap(fd, max(size, 1), flags=_MAP_FLAGS)
         finally:
             os.close(fd)
         slot = _Slot(path, size, buffer)
         self._slots.append(slot)
         return slot
+
+    def _spare_path(self) -> pathlib.Path:
+        """A new name for a buffer that holds no published checkpoint."""
+        return self.shm / f".slot-{os.getpid()}-{time.monotonic_ns()}.data"
 
     def _retire(self, slot: _Slot) -> None:
         self._slots.remove(slot)
@@ -329,7 +334,7 @@ class FlashCheckpointer:
                 data = place / _name(step, "data")
                 slot = own.get(data.name) if place == self.shm else None
                 if slot is not None:
-                    spare = self.shm / f".slot-{os.getpid()}-{time.monotonic_ns()}.data"
+                    spare = self._spare_path()
                     os.replace(data, spare)
                     slot.path = spare
                 else:
@@ -397,8 +402,7 @@ class FlashCheckpointer:
                 with open(place / _name(step, "data"), "rb") as f:
                     if os.fstat(f.fileno()).st_size < size:
                         raise ValueError("data file is shorter than its record (partial write)")
-                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                    buffer = mmap.mmap(f.fileno(), max(size, 1), flags=flags, prot=mmap.PROT_READ)
+                    buffer = mmap.mmap(f.fileno(), max(size, 1), flags=_MAP_FLAGS, prot=mmap.PROT_READ)
                 if _checksums(buffer, record["tensors"]) != record["checksums"]:
                     buffer.close()
                     raise ValueError("data checksum mismatch")

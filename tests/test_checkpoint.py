@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import uuid
@@ -30,15 +31,18 @@ def trained_state(group, seed: int):
     return model, optimizer
 
 
+def flip(path: pathlib.Path, position: int, mask: int) -> None:
+    """Corrupt one byte of a file in place."""
+    raw = bytearray(path.read_bytes())
+    raw[position] ^= mask
+    path.write_bytes(bytes(raw))
+
+
 @pytest.fixture
 def name():
     job = f"test-{uuid.uuid4().hex[:8]}"
     yield job
-    shm = f"/dev/shm/ftcomm-{job}"
-    if os.path.isdir(shm):
-        for f in os.listdir(shm):
-            os.unlink(os.path.join(shm, f))
-        os.rmdir(shm)
+    shutil.rmtree(f"/dev/shm/ftcomm-{job}", ignore_errors=True)
 
 
 @pytest.fixture
@@ -86,15 +90,10 @@ def test_corrupted_and_partial_checkpoints_are_skipped(tmp_path, name, caplog, g
     # step 3: flip a byte in both copies; step 2: only the record is gone from both (partial)
     for place in (checkpoints.shm, tmp_path):
         data = place / "step-000000000003.data"
-        raw = bytearray(data.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        data.write_bytes(bytes(raw))
+        flip(data, data.stat().st_size // 2, 0xFF)
         (place / "step-000000000002.meta").unlink()
     # step 1: the shared-memory copy is corrupt, the directory's copy is good
-    data = checkpoints.shm / "step-000000000001.data"
-    raw = bytearray(data.read_bytes())
-    raw[0] ^= 0x01
-    data.write_bytes(bytes(raw))
+    flip(checkpoints.shm / "step-000000000001.data", 0, 0x01)
     with torch.no_grad():
         model[0].weight.zero_()
     assert checkpoints.restore() == 1
@@ -187,10 +186,7 @@ def test_whole_job_restart_resumes_from_the_newest_loadable_checkpoint(tmp_path,
     newest, previous = _steps(tmp_path)[:2]
     assert _steps(shm)[:2] == [newest, previous]
     for place in (shm, tmp_path):
-        data = place / f"step-{newest:012d}.data"
-        raw = bytearray(data.read_bytes())
-        raw[-100] ^= 0x40
-        data.write_bytes(bytes(raw))
+        flip(place / f"step-{newest:012d}.data", -100, 0x40)
     (tmp_path / f"step-{newest + 8:012d}.data").write_bytes(b"partial")  # no record: invisible
 
     second = start(previous + 16)

@@ -203,11 +203,10 @@ class Protocol:
         if self.leaving:
             return
         self.leaving = True
-        s = self._self
         # The notice replaces this member's queued alive message, so the direct notices carry
         # the newest metadata first: receivers see the last published state before *left*.
-        latest = wire.encode([ALIVE, s.id, s.incarnation, s.host, s.port, s.meta])
-        notice = wire.encode([DEAD, s.id, s.incarnation, s.id])
+        latest = self._alive_self_message()
+        notice = wire.encode([DEAD, self.id, self._self.incarnation, self.id])
         self._broadcasts.queue(self.id, notice)
         for member_id in self._table.live:
             self._send(self._table.get(member_id).address, member_id, [latest, notice])
@@ -495,8 +494,11 @@ class Protocol:
         self._queue_alive_self()
 
     def _queue_alive_self(self) -> None:
+        self._broadcasts.queue(self.id, self._alive_self_message())
+
+    def _alive_self_message(self) -> bytes:
         s = self._self
-        self._broadcasts.queue(s.id, wire.encode([ALIVE, s.id, s.incarnation, s.host, s.port, s.meta]))
+        return wire.encode([ALIVE, s.id, s.incarnation, s.host, s.port, s.meta])
 
     def _emit(self, kind: str, m: MemberState, now: float, source: str) -> None:
         self._events.append(MemberEvent(kind, m.info(), now, source))
