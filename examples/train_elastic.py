@@ -78,7 +78,10 @@ class Control:
         self.closed = threading.Event()
 
     def loop(self, ft) -> None:
-        for line in sys.stdin:
+        # A stream of its own rather than sys.stdin, whose lock this blocking read holds: a
+        # child forked meanwhile (a DataLoader with the fork context) would wait on it forever.
+        stream = open(os.dup(sys.stdin.fileno()), encoding="utf-8")
+        for line in stream:
             command = json.loads(line)
             name = command["cmd"]
             if name == "partition":
