@@ -19,6 +19,7 @@ setup(
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "nvidia-nccl-cu12>=2.18"],
         "nccl": ["nvidia-nccl-cu12>=2.18"],
+        "nccl-cu13": ["nvidia-nccl-cu13>=2.27"],
     },
     entry_points={"console_scripts": ["ftcomm=ftcomm.cli:main"]},
 )

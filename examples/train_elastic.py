@@ -104,6 +104,8 @@ class Control:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
+                        help="communicator backend; nccl trains on the current CUDA device")
     parser.add_argument("--bind", default=None, help="gossip address HOST:PORT (default: automatic)")
     parser.add_argument("--peers", default=None, help="comma-separated gossip addresses of other workers")
     parser.add_argument("--steps", type=int, default=300, help="committed steps to train")
@@ -137,15 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack
 
     torch.manual_seed(args.seed)
-    x, y = make_task(args.seed)
-    model = make_model(hidden=args.hidden)
+    device = torch.device("cuda" if args.backend == "nccl" else "cpu")
+    x, y = (t.to(device) for t in make_task(args.seed))
+    model = make_model(hidden=args.hidden).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     if args.ddp_rank is not None:
         return train_ddp(args, x, y, model, optimizer)
     faults = FaultFilter() if args.control else None
     gossip = GossipConfig().with_overrides(**json.loads(args.gossip))
     init_started = time.time()
-    ft = ftcomm.init(backend="gloo", peers=args.peers, bind=args.bind, min_workers=args.min_workers,
+    ft = ftcomm.init(backend=args.backend, peers=args.peers, bind=args.bind, min_workers=args.min_workers,
                      max_workers=args.max_workers, gossip=gossip, fault_filter=faults,
                      **({"settle_interval": args.settle_interval} if args.settle_interval is not None else {}))
     sampler = make_sampler(args, len(x))

@@ -486,7 +486,8 @@ class FaultTolerantGroup:
             raise CommunicatorError(f"rank 0 ({rank0}) of view {view.id} is not reachable through gossip")
         store = self._rendezvous.view_store(view, *addresses[rank0])
         timeout = self.options.formation_timeout
-        comm = self._backend.form(store, view.rank_of(self.id), view.size, view.id, self._abort, timeout)
+        comm = self._backend.form(store, view.rank_of(self.id), view.size, view.id, self._abort, timeout,
+                                  host=self._rendezvous.host)
         self._comm = comm
         check = int(view.digest, 16) >> 1
         probe = torch.tensor([check, -check], dtype=torch.int64, device=comm.device)
@@ -668,10 +669,9 @@ class FaultTolerantGroup:
         self._prepare()
         if self._needs_reconcile:
             self._reconcile()
-        handle = start()
         self._waiting_since = time.monotonic()
         try:
-            return handle.wait(self._abort)
+            return start().wait(self._abort)  # starting can fail too (NCCL reports a dead peer at enqueue)
         except MembershipChanged as exc:
             self._broken = self._classify(exc)
             raise

@@ -21,14 +21,15 @@ class TrainCluster:
         self.workers: list[ChildProcess] = []
         self.seed_address: str | None = None
 
-    def start(self, n: int, args: list[str] = (), wait: bool = True) -> list[ChildProcess]:
-        """Start ``n`` workers; the first worker ever started is the seed of the others."""
+    def start(self, n: int, args: list[str] = (), wait: bool = True, env: dict | None = None) -> list[ChildProcess]:
+        """Start ``n`` workers (``env``: variables added to theirs); the first worker ever
+        started is the seed of the others."""
         started = []
         for _ in range(n):
             command = [sys.executable, "-u", str(EXAMPLE), "--bind", "127.0.0.1:0", *BASE_ARGS, *args]
             if self.seed_address is not None:
                 command += ["--peers", self.seed_address]
-            worker = ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            worker = ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
             self.workers.append(worker)
             started.append(worker)
             if self.seed_address is None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import netif
 from ..errors import CommunicatorError
 from .base import AbortSignal, Handle
 
@@ -74,14 +75,22 @@ class GlooCommunicator:
 
     @classmethod
     def form(cls, store: Any, rank: int, size: int, view_id: int, abort: AbortSignal, timeout: float,
-             op_timeout: float = 600.0) -> "GlooCommunicator":
-        """Build the group in a helper thread; abandon it if the signal fires or time runs out."""
+             host: str | None = None, op_timeout: float = 600.0) -> "GlooCommunicator":
+        """Build the group in a helper thread; abandon it if the signal fires or time runs out.
+
+        ``host``: the address the group is bound to. Gloo listens on it and tells the other
+        ranks to connect there (without it Gloo takes the address of the host name, which
+        is loopback on many hosts: no group could form across machines).
+        """
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=op_timeout)
+        options._devices = [device(host)]
         outcome: dict[str, Any] = {}
         wake = threading.Event()
 
         def build() -> None:
             try:
-                outcome["group"] = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=op_timeout))
+                outcome["group"] = dist.ProcessGroupGloo(store, rank, size, options)
             except Exception as exc:  # noqa: BLE001 - reported to the waiting thread
                 outcome["error"] = exc
             wake.set()
@@ -148,6 +157,14 @@ class GlooCommunicator:
         except RuntimeError as exc:  # already broken: nothing to release cleanly
             log.debug("gloo shutdown of view %d: %s", self.view_id, exc)
         self.group = None
+
+
+def device(host: str | None) -> Any:
+    """The Gloo transport device for a group bound to ``host``: listening on that address
+    alone. A wildcard or absent host falls back to Gloo's default (the host name's address)."""
+    if host is None or netif.is_wildcard(host):
+        return dist.ProcessGroupGloo.create_default_device()
+    return dist.ProcessGroupGloo.create_device(hostname=netif.resolve(host))
 
 
 def _broadcast_options(src: int) -> Any:

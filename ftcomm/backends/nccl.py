@@ -8,21 +8,27 @@ that fault tolerance needs keeps every one of those steps under our control:
 - communicators are created non-blocking (``ncclConfig_t.blocking = 0``) and their
   initialisation is polled with ``ncclCommGetAsyncError`` against a deadline and the
   group's abort signal;
-- a collective is enqueued on torch's current CUDA stream; its completion is observed
-  through a CUDA event polled by a watcher thread, which also polls the
-  communicator's asynchronous error, and every wait races that against the abort
-  signal (as on Gloo);
+- each communicator has a CUDA stream of its own: a collective waits (on the GPU) for
+  the work the caller's current stream has queued, runs on the communication stream,
+  so backward's next kernels overlap with it, and the caller's stream waits for it
+  before the result is used. A collective stuck on a dead peer therefore never blocks
+  the compute stream, nor the communicator of the next view;
+- completion is observed through a CUDA event polled by a watcher thread, which also
+  polls the communicator's asynchronous error, and every wait races that against the
+  abort signal (as on Gloo);
 - a communicator that is given up on is ``ncclCommAbort``-ed (from a helper thread, so
   even a stuck abort cannot block training); ``ncclCommDestroy`` is never called, since
   it may wait for peers that are dead.
 
 The library is found, in order: the path in ``FTCOMM_NCCL_LIBRARY``; the
-``nvidia-nccl-cu12`` wheel (``pip install 'ftcomm[nccl]'``); a ``libnccl.so`` already
-loaded into the process (by torch); the dynamic loader's search path.
+``nvidia-nccl-cu12`` or ``nvidia-nccl-cu13`` wheel (``pip install 'ftcomm[nccl]'``); a
+``libnccl.so`` already loaded into the process (by torch); the dynamic loader's search
+path.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import functools
@@ -36,12 +42,14 @@ from typing import Any, Callable
 
 import torch
 
+from .. import netif
 from ..errors import CollectiveAborted, CommunicatorError, FtcommTimeout, NcclUnavailable
 from .base import AbortSignal, Handle
 
 log = logging.getLogger(__name__)
 
 ENV_LIBRARY = "FTCOMM_NCCL_LIBRARY"
+ENV_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 MIN_VERSION = (2, 18, 0)  # non-blocking config with splitShare; ncclGetLastError; ncclAvg
 API_MAGIC = 0xCAFEBEEF
 CONFIG_UNDEF_INT = -(2 ** 31)  # INT_MIN
@@ -58,6 +66,7 @@ DATATYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torc
 # ncclRedOp_t
 OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 UNIQUE_ID_BYTES = 128
+WHEEL_SOURCE = "the nvidia-nccl wheel"  # nvidia-nccl-cu12 and -cu13 install the same module path
 
 
 class UniqueId(ctypes.Structure):
@@ -97,7 +106,7 @@ def library_candidates() -> list[tuple[str, str]]:
         return [(f"${ENV_LIBRARY}", explicit)]  # an explicit choice is the only one tried
     wheel = _wheel_library()
     if wheel is not None:
-        found.append(("the nvidia-nccl-cu12 wheel", str(wheel)))
+        found.append((WHEEL_SOURCE, str(wheel)))
     for path in _loaded_libraries():
         found.append(("already loaded in this process", path))
     system = ctypes.util.find_library("nccl")
@@ -152,6 +161,16 @@ class Library:
         self._bind("ncclBroadcast", [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, stream])
         self._bind("ncclAllGather", [c_void_p, c_void_p, c_size_t, c_int, c_void_p, stream])
         self._bind("ncclReduceScatter", [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, stream])
+        # Fault-tolerance calls of newer libraries, bound where present (see features()).
+        if hasattr(lib, "ncclCommShrink"):  # 2.27
+            self._bind("ncclCommShrink", [c_void_p, ctypes.POINTER(c_int), c_int, ctypes.POINTER(c_void_p),
+                                          ctypes.POINTER(Config), c_int])
+        if hasattr(lib, "ncclCommRevoke"):  # 2.28
+            self._bind("ncclCommRevoke", [c_void_p, c_int])
+
+    def features(self) -> dict[str, bool]:
+        """Which of NCCL's calls for changing a communicator's ranks this library exports."""
+        return {name: hasattr(self._lib, name) for name in ("ncclCommShrink", "ncclCommRevoke", "ncclCommGrow")}
 
     def _bind(self, name: str, argtypes: list) -> None:
         fn = getattr(self._lib, name)
@@ -211,6 +230,23 @@ def version() -> tuple[int, int, int]:
     return load().version
 
 
+def select_interface(host: str) -> str | None:
+    """Point NCCL at the interface that holds ``host`` (``NCCL_SOCKET_IFNAME==<name>``), unless
+    the user set ``NCCL_SOCKET_IFNAME``. NCCL reads it when it first initialises its network
+    in this process, so it must be chosen before then. Returns what NCCL will be told, or
+    None where NCCL keeps its own choice (a wildcard bind, an address no interface holds).
+    """
+    chosen = os.environ.get(ENV_SOCKET_IFNAME)
+    if chosen:
+        return chosen
+    interface = netif.interface_of(host)
+    if interface is None:
+        return None
+    os.environ[ENV_SOCKET_IFNAME] = f"={interface.name}"  # "=": this interface exactly, not a prefix
+    log.info("NCCL uses interface %s (it holds %s)", interface.name, host)
+    return os.environ[ENV_SOCKET_IFNAME]
+
+
 def _dotted(v: tuple[int, int, int]) -> str:
     return ".".join(map(str, v))
 
@@ -245,7 +281,7 @@ class _Watcher:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            done = [(e, c) for e, c in pending if e.query()]
+            done = [entry for entry in pending if entry[0].query()]  # the same tuples: removed by identity below
             if len(done) < len(pending) and self.error is None:
                 try:
                     state = self._lib.async_error(self._comm)
@@ -275,19 +311,28 @@ class NcclCommunicator:
     name = "nccl"
 
     def __init__(self, lib: Library, comm: ctypes.c_void_p, rank: int, size: int, view_id: int,
-                 device: torch.device) -> None:
+                 device: torch.device, abort: AbortSignal | None = None) -> None:
         self._lib, self._comm = lib, comm
         self.rank, self.size, self.view_id, self.device = rank, size, view_id, device
+        self._abort = abort  # the view's signal: an enqueue still in progress gives up when it fires
+        self.stream = torch.cuda.Stream(device=device)  # where this communicator's collectives run
         self._watcher = _Watcher(lib, comm, view_id)
         self._pending: list[Handle] = []
         self._gone = False
 
     @classmethod
-    def form(cls, store: Any, rank: int, size: int, view_id: int, abort: AbortSignal, timeout: float) -> "NcclCommunicator":
-        """Rank 0 publishes a fresh unique id in its store; every rank initialises non-blocking."""
+    def form(cls, store: Any, rank: int, size: int, view_id: int, abort: AbortSignal, timeout: float,
+             host: str | None = None) -> "NcclCommunicator":
+        """Rank 0 publishes a fresh unique id in its store; every rank initialises non-blocking.
+
+        ``host``: the address the group is bound to; NCCL's bootstrap and socket transport
+        use the interface that holds it (see :func:`select_interface`).
+        """
         lib = load()
         if not torch.cuda.is_available():
             raise NcclUnavailable("backend='nccl' needs a CUDA device; torch sees none")
+        if host is not None:
+            select_interface(host)
         device = torch.device("cuda", torch.cuda.current_device())
         deadline = time.monotonic() + timeout
         uid = UniqueId.from_buffer_copy(_exchange_unique_id(lib, store, rank, view_id, abort, timeout))
@@ -301,7 +346,7 @@ class NcclCommunicator:
         except BaseException:
             _abort_in_background(lib, comm, view_id)
             raise
-        return cls(lib, comm, rank, size, view_id, device)
+        return cls(lib, comm, rank, size, view_id, device, abort)
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensors: list[torch.Tensor], op: str = "sum") -> Handle:
@@ -314,7 +359,8 @@ class NcclCommunicator:
             for t in tensors:
                 self._lib.check(self._lib.ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), DATATYPES[t.dtype],
                                                         nccl_op, self._comm, stream), "ncclAllReduce", self._comm)
-        return self._launch(f"allreduce({op}) in view {self.view_id}", enqueue, lambda: tensors, grouped=True)
+        return self._launch(f"allreduce({op}) in view {self.view_id}", enqueue, lambda: tensors, grouped=True,
+                            tensors=tuple(tensors))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         self._check_tensor(tensor)
@@ -323,7 +369,8 @@ class NcclCommunicator:
             self._lib.check(self._lib.ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
                                                     DATATYPES[tensor.dtype], src, self._comm, stream),
                             "ncclBroadcast", self._comm)
-        return self._launch(f"broadcast from rank {src} in view {self.view_id}", enqueue, lambda: tensor)
+        return self._launch(f"broadcast from rank {src} in view {self.view_id}", enqueue, lambda: tensor,
+                            tensors=(tensor,))
 
     def allgather(self, tensor: torch.Tensor) -> Handle:
         self._check_tensor(tensor)
@@ -333,7 +380,8 @@ class NcclCommunicator:
             self._lib.check(self._lib.ncclAllGather(tensor.data_ptr(), out.data_ptr(), tensor.numel(),
                                                     DATATYPES[tensor.dtype], self._comm, stream),
                             "ncclAllGather", self._comm)
-        return self._launch(f"allgather in view {self.view_id}", enqueue, lambda: list(out.unbind(0)))
+        return self._launch(f"allgather in view {self.view_id}", enqueue, lambda: list(out.unbind(0)),
+                            tensors=(tensor, out))
 
     def reduce_scatter(self, output: torch.Tensor, source: torch.Tensor, op: str = "sum") -> Handle:
         """``output`` (n elements) receives this rank's n-element slice of the reduced ``source``."""
@@ -348,7 +396,8 @@ class NcclCommunicator:
             self._lib.check(self._lib.ncclReduceScatter(source.data_ptr(), output.data_ptr(), output.numel(),
                                                         DATATYPES[source.dtype], nccl_op,
                                                         self._comm, stream), "ncclReduceScatter", self._comm)
-        return self._launch(f"reduce_scatter({op}) in view {self.view_id}", enqueue, lambda: output)
+        return self._launch(f"reduce_scatter({op}) in view {self.view_id}", enqueue, lambda: output,
+                            tensors=(output, source))
 
     def barrier(self) -> Handle:
         token = torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -376,11 +425,15 @@ class NcclCommunicator:
                              f"{sorted(str(d) for d in DATATYPES)}")
 
     def _launch(self, what: str, enqueue: Callable[[int], None], result: Callable[[], Any],
-                grouped: bool = False) -> Handle:
+                grouped: bool = False, tensors: tuple[torch.Tensor, ...] = ()) -> Handle:
+        """Enqueue on the communication stream, after what the current stream has queued."""
         if self._gone:
             raise CommunicatorError(f"{what}: the communicator of view {self.view_id} was abandoned")
-        stream = torch.cuda.current_stream(self.device)
-        lib = self._lib
+        lib, stream = self._lib, self.stream
+        producer = torch.cuda.current_stream(self.device)
+        stream.wait_stream(producer)
+        for t in tensors:  # the allocator must not reuse them before the collective is done
+            t.record_stream(stream)
         if grouped:
             lib.check(lib.ncclGroupStart(), "ncclGroupStart", self._comm)
         try:
@@ -388,17 +441,19 @@ class NcclCommunicator:
         finally:
             if grouped:
                 lib.check(lib.ncclGroupEnd(), "ncclGroupEnd", self._comm)
-        # A non-blocking communicator may still be enqueueing: wait for that (briefly) first.
-        _poll_ready(lib, self._comm, None, time.monotonic() + 30.0, what)
-        event = torch.cuda.Event()
-        event.record(stream)
+        # A non-blocking communicator may still be enqueueing (connecting to a peer, say):
+        # the completion event must come after the collective, so wait for that first.
+        _poll_ready(lib, self._comm, self._abort, time.monotonic() + 30.0, what)
+        done = torch.cuda.Event()
+        done.record(stream)
         watcher = self._watcher
 
         def finish() -> Any:
             if watcher.error is not None:
                 raise CommunicatorError(f"{what} failed: {watcher.error}")
+            torch.cuda.current_stream(self.device).wait_event(done)  # the consumer's stream is ordered after it
             return result()
-        handle = Handle(what, lambda complete: watcher.add(event, complete), finish)
+        handle = Handle(what, lambda complete: watcher.add(done, complete), finish)
         self._pending = [h for h in self._pending if not h.completed] + [handle]
         return handle
 
@@ -455,6 +510,8 @@ def _poll_ready(lib: Library, comm: ctypes.c_void_p, abort: AbortSignal | None, 
 
 
 _ABORTED: list[Any] = []  # what in-flight collectives may still touch, kept for the process lifetime
+_ABORTS: list[threading.Thread] = []  # background ncclCommAbort calls, waited for at exit
+EXIT_WAIT_S = 10.0  # how long interpreter exit waits for background aborts to return
 
 
 def _abort_in_background(lib: Library, comm: ctypes.c_void_p, view_id: int, keep: Any = None) -> None:
@@ -464,4 +521,21 @@ def _abort_in_background(lib: Library, comm: ctypes.c_void_p, view_id: int, keep
         result = lib.ncclCommAbort(comm)
         if result != SUCCESS:
             log.warning("ncclCommAbort of view %d: %s", view_id, lib.describe(result))
-    threading.Thread(target=run, name=f"ftcomm-nccl-abort-{view_id}", daemon=True).start()
+    thread = threading.Thread(target=run, name=f"ftcomm-nccl-abort-{view_id}", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # the interpreter is exiting and starts no threads: abort here
+        run()
+        return
+    _ABORTS[:] = [t for t in _ABORTS if t.is_alive()] + [thread]
+
+
+@atexit.register
+def _wait_for_aborts() -> None:
+    """Exit only once every background abort returned: a process that exits while
+    ncclCommAbort still runs tears NCCL down under it and dies with SIGABRT."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for thread in _ABORTS:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in _ABORTS):
+        log.warning("ncclCommAbort did not return within %g s of exit", EXIT_WAIT_S)
