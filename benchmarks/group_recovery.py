@@ -31,24 +31,26 @@ from ftcomm.localproc import ChildProcess  # noqa: E402
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_elastic.py")
 
 
-def worker(seed: str | None, extra: list[str] = ()) -> ChildProcess:
+def worker(seed: str | None, extra: list[str] = (), env: dict | None = None) -> ChildProcess:
     command = [sys.executable, "-u", EXAMPLE, "--bind", "127.0.0.1:0", "--control", "--steps", "100000000",
                "--step-time", "0.01", "--report-every", "100000000", *extra]
     if seed:
         command += ["--peers", seed]
-    return ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 class Group:
-    def __init__(self, size: int, extra: list[str] = ()) -> None:
-        self.extra = list(extra)
-        self.workers = [worker(None, self.extra)]
+    """``env()``: variables added to each new worker's environment."""
+
+    def __init__(self, size: int, extra: list[str] = (), env=dict) -> None:
+        self.extra, self.env = list(extra), env
+        self.workers = [worker(None, self.extra, env())]
         self.workers[0].wait_ready(60)
         self.seed = self.workers[0].address
         self.grow(size)
 
     def grow(self, size: int) -> None:
-        fresh = [worker(self.seed, self.extra) for _ in range(size - len(self.workers))]
+        fresh = [worker(self.seed, self.extra, self.env()) for _ in range(size - len(self.workers))]
         for w in fresh:
             w.wait_ready(90)
         self.workers += fresh
