@@ -276,17 +276,17 @@ class FakeLib:
         return self.real.describe(result)
 
 
-def watched(watcher: nccl._Watcher, event: FakeEvent) -> Handle:
+def watched(watcher, event: FakeEvent) -> Handle:
     """A handle finished the way NcclCommunicator finishes its own."""
     def finish():
         if watcher.error is not None:
             raise CommunicatorError(watcher.error)
         return "done"
-    return Handle("fake collective", lambda complete: watcher.add(event, complete), finish)
+    return Handle("fake collective", lambda complete: watcher.add(event.query, complete), finish)
 
 
 def test_watcher_completes_a_handle_when_its_event_fires():
-    watcher = nccl._Watcher(FakeLib([nccl.SUCCESS]), None, 1)
+    watcher = nccl._watcher(FakeLib([nccl.SUCCESS]), None, 1)
     event = FakeEvent()
     handle = watched(watcher, event)
     time.sleep(0.05)
@@ -297,7 +297,7 @@ def test_watcher_completes_a_handle_when_its_event_fires():
 
 
 def test_watcher_forgets_completed_handles_and_keeps_the_pending_ones():
-    watcher = nccl._Watcher(FakeLib([nccl.SUCCESS]), None, 4)
+    watcher = nccl._watcher(FakeLib([nccl.SUCCESS]), None, 4)
     events = [FakeEvent() for _ in range(3)]
     handles = [watched(watcher, e) for e in events]
     events[0].fired = events[2].fired = True
@@ -312,7 +312,7 @@ def test_watcher_forgets_completed_handles_and_keeps_the_pending_ones():
 
 
 def test_watcher_fails_pending_handles_on_an_asynchronous_nccl_error():
-    watcher = nccl._Watcher(FakeLib([nccl.SUCCESS, nccl.SUCCESS, 6]), None, 2)
+    watcher = nccl._watcher(FakeLib([nccl.SUCCESS, nccl.SUCCESS, 6]), None, 2)
     handle = watched(watcher, FakeEvent())  # its event never fires: a peer died mid-collective
     with pytest.raises(CommunicatorError, match=r"ncclRemoteError \(6\): remote process exited"):
         handle.wait(AbortSignal(), 2.0)
@@ -320,7 +320,7 @@ def test_watcher_fails_pending_handles_on_an_asynchronous_nccl_error():
 
 
 def test_an_abandoned_communicators_pending_handles_never_read_as_success():
-    watcher = nccl._Watcher(FakeLib([nccl.IN_PROGRESS]), None, 3)
+    watcher = nccl._watcher(FakeLib([nccl.IN_PROGRESS]), None, 3)
     handle = watched(watcher, FakeEvent())
     watcher.stop()
     with pytest.raises(CommunicatorError, match="abandoned"):

@@ -4,8 +4,10 @@ Measured facts this module is built on (torch 2.13, CPU):
 
 - a crashed peer makes pending ops fail at once (connection reset);
 - a hung peer blocks an op until Gloo's own timeout, and ``abort()`` does not unblock a
-  pending ``wait()``; the work's future does complete or fail, so completion is
-  observed through a future callback and raced against the abort signal;
+  pending ``wait()``; so completion is polled (``is_completed``) by a watcher thread and
+  raced against the abort signal. Not through the work future's done callback: the works
+  of abandoned groups fail when their peers exit, and a callback that Gloo's thread runs
+  into Python while the interpreter is exiting crashes the process (SIGSEGV);
 - dropping the last reference to a group whose op is stuck blocks the dropping thread
   until the hung peer's socket closes (tens of seconds). Abandoned groups therefore go
   to a graveyard that is never freed, not even at interpreter exit.
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 from .. import netif
 from ..errors import CommunicatorError
-from .base import AbortSignal, Handle
+from .base import AbortSignal, Handle, Watcher, start_lingering
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +46,10 @@ def graveyard_size() -> int:
     return len(_GRAVEYARD)
 
 
-def _future_callback(work: Any):
-    def register(complete) -> None:
-        work.get_future().add_done_callback(lambda _future: complete())
-    return register
-
-
-def _finish(work: Any, what: str, value: Any = None):
+def _finish(work: Any, what: str, watcher: Watcher, value: Any = None):
     def finish() -> Any:
+        if watcher.error is not None:  # abandoned: the work may still be running
+            raise CommunicatorError(f"{what} failed: {watcher.error}")
         try:
             work.wait()  # already complete: returns at once, or raises the backend's error
         except RuntimeError as exc:
@@ -72,6 +70,7 @@ class GlooCommunicator:
         self.view_id = view_id
         self.device = torch.device("cpu")  # where the group puts its own small tensors
         self._pending: list[Handle] = []
+        self._watcher = Watcher(f"ftcomm-gloo-watch-{view_id}")
 
     @classmethod
     def form(cls, store: Any, rank: int, size: int, view_id: int, abort: AbortSignal, timeout: float,
@@ -95,8 +94,7 @@ class GlooCommunicator:
                 outcome["error"] = exc
             wake.set()
 
-        builder = threading.Thread(target=build, name=f"ftcomm-gloo-form-{view_id}", daemon=True)
-        builder.start()
+        start_lingering(build, f"ftcomm-gloo-form-{view_id}")  # blocks in store reads until the others come
         try:
             abort.wait(wake, lambda: bool(outcome), timeout, f"forming the gloo group of view {view_id}")
         except BaseException:
@@ -108,7 +106,9 @@ class GlooCommunicator:
                                     f"{str(outcome['error']).splitlines()[0][:300]}")
         return cls(outcome["group"], rank, size, view_id)
 
-    def _track(self, handle: Handle) -> Handle:
+    def _track(self, work: Any, what: str, value: Any = None) -> Handle:
+        handle = Handle(what, lambda complete: self._watcher.add(work.is_completed, complete),
+                        _finish(work, what, self._watcher, value))
         self._pending = [h for h in self._pending if not h.completed] + [handle]
         return handle
 
@@ -124,26 +124,27 @@ class GlooCommunicator:
                 for t in tensors:
                     t.div_(self.size)
             return tensors
-        return self._track(Handle(what, _future_callback(work), _finish(work, what, result)))
+        return self._track(work, what, result)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         work = self.group.broadcast([tensor], _broadcast_options(src))
         what = f"broadcast from rank {src} in view {self.view_id}"
-        return self._track(Handle(what, _future_callback(work), _finish(work, what, tensor)))
+        return self._track(work, what, tensor)
 
     def allgather(self, tensor: torch.Tensor) -> Handle:
         outputs = [torch.empty_like(tensor) for _ in range(self.size)]
         work = self.group.allgather([outputs], [tensor])
         what = f"allgather in view {self.view_id}"
-        return self._track(Handle(what, _future_callback(work), _finish(work, what, outputs)))
+        return self._track(work, what, outputs)
 
     def barrier(self) -> Handle:
         work = self.group.barrier()
         what = f"barrier in view {self.view_id}"
-        return self._track(Handle(what, _future_callback(work), _finish(work, what)))
+        return self._track(work, what)
 
     def abandon(self) -> None:
         """Give up on this communicator: nothing is waited for and nothing is destroyed."""
+        self._watcher.stop()
         bury((self.group, self._pending))
         self._pending = []
 
@@ -152,6 +153,7 @@ class GlooCommunicator:
         if any(not h.completed for h in self._pending):
             self.abandon()
             return
+        self._watcher.stop()
         try:
             self.group.shutdown()
         except RuntimeError as exc:  # already broken: nothing to release cleanly

@@ -28,7 +28,6 @@ path.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import ctypes.util
 import functools
@@ -44,7 +43,7 @@ import torch
 
 from .. import netif
 from ..errors import CollectiveAborted, CommunicatorError, FtcommTimeout, NcclUnavailable
-from .base import AbortSignal, Handle
+from .base import AbortSignal, Handle, Watcher, start_lingering
 
 log = logging.getLogger(__name__)
 
@@ -251,58 +250,15 @@ def _dotted(v: tuple[int, int, int]) -> str:
     return ".".join(map(str, v))
 
 
-class _Watcher:
-    """One thread per communicator: completes handles whose CUDA event has fired, or all of
-    them when the communicator reports an asynchronous error."""
-
-    def __init__(self, lib: Library, comm: ctypes.c_void_p, view_id: int) -> None:
-        self._lib, self._comm = lib, comm
-        self._pending: list[tuple[Any, Callable[[], None]]] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopped = False
-        self.error: str | None = None
-        threading.Thread(target=self._run, name=f"ftcomm-nccl-watch-{view_id}", daemon=True).start()
-
-    def add(self, event: Any, complete: Callable[[], None]) -> None:
-        with self._lock:
-            self._pending.append((event, complete))
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._stopped:
-            with self._lock:
-                pending = list(self._pending)
-            if not pending:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            done = [entry for entry in pending if entry[0].query()]  # the same tuples: removed by identity below
-            if len(done) < len(pending) and self.error is None:
-                try:
-                    state = self._lib.async_error(self._comm)
-                except CommunicatorError as exc:
-                    state, self.error = -1, str(exc)
-                if state not in (SUCCESS, IN_PROGRESS, -1):
-                    self.error = self._lib.describe(state, self._comm)
-            if self.error is not None:
-                done = pending
-            finished = {id(entry) for entry in done}
-            with self._lock:
-                self._pending = [p for p in self._pending if id(p) not in finished]
-            for _, complete in done:
-                complete()
-            time.sleep(0.0002 if len(done) < len(pending) else 0)
-        if self.error is None:
-            self.error = "the communicator was abandoned"  # no pending handle may read as a success
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for _, complete in pending:
-            complete()
+def _watcher(lib: Library, comm: ctypes.c_void_p, view_id: int) -> Watcher:
+    """The completion watcher of one communicator, failing its handles on an asynchronous error."""
+    def check() -> str | None:
+        try:
+            state = lib.async_error(comm)
+        except CommunicatorError as exc:
+            return str(exc)
+        return None if state in (SUCCESS, IN_PROGRESS) else lib.describe(state, comm)
+    return Watcher(f"ftcomm-nccl-watch-{view_id}", check)
 
 
 class NcclCommunicator:
@@ -316,7 +272,7 @@ class NcclCommunicator:
         self.rank, self.size, self.view_id, self.device = rank, size, view_id, device
         self._abort = abort  # the view's signal: an enqueue still in progress gives up when it fires
         self.stream = torch.cuda.Stream(device=device)  # where this communicator's collectives run
-        self._watcher = _Watcher(lib, comm, view_id)
+        self._watcher = _watcher(lib, comm, view_id)
         self._pending: list[Handle] = []
         self._gone = False
 
@@ -453,7 +409,7 @@ class NcclCommunicator:
                 raise CommunicatorError(f"{what} failed: {watcher.error}")
             torch.cuda.current_stream(self.device).wait_event(done)  # the consumer's stream is ordered after it
             return result()
-        handle = Handle(what, lambda complete: watcher.add(done, complete), finish)
+        handle = Handle(what, lambda complete: watcher.add(done.query, complete), finish)
         self._pending = [h for h in self._pending if not h.completed] + [handle]
         return handle
 
@@ -483,7 +439,7 @@ def _exchange_unique_id(lib: Library, store: Any, rank: int, view_id: int, abort
             outcome["error"] = exc
         wake.set()
 
-    threading.Thread(target=fetch, name=f"ftcomm-nccl-uid-{view_id}", daemon=True).start()
+    start_lingering(fetch, f"ftcomm-nccl-uid-{view_id}")
     abort.wait(wake, lambda: bool(outcome), timeout, f"reading the NCCL unique id of view {view_id}")
     if "error" in outcome:
         raise CommunicatorError(f"reading the NCCL unique id of view {view_id} failed: "
@@ -510,8 +466,6 @@ def _poll_ready(lib: Library, comm: ctypes.c_void_p, abort: AbortSignal | None, 
 
 
 _ABORTED: list[Any] = []  # what in-flight collectives may still touch, kept for the process lifetime
-_ABORTS: list[threading.Thread] = []  # background ncclCommAbort calls, waited for at exit
-EXIT_WAIT_S = 10.0  # how long interpreter exit waits for background aborts to return
 
 
 def _abort_in_background(lib: Library, comm: ctypes.c_void_p, view_id: int, keep: Any = None) -> None:
@@ -521,21 +475,7 @@ def _abort_in_background(lib: Library, comm: ctypes.c_void_p, view_id: int, keep
         result = lib.ncclCommAbort(comm)
         if result != SUCCESS:
             log.warning("ncclCommAbort of view %d: %s", view_id, lib.describe(result))
-    thread = threading.Thread(target=run, name=f"ftcomm-nccl-abort-{view_id}", daemon=True)
     try:
-        thread.start()
+        start_lingering(run, f"ftcomm-nccl-abort-{view_id}")  # exiting under a running abort: SIGABRT
     except RuntimeError:  # the interpreter is exiting and starts no threads: abort here
         run()
-        return
-    _ABORTS[:] = [t for t in _ABORTS if t.is_alive()] + [thread]
-
-
-@atexit.register
-def _wait_for_aborts() -> None:
-    """Exit only once every background abort returned: a process that exits while
-    ncclCommAbort still runs tears NCCL down under it and dies with SIGABRT."""
-    deadline = time.monotonic() + EXIT_WAIT_S
-    for thread in _ABORTS:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() for t in _ABORTS):
-        log.warning("ncclCommAbort did not return within %g s of exit", EXIT_WAIT_S)
