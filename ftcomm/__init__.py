@@ -18,7 +18,7 @@ import os
 import socket
 from typing import Any, Iterable
 
-from .errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
+from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
                      MembershipChanged, NcclUnavailable, QuorumLost, RetryLimitExceeded)
 from .gossip import GossipConfig
 from .checkpoint import FlashCheckpointer
@@ -29,7 +29,7 @@ from .view import View
 
 __version__ = "0.1.0"
 __all__ = [
-    "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup", "FlashCheckpointer", "FtcommError",
+    "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup", "FlashCheckpointer", "FtcommError",
     "FtcommTimeout", "GroupOptions", "LinearLRScaling", "MembershipChanged", "NcclUnavailable", "QuorumLost", "RetryLimitExceeded", "View",
     "ViewChange", "init",
 ]

@@ -31,6 +31,10 @@ class CommunicatorError(MembershipChanged):
     """The backend failed a collective or could not form a communicator (a peer vanished)."""
 
 
+class AddressError(FtcommError, ValueError):
+    """The bind address cannot work with the peers given (loopback against other hosts, a wildcard)."""
+
+
 class QuorumLost(FtcommError):
     """This worker cannot reach a majority of the previous view within ``quorum_timeout``."""
 

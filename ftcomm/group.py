@@ -31,9 +31,11 @@ import torch
 from .backends.base import AbortSignal
 from .backends import communicator_class
 from .buckets import GradientBuckets
-from .errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout, MembershipChanged,
-                     QuorumLost, RetryLimitExceeded)
+from . import netif
+from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
+                     MembershipChanged, QuorumLost, RetryLimitExceeded)
 from .gossip import FaultFilter, GossipConfig, GossipEvent, GossipNode
+from .gossip.runtime import parse_address
 from .rendezvous import Rendezvous, refused_many
 from .state import TrainingState
 from .view import (ACTIVE, JOINING, LEAVING, Candidate, Status, View, agreed, candidate, encode_status,
@@ -168,6 +170,7 @@ class FaultTolerantGroup:
         self._closed = False
         self._proposals: dict[tuple[int, str], tuple[str, ...]] = {}
         host = bind.rsplit(":", 1)[0] if isinstance(bind, str) else bind[0]
+        check_addresses(host, peers)
         self._rendezvous = Rendezvous(host, opts.formation_timeout)
         self._gossip = GossipNode(bind, cluster=cluster, secret=secret, config=opts.gossip,
                                   metadata=self._status_record(), fault_filter=opts.fault_filter)
@@ -775,6 +778,27 @@ class FaultTolerantGroup:
             else:
                 raise SystemExit(128 + signum)
         signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def check_addresses(bind_host: str, peers: Iterable[str]) -> None:
+    """Refuse, before anything starts, a bind address the peers could never reach."""
+    if netif.is_wildcard(bind_host):
+        raise AddressError(f"bind address {bind_host} is a wildcard: every worker tells the others to reach it "
+                           f"at its bind address, so bind to an address of this host they can reach "
+                           f"(bind='HOST:PORT' or FTCOMM_BIND), or leave bind unset to use this host's address")
+    if not netif.is_loopback(bind_host):
+        return
+    for peer in peers:
+        host = parse_address(peer)[0]
+        try:
+            remote = not netif.is_loopback(host) and netif.interface_of(host) is None
+        except OSError:  # a name that does not resolve now: gossip reports it when it tries
+            continue
+        if remote:
+            raise AddressError(f"this worker is bound to the loopback address {bind_host}, but peer {peer} is on "
+                               f"another host: a loopback address is reachable from this machine only. Bind to an "
+                               f"address of this host that {host} can reach (bind='HOST:PORT' or FTCOMM_BIND), or "
+                               f"leave bind unset to use this host's address")
 
 
 def _parameters(model_or_params: Any) -> list[torch.Tensor]:

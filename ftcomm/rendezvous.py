@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import netif
 from .errors import CommunicatorError
 from .view import View
 
@@ -45,6 +46,20 @@ def refused_many(addresses: list[tuple[str, int]], timeout: float = 0.25) -> lis
         return list(pool.map(lambda a: refused(a[0], a[1], timeout), addresses))
 
 
+def _listener(host: str) -> int:
+    """A listening TCP socket on ``host`` alone (the store server would otherwise listen on
+    every interface), handed over to the store as a file descriptor."""
+    family = socket.AF_INET6 if ":" in netif.resolve(host) else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((netif.resolve(host), 0))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 class Rendezvous:
     """This worker's store server and its clients to other workers' stores."""
 
@@ -52,7 +67,7 @@ class Rendezvous:
         self.host = host
         self.timeout = timeout
         self.store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout),
-                                   wait_for_workers=False)
+                                   wait_for_workers=False, master_listen_fd=_listener(host))
         self.port: int = self.store.port
         self._clients: dict[tuple[str, int], Any] = {}
 
