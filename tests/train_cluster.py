@@ -17,18 +17,28 @@ BASE_ARGS = ["--control", "--steps", "1000000", "--step-time", "0.01", "--report
 
 
 class TrainCluster:
-    def __init__(self) -> None:
+    """Workers on 127.0.0.1, or with ``lab`` (a :class:`tests.netns.Lab`), each on a host of
+    its own: ``start(..., hosts=[...])`` names the lab hosts they run on."""
+
+    PORT = 7946  # on a lab host of its own, every worker can use the same port
+
+    def __init__(self, lab=None) -> None:
+        self.lab = lab
         self.workers: list[ChildProcess] = []
         self.seed_address: str | None = None
 
-    def start(self, n: int, args: list[str] = (), wait: bool = True, env: dict | None = None) -> list[ChildProcess]:
+    def start(self, n: int, args: list[str] = (), wait: bool = True, env: dict | None = None,
+              hosts: list[int] | None = None) -> list[ChildProcess]:
         """Start ``n`` workers (``env``: variables added to theirs); the first worker ever
         started is the seed of the others."""
         started = []
-        for _ in range(n):
-            command = [sys.executable, "-u", str(EXAMPLE), "--bind", "127.0.0.1:0", *BASE_ARGS, *args]
+        for i in range(n):
+            bind = f"{self.lab.address(hosts[i])}:{self.PORT}" if hosts is not None else "127.0.0.1:0"
+            command = [sys.executable, "-u", str(EXAMPLE), "--bind", bind, *BASE_ARGS, *args]
             if self.seed_address is not None:
                 command += ["--peers", self.seed_address]
+            if hosts is not None:
+                command = self.lab.command(hosts[i], command)
             worker = ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
             self.workers.append(worker)
             started.append(worker)

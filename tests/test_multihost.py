@@ -1,0 +1,105 @@
+"""Workers on separate hosts: each in a network namespace of its own (tests/netns.py).
+
+Each test asserts DESIGN §2 (equal digests after every re-formation and at the end,
+abort latency, clean exits) for a fault that only exists across hosts: a node whose
+packets vanish (nothing refuses a connection), and a partition between two switches.
+No environment variable is set for any worker: the data plane must follow ``bind``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+import pytest
+
+import ftcomm
+from ftcomm.errors import AddressError
+
+from . import netns
+from .polling import wait_until
+from .train_cluster import TrainCluster, assert_invariants
+
+REASON = netns.unavailable()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = pytest.mark.timeout(240)
+
+
+@contextlib.contextmanager
+def group_on_hosts(hosts: int, split: int | None = None):
+    """``hosts`` workers, one per namespace, in one view: (lab, cluster, workers, view id)."""
+    with netns.Lab(hosts, split=split) as lab:
+        cluster = TrainCluster(lab)
+        try:
+            workers = cluster.start(hosts, ["--min-workers", "1"], hosts=list(range(hosts)))
+            view_id = max(v["view_id"] for v in cluster.wait_view(workers, hosts, timeout=90))
+            yield lab, cluster, workers, view_id
+        finally:
+            cluster.close()
+
+
+def exits_cleanly(workers) -> None:
+    for w in workers:
+        assert w.process.wait(timeout=60) == 0, "".join(w.stderr_tail[-60:])
+
+
+@needs_netns
+def test_four_hosts_train_survive_a_crash_and_take_a_joiner_from_a_new_host():
+    with group_on_hosts(4) as (lab, cluster, workers, view_id):
+        victim = workers[2]
+        victim.signal(signal.SIGKILL)
+        survivors = [w for w in workers if w is not victim]
+        views = cluster.wait_view(survivors, 3, timeout=60, after=view_id)
+        assert {v["reason"] for v in views} == {"crash"}
+        joiner = cluster.start(1, ["--min-workers", "1"], hosts=[lab.add_host()])
+        everyone = survivors + joiner
+        views = cluster.wait_view(everyone, 4, timeout=90, after=max(v["view_id"] for v in views))
+        assert len({(v["view_id"], v["step"], v["state_digest"]) for v in views}) == 1, views
+        assert_invariants(everyone, cluster.finish(everyone, timeout=120))
+        exits_cleanly(everyone)
+
+
+@needs_netns
+def test_a_lost_node_is_excluded_and_rejoins_when_its_link_returns():
+    with group_on_hosts(4) as (lab, cluster, workers, view_id):
+        lost = workers[3]
+        lab.set_host_link(3, False)  # its packets vanish: no refusal, only silence
+        survivors = workers[:3]
+        views = cluster.wait_view(survivors, 3, timeout=60, after=view_id)
+        assert {v["reason"] for v in views} == {"hang"}  # found by probes and suspicion
+        cut_at = max(cluster.status(w) for w in survivors)
+        wait_until(lambda: min(cluster.status(w) for w in survivors) > cut_at + 20, 60, "progress without it")
+        lab.set_host_link(3, True)
+        back = lost.wait_for(lambda e: e["ev"] == "view" and len(e["members"]) == 4 and e["view_id"] > view_id,
+                             90, "the lost node to rejoin")
+        assert back["reason"] == "rejoin"
+        cluster.wait_view(workers, 4, timeout=60, after=max(v["view_id"] for v in views))
+        assert_invariants(workers, cluster.finish(workers, timeout=120))
+        exits_cleanly(workers)
+
+
+@needs_netns
+def test_a_partition_three_to_two_stops_the_minority_and_heals_to_one_group():
+    with group_on_hosts(5, split=3) as (lab, cluster, workers, view_id):
+        majority, minority = workers[:3], workers[3:]
+        lab.set_bridge_link(False)
+        views = cluster.wait_view(majority, 3, timeout=60, after=view_id)
+        cut_view = max(v["view_id"] for v in views)
+        minority_steps = [cluster.status(w) for w in minority]
+        majority_at = max(cluster.status(w) for w in majority)
+        wait_until(lambda: min(cluster.status(w) for w in majority) > majority_at + 30, 60,
+                   "the majority to go on")
+        assert [cluster.status(w) for w in minority] == minority_steps, "the minority committed while cut off"
+        assert not any(e["ev"] == "view" and e["view_id"] > view_id for w in minority for e in w.snapshot())
+        lab.set_bridge_link(True)
+        healed = cluster.wait_view(workers, 5, timeout=120, after=cut_view)
+        assert {v["reason"] for v in healed[3:]} == {"rejoin"}
+        assert_invariants(workers, cluster.finish(workers, timeout=120))
+        exits_cleanly(workers)
+
+
+def test_a_loopback_bind_with_peers_on_other_hosts_fails_fast_with_the_reason():
+    with pytest.raises(AddressError, match=r"127\.0\.0\.1.*10\.9\.8\.7:7946.*other host"):
+        ftcomm.init(bind="127.0.0.1:0", peers=["10.9.8.7:7946"], handle_signals=False)
+    with pytest.raises(AddressError, match="0.0.0.0"):
+        ftcomm.init(bind="0.0.0.0:0", handle_signals=False)
