@@ -77,21 +77,20 @@ class Group:
             w.close(timeout=10)  # resumes a stopped worker first
 
 
-def fault_run(group: Group, sig: int, victim_index: int = 1) -> dict:
-    """Signal one worker; measure until every survivor committed a step in the new view."""
-    before = group.latest_view()
-    time.sleep(0.5)
-    victim = group.workers[victim_index]
-    survivors = [w for w in group.workers if w is not victim]
-    marks = [len(w.snapshot()) for w in survivors]
+def measure_recovery(workers: list[ChildProcess], fault, before: int, size: int | None = None,
+                     timeout: float = 60.0) -> dict:
+    """Call ``fault()``; measure until every one of ``workers`` has committed a step in a view
+    newer than ``before`` (of ``size`` members, when given). Times from the fault."""
+    marks = [len(w.snapshot()) for w in workers]
     t0 = time.time()
-    victim.signal(sig)
-    views = [w.wait_for(lambda e: e["ev"] == "view" and e["view_id"] > before, 60, "new view", m)
-             for w, m in zip(survivors, marks)]
+    fault()
+    views = [w.wait_for(lambda e: e["ev"] == "view" and e["view_id"] > before
+                        and (size is None or len(e["members"]) == size), timeout, "new view", m)
+             for w, m in zip(workers, marks)]
     new_view = max(v["view_id"] for v in views)
-    firsts = [w.wait_for(lambda e: e["ev"] == "first_step" and e["view_id"] >= new_view, 60, "a commit", m)
-              for w, m in zip(survivors, marks)]
-    result = {
+    firsts = [w.wait_for(lambda e: e["ev"] == "first_step" and e["view_id"] >= new_view, timeout, "a commit", m)
+              for w, m in zip(workers, marks)]
+    return {
         "recovery_s": round(max(f["t"] for f in firsts) - t0, 4),
         "reason": views[0]["reason"],
         "detect_s": round(statistics.median(v["detect_s"] for v in views), 4),
@@ -100,6 +99,15 @@ def fault_run(group: Group, sig: int, victim_index: int = 1) -> dict:
         "reconcile_s": round(statistics.median(v["reconcile_s"] for v in views), 4),
         "view_ready_s": round(max(v["time"] for v in views) - t0, 4),
     }
+
+
+def fault_run(group: Group, sig: int, victim_index: int = 1) -> dict:
+    """Signal one worker; measure until every survivor committed a step in the new view."""
+    before = group.latest_view()
+    time.sleep(0.5)
+    victim = group.workers[victim_index]
+    survivors = [w for w in group.workers if w is not victim]
+    result = measure_recovery(survivors, lambda: victim.signal(sig), before)
     if sig == signal.SIGSTOP:
         victim.signal(signal.SIGKILL)
     victim.close(timeout=10)
