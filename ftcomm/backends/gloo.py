@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as c10d
 
 from .. import netif
 from ..errors import CommunicatorError
@@ -63,8 +64,9 @@ class GlooCommunicator:
 
     name = "gloo"
 
-    def __init__(self, group: Any, rank: int, size: int, view_id: int) -> None:
+    def __init__(self, group: Any, rank: int, size: int, view_id: int, op_timeout: float = 600.0) -> None:
         self.group = group
+        self.op_timeout = datetime.timedelta(seconds=op_timeout)  # Gloo's own bound on one collective
         self.rank = rank
         self.size = size
         self.view_id = view_id
@@ -82,7 +84,9 @@ class GlooCommunicator:
         is loopback on many hosts: no group could form across machines).
         """
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = datetime.timedelta(seconds=op_timeout)
+        # Bounds the rendezvous inside the constructor (a builder that is given up on ends
+        # by then); collectives get op_timeout each.
+        options._timeout = datetime.timedelta(seconds=timeout)
         options._devices = [device(host)]
         outcome: dict[str, Any] = {}
         wake = threading.Event()
@@ -104,7 +108,14 @@ class GlooCommunicator:
         if "error" in outcome:
             raise CommunicatorError(f"forming the gloo group of view {view_id} failed: "
                                     f"{str(outcome['error']).splitlines()[0][:300]}")
-        return cls(outcome["group"], rank, size, view_id)
+        return cls(outcome["group"], rank, size, view_id, op_timeout)
+
+    def _options(self, kind: Any, **fields: Any) -> Any:
+        options = kind()
+        options.timeout = self.op_timeout
+        for name, value in fields.items():
+            setattr(options, name, value)
+        return options
 
     def _track(self, work: Any, what: str, value: Any = None) -> Handle:
         handle = Handle(what, lambda complete: self._watcher.add(work.is_completed, complete),
@@ -116,7 +127,7 @@ class GlooCommunicator:
         """In-place reduction of each tensor across the view; ``mean`` divides by the size."""
         if op not in _OPS:
             raise ValueError(f"unknown reduction {op!r}: use one of {sorted(_OPS)}")
-        work = self.group.allreduce(tensors, _OPS[op])
+        work = self.group.allreduce(tensors, self._options(dist.AllreduceOptions, reduceOp=_OPS[op]))
         what = f"allreduce({op}) in view {self.view_id}"
 
         def result() -> list[torch.Tensor]:
@@ -127,18 +138,18 @@ class GlooCommunicator:
         return self._track(work, what, result)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
-        work = self.group.broadcast([tensor], _broadcast_options(src))
+        work = self.group.broadcast([tensor], self._options(dist.BroadcastOptions, rootRank=src, rootTensor=0))
         what = f"broadcast from rank {src} in view {self.view_id}"
         return self._track(work, what, tensor)
 
     def allgather(self, tensor: torch.Tensor) -> Handle:
         outputs = [torch.empty_like(tensor) for _ in range(self.size)]
-        work = self.group.allgather([outputs], [tensor])
+        work = self.group.allgather([outputs], [tensor], self._options(c10d.AllgatherOptions))
         what = f"allgather in view {self.view_id}"
         return self._track(work, what, outputs)
 
     def barrier(self) -> Handle:
-        work = self.group.barrier()
+        work = self.group.barrier(self._options(dist.BarrierOptions))
         what = f"barrier in view {self.view_id}"
         return self._track(work, what)
 
@@ -167,10 +178,3 @@ def device(host: str | None) -> Any:
     if host is None or netif.is_wildcard(host):
         return dist.ProcessGroupGloo.create_default_device()
     return dist.ProcessGroupGloo.create_device(hostname=netif.resolve(host))
-
-
-def _broadcast_options(src: int) -> Any:
-    options = dist.BroadcastOptions()
-    options.rootRank = src
-    options.rootTensor = 0
-    return options
