@@ -95,7 +95,7 @@ class Control:
             elif name == "status":
                 emit(ev="status", step=ft.step, t=time.time())
                 continue
-            emit(ev="ok", cmd=name, t=time.time())
+            emit(ev="ok", cmd=name, step=ft.step, t=time.time())
         self.closed.set()
 
     def should_stop(self, step: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import time
 
 from ftcomm.localproc import ChildProcess
 
@@ -62,11 +63,28 @@ class TrainCluster:
         worker.send(cmd="status")
         return worker.wait_for(lambda e: e["ev"] == "status", timeout, "status", start)["step"]
 
-    def finish(self, workers: list[ChildProcess], margin: int = 30, timeout: float = 60.0) -> list[dict]:
-        """Stop every worker at the same step and return their ``done`` records."""
-        target = max(self.status(w) for w in workers) + margin
+    def finish(self, workers: list[ChildProcess], margin: int = 30, lead_s: float = 3.0,
+               timeout: float = 60.0) -> list[dict]:
+        """Stop every worker at the same step and return their ``done`` records.
+
+        The target lies ``lead_s`` seconds of training ahead (at the rate measured now, and at
+        least ``margin`` steps), so that every worker has read the command before any
+        reaches it: a worker that read it late would try one more step alone after the
+        others stopped. Each worker acknowledges with its step, and the acknowledgements
+        prove that none had reached the target yet.
+        """
+        first, started = max(self.status(w) for w in workers), time.monotonic()
+        time.sleep(0.5)
+        now = max(self.status(w) for w in workers)
+        rate = (now - first) / (time.monotonic() - started)
+        target = now + max(margin, int(rate * lead_s))
+        marks = [len(w.snapshot()) for w in workers]
         for w in workers:
             w.send(cmd="stop_at", step=target)
+        acks = [w.wait_for(lambda e: e["ev"] == "ok" and e["cmd"] == "stop_at", timeout, "stop_at ack", m)
+                for w, m in zip(workers, marks)]
+        late = [a["step"] for a in acks if a["step"] >= target]
+        assert not late, f"stop_at {target} reached workers at steps {late}: the machine is too slow for lead_s"
         return [w.wait_for(lambda e: e["ev"] == "done", timeout, "done") for w in workers]
 
     def close(self) -> None:
