@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 
 import pytest
 
@@ -38,6 +39,12 @@ def group_on_hosts(hosts: int, split: int | None = None):
             cluster.close()
 
 
+def listening_addresses(lab: netns.Lab, host: int, pid: int) -> set[str]:
+    """The local addresses of every socket process ``pid`` listens on (TCP) or is bound to (UDP)."""
+    table = subprocess.run(lab.command(host, ["ss", "-Hlntup"]), capture_output=True, text=True, timeout=30).stdout
+    return {line.split()[4].rsplit(":", 1)[0] for line in table.splitlines() if f"pid={pid}," in line}
+
+
 def exits_cleanly(workers) -> None:
     for w in workers:
         assert w.process.wait(timeout=60) == 0, "".join(w.stderr_tail[-60:])
@@ -46,6 +53,8 @@ def exits_cleanly(workers) -> None:
 @needs_netns
 def test_four_hosts_train_survive_a_crash_and_take_a_joiner_from_a_new_host():
     with group_on_hosts(4) as (lab, cluster, workers, view_id):
+        for host, w in enumerate(workers):  # gossip, rendezvous and Gloo: on the bound address only
+            assert listening_addresses(lab, host, w.pid) == {lab.address(host)}
         victim = workers[2]
         victim.signal(signal.SIGKILL)
         survivors = [w for w in workers if w is not victim]
