@@ -169,20 +169,24 @@ class FaultTolerantGroup:
         self._last_step_publish = 0.0
         self._closed = False
         self._proposals: dict[tuple[int, str], tuple[str, ...]] = {}
-        host = bind.rsplit(":", 1)[0] if isinstance(bind, str) else bind[0]
-        check_addresses(host, peers)
+        peers = list(peers)
+        host, port = parse_address(bind)
+        host = check_addresses(host, peers)  # every plane uses this one IPv4 address
         self._rendezvous = Rendezvous(host, opts.formation_timeout)
-        self._gossip = GossipNode(bind, cluster=cluster, secret=secret, config=opts.gossip,
-                                  metadata=self._status_record(), fault_filter=opts.fault_filter)
-        self._gossip.subscribe(self._on_gossip)
         self.id = ""
+        gossip = None
         try:
+            gossip = self._gossip = GossipNode((host, port), cluster=cluster, secret=secret, config=opts.gossip,
+                                               metadata=self._status_record(), fault_filter=opts.fault_filter)
+            self._gossip.subscribe(self._on_gossip)
             self._gossip.start(peers)
             self.id = self._gossip.id
             self._install_exit_hooks()
             self._recover("init", time.monotonic(), opts.init_timeout)
         except BaseException:
-            self._gossip.stop()
+            if gossip is not None:
+                gossip.stop()
+            self._rendezvous.close()
             raise
 
     # ------------------------------------------------------------------ public attributes
@@ -331,6 +335,7 @@ class FaultTolerantGroup:
         if self._comm is not None:
             self._comm.abandon()
             self._comm = None
+        self._rendezvous.close()
 
     # ------------------------------------------------------------------ lifecycle phases
     def _recover(self, reason: str, detected_at: float, timeout: float | None = None) -> None:
@@ -780,14 +785,25 @@ class FaultTolerantGroup:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def check_addresses(bind_host: str, peers: Iterable[str]) -> None:
-    """Refuse, before anything starts, a bind address the peers could never reach."""
-    if netif.is_wildcard(bind_host):
-        raise AddressError(f"bind address {bind_host} is a wildcard: every worker tells the others to reach it "
+def check_addresses(bind_host: str, peers: list[str]) -> str:
+    """The IPv4 address to bind, or, before anything starts, AddressError for a bind address
+    that cannot work: a name that does not resolve, IPv6, a wildcard, an address no
+    interface of this machine holds, a loopback address with peers on other hosts."""
+    try:
+        address = netif.resolve(bind_host)
+    except OSError:
+        raise AddressError(f"bind host {bind_host!r} does not resolve to an IPv4 address") from None
+    if ":" in address:
+        raise AddressError(f"bind address {address} is IPv6: ftcomm's planes speak IPv4; bind to an IPv4 address "
+                           f"of this host")
+    if netif.is_wildcard(address):
+        raise AddressError(f"bind address {address} is a wildcard: every worker tells the others to reach it "
                            f"at its bind address, so bind to an address of this host they can reach "
                            f"(bind='HOST:PORT' or FTCOMM_BIND), or leave bind unset to use this host's address")
-    if not netif.is_loopback(bind_host):
-        return
+    if not netif.is_loopback(address):
+        if netif.interface_of(address) is None:
+            raise AddressError(f"bind address {address} is not an address of this machine (no interface holds it)")
+        return address
     for peer in peers:
         host = parse_address(peer)[0]
         try:
@@ -795,10 +811,11 @@ def check_addresses(bind_host: str, peers: Iterable[str]) -> None:
         except OSError:  # a name that does not resolve now: gossip reports it when it tries
             continue
         if remote:
-            raise AddressError(f"this worker is bound to the loopback address {bind_host}, but peer {peer} is on "
+            raise AddressError(f"this worker is bound to the loopback address {address}, but peer {peer} is on "
                                f"another host: a loopback address is reachable from this machine only. Bind to an "
                                f"address of this host that {host} can reach (bind='HOST:PORT' or FTCOMM_BIND), or "
                                f"leave bind unset to use this host's address")
+    return address
 
 
 def _parameters(model_or_params: Any) -> list[torch.Tensor]:

@@ -65,11 +65,14 @@ def interfaces() -> list[Interface]:
 
 
 def resolve(host: str) -> str:
-    """The IP address of ``host`` (a name or an address), as a string."""
+    """The IP address of ``host``, as a string: an address as it is, a name by its IPv4
+    address (ftcomm's planes speak IPv4; a name whose IPv6 address comes first, as
+    ``localhost`` on many systems, must not end up half on each). Raises OSError
+    (``socket.gaierror``) when the name has no IPv4 address."""
     try:
-        return str(ipaddress.ip_address(host))
+        return str(ipaddress.ip_address(host.strip("[]")))
     except ValueError:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        return socket.getaddrinfo(host, None, family=socket.AF_INET, type=socket.SOCK_STREAM)[0][4][0]
 
 
 def is_loopback(host: str) -> bool:
@@ -89,7 +92,7 @@ def interface_of(host: str) -> Interface | None:
         return None
     every = interfaces()
     for interface in every:
-        if ipaddress.ip_address(interface.address.split("%")[0]) == address:
+        if ipaddress.ip_address(interface.address.split("%")[0]) == ipaddress.ip_address(str(address).split("%")[0]):
             return interface
     if address.is_loopback:
         return next((i for i in every if i.loopback and ipaddress.ip_address(i.address).version == address.version),

@@ -94,9 +94,16 @@ class Rendezvous:
         """
         return dist.PrefixStore(f"view/{view.id}/{view.digest}", self._connect(host, port))
 
+    def close(self) -> None:
+        """Stop serving (the store's listener closes) and drop the connections to other stores."""
+        self.store = None
+        self._clients.clear()
+
     def _client(self, host: str, port: int) -> Any:
         """A cached connection for short reads (proposals); never used by a formation."""
         if (host, port) == (self.host, self.port):
+            if self.store is None:
+                raise CommunicatorError("this worker's rendezvous store was closed")
             return self.store
         client = self._clients.get((host, port))
         if client is None:

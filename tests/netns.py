@@ -22,7 +22,10 @@ import json
 import os
 import pathlib
 import random
+import re
+import secrets
 import shutil
+import stat
 import subprocess
 import sys
 from typing import Any
@@ -58,20 +61,35 @@ def _remove(names: dict[str, list[str]]) -> None:
         _ip("link", "del", link, check=False)
 
 
+def _state_dir() -> pathlib.Path:
+    """The state directory, made private to root; refused when anyone else could have
+    planted a state file in it (its files name what a sweep deletes)."""
+    try:
+        STATE.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = STATE.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise RuntimeError(f"{STATE} must be a directory owned by uid {os.geteuid()} with mode 0700")
+    return STATE
+
+
 def sweep() -> None:
-    """Remove what earlier runs left behind when their process died before cleaning up."""
-    if not STATE.is_dir():
-        return
-    for path in STATE.glob("*.json"):
+    """Remove what earlier runs left behind when their process died before cleaning up: only
+    names of that run's own pattern, whatever its state file lists."""
+    for path in _state_dir().glob("*.json"):
+        run = path.stem
         try:
             state = json.loads(path.read_text())
-            os.kill(state["pid"], 0)
+            os.kill(int(state["pid"]), 0)
             continue  # its run is still going
         except ProcessLookupError:
             pass
-        except (OSError, ValueError, KeyError):
-            state = {}
-        _remove(state)
+        except Exception:  # noqa: BLE001 - unreadable: not ours to act on
+            continue
+        own = re.compile(rf"ft{re.escape(run)}[hbvxe]\d+")
+        _remove({kind: [n for n in state.get(kind, []) if isinstance(n, str) and own.fullmatch(n)]
+                 for kind in ("netns", "links")})
         path.unlink(missing_ok=True)
 
 
@@ -91,7 +109,7 @@ class Lab:
     bridge 1, the bridges joined by one link. Use as a context manager."""
 
     def __init__(self, hosts: int, split: int | None = None) -> None:
-        self.run = f"{random.randrange(1 << 16):04x}"
+        self.run = secrets.token_hex(3)
         self.subnet = _free_subnet()
         self.split = split
         self._names: dict[str, list[str]] = {"pid": os.getpid(), "netns": [], "links": []}  # type: ignore[dict-item]
@@ -101,7 +119,6 @@ class Lab:
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Lab":
         sweep()
-        STATE.mkdir(mode=0o700, exist_ok=True)
         try:
             for b in range(2 if self.split is not None else 1):
                 self._link(self.bridge(b), "type", "bridge")
@@ -132,9 +149,7 @@ class Lab:
         if bridge is None:
             bridge = 0 if self.split is None or i < self.split else 1
         ns, outside, inside = self.namespace(i), f"ft{self.run}v{i}", f"ft{self.run}e{i}"
-        _ip("netns", "add", ns)
-        self._names["netns"].append(ns)
-        self._save()
+        self._create("netns", ns, ["netns", "add", ns])  # recorded first: an interrupt leaves nothing unlisted
         self._link(outside, "type", "veth", "peer", "name", inside)
         _ip("link", "set", inside, "netns", ns)
         _ip("link", "set", outside, "master", self.bridge(bridge))
@@ -179,12 +194,22 @@ class Lab:
 
     # ------------------------------------------------------------------ bookkeeping
     def _link(self, name: str, *spec: str) -> None:
-        self._names["links"].append(name)
+        self._create("links", name, ["link", "add", name, *spec])
+
+    def _create(self, kind: str, name: str, command: list[str]) -> None:
+        """Record ``name``, then create it; a name that could not be created (it may be
+        someone else's) is forgotten again, so that nothing removes it."""
+        self._names[kind].append(name)
         self._save()
-        _ip("link", "add", name, *spec)
+        try:
+            _ip(*command)
+        except RuntimeError:
+            self._names[kind].remove(name)
+            self._save()
+            raise
 
     def _state_file(self) -> pathlib.Path:
-        return STATE / f"{self.run}.json"
+        return _state_dir() / f"{self.run}.json"
 
     def _save(self) -> None:
         self._state_file().write_text(json.dumps(self._names))

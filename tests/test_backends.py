@@ -69,3 +69,43 @@ def test_the_watcher_calls_check_only_while_something_is_pending_and_fails_every
     wait_until(lambda: watcher._pending == [], 2.0, "the finished entry to be dropped")
     assert len(calls) <= seen + 1
     watcher.stop()
+
+
+def test_a_poll_that_raises_fails_the_pending_handles_instead_of_stopping_the_watcher():
+    def broken() -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    watcher = Watcher("test-watch")
+    completed = [threading.Event() for _ in range(2)]
+    watcher.add(lambda: False, completed[0].set)
+    watcher.add(broken, completed[1].set)
+    assert all(c.wait(2.0) for c in completed)
+    assert "illegal memory access" in watcher.error
+    later = threading.Event()
+    watcher.add(lambda: False, later.set)  # the watcher still runs: this one completes too (as failed)
+    assert later.wait(2.0)
+    watcher.stop()
+
+
+def test_a_handle_added_after_stop_completes_at_once_as_failed():
+    watcher = Watcher("test-watch")
+    watcher.stop()
+    completed = threading.Event()
+    watcher.add(lambda: True, completed.set)
+    assert completed.is_set() and watcher.error == "the communicator was abandoned"
+
+
+def test_gloo_reduces_each_tensor_of_a_call_on_its_own_and_averages_integers_as_nccl():
+    comms = pair()
+    handles = [c.allreduce([torch.full((3,), r + 1.0), torch.full((2,), 10.0 * (r + 1))], "sum")
+               for r, c in enumerate(comms)]
+    for h in handles:
+        a, b = h.wait(AbortSignal(), 10.0)
+        assert a.tolist() == [3.0] * 3 and b.tolist() == [30.0] * 2
+    ints = [torch.tensor([1, -4, 7]), torch.tensor([2, -3, 0])]
+    handles = [c.allreduce([t], "mean") for c, t in zip(comms, ints)]
+    for h in handles:
+        assert h.wait(AbortSignal(), 10.0)[0].tolist() == [1, -3, 3]  # (3, -7, 7) / 2, truncated
+    for c in comms:
+        with pytest.raises(ValueError, match="root 2 is not a rank"):
+            c.broadcast(torch.zeros(1), 2)
+        c.close()

@@ -112,3 +112,18 @@ def test_a_loopback_bind_with_peers_on_other_hosts_fails_fast_with_the_reason():
         ftcomm.init(bind="127.0.0.1:0", peers=["10.9.8.7:7946"], handle_signals=False)
     with pytest.raises(AddressError, match="0.0.0.0"):
         ftcomm.init(bind="0.0.0.0:0", handle_signals=False)
+
+
+@pytest.mark.parametrize("bind, reason", [("[::1]:0", "IPv6"), ("nonexistent.invalid:0", "does not resolve"),
+                                          ("203.0.113.9:0", "not an address of this machine")])
+def test_a_bind_address_that_cannot_work_is_refused_with_the_reason(bind, reason):
+    with pytest.raises(AddressError, match=reason):
+        ftcomm.init(bind=bind, handle_signals=False)
+
+
+def test_every_plane_binds_the_ipv4_address_a_name_resolves_to():
+    ft = ftcomm.init(bind="localhost:0", handle_signals=False)  # IPv6 first on some systems
+    try:
+        assert ft.gossip.host == "127.0.0.1" and ft.id.startswith("127.0.0.1:")
+    finally:
+        ft.shutdown()

@@ -52,3 +52,18 @@ def test_the_gloo_device_listens_on_the_bound_address():
     t = torch.ones(3)
     group.allreduce([t]).wait()
     assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_name_resolves_to_its_ipv4_address_even_when_ipv6_comes_first(monkeypatch):
+    import socket
+
+    real = socket.getaddrinfo
+
+    def ipv6_first(host, port, family=0, *args, **kwargs):
+        if host != "dual.test":
+            return real(host, port, family, *args, **kwargs)
+        v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))
+        v4 = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))
+        return [r for r in (v6, v4) if family in (0, r[0])]
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    assert netif.resolve("dual.test") == "127.0.0.1"

@@ -97,6 +97,12 @@ class AbortSignal:
         raise FtcommTimeout(f"{what} did not complete within {timeout:g} s")
 
 
+def check_root(src: int, size: int) -> None:
+    """A broadcast's root must be a rank of the view (a bad one is the caller's error, not a fault)."""
+    if not 0 <= src < size:
+        raise ValueError(f"broadcast root {src} is not a rank of this view (ranks 0..{size - 1})")
+
+
 class Watcher:
     """One thread per communicator that completes handles by polling their collectives.
 
@@ -124,12 +130,28 @@ class Watcher:
 
     def add(self, done: Callable[[], bool], complete: Callable[[], None]) -> None:
         with self._lock:
-            self._pending.append((done, complete))
-        self._wake.set()
+            if not self._stopped:
+                self._pending.append((done, complete))
+                self._wake.set()
+                return
+        complete()  # stopped: nothing will poll it; it reads the watcher's error
+
+    def _poll(self, pending: list) -> list:
+        """The entries that are done, all of them once the communicator failed."""
+        try:
+            done = [entry for entry in pending if entry[0]()]
+            if len(done) < len(pending) and self.error is None and self._check is not None:
+                self.error = self._check()
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot be polled has failed
+            self.error = f"polling the collectives failed: {type(exc).__name__}: {exc}"
+        return pending if self.error is not None else done
 
     def stop(self) -> None:
         """No more polling: handles still pending complete now and read as failed."""
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
+            if self.error is None:
+                self.error = "the communicator was abandoned"  # no pending handle may read as a success
         self._wake.set()
 
     def _run(self) -> None:
@@ -142,29 +164,30 @@ class Watcher:
                 self._wake.clear()
                 delay = self.MIN_POLL_S
                 continue
-            done = [entry for entry in pending if entry[0]()]
-            if len(done) < len(pending) and self.error is None and self._check is not None:
-                self.error = self._check()
-            if self.error is not None:
-                done = pending
+            done = self._poll(pending)
             if done:
                 finished = {id(entry) for entry in done}  # the entries themselves, not copies
                 with self._lock:
                     self._pending = [p for p in self._pending if id(p) not in finished]
                 for _, complete in done:
-                    complete()
+                    _complete(complete)
                 delay = self.MIN_POLL_S
             else:
                 delay = min(self.MAX_POLL_S, delay * 2)
             if self._wake.wait(delay):
                 self._wake.clear()
                 delay = self.MIN_POLL_S
-        if self.error is None:
-            self.error = "the communicator was abandoned"  # no pending handle may read as a success
         with self._lock:
             pending, self._pending = self._pending, []
         for _, complete in pending:
-            complete()
+            _complete(complete)
+
+
+def _complete(complete: Callable[[], None]) -> None:
+    try:
+        complete()
+    except Exception:  # noqa: BLE001 - one waiter's callback must not stop the watcher
+        log.exception("completing a collective's handle failed")
 
 
 class Handle:

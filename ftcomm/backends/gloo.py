@@ -27,7 +27,7 @@ import torch._C._distributed_c10d as c10d
 
 from .. import netif
 from ..errors import CommunicatorError
-from .base import AbortSignal, Handle, Watcher, start_lingering
+from .base import AbortSignal, Handle, Watcher, check_root, start_lingering
 
 log = logging.getLogger(__name__)
 
@@ -127,17 +127,22 @@ class GlooCommunicator:
         """In-place reduction of each tensor across the view; ``mean`` divides by the size."""
         if op not in _OPS:
             raise ValueError(f"unknown reduction {op!r}: use one of {sorted(_OPS)}")
-        work = self.group.allreduce(tensors, self._options(dist.AllreduceOptions, reduceOp=_OPS[op]))
+        if len(tensors) == 1:
+            work = self.group.allreduce(tensors, self._options(dist.AllreduceOptions, reduceOp=_OPS[op]))
+        else:  # several tensors of one call are several reductions (Gloo's allreduce would add them up)
+            work = self.group.allreduce_coalesced(tensors, self._options(dist.AllreduceCoalescedOptions,
+                                                                         reduceOp=_OPS[op]))
         what = f"allreduce({op}) in view {self.view_id}"
 
         def result() -> list[torch.Tensor]:
             if op == "mean":
-                for t in tensors:
-                    t.div_(self.size)
+                for t in tensors:  # integers: truncated, as NCCL's ncclAvg
+                    t.div_(self.size, rounding_mode=None if t.is_floating_point() else "trunc")
             return tensors
         return self._track(work, what, result)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        check_root(src, self.size)
         work = self.group.broadcast([tensor], self._options(dist.BroadcastOptions, rootRank=src, rootTensor=0))
         what = f"broadcast from rank {src} in view {self.view_id}"
         return self._track(work, what, tensor)

@@ -43,7 +43,7 @@ import torch
 
 from .. import netif
 from ..errors import CollectiveAborted, CommunicatorError, FtcommTimeout, NcclUnavailable
-from .base import AbortSignal, Handle, Watcher, start_lingering
+from .base import AbortSignal, Handle, Watcher, check_root, start_lingering
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +319,7 @@ class NcclCommunicator:
                             tensors=tuple(tensors))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        check_root(src, self.size)
         self._check_tensor(tensor)
 
         def enqueue(stream: int) -> None:
