@@ -1,4 +1,4 @@
-"""The backend interface: handles completed by polling watchers, on real Gloo groups."""
+"""The backend interface: handles polled by the thread that waits, on real Gloo groups."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ftcomm.backends.base import AbortSignal, Watcher
+from ftcomm.backends.base import AbortSignal, Completion, Handle
 from ftcomm.backends.gloo import GlooCommunicator
-from ftcomm.errors import CommunicatorError
+from ftcomm.errors import CollectiveAborted, CommunicatorError
 
-from .polling import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,7 +31,7 @@ def pair() -> list[GlooCommunicator]:
     return comms
 
 
-def test_gloo_collectives_complete_through_the_watcher():
+def test_gloo_collectives_complete_when_waited_for():
     comms = pair()
     tensors = [torch.full((5,), float(r + 1)) for r in range(2)]
     handles = [c.allreduce([t], "sum") for c, t in zip(comms, tensors)]
@@ -51,47 +50,28 @@ def test_an_abandoned_gloo_collective_reads_as_failed_at_once_instead_of_blockin
     comms[1].abandon()
 
 
-def test_the_watcher_calls_check_only_while_something_is_pending_and_fails_everything_on_an_error():
-    calls = []
-    verdict: list[str | None] = [None]
-
-    def check():
-        calls.append(1)
-        return verdict[0]
-    watcher = Watcher("test-watch", check)
-    completed = threading.Event()
-    watcher.add(lambda: False, completed.set)
-    wait_until(lambda: len(calls) >= 3, 2.0, "checks while a collective is pending")
-    verdict[0] = "peer 2 reset the connection"
-    assert completed.wait(2.0) and watcher.error == "peer 2 reset the connection"
-    seen = len(calls)
-    watcher.add(lambda: True, lambda: None)  # nothing pending for long: no more checks needed
-    wait_until(lambda: watcher._pending == [], 2.0, "the finished entry to be dropped")
-    assert len(calls) <= seen + 1
-    watcher.stop()
-
-
-def test_a_poll_that_raises_fails_the_pending_handles_instead_of_stopping_the_watcher():
+def test_a_poll_that_raises_fails_the_collective_and_the_communicator():
     def broken() -> bool:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    watcher = Watcher("test-watch")
-    completed = [threading.Event() for _ in range(2)]
-    watcher.add(lambda: False, completed[0].set)
-    watcher.add(broken, completed[1].set)
-    assert all(c.wait(2.0) for c in completed)
-    assert "illegal memory access" in watcher.error
-    later = threading.Event()
-    watcher.add(lambda: False, later.set)  # the watcher still runs: this one completes too (as failed)
-    assert later.wait(2.0)
-    watcher.stop()
+    completion = Completion()
+    handle = Handle("probe", lambda: completion.finished(broken), lambda: completion.error)
+    assert "illegal memory access" in handle.wait(AbortSignal(), 2.0)
+    other = Handle("other", lambda: completion.finished(lambda: False), lambda: completion.error)
+    assert other.completed  # the communicator failed: nothing of it reads as still running
 
 
-def test_a_handle_added_after_stop_completes_at_once_as_failed():
-    watcher = Watcher("test-watch")
-    watcher.stop()
-    completed = threading.Event()
-    watcher.add(lambda: True, completed.set)
-    assert completed.is_set() and watcher.error == "the communicator was abandoned"
+def test_a_check_reporting_a_failure_ends_the_wait_and_a_signal_ends_it_at_once():
+    verdict: list[str | None] = [None]
+    completion = Completion(lambda: verdict[0])
+    handle = Handle("stuck", lambda: completion.finished(lambda: False), lambda: completion.error)
+    threading.Timer(0.05, verdict.__setitem__, args=(0, "peer 2 reset the connection")).start()
+    assert handle.wait(AbortSignal(), 5.0) == "peer 2 reset the connection"
+    stuck = Handle("stuck", lambda: False, lambda: None)
+    abort = AbortSignal()
+    threading.Timer(0.05, abort.fire, args=("peer 3 is suspect",)).start()
+    with pytest.raises(CollectiveAborted, match="peer 3 is suspect"):
+        stuck.wait(abort, 5.0)
+    assert abort.noticed_at - abort.fired_at < 0.1  # DESIGN §2.3: the signal wakes the waiter
 
 
 def test_gloo_reduces_each_tensor_of_a_call_on_its_own_and_averages_integers_as_nccl():

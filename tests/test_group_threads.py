@@ -200,14 +200,13 @@ def _observe_completions_late(group: ftcomm.FaultTolerantGroup, delay: float) ->
 
     def slow_allreduce(tensors, op="sum"):
         handle = real(tensors, op)
+        seen_done_at: list[float] = []
 
-        def register(complete) -> None:
-            def later() -> None:
-                handle._wake.wait(30)
-                time.sleep(delay)
-                complete()
-            threading.Thread(target=later, daemon=True).start()
-        return Handle(handle.what, register, lambda: handle.wait(AbortSignal()))
+        def done() -> bool:
+            if not seen_done_at and handle.completed:
+                seen_done_at.append(time.monotonic())
+            return bool(seen_done_at) and time.monotonic() - seen_done_at[0] >= delay
+        return Handle(handle.what, done, lambda: handle.wait(AbortSignal()))
     comm.allreduce = slow_allreduce
 
 

@@ -12,6 +12,7 @@ import ctypes
 import pathlib
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -24,7 +25,6 @@ from ftcomm.backends.base import AbortSignal, Handle
 from ftcomm.errors import CollectiveAborted, CommunicatorError, NcclUnavailable
 
 from . import nccl_ranks
-from .polling import wait_until
 from .nccl_ranks import run_ranks
 from .train_cluster import TrainCluster, assert_invariants
 
@@ -253,12 +253,14 @@ def test_gpu_a_wait_is_abandoned_when_the_abort_signal_fires():
     comm.abandon()
 
 
-# ---------------------------------------------------------------------- the watcher, with fakes
+# ---------------------------------------------------------------------- completion, with fakes
 class FakeEvent:
     def __init__(self) -> None:
         self.fired = False
+        self.queries = 0
 
     def query(self) -> bool:
+        self.queries += 1
         return self.fired
 
 
@@ -276,53 +278,43 @@ class FakeLib:
         return self.real.describe(result)
 
 
-def watched(watcher, event: FakeEvent) -> Handle:
+def watched(completion, event: FakeEvent) -> Handle:
     """A handle finished the way NcclCommunicator finishes its own."""
     def finish():
-        if watcher.error is not None:
-            raise CommunicatorError(watcher.error)
+        if completion.error is not None:
+            raise CommunicatorError(completion.error)
         return "done"
-    return Handle("fake collective", lambda complete: watcher.add(event.query, complete), finish)
+    return Handle("fake collective", lambda: completion.finished(event.query), finish)
 
 
-def test_watcher_completes_a_handle_when_its_event_fires():
-    watcher = nccl._watcher(FakeLib([nccl.SUCCESS]), None, 1)
+def test_a_handle_completes_when_its_event_fires():
     event = FakeEvent()
-    handle = watched(watcher, event)
-    time.sleep(0.05)
+    handle = watched(nccl._completion(FakeLib([nccl.SUCCESS]), None), event)
     assert not handle.completed
-    event.fired = True
+    threading.Timer(0.05, setattr, args=(event, "fired", True)).start()
     assert handle.wait(AbortSignal(), 2.0) == "done"
-    watcher.stop()
 
 
-def test_watcher_forgets_completed_handles_and_keeps_the_pending_ones():
-    watcher = nccl._watcher(FakeLib([nccl.SUCCESS]), None, 4)
+def test_nothing_polls_a_collective_that_nobody_waits_for():
     events = [FakeEvent() for _ in range(3)]
-    handles = [watched(watcher, e) for e in events]
-    events[0].fired = events[2].fired = True
-    assert handles[0].wait(AbortSignal(), 2.0) == handles[2].wait(AbortSignal(), 2.0) == "done"
-    # a watcher that kept completed entries would poll all of them on every pass, for ever
-    wait_until(lambda: len(watcher._pending) == 1, 2.0, "the completed entries to be dropped")
-    assert not handles[1].completed
+    completion = nccl._completion(FakeLib([nccl.SUCCESS]), None)
+    handles = [watched(completion, e) for e in events]
+    time.sleep(0.05)
+    assert [e.queries for e in events] == [0, 0, 0]  # no thread spins over launched collectives
     events[1].fired = True
-    assert handles[1].wait(AbortSignal(), 2.0) == "done"
-    wait_until(lambda: watcher._pending == [], 2.0, "the last entry to be dropped")
-    watcher.stop()
+    assert handles[1].wait(AbortSignal(), 2.0) == "done" and events[0].queries == events[2].queries == 0
 
 
-def test_watcher_fails_pending_handles_on_an_asynchronous_nccl_error():
-    watcher = nccl._watcher(FakeLib([nccl.SUCCESS, nccl.SUCCESS, 6]), None, 2)
-    handle = watched(watcher, FakeEvent())  # its event never fires: a peer died mid-collective
+def test_pending_handles_fail_on_an_asynchronous_nccl_error():
+    handle = watched(nccl._completion(FakeLib([nccl.SUCCESS, nccl.SUCCESS, 6]), None), FakeEvent())
     with pytest.raises(CommunicatorError, match=r"ncclRemoteError \(6\): remote process exited"):
-        handle.wait(AbortSignal(), 2.0)
-    watcher.stop()
+        handle.wait(AbortSignal(), 2.0)  # its event never fires: a peer died mid-collective
 
 
 def test_an_abandoned_communicators_pending_handles_never_read_as_success():
-    watcher = nccl._watcher(FakeLib([nccl.IN_PROGRESS]), None, 3)
-    handle = watched(watcher, FakeEvent())
-    watcher.stop()
+    completion = nccl._completion(FakeLib([nccl.IN_PROGRESS]), None)
+    handle = watched(completion, FakeEvent())
+    completion.fail("the communicator was abandoned")
     with pytest.raises(CommunicatorError, match="abandoned"):
         handle.wait(AbortSignal(), 2.0)
 

@@ -1,7 +1,7 @@
 """The backend interface: a communicator per view whose every wait can be abandoned.
 
 Each collective returns a :class:`Handle`. ``Handle.wait(abort, timeout)`` returns the
-result when the collective completes, raises :class:`~ftcomm.errors.CollectiveAborted`
+result when the collective completes (the waiting thread polls it, see :class:`Completion`), raises :class:`~ftcomm.errors.CollectiveAborted`
 as soon as the abort signal fires (within milliseconds: the signal wakes the waiting
 thread directly), raises :class:`~ftcomm.errors.CommunicatorError` when the backend
 reports a failure (a peer's connection reset), and raises
@@ -21,6 +21,10 @@ from ..errors import CollectiveAborted, FtcommTimeout
 
 log = logging.getLogger(__name__)
 
+POLL_MIN_S = 5e-5
+"""A waiting thread asks whether its collective is done this soon after it starts waiting ..."""
+POLL_MAX_S = 1e-3
+"""... and backs off to this: the latency with which a completion may go unnoticed."""
 EXIT_WAIT_S = 15.0
 """How long interpreter exit waits, in all, for :func:`start_lingering` threads."""
 _LINGERING: list[threading.Thread] = []
@@ -75,16 +79,28 @@ class AbortSignal:
         for event in waiters:
             event.set()
 
-    def wait(self, wake: threading.Event, is_done: Callable[[], bool], timeout: float | None, what: str) -> None:
+    def wait(self, wake: threading.Event, is_done: Callable[[], bool], timeout: float | None, what: str,
+             poll: bool = False) -> None:
         """Block until ``is_done()``; raise if the signal fires first or time runs out.
 
-        ``wake`` is set by whoever completes the work; firing the signal sets it too.
+        ``wake`` is set by whoever completes the work; firing the signal sets it too. With
+        ``poll``, nobody completes the work: ``is_done()`` is asked again after
+        ``POLL_MIN_S``, backing off to ``POLL_MAX_S`` (a firing signal still wakes at once).
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = POLL_MIN_S
         with self._lock:
             self._waiters.add(wake)
         try:
-            if self._reason is None and not is_done():
-                wake.wait(timeout)
+            while self._reason is None and not is_done():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                if not poll:
+                    wake.wait(remaining)
+                    continue
+                wake.wait(delay if remaining is None else min(delay, remaining))
+                delay = min(POLL_MAX_S, delay * 2)
         finally:
             with self._lock:
                 self._waiters.discard(wake)
@@ -103,113 +119,58 @@ def check_root(src: int, size: int) -> None:
         raise ValueError(f"broadcast root {src} is not a rank of this view (ranks 0..{size - 1})")
 
 
-class Watcher:
-    """One thread per communicator that completes handles by polling their collectives.
+class Completion:
+    """How the collectives of one communicator are seen to finish: polled by the thread that
+    waits for them, never signalled by the backend calling into Python.
 
-    Completion is polled (each entry's ``done()``) rather than signalled by the backend
-    calling into Python: a backend thread that calls back into Python once the interpreter
-    has begun to exit crashes the process (seen with the works of abandoned Gloo groups
-    failing as their peers exit), and a thread blocked in a backend's wait cannot be
-    stopped. ``check()``, polled while anything is pending, returns a description of the
-    communicator's failure or None; on a failure every pending handle completes and
-    :attr:`error` says why. Polls follow a change by ``MIN_POLL_S`` and back off to
-    ``MAX_POLL_S`` while nothing changes: the latency a completion may go unnoticed.
+    A backend thread that calls back into Python once the interpreter has begun to exit
+    crashes the process (seen with the works of abandoned Gloo groups failing as their
+    peers exit), a thread blocked in a backend's own wait cannot be stopped, and a thread
+    that polls in the background costs CPU whether anyone waits or not. ``check()``
+    (optional) is asked while a collective is not done, and returns a description of the
+    communicator's failure or None. Once :attr:`error` is set (a failure, a poll that
+    raised, :meth:`fail`), every collective of the communicator reads as finished and
+    failed.
     """
 
-    MIN_POLL_S = 5e-5
-    MAX_POLL_S = 5e-4
-
-    def __init__(self, name: str, check: Callable[[], str | None] | None = None) -> None:
+    def __init__(self, check: Callable[[], str | None] | None = None) -> None:
         self._check = check
-        self._pending: list[tuple[Callable[[], bool], Callable[[], None]]] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopped = False
         self.error: str | None = None
-        threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def add(self, done: Callable[[], bool], complete: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._stopped:
-                self._pending.append((done, complete))
-                self._wake.set()
-                return
-        complete()  # stopped: nothing will poll it; it reads the watcher's error
+    def fail(self, reason: str) -> None:
+        if self.error is None:
+            self.error = reason
 
-    def _poll(self, pending: list) -> list:
-        """The entries that are done, all of them once the communicator failed."""
+    def finished(self, done: Callable[[], bool]) -> bool:
+        """``done()`` of one collective, or True once the communicator failed."""
+        if self.error is not None:
+            return True
         try:
-            done = [entry for entry in pending if entry[0]()]
-            if len(done) < len(pending) and self.error is None and self._check is not None:
+            if done():
+                return True
+            if self._check is not None:
                 self.error = self._check()
         except Exception as exc:  # noqa: BLE001 - a backend that cannot be polled has failed
-            self.error = f"polling the collectives failed: {type(exc).__name__}: {exc}"
-        return pending if self.error is not None else done
-
-    def stop(self) -> None:
-        """No more polling: handles still pending complete now and read as failed."""
-        with self._lock:
-            self._stopped = True
-            if self.error is None:
-                self.error = "the communicator was abandoned"  # no pending handle may read as a success
-        self._wake.set()
-
-    def _run(self) -> None:
-        delay = self.MIN_POLL_S
-        while not self._stopped:
-            with self._lock:
-                pending = list(self._pending)
-            if not pending:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                delay = self.MIN_POLL_S
-                continue
-            done = self._poll(pending)
-            if done:
-                finished = {id(entry) for entry in done}  # the entries themselves, not copies
-                with self._lock:
-                    self._pending = [p for p in self._pending if id(p) not in finished]
-                for _, complete in done:
-                    _complete(complete)
-                delay = self.MIN_POLL_S
-            else:
-                delay = min(self.MAX_POLL_S, delay * 2)
-            if self._wake.wait(delay):
-                self._wake.clear()
-                delay = self.MIN_POLL_S
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for _, complete in pending:
-            _complete(complete)
-
-
-def _complete(complete: Callable[[], None]) -> None:
-    try:
-        complete()
-    except Exception:  # noqa: BLE001 - one waiter's callback must not stop the watcher
-        log.exception("completing a collective's handle failed")
+            self.fail(f"polling the collective failed: {type(exc).__name__}: {exc}")
+        return self.error is not None
 
 
 class Handle:
-    """A pending collective: its completion is observed by a :class:`Watcher`, never by blocking."""
+    """A pending collective: ``done()`` polls it (through the communicator's :class:`Completion`)."""
 
-    def __init__(self, what: str, register: Callable[[Callable[[], None]], None],
-                 finish: Callable[[], Any]) -> None:
+    def __init__(self, what: str, done: Callable[[], bool], finish: Callable[[], Any]) -> None:
         self.what = what
-        self._wake = threading.Event()
+        self._done = done
         self._completed = False
         self._finish = finish
-        register(self._complete)
-
-    def _complete(self) -> None:
-        self._completed = True
-        self._wake.set()
 
     @property
     def completed(self) -> bool:
+        if not self._completed:
+            self._completed = self._done()
         return self._completed
 
     def wait(self, abort: AbortSignal, timeout: float | None = None) -> Any:
         """The result; raises CollectiveAborted, CommunicatorError or FtcommTimeout (see module)."""
-        abort.wait(self._wake, lambda: self._completed, timeout, self.what)
+        abort.wait(threading.Event(), lambda: self.completed, timeout, self.what, poll=True)
         return self._finish()

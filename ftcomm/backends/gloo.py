@@ -4,8 +4,8 @@ Measured facts this module is built on (torch 2.13, CPU):
 
 - a crashed peer makes pending ops fail at once (connection reset);
 - a hung peer blocks an op until Gloo's own timeout, and ``abort()`` does not unblock a
-  pending ``wait()``; so completion is polled (``is_completed``) by a watcher thread and
-  raced against the abort signal. Not through the work future's done callback: the works
+  pending ``wait()``; so the waiting thread polls ``is_completed`` and races it against
+  the abort signal. Not through the work future's done callback: the works
   of abandoned groups fail when their peers exit, and a callback that Gloo's thread runs
   into Python while the interpreter is exiting crashes the process (SIGSEGV);
 - dropping the last reference to a group whose op is stuck blocks the dropping thread
@@ -27,7 +27,7 @@ import torch._C._distributed_c10d as c10d
 
 from .. import netif
 from ..errors import CommunicatorError
-from .base import AbortSignal, Handle, Watcher, check_root, start_lingering
+from .base import AbortSignal, Completion, Handle, check_root, start_lingering
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,10 @@ def graveyard_size() -> int:
     return len(_GRAVEYARD)
 
 
-def _finish(work: Any, what: str, watcher: Watcher, value: Any = None):
+def _finish(work: Any, what: str, completion: Completion, value: Any = None):
     def finish() -> Any:
-        if watcher.error is not None:  # abandoned: the work may still be running
-            raise CommunicatorError(f"{what} failed: {watcher.error}")
+        if completion.error is not None:  # abandoned: the work may still be running
+            raise CommunicatorError(f"{what} failed: {completion.error}")
         try:
             work.wait()  # already complete: returns at once, or raises the backend's error
         except RuntimeError as exc:
@@ -72,7 +72,7 @@ class GlooCommunicator:
         self.view_id = view_id
         self.device = torch.device("cpu")  # where the group puts its own small tensors
         self._pending: list[Handle] = []
-        self._watcher = Watcher(f"ftcomm-gloo-watch-{view_id}")
+        self._completion = Completion()
 
     @classmethod
     def form(cls, store: Any, rank: int, size: int, view_id: int, abort: AbortSignal, timeout: float,
@@ -118,8 +118,8 @@ class GlooCommunicator:
         return options
 
     def _track(self, work: Any, what: str, value: Any = None) -> Handle:
-        handle = Handle(what, lambda complete: self._watcher.add(work.is_completed, complete),
-                        _finish(work, what, self._watcher, value))
+        completion = self._completion
+        handle = Handle(what, lambda: completion.finished(work.is_completed), _finish(work, what, completion, value))
         self._pending = [h for h in self._pending if not h.completed] + [handle]
         return handle
 
@@ -160,7 +160,7 @@ class GlooCommunicator:
 
     def abandon(self) -> None:
         """Give up on this communicator: nothing is waited for and nothing is destroyed."""
-        self._watcher.stop()
+        self._completion.fail("the communicator was abandoned")  # no pending handle may read as a success
         bury((self.group, self._pending))
         self._pending = []
 
@@ -169,7 +169,7 @@ class GlooCommunicator:
         if any(not h.completed for h in self._pending):
             self.abandon()
             return
-        self._watcher.stop()
+        self._completion.fail("the communicator was closed")
         try:
             self.group.shutdown()
         except RuntimeError as exc:  # already broken: nothing to release cleanly

@@ -13,9 +13,8 @@ that fault tolerance needs keeps every one of those steps under our control:
   so backward's next kernels overlap with it, and the caller's stream waits for it
   before the result is used. A collective stuck on a dead peer therefore never blocks
   the compute stream, nor the communicator of the next view;
-- completion is observed through a CUDA event polled by a watcher thread, which also
-  polls the communicator's asynchronous error, and every wait races that against the
-  abort signal (as on Gloo);
+- the thread that waits for a collective polls a CUDA event recorded after it, and the
+  communicator's asynchronous error, racing both against the abort signal (as on Gloo);
 - a communicator that is given up on is ``ncclCommAbort``-ed (from a helper thread, so
   even a stuck abort cannot block training); ``ncclCommDestroy`` is never called, since
   it may wait for peers that are dead.
@@ -43,7 +42,7 @@ import torch
 
 from .. import netif
 from ..errors import CollectiveAborted, CommunicatorError, FtcommTimeout, NcclUnavailable
-from .base import AbortSignal, Handle, Watcher, check_root, start_lingering
+from .base import AbortSignal, Completion, Handle, check_root, start_lingering
 
 log = logging.getLogger(__name__)
 
@@ -250,15 +249,15 @@ def _dotted(v: tuple[int, int, int]) -> str:
     return ".".join(map(str, v))
 
 
-def _watcher(lib: Library, comm: ctypes.c_void_p, view_id: int) -> Watcher:
-    """The completion watcher of one communicator, failing its handles on an asynchronous error."""
+def _completion(lib: Library, comm: ctypes.c_void_p) -> Completion:
+    """How one communicator's collectives finish: their events, or an asynchronous error."""
     def check() -> str | None:
         try:
             state = lib.async_error(comm)
         except CommunicatorError as exc:
             return str(exc)
         return None if state in (SUCCESS, IN_PROGRESS) else lib.describe(state, comm)
-    return Watcher(f"ftcomm-nccl-watch-{view_id}", check)
+    return Completion(check)
 
 
 class NcclCommunicator:
@@ -272,7 +271,7 @@ class NcclCommunicator:
         self.rank, self.size, self.view_id, self.device = rank, size, view_id, device
         self._abort = abort  # the view's signal: an enqueue still in progress gives up when it fires
         self.stream = torch.cuda.Stream(device=device)  # where this communicator's collectives run
-        self._watcher = _watcher(lib, comm, view_id)
+        self._completion = _completion(lib, comm)
         self._pending: list[Handle] = []
         self._gone = False
 
@@ -364,7 +363,7 @@ class NcclCommunicator:
         """Give up on this communicator: ncclCommAbort in the background; nothing waits for it."""
         if not self._gone:
             self._gone = True
-            self._watcher.stop()
+            self._completion.fail("the communicator was abandoned")  # no pending handle may read as a success
             _abort_in_background(self._lib, self._comm, self.view_id, keep=self._pending)
             self._pending = []
 
@@ -403,14 +402,14 @@ class NcclCommunicator:
         _poll_ready(lib, self._comm, self._abort, time.monotonic() + 30.0, what)
         done = torch.cuda.Event()
         done.record(stream)
-        watcher = self._watcher
+        completion = self._completion
 
         def finish() -> Any:
-            if watcher.error is not None:
-                raise CommunicatorError(f"{what} failed: {watcher.error}")
+            if completion.error is not None:
+                raise CommunicatorError(f"{what} failed: {completion.error}")
             torch.cuda.current_stream(self.device).wait_event(done)  # the consumer's stream is ordered after it
             return result()
-        handle = Handle(what, lambda complete: watcher.add(done.query, complete), finish)
+        handle = Handle(what, lambda: completion.finished(done.query), finish)
         self._pending = [h for h in self._pending if not h.completed] + [handle]
         return handle
 
