@@ -128,10 +128,16 @@ def run_ftcomm(steps: int, step_time: float, churn: bool, extra: list[str] = (),
             _wait_view(workers, 3)
             _wait_step(workers, steps // 3, timeout)
             timeline.append({"at_step": _step_of(workers), "event": "2 joins", "world": 5})
+            # Training slows down while the joiners start (a loaded machine may take many
+            # seconds to import torch): the group must still be training when they arrive.
+            for w in workers:
+                w.send(cmd="step_time", seconds=max(step_time, 0.5))
             joiners = _start(2, steps, step_time, workers[0].address, extra)
             everyone += joiners
             workers += joiners
             _wait_view(workers, 5)
+            for w in workers:
+                w.send(cmd="step_time", seconds=step_time)
             _wait_step(workers, (2 * steps) // 3, timeout)
             leaver = workers.pop(1)
             timeline.append({"at_step": _step_of(workers), "event": "leave (SIGTERM)", "world": 4})

@@ -21,8 +21,9 @@ Every line on stdout is a JSON object: ``ready``, one ``view`` per view change, 
 with ``--log-indices`` (this worker's sample indices), ``restored`` after a checkpoint
 restore, and ``done`` with the final loss, accuracy and state digest. With ``--control``, JSON commands on stdin drive the fault
 filter of the gossip layer (``partition``, ``heal``), stop training at a given step
-(``stop_at``), report progress (``status``) or make the training loop raise an uncaught
-exception (``fail``), for tests and demos; the worker then also stops when stdin closes.
+(``stop_at``), change the extra seconds per step (``step_time``), report progress
+(``status``) or make the training loop raise an uncaught exception (``fail``), for tests
+and demos; the worker then also stops when stdin closes.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class Control:
         self.faults = faults
         self.stop_at: int | None = None
         self.fail = False
+        self.step_time: float | None = None  # overrides --step-time once set
         self.closed = threading.Event()
 
     def loop(self, ft) -> None:
@@ -88,6 +90,8 @@ class Control:
                 self.faults.partition(command["a"], command["b"])
             elif name == "heal":
                 self.faults.heal()
+            elif name == "step_time":
+                self.step_time = float(command["seconds"])
             elif name == "fail":
                 self.fail = True
             elif name == "stop_at":
@@ -178,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                 (loss * weight).backward()
             if control is not None and control.fail:
                 raise RuntimeError("failure injected by the control command 'fail'")
-            if args.step_time:
-                time.sleep(args.step_time)  # stands in for a heavier model's compute
+            step_time = control.step_time if control is not None and control.step_time is not None else args.step_time
+            if step_time:
+                time.sleep(step_time)  # stands in for a heavier model's compute
             if ft.wait_gradients_ready(model):
                 optimizer.step()
                 if args.log_indices:
