@@ -42,7 +42,8 @@ SAMPLES, GLOBAL_BATCH, SEED = 8192, 256, 3
 
 def _command(args: list[str], steps: int, step_time: float) -> list[str]:
     return [sys.executable, "-u", str(EXAMPLE), "--steps", str(steps), "--step-time", str(step_time),
-            "--global-batch", str(GLOBAL_BATCH), "--seed", str(SEED), "--report-every", "8", *args]
+            "--global-batch", str(GLOBAL_BATCH), "--seed", str(SEED), "--report-every", "8", "--log-level", "INFO",
+            *args]
 
 
 def _env() -> dict:

@@ -44,7 +44,7 @@ def test_fixed_worker_batch_with_dataloader_worker_processes_through_churn():
     still holds, every view's learning rate follows the world size, and the killed worker's
     loader processes did not outlive it."""
     churn = convergence.run_ftcomm(STEPS, 0.06, churn=True,
-                                   extra=["--worker-batch", "64", "--loader-workers", "2", "--lr-warmup", "4"])
+                                   extra=["--worker-batch", "64", "--loader-workers", "1", "--lr-warmup", "4"])
     assert churn["leftover_processes"] == 0
     once = churn["exactly_once"]
     assert once["ok"], once["problems"]
