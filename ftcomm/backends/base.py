@@ -1,8 +1,9 @@
 """The backend interface: a communicator per view whose every wait can be abandoned.
 
 Each collective returns a :class:`Handle`. ``Handle.wait(abort, timeout)`` returns the
-result when the collective completes (the waiting thread polls it, see :class:`Completion`), raises :class:`~ftcomm.errors.CollectiveAborted`
-as soon as the abort signal fires (within milliseconds: the signal wakes the waiting
+result when the collective completes (the waiting thread polls it, see
+:class:`Completion`), raises :class:`~ftcomm.errors.CollectiveAborted` as soon as the
+abort signal fires (within milliseconds: the signal wakes the waiting
 thread directly), raises :class:`~ftcomm.errors.CommunicatorError` when the backend
 reports a failure (a peer's connection reset), and raises
 :class:`~ftcomm.errors.FtcommTimeout` after ``timeout`` seconds. A handle that was not
