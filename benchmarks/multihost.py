@@ -5,7 +5,7 @@
 Five training workers (examples/train_elastic.py, default configuration), each on a host
 of its own: a Linux network namespace with its own address (tests/netns.py), hosts 0-2
 on one bridge and 3-4 on another, the bridges joined by one link. No environment
-variable is set for any worker. Faults, each measured until every worker that should go
+variable but the secret is set for any worker. Faults, each measured until every worker that should go
 on has committed its next step in the new view (times from the fault):
 
 - *process crash*: kill -9 of one worker (its host refuses connections at once); it is

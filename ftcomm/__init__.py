@@ -19,19 +19,22 @@ import socket
 from typing import Any, Iterable
 
 from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
-                     MembershipChanged, NcclUnavailable, QuorumLost, RetryLimitExceeded)
+                     MembershipChanged, NcclUnavailable, QuorumLost, RetryLimitExceeded, SecretRequired, StateError)
+from . import netif
+from .backends import BACKENDS
 from .gossip import GossipConfig
+from .gossip.runtime import parse_address
 from .checkpoint import FlashCheckpointer
 from .data import ElasticSampler
-from .group import FaultTolerantGroup, GroupOptions, ViewChange
+from .group import FaultTolerantGroup, GroupOptions, ViewChange, check_worker_counts
 from .scaling import LinearLRScaling
 from .view import View
 
 __version__ = "0.1.0"
 __all__ = [
-    "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup", "FlashCheckpointer", "FtcommError",
-    "FtcommTimeout", "GroupOptions", "LinearLRScaling", "MembershipChanged", "NcclUnavailable", "QuorumLost", "RetryLimitExceeded", "View",
-    "ViewChange", "init",
+    "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup",
+    "FlashCheckpointer", "FtcommError", "FtcommTimeout", "GroupOptions", "LinearLRScaling", "MembershipChanged",
+    "NcclUnavailable", "QuorumLost", "RetryLimitExceeded", "SecretRequired", "StateError", "View", "ViewChange", "init",
 ]
 
 
@@ -48,30 +51,104 @@ def _default_bind() -> str:
 
 def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: str | None = None,
          min_workers: int = 1, max_workers: int | None = None, cluster: str | None = None,
-         secret: str | None = None, **options: Any) -> FaultTolerantGroup:
+         secret: str | None = None, insecure: bool | None = None, **options: Any) -> FaultTolerantGroup:
     """Join (or start) a fault-tolerant group and return once its first view is formed.
 
     ``peers``: gossip addresses (``"host:port"``) of any existing or starting members;
     default ``$FTCOMM_PEERS`` (comma-separated); empty starts a new group. ``bind``:
-    default ``$FTCOMM_BIND`` or an automatic port on this host's address. ``cluster``
-    and ``secret`` default to ``$FTCOMM_CLUSTER`` and ``$FTCOMM_SECRET``. ``options``
+    default ``$FTCOMM_BIND``, else an automatic port on this host's address when a secret
+    is set or ``insecure``, else on 127.0.0.1 (a local group). ``cluster`` and ``secret``
+    default to ``$FTCOMM_CLUSTER`` and ``$FTCOMM_SECRET``. Protected mode: a worker bound
+    to an address other hosts can reach needs a secret, or ``insecure=True`` (default
+    ``$FTCOMM_INSECURE``: ``1`` opts out), else :class:`SecretRequired`. ``options``
     are :class:`GroupOptions` fields (``init_timeout``, ``max_retries``, ...); a
     ``gossip`` entry may be a :class:`GossipConfig` or a dict of its fields.
     Raises :class:`FtcommTimeout` when no view with ``min_workers`` members forms within
     ``init_timeout`` and :class:`ConfigMismatch` when the group runs other settings.
+    Before anything starts: TypeError or ValueError naming the argument or option and
+    what it accepts (see docs/CONFIGURATION.md), :class:`AddressError` for a bind
+    address that cannot work here.
     """
-    if peers is None:
-        peers = os.environ.get("FTCOMM_PEERS", "")
-    if isinstance(peers, str):
-        peers = [p.strip() for p in peers.split(",") if p.strip()]
-    bind = bind or os.environ.get("FTCOMM_BIND") or _default_bind()
-    cluster = cluster or os.environ.get("FTCOMM_CLUSTER", "ftcomm")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {', '.join(BACKENDS)}; got {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    check_worker_counts(min_workers, max_workers)
+    peers = _peer_list(peers if peers is not None else os.environ.get("FTCOMM_PEERS", ""),
+                       "peers" if peers is not None else "$FTCOMM_PEERS")
+    if bind is not None and not isinstance(bind, str):
+        raise TypeError(f"bind must be a 'HOST:PORT' string, got {type(bind).__name__}")
+    if bind:  # None or empty: as if unset
+        _check_address(bind, "bind")
+    elif os.environ.get("FTCOMM_BIND"):
+        bind = os.environ["FTCOMM_BIND"]
+        _check_address(bind, "bind (from $FTCOMM_BIND)")
+    else:
+        bind = None  # chosen below, once the secret is known
+    if cluster is None:
+        cluster = os.environ.get("FTCOMM_CLUSTER", "ftcomm")
+        if not cluster:
+            raise ValueError("$FTCOMM_CLUSTER is set but empty: set it to the group's cluster name, or unset it "
+                             "to use 'ftcomm'")
+    elif not isinstance(cluster, str):
+        raise TypeError(f"cluster must be a non-empty string, got {type(cluster).__name__}")
+    elif not cluster:
+        raise ValueError("cluster must be a non-empty string (the group's name), got ''")
     secret = secret if secret is not None else os.environ.get("FTCOMM_SECRET")
+    if insecure is None:
+        insecure = _env_flag("FTCOMM_INSECURE")
+    elif not isinstance(insecure, bool):
+        raise TypeError(f"insecure must be True or False, got {insecure!r}")
+    if bind is None:
+        local = all(_loopback(parse_address(p)[0]) for p in peers)
+        bind = _default_bind() if secret is not None or insecure or not local else "127.0.0.1:0"
     known = {f.name for f in dataclasses.fields(GroupOptions)}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     if isinstance(options.get("gossip"), dict):
         options["gossip"] = GossipConfig().with_overrides(**options["gossip"])
-    return FaultTolerantGroup(backend, list(peers), bind, min_workers, max_workers, cluster, secret,
-                              GroupOptions(**options))
+    group_options = GroupOptions(**options)  # checks every option before anything starts
+    return FaultTolerantGroup(backend, peers, bind, min_workers, max_workers, cluster, secret, group_options,
+                              insecure=insecure)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return netif.is_loopback(host)
+    except (OSError, ValueError):  # unresolvable: the group's address check says so later
+        return False
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"${name} must be 1 or 0 (true/false, yes/no), got {os.environ[name]!r}")
+
+
+def _check_address(address: str, name: str) -> None:
+    """parse_address's check, with the argument (or environment variable) named in the error."""
+    try:
+        parse_address(address)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
+
+
+def _peer_list(peers: Any, name: str) -> list[str]:
+    """``peers`` as a list of ``"host:port"`` strings: a comma-separated string or an
+    iterable of strings, each checked for its form; TypeError or ValueError naming it."""
+    if isinstance(peers, str):
+        peers = [p.strip() for p in peers.split(",") if p.strip()]
+    elif isinstance(peers, (bytes, bytearray)) or not isinstance(peers, Iterable):
+        raise TypeError(f"{name} must be a 'HOST:PORT' string (comma-separated for several) or an iterable of "
+                        f"them, got {type(peers).__name__}")
+    checked = []
+    for peer in peers:
+        if not isinstance(peer, str):
+            raise TypeError(f"{name} must hold 'HOST:PORT' strings, got {peer!r} ({type(peer).__name__})")
+        _check_address(peer, name)
+        checked.append(peer.strip())
+    return checked

@@ -53,3 +53,12 @@ class FtcommTimeout(FtcommError, TimeoutError):
 
 class NcclUnavailable(FtcommError):
     """backend='nccl' cannot be used here: libnccl.so.2 missing or too old, or no CUDA device."""
+
+
+class StateError(FtcommError, TypeError):
+    """The registered state holds something that is not a tensor or plain data, or state
+    bytes from a peer or a checkpoint are malformed (nothing is ever unpickled)."""
+
+
+class SecretRequired(FtcommError, ValueError):
+    """A group reachable from other hosts was started without a secret (protected mode)."""

@@ -17,6 +17,8 @@ import atexit
 import contextlib
 import dataclasses
 import hashlib
+import hmac
+import ipaddress
 import json
 import logging
 import signal
@@ -26,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import msgpack
 import torch
 
 from .backends.base import AbortSignal
@@ -33,15 +36,18 @@ from .backends import communicator_class
 from .buckets import GradientBuckets
 from . import netif
 from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
-                     MembershipChanged, QuorumLost, RetryLimitExceeded)
+                     MembershipChanged, QuorumLost, RetryLimitExceeded, SecretRequired, StateError)
 from .gossip import FaultFilter, GossipConfig, GossipEvent, GossipNode
 from .gossip.runtime import parse_address
 from .rendezvous import Rendezvous, refused_many
-from .state import TrainingState
+from .state import TrainingState, tensor_bytes
 from .view import (ACTIVE, JOINING, LEAVING, Candidate, Status, View, agreed, candidate, encode_status,
                    superseded)
 
 log = logging.getLogger(__name__)
+
+STATE_TAG_BYTES = 32
+MAX_MANIFEST_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,37 @@ class GroupOptions:
     """Install a SIGTERM handler and an excepthook that leave the group gracefully (main
     thread only); ``shutdown`` also runs at interpreter exit."""
 
+    def __post_init__(self) -> None:
+        """Refuse a value no worker could run with, naming the option and what it accepts:
+        TypeError for a wrong type, ValueError for a value out of range."""
+        def number(name: str, zero_allowed: bool, unit: str = "seconds") -> None:
+            value = getattr(self, name)
+            accepted = f"{'>= 0' if zero_allowed else '> 0'} and finite ({unit})"
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number {accepted}, got {value!r}")
+            if not ((0 <= value if zero_allowed else 0 < value) and value < float("inf")):
+                raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+        for name in ("init_timeout", "formation_timeout", "quorum_timeout"):
+            number(name, zero_allowed=False)
+        for name in ("settle_interval", "leave_grace", "step_publish_interval"):
+            number(name, zero_allowed=True)
+        number("bucket_mb", zero_allowed=False, unit="MB")
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
+            raise TypeError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries}")
+        for name in ("overlap", "handle_signals"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.partition_policy not in ("quorum", "availability"):
+            raise ValueError(f"partition_policy must be 'quorum' or 'availability', got {self.partition_policy!r}")
+        if not isinstance(self.gossip, GossipConfig):
+            raise TypeError(f"gossip must be a GossipConfig (ftcomm.init also takes a dict of its fields), "
+                            f"got {type(self.gossip).__name__}")
+        if self.fault_filter is not None and not isinstance(self.fault_filter, FaultFilter):
+            raise TypeError(f"fault_filter must be None or a FaultFilter, got {type(self.fault_filter).__name__}")
+
 
 @dataclass(frozen=True)
 class ViewChange:
@@ -132,10 +169,10 @@ class FaultTolerantGroup:
 
     def __init__(self, backend: str = "gloo", peers: Iterable[str] = (), bind: str = "127.0.0.1:0",
                  min_workers: int = 1, max_workers: int | None = None, cluster: str = "ftcomm",
-                 secret: str | None = None, options: GroupOptions | None = None) -> None:
+                 secret: str | bytes | None = None, options: GroupOptions | None = None,
+                 insecure: bool = False) -> None:
         self._backend = communicator_class(backend)  # NcclUnavailable here, before joining anyone
-        if min_workers < 1 or (max_workers is not None and max_workers < min_workers):
-            raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
+        check_worker_counts(min_workers, max_workers)
         self.options = opts = options or GroupOptions()
         if opts.partition_policy not in ("quorum", "availability"):
             raise ValueError("partition_policy must be 'quorum' or 'availability'")
@@ -172,11 +209,13 @@ class FaultTolerantGroup:
         peers = list(peers)
         host, port = parse_address(bind)
         host = check_addresses(host, peers)  # every plane uses this one IPv4 address
-        self._rendezvous = Rendezvous(host, opts.formation_timeout)
+        self._secret = check_secret(secret)
+        self.insecure = check_protection(host, self._secret, insecure)
+        self._rendezvous = Rendezvous(host, opts.formation_timeout, self._secret)
         self.id = ""
         gossip = None
         try:
-            gossip = self._gossip = GossipNode((host, port), cluster=cluster, secret=secret, config=opts.gossip,
+            gossip = self._gossip = GossipNode((host, port), cluster=cluster, secret=self._secret, config=opts.gossip,
                                                metadata=self._status_record(), fault_filter=opts.fault_filter)
             self._gossip.subscribe(self._on_gossip)
             self._gossip.start(peers)
@@ -511,28 +550,94 @@ class FaultTolerantGroup:
         """
         self._needs_reconcile = True
         comm, abort = self._comm, self._abort
-        mine = torch.tensor([self.step, self.state.digest(self.step)], dtype=torch.int64, device=comm.device)
-        gathered = comm.allgather(mine).wait(abort)
-        pairs = [tuple(t.tolist()) for t in gathered]
+        mine = torch.tensor([self.step, self.state.digest(self.step), self.state.signature()], dtype=torch.int64,
+                            device=comm.device)
+        gathered = [tuple(t.tolist()) for t in comm.allgather(mine).wait(abort)]
+        if len({g[2] for g in gathered}) > 1:
+            self._raise_model_mismatch(gathered)
+        pairs = [g[:2] for g in gathered]
         loaded = False
         if len(set(pairs)) > 1:
             top = max(p[0] for p in pairs)
             source = min(r for r, p in enumerate(pairs) if p[0] == top)
-            payload = self.state.to_bytes(self.step) if comm.rank == source else b""
-            length = torch.tensor([len(payload)], dtype=torch.int64, device=comm.device)
-            comm.broadcast(length, source).wait(abort)
-            buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(comm.device)
-                      if comm.rank == source else torch.empty(int(length.item()), dtype=torch.uint8, device=comm.device))
-            comm.broadcast(buffer, source).wait(abort)
-            if pairs[comm.rank] != pairs[source]:
-                self.step = self.state.load_bytes(buffer.cpu().numpy().tobytes())
-                loaded = True
-                self._state_replaced = True
+            loaded = self._transfer_state(source, load=pairs[comm.rank] != pairs[source])
+            self._state_replaced = self._state_replaced or loaded
         self._needs_reconcile = False
         self._reconciled_digest = self.state.digest(self.step) if loaded else int(mine[1])
         if stamp:
             self._record_reconciled()
         return loaded
+
+    def _transfer_state(self, source: int, load: bool) -> bool:
+        """Broadcast rank ``source``'s state to every member (each takes part); members with
+        ``load`` replace theirs with it. Returns ``load``.
+
+        Raw tensor bytes and a msgpack manifest travel, never a pickle. With a secret the
+        source signs step, manifest and bytes (keyed BLAKE2b) and members verify before
+        loading anything; a transfer that fails verification raises CommunicatorError.
+        """
+        comm, abort = self._comm, self._abort
+        if comm.rank == source:
+            manifest, data = self.state.pack(self.step, comm.device)
+            header = self._state_tag(manifest, data) + manifest
+            sizes = torch.tensor([len(header), data.numel()], dtype=torch.int64, device=comm.device)
+        else:
+            sizes = torch.zeros(2, dtype=torch.int64, device=comm.device)
+        comm.broadcast(sizes, source).wait(abort)
+        header_len, data_len = (int(x) for x in sizes.tolist())
+        if comm.rank != source and not (STATE_TAG_BYTES < header_len <= MAX_MANIFEST_BYTES
+                                        and 0 <= data_len <= self.state.transfer_limit()):
+            raise CommunicatorError(f"rank {source} announced a state of {header_len} + {data_len} bytes, beyond "
+                                    f"what this worker's model can hold; discarded")
+        if comm.rank == source:
+            head = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(comm.device)
+        else:
+            head = torch.empty(header_len, dtype=torch.uint8, device=comm.device)
+            data = torch.empty(data_len, dtype=torch.uint8, device=comm.device)
+        comm.broadcast(head, source).wait(abort)
+        comm.broadcast(data, source).wait(abort)
+        if not load:
+            return False
+        header = head.cpu().numpy().tobytes()
+        tag, manifest = header[:STATE_TAG_BYTES], header[STATE_TAG_BYTES:]
+        if not hmac.compare_digest(tag, self._state_tag(manifest, data)):
+            raise CommunicatorError(f"the state sent by rank {source} in view {self._view.id} failed "
+                                    f"authentication; discarded")
+        try:
+            self.step = self.state.unpack(manifest, data)
+        except StateError as exc:
+            raise CommunicatorError(f"the state sent by rank {source} in view {self._view.id} is malformed ({exc}); "
+                                    f"discarded") from None
+        return True
+
+    def _state_tag(self, manifest: bytes, data: torch.Tensor) -> bytes:
+        """Keyed BLAKE2b of a state transfer with the group's secret (zeros without one)."""
+        if self._secret is None:
+            return bytes(STATE_TAG_BYTES)
+        mac = hashlib.blake2b(key=hashlib.sha256(b"ftcomm-state\0" + self._secret).digest(),
+                              digest_size=STATE_TAG_BYTES)
+        mac.update(len(manifest).to_bytes(8, "little"))
+        mac.update(manifest)
+        mac.update(tensor_bytes(data.cpu()))
+        return mac.digest()
+
+    def _raise_model_mismatch(self, gathered: list[tuple[int, int, int]]) -> None:
+        """Every member raises ConfigMismatch saying how the models differ (one more allgather)."""
+        comm = self._comm
+        mine = msgpack.packb(self.state.describe())
+        lengths = comm.allgather(torch.tensor([len(mine)], dtype=torch.int64, device=comm.device)).wait(self._abort)
+        longest = max(int(t.item()) for t in lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=comm.device)
+        padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        theirs = comm.allgather(padded).wait(self._abort)
+        mine_list = self.state.describe()
+        for rank, (blob, length) in enumerate(zip(theirs, lengths)):
+            if gathered[rank][2] == gathered[comm.rank][2]:
+                continue
+            other = msgpack.unpackb(blob.cpu().numpy().tobytes()[:int(length.item())], raw=False)
+            detail = _first_difference(mine_list, other)
+            raise ConfigMismatch(f"the registered model of member {self._view.members[rank]} (rank {rank}) differs "
+                                 f"from this worker's: {detail}; start every worker with the same model")
 
     def _record_reconciled(self) -> None:
         """Stamp the latest view change with the state every member holds after reconciling, and
@@ -617,6 +722,8 @@ class FaultTolerantGroup:
                                self._rendezvous.port, self._view_floor)
         record["set"] = [self.settings["backend"], self.min_workers, self.max_workers,
                          self.settings["partition_policy"]]
+        if self.insecure:
+            record["insecure"] = True  # shown by ``ftcomm members``
         return record
 
     def _publish(self) -> None:
@@ -785,6 +892,53 @@ class FaultTolerantGroup:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
+def check_worker_counts(min_workers: int, max_workers: int | None) -> None:
+    """TypeError or ValueError, naming the argument, unless ``min_workers`` is an int >= 1
+    and ``max_workers`` is None or an int >= ``min_workers`` (bools are not counts)."""
+    if isinstance(min_workers, bool) or not isinstance(min_workers, int):
+        raise TypeError(f"min_workers must be an int >= 1, got {min_workers!r}")
+    if min_workers < 1:
+        raise ValueError(f"min_workers must be an int >= 1, got {min_workers}")
+    if max_workers is None:
+        return
+    if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+        raise TypeError(f"max_workers must be None or an int >= min_workers ({min_workers}), got {max_workers!r}")
+    if max_workers < min_workers:
+        raise ValueError(f"max_workers must be None or an int >= min_workers ({min_workers}), got {max_workers}")
+
+
+def check_secret(secret: Any) -> bytes | None:
+    """The secret as bytes (None: no secret); an empty or non-string secret is an error."""
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, bytes):
+        raise TypeError(f"secret must be a string or bytes, not {type(secret).__name__}")
+    if not secret:
+        raise ValueError("secret is empty, which would leave the group unauthenticated: give every worker the "
+                         "same non-empty secret (secret= or $FTCOMM_SECRET; e.g. from "
+                         "`python -c 'import secrets; print(secrets.token_hex(16))'`), or leave it unset on a "
+                         "loopback-only group")
+    return secret
+
+
+def check_protection(host: str, secret: bytes | None, insecure: bool) -> bool:
+    """Protected mode: True when the group runs unauthenticated on a non-loopback address
+    (only with ``insecure``); raise SecretRequired when that was not asked for."""
+    if secret is not None or ipaddress.ip_address(host).is_loopback:
+        return False
+    if not insecure:
+        raise SecretRequired(
+            f"this worker binds {host}, which other hosts can reach, and has no secret: anyone who can reach it "
+            f"could join the group, change its membership or feed it state. Give every worker the same secret "
+            f"(secret=... or FTCOMM_SECRET=...), or, on a network you fully trust, opt out with insecure=True "
+            f"(FTCOMM_INSECURE=1); see docs/SECURITY.md")
+    log.warning("INSECURE: this group runs without a secret on %s; any host that can reach it can join it or "
+                "disturb it (insecure=True). Set a secret; see docs/SECURITY.md", host)
+    return True
+
+
 def check_addresses(bind_host: str, peers: list[str]) -> str:
     """The IPv4 address to bind, or, before anything starts, AddressError for a bind address
     that cannot work: a name that does not resolve, IPv6, a wildcard, an address no
@@ -816,6 +970,19 @@ def check_addresses(bind_host: str, peers: list[str]) -> str:
                                f"address of this host that {host} can reach (bind='HOST:PORT' or FTCOMM_BIND), or "
                                f"leave bind unset to use this host's address")
     return address
+
+
+def _first_difference(mine: list, theirs: list) -> str:
+    """How two :meth:`TrainingState.describe` lists differ, in words."""
+    for a, b in zip(mine, theirs):
+        if a != b:
+            if a[0] == b[0]:
+                return f"{a[0]} is {a[1]}{a[2]} here but {b[1]}{b[2]} there"
+            return f"{a[0]} ({a[1]}{a[2]}) here is {b[0]} ({b[1]}{b[2]}) there"
+    if len(mine) != len(theirs):
+        extra = (mine if len(mine) > len(theirs) else theirs)[min(len(mine), len(theirs))]
+        return f"{len(mine)} tensors here and {len(theirs)} there (first unmatched: {extra[0]})"
+    return "their parameter lists differ"
 
 
 def _parameters(model_or_params: Any) -> list[torch.Tensor]:

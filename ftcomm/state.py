@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
+import msgpack
 import torch
 import xxhash
+
+from . import plain
+from .errors import StateError
 
 
 class TrainingState:
@@ -21,10 +24,13 @@ class TrainingState:
         self.values: dict[str, Any] = {}
 
     def register(self, **entries: Any) -> None:
+        """Add entries; raise StateError naming any whose state is not tensors and plain data."""
         for name, entry in entries.items():
             if entry is None:
                 continue
-            if hasattr(entry, "state_dict") and hasattr(entry, "load_state_dict"):
+            stateful = hasattr(entry, "state_dict") and hasattr(entry, "load_state_dict")
+            plain.split(entry.state_dict() if stateful else entry, f"registered state {name!r}")
+            if stateful:
                 self.objects[name] = entry
             else:
                 self.values[name] = entry
@@ -43,18 +49,76 @@ class TrainingState:
         _feed(h, self.snapshot(step))
         return h.intdigest() >> 1
 
-    def to_bytes(self, step: int) -> bytes:
-        buffer = io.BytesIO()
-        torch.save(self.snapshot(step), buffer)
-        return buffer.getvalue()
+    def signature(self) -> int:
+        """A 63-bit digest of the modules' parameter names, shapes and dtypes: equal on
+        workers that train the same model (the optimizer's state may still differ)."""
+        modules = {n: o.state_dict() for n, o in self.objects.items() if isinstance(o, torch.nn.Module)}
+        return xxhash.xxh3_64_intdigest(msgpack.packb(plain.signature(modules))) >> 1
 
-    def load_bytes(self, data: bytes) -> int:
-        """Load a state produced by :meth:`to_bytes`; returns its step."""
-        snapshot = torch.load(io.BytesIO(data), weights_only=False)
+    def describe(self) -> list:
+        """What :meth:`signature` digests, to say how two workers' models differ."""
+        return plain.signature({n: o.state_dict() for n, o in self.objects.items() if isinstance(o, torch.nn.Module)})
+
+    def transfer_limit(self) -> int:
+        """The most tensor bytes a state sent by a peer may hold: generous (sixteen times this
+        worker's modules, an optimizer's state included, and at least 1 GiB), yet a bound
+        on what a peer can make this worker allocate."""
+        modules = sum(t.numel() * t.element_size() for o in self.objects.values() if isinstance(o, torch.nn.Module)
+                      for t in o.state_dict().values() if isinstance(t, torch.Tensor))
+        return max(1 << 30, 16 * modules)
+
+    def pack(self, step: int, device: Any = "cpu") -> tuple[bytes, torch.Tensor]:
+        """The state as a manifest (msgpack: step, plain skeleton, tensor table) and one flat
+        uint8 tensor on ``device`` holding every tensor's bytes, 64-byte aligned."""
+        skeleton, tensors = plain.split(self.snapshot(step))
+        entries, size = plain.layout(tensors)
+        data = torch.empty(size, dtype=torch.uint8, device=device)
+        for t, entry in zip(tensors, entries):
+            if entry[3]:
+                plain.view(data, *entry).copy_(t)
+        manifest = msgpack.packb({"step": step, "skeleton": skeleton, "tensors": entries, "size": size},
+                                 use_bin_type=True)
+        return manifest, data
+
+    def unpack(self, manifest: bytes, data: torch.Tensor) -> int:
+        """Load a state made by :meth:`pack` (from any peer: every field is checked and nothing
+        but plain data is built); returns its step. Raises StateError when malformed."""
+        try:
+            record = msgpack.unpackb(manifest, raw=False, max_map_len=8, max_ext_len=0)
+        except Exception as exc:  # msgpack raises several unrelated exception types
+            raise StateError(f"malformed state manifest ({type(exc).__name__})") from None
+        if type(record) is not dict or type(record.get("step")) is not int or record["step"] < 0 or \
+                type(record.get("skeleton")) is not bytes or record.get("size") != data.numel():
+            raise StateError("malformed state manifest")
+        entries = plain.check_layout(record.get("tensors"), data.numel())
+        modules = {n for n, o in self.objects.items() if isinstance(o, torch.nn.Module)}
+        tensors = [plain.view(data, *entry) for entry in entries]
+        snapshot = plain.join(record["skeleton"], tensors)
+        if type(snapshot) is not dict or set(snapshot) != {"step", "objects", "values"} or \
+                type(snapshot["objects"]) is not dict or type(snapshot["values"]) is not dict or \
+                set(snapshot["objects"]) != set(self.objects):
+            raise StateError(f"the state received holds {sorted(snapshot.get('objects', {}))!r:.200} where this "
+                             f"worker registered {sorted(self.objects)!r:.200}")
         for name, obj in self.objects.items():
-            obj.load_state_dict(snapshot["objects"][name])
-        self.values.update(snapshot["values"])
-        return int(snapshot["step"])
+            state = snapshot["objects"][name]
+            if name not in modules:  # kept by the object: its own memory, not a view of ``data``
+                state = _detach_from(state, data)
+            obj.load_state_dict(state)
+        self.values.update(_detach_from(snapshot["values"], data))
+        return record["step"]
+
+
+def _detach_from(value: Any, data: torch.Tensor) -> Any:
+    """``value`` with every tensor that views ``data`` replaced by a copy."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.numel() and value.untyped_storage().data_ptr() == data.untyped_storage().data_ptr() \
+            else value
+    if isinstance(value, dict):
+        return {k: _detach_from(v, data) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_detach_from(v, data) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -3,7 +3,8 @@
 Each test asserts DESIGN §2 (equal digests after every re-formation and at the end,
 abort latency, clean exits) for a fault that only exists across hosts: a node whose
 packets vanish (nothing refuses a connection), and a partition between two switches.
-No environment variable is set for any worker: the data plane must follow ``bind``.
+No environment variable but the group's secret (``FTCOMM_SECRET``) is set for any worker:
+the data plane must follow ``bind``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import secrets
 import sys
 import time
 
@@ -27,6 +28,7 @@ class TrainCluster:
         self.lab = lab
         self.workers: list[ChildProcess] = []
         self.seed_address: str | None = None
+        self.secret = secrets.token_hex(16)  # workers on separate hosts need one (protected mode)
 
     def start(self, n: int, args: list[str] = (), wait: bool = True, env: dict | None = None,
               hosts: list[int] | None = None) -> list[ChildProcess]:
@@ -40,7 +42,9 @@ class TrainCluster:
                 command += ["--peers", self.seed_address]
             if hosts is not None:
                 command = self.lab.command(hosts[i], command)
-            worker = ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+            extra = {"FTCOMM_SECRET": self.secret} if hosts is not None else {}
+            worker = ChildProcess(command, ready_timeout=None,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **extra, **(env or {})})
             self.workers.append(worker)
             started.append(worker)
             if self.seed_address is None:

@@ -1,0 +1,159 @@
+"""The rendezvous store: authenticated, fresh, bounded, on the bind address only."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import msgpack
+import pytest
+import torch
+import torch.distributed as dist
+import zmq
+
+from ftcomm import rendezvous
+from ftcomm.errors import CommunicatorError
+from ftcomm.rendezvous import Framing, Rendezvous, ReplayGuard, StoreClient
+from ftcomm.view import View
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = b"k" * 32
+
+
+@pytest.fixture
+def store():
+    r = Rendezvous("127.0.0.1", 2.0, SECRET)
+    yield r
+    r.close()
+
+
+def raw_request(port: int, frame: bytes, wait: float = 0.5) -> bytes | None:
+    """Send one frame as an outsider would; the answer, or None."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sock.send(frame)
+        return sock.recv() if sock.poll(wait * 1000) else None
+    finally:
+        sock.close()
+
+
+def contents(r: Rendezvous, key: str) -> bytes | None:
+    client = StoreClient("127.0.0.1", r.port, SECRET, 1.0)
+    try:
+        return client.get(key) if client.check([key]) else None
+    finally:
+        client.close()
+
+
+def test_gloo_forms_through_the_store_and_proposals_round_trip(store):
+    store.publish_proposal(3, "ab", ("a:1/x", "b:2/y"))
+    assert store.fetch_proposal("127.0.0.1", store.port, 3, "ab") == ("a:1/x", "b:2/y")
+    assert store.fetch_proposal("127.0.0.1", store.port, 4, "ab") is None
+    out = {}
+
+    def rank(i: int) -> None:
+        group = dist.ProcessGroupGloo(store.view_store(View(1, ("a", "b")), "127.0.0.1", store.port), i, 2,
+                                      datetime.timedelta(seconds=20))
+        t = torch.full((2,), float(i + 1))
+        group.allreduce([t]).wait()
+        out[i] = t.tolist()
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {0: [3.0, 3.0], 1: [3.0, 3.0]}
+
+
+def test_it_listens_on_the_bind_address_only(store):
+    endpoint = store._server._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    assert endpoint == f"tcp://127.0.0.1:{store.port}"
+
+
+def test_an_outsider_without_the_secret_can_neither_read_nor_write(store):
+    store.publish_proposal(1, "d", ("a",))
+    for secret in (None, b"wrong"):
+        frame, _ = Framing(secret).seal(msgpack.packb(["set", "proposal/1/d", b"evil"]))
+        assert raw_request(store.port, frame) is None  # no answer: not even an error to learn from
+        frame, _ = Framing(secret).seal(msgpack.packb(["get", "proposal/1/d", 0]))
+        assert raw_request(store.port, frame) is None
+    assert contents(store, "proposal/1/d") == b"a"
+    assert sum(store.drops.values()) == 4 and store.drops["bad_hmac"] == 2
+    with pytest.raises(CommunicatorError, match="another secret"):
+        StoreClient("127.0.0.1", store.port, b"wrong", 0.3).get("proposal/1/d")
+
+
+def test_a_captured_request_cannot_be_replayed(store):
+    frame, _ = Framing(SECRET).seal(msgpack.packb(["set", "k", b"first"]))
+    assert raw_request(store.port, frame) is not None
+    StoreClient("127.0.0.1", store.port, SECRET, 1.0).set("k", b"second")
+    assert raw_request(store.port, frame) is None  # the same frame again: dropped
+    assert contents(store, "k") == b"second" and store.drops["replay"] == 1
+
+
+def test_a_stale_request_is_dropped(store, monkeypatch):
+    real = time.time
+    monkeypatch.setattr(rendezvous.time, "time", lambda: real() - rendezvous.FRESHNESS_S - 5)
+    frame, _ = Framing(SECRET).seal(msgpack.packb(["set", "k", b"old"]))
+    monkeypatch.setattr(rendezvous.time, "time", real)
+    assert raw_request(store.port, frame) is None
+    assert store.drops["stale"] == 1 and contents(store, "k") is None
+
+
+def test_a_reply_is_bound_to_its_request():
+    framing = Framing(SECRET)
+    _, nonce = framing.seal(b"request")
+    reply, _ = framing.seal(msgpack.packb([True, b"v"]), answers=nonce)
+    framing.open(reply, answers=nonce)
+    with pytest.raises(rendezvous.FrameError):
+        framing.open(reply, answers=b"\0" * 16)  # an answer to another request
+
+
+@pytest.mark.parametrize("body", [
+    b"\xc1", msgpack.packb("set"), msgpack.packb(["set", "k"]), msgpack.packb(["set", "", b"v"]),
+    msgpack.packb(["set", "k" * 5000, b"v"]), msgpack.packb(["get", "k", -1]), msgpack.packb(["nope"]),
+    msgpack.packb(["add", "k", 1 << 63]), msgpack.packb(["wait", [], 10]), msgpack.packb(["check", [1]]),
+])
+def test_malformed_requests_are_dropped_and_the_store_keeps_serving(store, body):
+    frame, _ = Framing(SECRET).seal(body)
+    assert raw_request(store.port, frame, wait=0.2) is None
+    assert store.drops["malformed"] == 1
+    assert contents(store, "absent") is None  # still answering
+
+
+def test_garbage_frames_are_counted_not_raised(store):
+    for frame in (b"", b"FZ", b"x" * 100, bytes(60)):
+        assert raw_request(store.port, frame, wait=0.1) is None
+    assert sum(store.drops.values()) == 4
+    assert contents(store, "absent") is None
+
+
+def test_the_store_is_bounded(store, monkeypatch):
+    monkeypatch.setattr(rendezvous, "MAX_KEYS", 3)
+    client = StoreClient("127.0.0.1", store.port, SECRET, 1.0)
+    for i in range(3):
+        client.set(f"k{i}", b"v")
+    with pytest.raises(CommunicatorError, match="full"):
+        client.set("k3", b"v")
+    client.set("k0", b"replaced")  # an existing key may still change
+
+
+def test_a_wait_is_answered_when_the_key_appears_and_times_out_otherwise(store):
+    client = StoreClient("127.0.0.1", store.port, SECRET, 0.3)
+    threading.Timer(0.1, lambda: StoreClient("127.0.0.1", store.port, SECRET, 1.0).set("late", b"x")).start()
+    assert client.get("late") == b"x"
+    with pytest.raises(CommunicatorError, match="timeout"):
+        client.wait(["never"], datetime.timedelta(seconds=0.2))
+
+
+def test_replay_guard_forgets_old_nonces_only_by_raising_its_floor():
+    guard = ReplayGuard(window_s=10, capacity=2)
+    assert guard.admit(1000, b"a", 1000) is None
+    assert guard.admit(1001, b"b", 1001) is None
+    assert guard.admit(1002, b"c", 1002) is None  # "a" forgotten, floor raised to its time
+    assert guard.admit(1000, b"a", 1003) == "stale"
+    assert guard.admit(1001, b"b", 1003) == "replay"
+    assert guard.admit(50_000, b"d", 1003) == "stale"  # from the future

@@ -1,0 +1,251 @@
+"""Secure by default (DESIGN §1.6): protected mode, no code from the network, authenticated state.
+
+Groups run in threads of this process (tests/test_group_threads.py); a "hostile" member
+is an ordinary group whose outgoing state is replaced by what an attacker would send.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+import ftcomm
+from ftcomm import netif
+from ftcomm.errors import CommunicatorError, ConfigMismatch, FtcommError, SecretRequired, StateError
+from ftcomm.gossip.runtime import query_members
+from ftcomm.state import TrainingState
+
+from .test_group_threads import in_threads, linear_models, run_steps, start_groups
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def lan_address() -> str | None:
+    """An address of this machine that is not loopback (where other hosts would reach it)."""
+    for interface in netif.interfaces():
+        if not interface.loopback and ":" not in interface.address:
+            return interface.address
+    return None
+
+
+LAN = lan_address()
+needs_lan = pytest.mark.skipif(LAN is None, reason="this machine has no non-loopback IPv4 address")
+
+
+class Marker:
+    """Unpickling this object creates a file: proof that code from a peer ran."""
+
+    path = ""
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+# ---------------------------------------------------------------------- protected mode
+@needs_lan
+def test_a_reachable_worker_without_a_secret_refuses_to_start_and_says_how_to_fix_it():
+    started = time.monotonic()
+    with pytest.raises(SecretRequired, match="FTCOMM_SECRET.*insecure=True"):
+        ftcomm.init(bind=f"{LAN}:0", handle_signals=False)
+    assert time.monotonic() - started < 5
+
+
+@needs_lan
+def test_insecure_opt_out_starts_and_every_member_shows_it(monkeypatch, caplog):
+    monkeypatch.setenv("FTCOMM_INSECURE", "1")
+    ft = ftcomm.init(bind=f"{LAN}:0", handle_signals=False)
+    try:
+        assert ft.insecure
+        assert any("INSECURE" in r.getMessage() for r in caplog.records)
+        members = query_members(ft.gossip.address, timeout=5)
+        assert [m.metadata.get("insecure") for m in members] == [True]
+    finally:
+        ft.shutdown()
+
+
+@needs_lan
+def test_a_secret_lets_a_reachable_worker_start_and_the_default_bind_follows_it():
+    ft = ftcomm.init(handle_signals=False, secret="k" * 32)
+    try:
+        assert not ft.insecure and not netif.is_loopback(ft.gossip.host)
+    finally:
+        ft.shutdown()
+
+
+def test_without_secret_or_peers_the_default_bind_is_loopback(monkeypatch):
+    monkeypatch.delenv("FTCOMM_BIND", raising=False)
+    monkeypatch.delenv("FTCOMM_SECRET", raising=False)
+    ft = ftcomm.init(handle_signals=False)
+    try:
+        assert netif.is_loopback(ft.gossip.host) and not ft.insecure
+    finally:
+        ft.shutdown()
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_an_empty_secret_is_an_error_not_a_group_without_authentication(monkeypatch, how):
+    kwargs = {"secret": ""} if how == "argument" else {}
+    if how == "environment":
+        monkeypatch.setenv("FTCOMM_SECRET", "")
+    with pytest.raises(ValueError, match="secret is empty"):
+        ftcomm.init(bind="127.0.0.1:0", handle_signals=False, **kwargs)
+
+
+def test_a_bad_insecure_flag_is_refused(monkeypatch):
+    monkeypatch.setenv("FTCOMM_INSECURE", "maybe")
+    with pytest.raises(ValueError, match="FTCOMM_INSECURE"):
+        ftcomm.init(bind="127.0.0.1:0", handle_signals=False)
+    with pytest.raises(TypeError, match="insecure"):
+        ftcomm.init(bind="127.0.0.1:0", handle_signals=False, insecure="yes")
+
+
+# ---------------------------------------------------------------------- registered state
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize("value, where", [
+    ({"lr": __import__("numpy").float64(0.1)}, r"registered state 'extras'\['lr'\].*numpy.float64"),
+    ([1, Opaque()], r"registered state 'extras'\[1\].*Opaque"),
+    ({("a", 1): 2}, "dict key of type tuple"),
+    ({"big": 1 << 70}, "does not fit in 64 bits"),
+])
+def test_state_that_is_not_tensors_and_plain_data_is_refused_at_registration(value, where):
+    state = TrainingState()
+    with pytest.raises(StateError, match=where):
+        state.register(extras=value)
+    assert not state.registered
+
+
+def test_a_state_dict_holding_an_object_is_refused_naming_it():
+    class Scheduler:
+        def state_dict(self):
+            return {"fn": lambda step: step}
+
+        def load_state_dict(self, state):
+            pass
+
+    with pytest.raises(StateError, match=r"registered state 'scheduler'\['fn'\].*function"):
+        TrainingState().register(scheduler=Scheduler())
+
+
+def test_pack_and_unpack_round_trip_model_optimizer_and_values_exactly():
+    source, target = TrainingState(), TrainingState()
+    models = [torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3)) for _ in range(2)]
+    optimizers = [torch.optim.Adam(m.parameters(), betas=(0.8, 0.9)) for m in models]
+    models[0](torch.randn(4, 5)).sum().backward()
+    optimizers[0].step()
+    source.register(model=models[0], optimizer=optimizers[0], extras={"epoch": 3, "ids": (1, 2), "w": None})
+    target.register(model=models[1], optimizer=optimizers[1], extras={})
+    manifest, data = source.pack(7)
+    assert target.unpack(manifest, data) == 7
+    assert target.digest(7) == source.digest(7)
+    assert optimizers[1].param_groups[0]["betas"] == (0.8, 0.9)
+    for t in optimizers[1].state_dict()["state"][0].values():  # not views of the transfer buffer
+        assert not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("manifest", [
+    pickle.dumps({"step": 1}),
+    b"\x85\xa4step\x01",  # truncated msgpack
+    __import__("msgpack").packb({"step": 1, "skeleton": b"\xc7\x04\x01\x09\x00\x00\x00", "tensors": [], "size": 0}),
+    __import__("msgpack").packb({"step": 1, "skeleton": b"\x80", "tensors": [[0, "float32", [4], 999]], "size": 0}),
+    __import__("msgpack").packb({"step": -1, "skeleton": b"\x80", "tensors": [], "size": 0}),
+])
+def test_a_malformed_manifest_is_refused(manifest):
+    state = TrainingState()
+    state.register(model=torch.nn.Linear(2, 2))
+    with pytest.raises(StateError):
+        state.unpack(manifest, torch.empty(0, dtype=torch.uint8))
+
+
+def test_a_pickled_manifest_never_runs(tmp_path):
+    Marker.path = str(tmp_path / "ran")
+    state = TrainingState()
+    state.register(model=torch.nn.Linear(2, 2))
+    with pytest.raises(StateError):
+        state.unpack(pickle.dumps({"step": 1, "objects": Marker()}), torch.empty(0, dtype=torch.uint8))
+    assert not os.path.exists(Marker.path)
+
+
+# ---------------------------------------------------------------------- groups
+def one_collective(i: int, g: ftcomm.FaultTolerantGroup) -> FtcommError | None:
+    """Run one allreduce through ``execute``; the error it ended with, if any."""
+    try:
+        g.execute(lambda: g.allreduce(torch.ones(1)))
+        return None
+    except FtcommError as exc:
+        return exc
+
+
+def hostile(group: ftcomm.FaultTolerantGroup, manifest: bytes, step: int) -> None:
+    """Make ``group`` claim the newest state and send ``manifest`` as that state."""
+    group.state.pack = lambda step, device="cpu": (manifest, torch.zeros(64, dtype=torch.uint8))
+    group.state_restored(step)
+
+
+def compare_states(groups) -> None:
+    """Make every member compare state digests before its next collective (as after a restore)."""
+    for g in groups:
+        g.state_restored(None)
+
+
+def test_a_member_claiming_the_newest_state_cannot_run_code_on_the_others(tmp_path):
+    """Before: the reconcile payload was loaded with torch.load(weights_only=False)."""
+    Marker.path = str(tmp_path / "ran")
+    groups = start_groups(2, quorum_timeout=8, max_retries=1)
+    try:
+        models, optimizers = linear_models(groups)
+        run_steps(groups, models, optimizers, 2)
+        honest_digest = groups[0].state.digest(groups[0].step)
+        honest_step = groups[0].step
+        compare_states(groups)
+        hostile(groups[1], pickle.dumps({"step": 99, "objects": Marker()}), 99)
+
+        outcomes = in_threads(groups, one_collective)
+        assert isinstance(outcomes[0], FtcommError)
+        assert not os.path.exists(Marker.path)
+        assert (groups[0].step, groups[0].state.digest(groups[0].step)) == (honest_step, honest_digest)
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_with_a_secret_state_that_fails_authentication_is_discarded():
+    groups = start_groups(2, quorum_timeout=8, max_retries=1, secret="s" * 32)
+    try:
+        models, optimizers = linear_models(groups)
+        run_steps(groups, models, optimizers, 2)
+        honest = (groups[0].step, groups[0].state.digest(groups[0].step))
+        compare_states(groups)
+        groups[1].state_restored(groups[1].step + 5)
+        groups[1]._state_tag = lambda manifest, data: os.urandom(32)  # as if altered on the way
+
+        outcomes = in_threads(groups, one_collective)
+        assert isinstance(outcomes[0], FtcommError)
+        assert (groups[0].step, groups[0].state.digest(groups[0].step)) == honest
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_members_whose_models_differ_raise_config_mismatch_on_every_worker():
+    groups = start_groups(2)
+    try:
+        models = [torch.nn.Linear(4, 2), torch.nn.Linear(4, 3)]
+        for g, m in zip(groups, models):
+            g.register_state(model=m)
+        started = time.monotonic()
+
+        outcomes = in_threads(groups, one_collective)
+        assert all(isinstance(o, ConfigMismatch) for o in outcomes), outcomes
+        assert "model.weight is float32[2, 4] here but float32[3, 4] there" in str(outcomes[0])
+        assert "model.weight is float32[3, 4] here but float32[2, 4] there" in str(outcomes[1])
+        assert time.monotonic() - started < 30
+    finally:
+        for g in groups:
+            g.shutdown()
