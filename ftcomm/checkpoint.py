@@ -1,97 +1,105 @@
 """Flash checkpoints: the registered state in host shared memory, persisted in the background.
 
 A checkpoint of step ``S`` is two files, in shared memory and (optionally) in a
-directory: ``step-S.data`` holds every tensor's raw bytes (64-byte aligned, no
-pickling), ``step-S.meta`` a small record (msgpack): the tensors' offsets, dtypes and
-shapes, the state's structure with tensors replaced by references (pickled; no tensor
-data in it), and an XXH3-64 checksum per 64 MB piece of each tensor. The meta file is written last,
-by write + rename, so a checkpoint without one is partial and invisible.
+directory: ``step-S.data`` holds every tensor's raw bytes (64-byte aligned),
+``step-S.meta`` a small msgpack record: the tensors' offsets, dtypes and shapes, the
+state's structure as a :mod:`ftcomm.plain` skeleton (plain values with tensors replaced
+by indices; nothing is pickled, so no checkpoint file can run code), and an XXH3-64
+checksum per 64 MB piece of each tensor. The meta file is written last, by write +
+rename, so a checkpoint without one is partial and invisible.
 
 ``save()`` pauses training only for the copy into a shared-memory buffer whose pages
 are already allocated (buffers are reused, and a spare is allocated in the background
 after each save). Checksums, the renames that publish the checkpoint, the copy to the
 directory (write + fsync + rename) and pruning to the ``keep`` newest run in a
 background thread. On each host only the member with the lowest rank writes; the
-others read its copy.
+others read its copy. Every wait is bounded by ``write_timeout``.
 
 ``restore()`` after a whole-job restart: the members agree on the newest step every
 one of them can load (its checksums verify, from shared memory when the host is the
-same, else from the directory), load it and continue. A corrupted or partial
-checkpoint is skipped with a warning. A copy is verified before any of it is loaded;
-tensors then go straight into the registered objects' existing tensors where shape
-and dtype match (no new memory), into new ones otherwise.
+same, else from the directory), load it and continue. Every field of a record is
+type- and range-checked; a malformed, corrupted or partial checkpoint is skipped with
+a warning. A copy is verified before any of it is loaded; tensors then go straight
+into the registered objects' existing tensors where shape and dtype match (no new
+memory), into new ones otherwise.
+
+Local files: the shared-memory directory is created with mode 0700 and refused when it
+is a symlink, another user's, or writable by others; every file written is 0600. A
+process holds a shared ``flock`` on each unpublished file it owns (spare buffers,
+temporary files): ``close()`` deletes its own, and a new checkpointer deletes those no
+live process holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import pathlib
-import pickle
 import queue
 import re
+import secrets
+import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 import torch
 import xxhash
 
-from .errors import FtcommError
+from . import plain
+from .errors import FtcommError, FtcommTimeout, StateError
 from .state import tensor_bytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the structure is a plain msgpack skeleton (format 1 pickled it and is not read)
 CHUNK = 64 << 20  # bytes per checksum piece
-ALIGN = 64
 MAX_CANDIDATES = 32  # newest steps each member offers when agreeing on one to restore
+MAX_META_BYTES = plain.MAX_SKELETON_BYTES + (64 << 20)  # the skeleton plus tensor table and checksums
+MAX_SIZE = 1 << 56  # bytes of tensor data a record may claim
+SETTLE_S = 10.0  # an unheld private file younger than this may be being created: left alone
 _NAME = re.compile(r"^step-(\d{12})\.meta$")
+_DATA = re.compile(r"^step-(\d{12})\.data$")
+_PRIVATE = re.compile(r"^\.(slot-.+\.data|.+\.tmp)$")  # unpublished files: spare buffers, temporaries
+_FIELDS = {"format": int, "step": int, "time": float, "size": int, "chunk": int, "tensors": list,
+           "checksums": list, "structure": bytes}
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # pages faulted in at mapping time
 
 
 @dataclass
-class _Ref:
-    """Stands for tensor ``index`` in the pickled structure of a checkpoint."""
+class _Slot:
+    """A shared-memory buffer owned by this process, mapped once and reused. ``fd`` stays
+    open with a shared flock on the file: the mark that a live process holds it."""
+
+    path: pathlib.Path
+    size: int
+    buffer: mmap.mmap
+    fd: int
+    busy: bool = False
+
+
+@dataclass(frozen=True)
+class _TensorIndex:
+    """Stands for tensor ``index`` of a checkpoint in its decoded structure."""
 
     index: int
 
 
 @dataclass
-class _Slot:
-    """A shared-memory buffer owned by this process, mapped once and reused."""
+class _Meta:
+    """A checkpoint record read back and validated."""
 
-    path: pathlib.Path
+    step: int
     size: int
-    buffer: mmap.mmap
-    busy: bool = False
-
-
-def _map_leaves(tree: Any, fn: Any) -> Any:
-    """``tree`` (nested dicts, lists, tuples) with every leaf replaced by ``fn(leaf)``."""
-    if isinstance(tree, dict):
-        return {k: _map_leaves(v, fn) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        items = [_map_leaves(v, fn) for v in tree]
-        return items if isinstance(tree, list) else tuple(items)
-    return fn(tree)
-
-
-def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """``value`` with each tensor appended to ``tensors`` and replaced by its reference."""
-    def ref(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        tensors.append(leaf.detach())
-        return _Ref(len(tensors) - 1)
-    return _map_leaves(value, ref)
-
-
-def _unflatten(value: Any, tensors: list[torch.Tensor]) -> Any:
-    return _map_leaves(value, lambda leaf: tensors[leaf.index] if isinstance(leaf, _Ref) else leaf)
+    tensors: list[list]  # [offset, dtype, shape, nbytes] each, inside ``size``
+    checksums: list[list[int]]
+    structure: bytes  # the plain skeleton
+    tree: dict  # the skeleton decoded with a _TensorIndex in place of each tensor
 
 
 def _leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
@@ -106,43 +114,110 @@ def _leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
         yield path, tree
 
 
-def _layout(tensors: list[torch.Tensor]) -> tuple[list[list], int]:
-    entries, offset = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        entries.append([offset, str(t.dtype).removeprefix("torch."), list(t.shape), nbytes])
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return entries, offset
-
-
-def _view(buffer: Any, offset: int, dtype: str, shape: list[int], nbytes: int) -> torch.Tensor:
-    kind = getattr(torch, dtype)
-    if nbytes == 0:
-        return torch.empty(shape, dtype=kind)
-    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset).view(kind).view(shape)
-
-
 def _checksums(buffer: Any, entries: list[list]) -> list[list[int]]:
     """XXH3-64 of each ``CHUNK`` piece of each tensor's bytes in ``buffer``."""
-    view = memoryview(buffer)
-    try:
+    with memoryview(buffer) as view:
         return [[xxhash.xxh3_64_intdigest(view[lo:lo + min(CHUNK, offset + nbytes - lo)])
                  for lo in range(offset, offset + nbytes, CHUNK)] for offset, _, _, nbytes in entries]
-    finally:
-        view.release()
+
+
+# ---------------------------------------------------------------------- files
+def _private_directory(path: pathlib.Path) -> pathlib.Path:
+    """``path``, created with mode 0700 if missing (its parents as usual).
+
+    Raises FtcommError when it is a symlink, not a directory, owned by another user or
+    writable by group or others: whoever can write there could plant or swap checkpoints.
+    """
+    advice = "remove it if it is yours, or pick another job name (name=...) or shm_root"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        info = os.lstat(path)
+    except OSError as exc:
+        raise FtcommError(f"cannot create the shared-memory directory {path}: {exc}; {advice}") from exc
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory"
+    elif info.st_uid != os.geteuid():
+        problem = f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    elif info.st_mode & 0o022:
+        problem = f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    else:
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.chmod(path, 0o700)  # ours and not writable by others: make it private too
+        return path
+    raise FtcommError(f"refusing the shared-memory directory {path}: it {problem}, so another user could "
+                      f"read or plant checkpoints there; {advice}")
+
+
+def _hold(fd: int) -> None:
+    """Take a shared flock on ``fd``: its file is in use by this process (see _remove_abandoned)."""
+    with contextlib.suppress(OSError):  # a filesystem without flock: the file is merely never cleaned up
+        fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def _remove_abandoned(directory: pathlib.Path) -> None:
+    """Delete the unpublished files in ``directory`` that no live process holds.
+
+    A file that can be locked exclusively and is older than ``SETTLE_S`` (so not being
+    created this instant) was left by a process that ended. Failures are ignored.
+    """
+    for entry in os.scandir(directory):
+        if not _PRIVATE.match(entry.name):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and time.time() - info.st_mtime > SETTLE_S:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: a live process holds it
+                os.unlink(entry.path)
+                log.info("removed %s, left behind by a process that ended", entry.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def _write_atomic(path: pathlib.Path, data: Any, sync: bool) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as f:
-        view = memoryview(data)
-        for lo in range(0, len(view), CHUNK):
-            f.write(view[lo:lo + CHUNK])
-        view.release()
+    """Write ``data`` to ``path`` through a private (0600) temporary file: write, fsync if
+    ``sync``, rename. Raises OSError on failure, with the temporary file removed and
+    ``path`` untouched."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        _hold(fd)
+        with memoryview(data) as view:
+            for lo in range(0, len(view), CHUNK):
+                piece = view[lo:lo + CHUNK]
+                while piece:
+                    piece = piece[os.write(fd, piece):]
         if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(temporary, path)
+            os.fsync(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _open_regular(path: pathlib.Path) -> int:
+    """A read-only descriptor of ``path``; StateError if it is not a regular file (opening
+    never blocks, even on a FIFO)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StateError(f"{path.name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _meta_bytes(record: dict) -> bytes:
@@ -150,20 +225,71 @@ def _meta_bytes(record: dict) -> bytes:
     return b"FTCK" + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
 
 
-def _read_meta(path: pathlib.Path) -> dict:
-    raw = path.read_bytes()
-    if raw[:4] != b"FTCK" or int.from_bytes(raw[4:12], "little") != xxhash.xxh3_64_intdigest(raw[12:]):
-        raise ValueError(f"{path}: bad header or metadata checksum")
-    record = msgpack.unpackb(raw[12:], raw=False)
+def _read_meta(path: pathlib.Path, step: int) -> _Meta:
+    """The validated record in ``path``, the checkpoint of ``step``.
+
+    Raises OSError when it cannot be read, ValueError when it is another version's
+    format, StateError when it is malformed or corrupt. Nothing in it is executed.
+    """
+    with open(_open_regular(path), "rb") as f:
+        raw = f.read(MAX_META_BYTES + 1)
+    if len(raw) > MAX_META_BYTES:
+        raise StateError(f"record larger than {MAX_META_BYTES} bytes")
+    if len(raw) < 12 or raw[:4] != b"FTCK" or \
+            int.from_bytes(raw[4:12], "little") != xxhash.xxh3_64_intdigest(raw[12:]):
+        raise StateError("bad header or record checksum")
+    try:
+        record = msgpack.unpackb(raw[12:], raw=False)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise StateError(f"malformed record ({type(exc).__name__})") from None
+    return _check_record(record, step)
+
+
+def _check_record(record: Any, step: int) -> _Meta:
+    """``record`` as a _Meta if every field has its type and range; StateError otherwise
+    (ValueError for another format)."""
+    if type(record) is not dict:
+        raise StateError("record is not a map")
     if record.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {record.get('format')} (this version reads {FORMAT})")
-    return record
+        raise ValueError(f"format {record.get('format')!r:.20} (this version reads {FORMAT}); "
+                         f"restore it with the ftcomm version that wrote it")
+    for key, kind in _FIELDS.items():
+        if type(record.get(key)) is not kind:
+            raise StateError(f"field {key!r} is missing or not of type {kind.__name__}")
+    size = record["size"]
+    if record["step"] != step or record["chunk"] != CHUNK or not 0 <= size <= MAX_SIZE:
+        raise StateError(f"step {record['step']}, chunk {record['chunk']} or size {size} is out of range")
+    entries = plain.check_layout(record["tensors"], size)
+    checksums = record["checksums"]
+    if len(checksums) != len(entries) or any(
+            type(sums) is not list or len(sums) != -(-entry[3] // CHUNK) or
+            any(type(x) is not int or not 0 <= x < 1 << 64 for x in sums) for sums, entry in zip(checksums, entries)):
+        raise StateError("the checksum table does not match the tensor table")
+    tree = plain.join(record["structure"], [_TensorIndex(i) for i in range(len(entries))])  # type: ignore[misc]
+    if type(tree) is not dict or tree.get("step") != step or type(tree.get("values")) is not dict or \
+            type(tree.get("objects")) is not dict or any(type(v) is not dict for v in tree["objects"].values()):
+        raise StateError("the structure is not a snapshot of registered state")
+    return _Meta(step, size, entries, checksums, record["structure"], tree)
 
 
-def _steps(directory: pathlib.Path | None) -> list[int]:
-    if directory is None or not directory.is_dir():
+def _map_data(path: pathlib.Path, size: int) -> mmap.mmap:
+    """A read-only mapping of the first ``size`` bytes of ``path``; StateError if it is shorter."""
+    fd = _open_regular(path)
+    try:
+        if os.fstat(fd).st_size < size:
+            raise StateError("data file is shorter than its record (partial write)")
+        return mmap.mmap(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ) if size else mmap.mmap(-1, 1)
+    finally:
+        os.close(fd)
+
+
+def _steps(directory: pathlib.Path | None, pattern: re.Pattern = _NAME) -> list[int]:
+    """Steps with a record (or, with ``_DATA``, a data file) in ``directory``, newest first."""
+    try:
+        names = os.listdir(directory) if directory is not None else []
+    except OSError:
         return []
-    return sorted((int(m.group(1)) for m in map(_NAME.match, os.listdir(directory)) if m), reverse=True)
+    return sorted((int(m.group(1)) for m in map(pattern.match, names) if m), reverse=True)
 
 
 def _name(step: int, suffix: str) -> str:
@@ -178,24 +304,34 @@ class FlashCheckpointer:
     name, which keys the shared-memory directory ``{shm_root}/ftcomm-{name}`` (default:
     the group's cluster name). ``keep``: newest checkpoints kept in each place (shared
     memory holds one more buffer for the save in progress). ``sync``: fsync persisted
-    files before they are renamed into place.
+    files before they are renamed into place. ``write_timeout``: the longest
+    ``save()``, ``wait()`` and ``close()`` wait for the background writes to make
+    progress (one checkpoint written) before raising FtcommTimeout.
+
+    Raises FtcommError when the shared-memory directory is not private to this user.
     """
 
     def __init__(self, group: Any, directory: str | os.PathLike | None = None, *, keep: int = 2,
-                 name: str | None = None, shm_root: str | os.PathLike = "/dev/shm", sync: bool = True) -> None:
-        if keep < 1:
-            raise ValueError("keep must be at least 1")
-        self.group, self.keep, self.sync = group, keep, sync
+                 name: str | None = None, shm_root: str | os.PathLike = "/dev/shm", sync: bool = True,
+                 write_timeout: float = 600.0) -> None:
+        job = name or group.gossip.cluster
+        if keep < 1 or write_timeout <= 0 or "/" in job or "\0" in job:
+            raise ValueError("keep must be at least 1, write_timeout positive, and name free of '/' and NUL")
+        self.group, self.keep, self.sync, self.write_timeout = group, keep, sync, write_timeout
         self.directory = pathlib.Path(directory) if directory is not None else None
-        self.shm = pathlib.Path(shm_root) / f"ftcomm-{name or group.gossip.cluster}"
-        self.shm.mkdir(parents=True, exist_ok=True)
+        self.shm = _private_directory(pathlib.Path(shm_root) / f"ftcomm-{job}")
+        _remove_abandoned(self.shm)
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.last_pause_s: float | None = None
         self._slots: list[_Slot] = []
-        self._slot_lock = threading.Condition()
+        self._cond = threading.Condition()
         self._jobs: queue.Queue = queue.Queue()
+        self._pending = 0  # saves not yet published and persisted
+        self._finished = 0  # background jobs done: progress, for the bounded waits
         self._error: BaseException | None = None
+        self._closed = False
+        self._corrupt: set[tuple[pathlib.Path, int]] = set()  # copies restore() found corrupt
         self._worker = threading.Thread(target=self._background, name="ftcomm-checkpoint", daemon=True)
         self._worker.start()
 
@@ -211,71 +347,140 @@ class FlashCheckpointer:
     def save(self) -> float:
         """Checkpoint the registered state at the group's committed step; returns the pause in seconds.
 
-        Call it between steps on every member (only one per host writes). Raises the
-        error of an earlier background write, if one failed.
+        Call it between steps on every member (only one per host writes). Raises
+        FtcommError for an earlier background write that failed (naming the path; that
+        checkpoint may still be published in shared memory) or when shared memory cannot
+        hold this one's buffer, StateError when the state holds something other than
+        tensors and plain data, FtcommTimeout when every buffer is held by writes that
+        made no progress for ``write_timeout`` seconds. Never blocks longer than that.
         """
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise FtcommError(f"an earlier checkpoint failed to write: {error}") from error
+        self._raise_failure()
+        if self._closed:
+            raise FtcommError("save() after close(): create a new FlashCheckpointer")
         if not self.is_writer():
             return 0.0
         started = time.perf_counter()
         step = self.group.step
-        tensors: list[torch.Tensor] = []
-        skeleton = _flatten(self.group.state.snapshot(step), tensors)
-        entries, size = _layout(tensors)
-        slot = self._take_slot(size)
-        for t, (offset, dtype, shape, nbytes) in zip(tensors, entries):
-            if nbytes:
-                _view(slot.buffer, offset, dtype, shape, nbytes).copy_(t)
+        skeleton, tensors = plain.split(self.group.state.snapshot(step), "state")
+        entries, size = plain.layout(tensors)
+        slot = self._take_slot(size, step)
+        try:
+            for t, (offset, dtype, shape, nbytes) in zip(tensors, entries):
+                if nbytes:
+                    plain.view(slot.buffer, offset, dtype, shape, nbytes).copy_(t)
+        except BaseException:
+            with self._cond:
+                slot.busy = False
+            raise
         self.last_pause_s = time.perf_counter() - started
         record = {"format": FORMAT, "step": step, "time": time.time(), "size": size, "chunk": CHUNK,
-                  "tensors": entries, "structure": pickle.dumps(skeleton)}
+                  "tensors": entries, "structure": skeleton}
+        with self._cond:
+            self._pending += 1
         self._jobs.put((slot, record))
         return self.last_pause_s
 
     def wait(self) -> None:
-        """Block until every checkpoint saved so far is published and persisted."""
-        self._jobs.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise FtcommError(f"a checkpoint failed to write: {error}") from error
+        """Block until every checkpoint saved so far is published and persisted.
+
+        Raises FtcommTimeout when no background write finishes for ``write_timeout``
+        seconds (a hung filesystem), FtcommError naming the path when a write failed.
+        """
+        with self._cond:
+            self._wait_for(lambda: self._pending == 0, "the checkpoints saved so far")
+        self._raise_failure()
 
     def close(self) -> None:
-        self.wait()
-        self._jobs.put(None)
-        self._worker.join(timeout=30)
+        """Wait for the background writes, stop the thread and free this process's buffers:
+        spare ones are deleted, those holding published checkpoints stay as checkpoints.
 
-    def _take_slot(self, size: int) -> _Slot:
-        """A spare buffer of ``size`` bytes (one that holds no published checkpoint)."""
-        with self._slot_lock:
-            while True:
-                for s in [s for s in self._slots if not s.busy and not s.path.exists()]:
-                    self._retire(s)  # another writer pruned the checkpoint it held
-                spare = [s for s in self._slots if not s.busy and s.path.name.startswith(".slot-")]
-                fits = [s for s in spare if s.size == size]
-                if fits:
-                    slot = fits[0]
-                    break
-                for s in spare:  # the state changed size: drop buffers that no longer fit
-                    self._retire(s)
-                if len(self._slots) <= self.keep:
-                    slot = self._new_slot(size)
-                    break
-                self._slot_lock.wait()  # the previous save is still being published: wait for it
+        Raises what wait() raises, after freeing everything no write still uses.
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._jobs.put(None)
+            self._worker.join(timeout=self.write_timeout if self._pending == 0 else 1.0)
+            with self._cond:
+                for slot in [s for s in self._slots if not s.busy]:
+                    self._release(slot, delete=slot.path.name.startswith(".slot-"))
+
+    def _raise_failure(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise FtcommError(f"an earlier checkpoint failed: {error}") from error
+
+    def _wait_for(self, ready: Callable[[], Any], what: str) -> Any:
+        """``ready()``'s first true value, waiting on ``self._cond`` (held by the caller).
+
+        Raises FtcommTimeout after ``write_timeout`` seconds in which no background write
+        finished, FtcommError when the background thread is gone.
+        """
+        finished, deadline = self._finished, time.monotonic() + self.write_timeout
+        while not (value := ready()):
+            if not self._worker.is_alive():
+                raise FtcommError(f"the checkpoint writer has stopped while waiting for {what}: "
+                                  f"create a new FlashCheckpointer")
+            if self._finished != finished:
+                finished, deadline = self._finished, time.monotonic() + self.write_timeout
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FtcommTimeout(
+                    f"no checkpoint write finished in {self.write_timeout:g} s while waiting for {what}: writing "
+                    f"to {self.directory or self.shm} is stuck; check that filesystem, or raise write_timeout")
+            self._cond.wait(min(remaining, 1.0))
+        return value
+
+    def _take_slot(self, size: int, step: int) -> _Slot:
+        """A spare buffer of ``size`` bytes (one that holds no published checkpoint), marked busy.
+
+        Waits, bounded as in wait(), while every buffer holds a checkpoint still being
+        written; raises FtcommError when shared memory cannot hold a new one.
+        """
+        with self._cond:
+            slot = self._wait_for(lambda: self._free_slot(size, f"the checkpoint of step {step}"),
+                                  f"a buffer for the checkpoint of step {step}")
             slot.busy = True
             return slot
 
-    def _new_slot(self, size: int) -> _Slot:
+    def _free_slot(self, size: int, purpose: str) -> _Slot | None:
+        """A spare buffer of ``size`` bytes, a new one when there is room, else None (lock held)."""
+        for s in [s for s in self._slots if not s.busy and not s.path.exists()]:
+            self._release(s, delete=False)  # another writer pruned the checkpoint it held
+        spare = [s for s in self._slots if not s.busy and s.path.name.startswith(".slot-")]
+        fits = [s for s in spare if s.size == size]
+        if fits:
+            return fits[0]
+        for s in spare:  # the state changed size: drop buffers that no longer fit
+            self._release(s, delete=True)
+        return self._new_slot(size, purpose) if len(self._slots) <= self.keep else None
+
+    def _new_slot(self, size: int, purpose: str) -> _Slot:
+        """A new buffer of ``size`` bytes with all its pages allocated (lock held).
+
+        Raises FtcommError naming ``purpose`` and the directory when shared memory is
+        full; nothing of the attempt is left behind.
+        """
         path = self._spare_path()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise FtcommError(f"cannot create a buffer for {purpose} in {self.shm}: {exc}") from exc
+        try:
+            _hold(fd)
             os.ftruncate(fd, max(size, 1))
             os.posix_fallocate(fd, 0, max(size, 1))
             buffer = mmap.mmap(fd, max(size, 1), flags=_MAP_FLAGS)
-        finally:
+        except OSError as exc:
             os.close(fd)
-        slot = _Slot(path, size, buffer)
+            path.unlink(missing_ok=True)
+            raise FtcommError(f"cannot allocate {size} bytes of shared memory in {self.shm} for {purpose}: "
+                              f"{exc.strerror or exc}; free shared memory (df -h {self.shm.parent}), lower "
+                              f"keep, or enlarge {self.shm.parent}") from exc
+        slot = _Slot(path, size, buffer, fd)
         self._slots.append(slot)
         return slot
 
@@ -283,69 +488,145 @@ class FlashCheckpointer:
         """A new name for a buffer that holds no published checkpoint."""
         return self.shm / f".slot-{os.getpid()}-{time.monotonic_ns()}.data"
 
-    def _retire(self, slot: _Slot) -> None:
+    def _release(self, slot: _Slot, delete: bool) -> None:
+        """Forget ``slot``: unmap it, drop its lock, and delete its file if ``delete`` (lock held)."""
         self._slots.remove(slot)
-        try:
-            slot.path.unlink(missing_ok=True)
+        if delete:
+            with contextlib.suppress(OSError):
+                slot.path.unlink(missing_ok=True)
+        with contextlib.suppress(BufferError):  # a tensor still views it: the mapping goes with it
             slot.buffer.close()
-        except (OSError, BufferError):
-            pass  # a tensor still views it; the mapping goes with the last reference
+        os.close(slot.fd)
+
+    def _demote(self, slot: _Slot) -> None:
+        """Rename ``slot``'s file back to a spare for reuse; delete it if that fails (lock held)."""
+        if slot not in self._slots:
+            return
+        spare = self._spare_path()
+        try:
+            os.replace(slot.path, spare)
+            slot.path = spare
+        except OSError:
+            self._release(slot, delete=True)
 
     # ------------------------------------------------------------------ background
     def _background(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
-                self._jobs.task_done()
                 return
             slot, record = job
             try:
                 self._publish(slot, record)
-                self._prepare_spare(record["size"])
-            except BaseException as exc:  # noqa: BLE001 - reported by the next save() or wait()
-                log.error("checkpoint of step %d failed: %s", record["step"], exc)
-                self._error = exc
+            except Exception as exc:  # noqa: BLE001 - reported by the next save() or wait()
+                error = exc if isinstance(exc, FtcommError) else \
+                    FtcommError(f"checkpoint of step {record['step']} failed: {exc!r}")
+                log.error("%s", error)
+                self._error = error
             finally:
-                with self._slot_lock:
+                with self._cond:
                     slot.busy = False
-                    self._slot_lock.notify_all()
-                self._jobs.task_done()
+                    self._pending -= 1
+                    self._finished += 1
+                    self._cond.notify_all()
+            self._prepare_spare(record["size"], record["step"])
 
     def _publish(self, slot: _Slot, record: dict) -> None:
-        step, size = record["step"], record["size"]
+        """Publish the checkpoint in ``slot`` in shared memory and prune there, then persist
+        it to the directory and prune there.
+
+        Raises FtcommError naming the place that failed: when publishing failed the slot
+        is a spare again; when only persisting failed the shared-memory copy stays.
+        """
+        step = record["step"]
         record["checksums"] = _checksums(slot.buffer, record["tensors"])
         meta = _meta_bytes(record)
-        data_path = self.shm / _name(step, "data")
-        (self.shm / _name(step, "meta")).unlink(missing_ok=True)
-        os.replace(slot.path, data_path)
-        slot.path = data_path
-        _write_atomic(self.shm / _name(step, "meta"), meta, sync=False)
+        self._publish_shm(slot, step, meta)
+        self._prune(self.shm, step)
         if self.directory is not None:
-            _write_atomic(self.directory / _name(step, "data"), memoryview(slot.buffer)[:size], self.sync)
-            _write_atomic(self.directory / _name(step, "meta"), meta, self.sync)
-        self._prune(step)
+            self._persist(slot, step, record["size"], meta)
+            self._prune(self.directory, step)
 
-    def _prune(self, newest: int) -> None:
-        """Keep the ``keep`` newest checkpoints; this process's own buffers are kept for reuse."""
-        own = {s.path.name: s for s in self._slots}
-        for place in (self.shm, self.directory):
-            for step in _steps(place)[self.keep:]:
-                (place / _name(step, "meta")).unlink(missing_ok=True)  # invisible first
-                data = place / _name(step, "data")
-                slot = own.get(data.name) if place == self.shm else None
-                if slot is not None:
-                    spare = self._spare_path()
-                    os.replace(data, spare)
-                    slot.path = spare
-                else:
-                    data.unlink(missing_ok=True)
+    def _publish_shm(self, slot: _Slot, step: int, meta: bytes) -> None:
+        data, record = self.shm / _name(step, "data"), self.shm / _name(step, "meta")
+        try:
+            record.unlink(missing_ok=True)
+            with self._cond:
+                for other in [s for s in self._slots if s is not slot and s.path == data]:
+                    self._release(other, delete=False)  # the same step saved again: its file is replaced
+                os.replace(slot.path, data)
+                slot.path = data
+            _write_atomic(record, meta, sync=False)
+        except OSError as exc:
+            with self._cond:
+                if slot.path == data:
+                    self._demote(slot)
+            raise FtcommError(f"checkpoint of step {step} could not be published in {self.shm}: "
+                              f"{exc}; free shared memory (df -h {self.shm.parent}) or lower keep") from exc
+        self._corrupt.discard((self.shm, step))
 
-    def _prepare_spare(self, size: int) -> None:
-        """Allocate the next save's buffer now, so that save() only copies."""
-        with self._slot_lock:
+    def _persist(self, slot: _Slot, step: int, size: int, meta: bytes) -> None:
+        directory = self.directory
+        data, record = directory / _name(step, "data"), directory / _name(step, "meta")
+        path = record
+        try:
+            record.unlink(missing_ok=True)  # the same step saved again: invisible until rewritten
+            path = data
+            with memoryview(slot.buffer) as view:
+                _write_atomic(data, view[:size], self.sync)
+            path = record
+            _write_atomic(record, meta, self.sync)
+        except OSError as exc:
+            raise FtcommError(f"checkpoint of step {step} is published in shared memory ({self.shm}) but could "
+                              f"not be written to {path}: {exc.strerror or exc}; make {directory} a writable "
+                              f"directory with free space, or pass directory=None") from exc
+        self._corrupt.discard((directory, step))
+
+    def _prune(self, place: pathlib.Path, newest: int) -> None:
+        """Delete from ``place`` the checkpoints not among the ``keep`` newest up to ``newest``
+        (the one just written), the copies restore() found corrupt, and data files without
+        a record older than every kept checkpoint (a write cut short).
+
+        Other checkpoints newer than ``newest`` (an earlier run's) are neither deleted nor
+        counted, so the one just written is always kept. This process's buffers are
+        renamed back to spares rather than deleted. Failures are logged, not raised.
+        """
+        corrupt = {step for where, step in list(self._corrupt) if where == place}
+        steps = _steps(place)
+        kept = [s for s in steps if s <= newest and s not in corrupt][:self.keep]
+        with self._cond:
+            own = {s.path.name: s for s in self._slots if not s.busy} if place == self.shm else {}
+        for step in steps:
+            if step in kept or (step > newest and step not in corrupt and _name(step, "data") not in own):
+                continue
+            self._delete(place, step, own.get(_name(step, "data")))
+        for step in set(_steps(place, _DATA)) - set(steps):
+            if len(kept) == self.keep and step < kept[-1]:  # would be pruned with its record too
+                self._delete(place, step, own.get(_name(step, "data")))
+
+    def _delete(self, place: pathlib.Path, step: int, slot: _Slot | None) -> None:
+        try:
+            (place / _name(step, "meta")).unlink(missing_ok=True)  # invisible first
+            if slot is not None:
+                with self._cond:
+                    self._demote(slot)
+            else:
+                (place / _name(step, "data")).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not delete the checkpoint of step %d in %s: %s", step, place, exc)
+        self._corrupt.discard((place, step))
+
+    def _prepare_spare(self, size: int, step: int) -> None:
+        """Allocate the next save's buffer now, so that save() only copies. A failure (shared
+        memory full) is logged; the next save() tries again and raises it, naming its step."""
+        with self._cond:
             spare = [s for s in self._slots if not s.busy and s.size == size and s.path.name.startswith(".slot-")]
-            if not spare and len(self._slots) <= self.keep:
-                self._new_slot(size)
+            if self._closed or spare or len(self._slots) > self.keep:
+                return
+            try:
+                self._new_slot(size, f"the checkpoint after step {step}")
+            except FtcommError as exc:
+                log.warning("%s; the next save() tries again", exc)
 
     # ------------------------------------------------------------------ restore
     def available(self) -> list[int]:
@@ -359,6 +640,8 @@ class FlashCheckpointer:
         Returns the restored step, or None when no member has a loadable checkpoint.
         When no step is loadable everywhere, the members that can load the newest
         loadable step do, and the group's reconciliation gives it to the others.
+        Unloadable copies are skipped with a warning; corrupt ones are deleted by the
+        next save's pruning.
         """
         rejected: set[int] = set()
         while True:
@@ -374,10 +657,12 @@ class FlashCheckpointer:
             if loaded is None:
                 rejected.add(step)
             # the copies' fingerprint: equal checksums everywhere mean equal state everywhere
-            fingerprint = xxhash.xxh3_64_intdigest(msgpack.packb(loaded[0]["checksums"])) >> 2 if loaded else 0
+            fingerprint = xxhash.xxh3_64_intdigest(msgpack.packb(loaded[0].checksums)) >> 2 if loaded else 0
             outcome = self.group.execute(self._gather, [1 if loaded is not None else 0, fingerprint])
             ok = [o[0] for o in outcome]
             if (everywhere and not all(ok)) or not any(ok):
+                if loaded is not None:
+                    loaded[1].close()
                 continue  # someone could not load it after all: agree again without that copy
             if loaded is not None:
                 self._apply(*loaded)
@@ -391,41 +676,54 @@ class FlashCheckpointer:
         row[:len(values)] = torch.tensor(values, dtype=torch.int64)
         return [[int(v) for v in t.tolist() if v >= 0] for t in self.group.allgather(row)]
 
-    def _load_verified(self, step: int) -> tuple[dict, Any] | None:
-        """The step's record and a verified mapping of its data, from the first copy that verifies."""
+    def _load_verified(self, step: int) -> tuple[_Meta, mmap.mmap] | None:
+        """The step's validated record and a verified mapping of its data, from the first
+        copy (shared memory, then the directory) that verifies; None when none does.
+
+        Never raises: a copy that fails is skipped with a warning, and one that is
+        malformed or corrupt is remembered so that the next save's pruning deletes it.
+        """
         for place in (self.shm, self.directory):
             if place is None or not (place / _name(step, "meta")).exists():
                 continue
             try:
-                record = _read_meta(place / _name(step, "meta"))
-                size = record["size"]
-                with open(place / _name(step, "data"), "rb") as f:
-                    if os.fstat(f.fileno()).st_size < size:
-                        raise ValueError("data file is shorter than its record (partial write)")
-                    buffer = mmap.mmap(f.fileno(), max(size, 1), flags=_MAP_FLAGS, prot=mmap.PROT_READ)
-                if _checksums(buffer, record["tensors"]) != record["checksums"]:
-                    buffer.close()
-                    raise ValueError("data checksum mismatch")
-                return record, buffer
-            except (OSError, ValueError, KeyError) as exc:
-                log.warning("skipping checkpoint of step %d in %s: %s", step, place, exc)
+                return self._open_verified(place, step)
+            except StateError as exc:
+                self._corrupt.add((place, step))
+                reason: Exception = exc
+            except Exception as exc:  # noqa: BLE001 - unreadable here (I/O, another format or registration)
+                reason = exc
+            log.warning("skipping checkpoint of step %d in %s: %s", step, place, reason)
         return None
 
-    def _apply(self, record: dict, buffer: Any) -> None:
-        """Copy a verified checkpoint into the registered state (in place where possible)."""
-        structure = pickle.loads(record["structure"])
+    def _open_verified(self, place: pathlib.Path, step: int) -> tuple[_Meta, mmap.mmap]:
+        meta = _read_meta(place / _name(step, "meta"), step)
+        missing = sorted(set(self.group.state.objects) - set(meta.tree["objects"]), key=str)
+        if missing:
+            raise ValueError(f"it holds no state for {', '.join(missing)} (registered now)")
+        buffer = _map_data(place / _name(step, "data"), meta.size)
+        if _checksums(buffer, meta.tensors) != meta.checksums:
+            buffer.close()
+            raise StateError("data checksum mismatch")
+        return meta, buffer
+
+    def _apply(self, meta: _Meta, buffer: mmap.mmap) -> None:
+        """Copy a verified checkpoint into the registered state (in place where possible).
+
+        Raises what the objects' ``load_state_dict`` raises (a checkpoint of another model).
+        """
         live = {path: t.detach() for path, t in _leaves(self.group.state.snapshot(self.group.step))
                 if isinstance(t, torch.Tensor)}
-        targets = {ref.index: live[path] for path, ref in _leaves(structure) if isinstance(ref, _Ref) and path in live}
+        targets = {leaf.index: live[path] for path, leaf in _leaves(meta.tree)
+                   if isinstance(leaf, _TensorIndex) and path in live}
         source = memoryview(buffer)
         try:
             tensors, in_place = [], True
-            for index, (offset, dtype, shape, nbytes) in enumerate(record["tensors"]):
+            for index, (offset, dtype, shape, nbytes) in enumerate(meta.tensors):
                 target = targets.get(index)
-                if target is None or str(target.dtype).removeprefix("torch.") != dtype or \
-                        list(target.shape) != list(shape) or target.device.type != "cpu" or \
-                        not target.is_contiguous():
-                    target = torch.empty(shape, dtype=getattr(torch, dtype))
+                if target is None or target.dtype != plain.DTYPES[dtype] or list(target.shape) != shape or \
+                        target.device.type != "cpu" or not target.is_contiguous():
+                    target = torch.empty(shape, dtype=plain.DTYPES[dtype])
                     in_place = False
                 if nbytes:
                     tensor_bytes(target)[:] = source[offset:offset + nbytes]
@@ -433,7 +731,7 @@ class FlashCheckpointer:
         finally:
             source.release()
             buffer.close()
-        snapshot = _unflatten(structure, tensors)
+        snapshot = plain.join(meta.structure, tensors)
         state = self.group.state
         for name, obj in state.objects.items():
             module_state = snapshot["objects"][name]

@@ -1,18 +1,28 @@
-"""Flash checkpoints: round trip, pruning, checksums, and agreement on the step to restore."""
+"""Flash checkpoints: round trip, pruning, checksums, agreement on the step to restore, and
+the local-file guarantees (no pickle, private directories, bounded waits, no leaks)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import pathlib
+import pickle
 import shutil
 import signal
+import stat
 import sys
+import threading
+import time
 import uuid
 
+import msgpack
 import pytest
 import torch
 
-from ftcomm.checkpoint import FlashCheckpointer, _steps
+from ftcomm import checkpoint
+from ftcomm.checkpoint import FlashCheckpointer, _meta_bytes, _steps
+from ftcomm.errors import FtcommError, FtcommTimeout
 from ftcomm.localproc import ChildProcess
 from tests.polling import wait_until
 from tests.test_group_threads import free_port, in_threads, start_groups
@@ -204,3 +214,254 @@ def test_whole_job_restart_resumes_from_the_newest_loadable_checkpoint(tmp_path,
     finally:
         for w in second:
             w.close()
+
+
+# ---------------------------------------------------------------------- local-file guarantees
+class _Planted:
+    """Unpickling it creates the directory ``marker``: proof that a pickle in a checkpoint ran."""
+
+    def __init__(self, marker: pathlib.Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def plant(place: pathlib.Path, step: int, change) -> None:
+    """Copy step 1's checkpoint in ``place`` as ``step``, its record passed through ``change``
+    (the record's header checksum stays valid: only its content is wrong)."""
+    raw = (place / "step-000000000001.meta").read_bytes()
+    record = msgpack.unpackb(raw[12:], raw=False)
+    record["step"] = step
+    (place / f"step-{step:012d}.meta").write_bytes(_meta_bytes(change(record)))
+    shutil.copy(place / "step-000000000001.data", place / f"step-{step:012d}.data")
+
+
+def saved_once(group, name: str, seed: int) -> tuple[FlashCheckpointer, int]:
+    """A checkpointer (shared memory only) holding step 1, and that step's digest."""
+    trained_state(group, seed)
+    checkpoints = FlashCheckpointer(group, None, keep=3, name=name)
+    group.step = 1
+    checkpoints.save()
+    checkpoints.wait()
+    return checkpoints, group.state.digest(1)
+
+
+def test_a_pickle_planted_in_a_record_is_never_run(tmp_path, name, caplog, group):
+    checkpoints, expected = saved_once(group, name, 11)
+    marker = tmp_path / "pickle-ran"
+    plant(checkpoints.shm, 2, lambda r: {**r, "format": checkpoint.FORMAT, "structure": pickle.dumps(_Planted(marker))})
+    assert checkpoints.restore() == 1
+    assert not marker.exists()
+    assert group.state.digest(1) == expected
+    assert "skipping checkpoint of step 2" in caplog.text
+    checkpoints.close()
+
+
+@pytest.mark.parametrize("change", [
+    lambda r: {**r, "size": "big"},
+    lambda r: {**r, "tensors": [[0, "float32", [1 << 40], 4 << 40]] + r["tensors"][1:]},
+    lambda r: {**r, "tensors": [[0, "builtins.eval", [1], 4]] + r["tensors"][1:]},
+    lambda r: {**r, "checksums": r["checksums"][:-1]},
+    lambda r: {**r, "structure": b"\xc1"},
+    lambda r: {**r, "chunk": 1},
+    lambda r: {k: v for k, v in r.items() if k != "structure"},
+    lambda r: [r],
+], ids=["size", "huge-tensor", "dtype", "checksums", "structure", "chunk", "missing-field", "not-a-map"])
+def test_a_malformed_record_is_skipped_with_a_warning(name, caplog, group, change):
+    checkpoints, expected = saved_once(group, name, 12)
+    plant(checkpoints.shm, 2, change)
+    assert checkpoints.restore() == 1
+    assert group.state.digest(1) == expected
+    assert "skipping checkpoint of step 2" in caplog.text
+    checkpoints.close()
+
+
+def test_checkpoint_files_are_private(tmp_path, group):
+    trained_state(group, 13)
+    checkpoints = FlashCheckpointer(group, tmp_path / "persisted", name="job", shm_root=tmp_path)
+    assert stat.S_IMODE(os.stat(checkpoints.shm).st_mode) == 0o700
+    group.step = 1
+    checkpoints.save()
+    checkpoints.wait()
+    files = [*checkpoints.shm.iterdir(), *(tmp_path / "persisted").iterdir()]
+    assert len(files) >= 4 and all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in files)
+    checkpoints.close()
+
+
+@pytest.mark.parametrize("kind", ["another user's", "group-writable", "symlink"])
+def test_a_shared_memory_directory_not_private_to_this_user_is_refused(tmp_path, group, kind):
+    path = tmp_path / "ftcomm-job"
+    if kind == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        path.symlink_to(tmp_path / "elsewhere")
+    else:
+        path.mkdir(mode=0o700)
+    if kind == "another user's":
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        os.chown(path, 65534, 65534)
+    elif kind == "group-writable":
+        os.chmod(path, 0o770)
+    with pytest.raises(FtcommError) as refused:
+        FlashCheckpointer(group, None, name="job", shm_root=tmp_path)
+    assert f"refusing the shared-memory directory {path}" in str(refused.value)
+
+
+def test_save_never_blocks_when_the_directory_cannot_be_written(tmp_path, name, group):
+    trained_state(group, 14)
+    directory = tmp_path / "persisted"
+    checkpoints = FlashCheckpointer(group, directory, keep=2, name=name)
+    shutil.rmtree(directory)
+    directory.write_bytes(b"a file where the directory was: every write there fails, even as root")
+    outcomes: list = []
+
+    def save_eight_times() -> None:
+        for step in range(1, 9):
+            group.step = step
+            try:
+                outcomes.append(checkpoints.save())
+            except FtcommError as exc:
+                outcomes.append(exc)
+        try:
+            outcomes.append(checkpoints.wait())
+        except FtcommError as exc:
+            outcomes.append(exc)
+
+    saving = threading.Thread(target=save_eight_times, daemon=True)
+    saving.start()
+    saving.join(60)
+    assert not saving.is_alive(), "save() blocked"
+    errors = [o for o in outcomes if isinstance(o, FtcommError)]
+    assert errors and all(str(directory) in str(e) for e in errors)
+    assert len(_steps(checkpoints.shm)) == 2  # shared memory is still published and pruned
+    checkpoints.close()
+
+
+def test_waits_are_bounded_by_the_write_timeout(tmp_path, name, group, monkeypatch):
+    trained_state(group, 15)
+    release, fsync = threading.Event(), os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (release.wait(30), fsync(fd)))  # a hung filesystem
+    checkpoints = FlashCheckpointer(group, tmp_path, keep=1, name=name, write_timeout=0.5)
+    with pytest.raises(FtcommTimeout) as timed_out:
+        for step in range(1, 5):  # keep=1: two buffers, both held by the hung write and the next save
+            group.step = step
+            checkpoints.save()
+    assert str(tmp_path) in str(timed_out.value)
+    with pytest.raises(FtcommTimeout):
+        checkpoints.wait()
+    release.set()
+    checkpoints.wait()
+    checkpoints.close()
+
+
+def test_a_full_disk_names_the_path_and_leaves_no_temporary_file(tmp_path, name, group, monkeypatch):
+    trained_state(group, 16)
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    checkpoints = FlashCheckpointer(group, tmp_path, name=name)
+    group.step = 1
+    checkpoints.save()
+    with pytest.raises(FtcommError) as failed:
+        checkpoints.wait()
+    assert str(tmp_path / "step-000000000001.data") in str(failed.value)
+    assert os.strerror(errno.ENOSPC) in str(failed.value)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert _steps(checkpoints.shm) == [1]  # the shared-memory copy is published all the same
+    checkpoints.close()
+
+
+def test_a_full_shared_memory_names_the_step_that_was_not_saved(name, group, monkeypatch):
+    trained_state(group, 17)
+    allocate, allocations = os.posix_fallocate, []
+
+    def fill_up(fd: int, offset: int, length: int) -> None:
+        allocations.append(length)
+        if len(allocations) > 1:  # room for one buffer only
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        allocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fill_up)
+    checkpoints = FlashCheckpointer(group, None, name=name)
+    group.step = 1
+    checkpoints.save()
+    checkpoints.wait()  # step 1 was saved: the spare that did not fit is not its failure
+    group.step = 2
+    with pytest.raises(FtcommError) as failed:
+        checkpoints.save()
+    assert "step 2" in str(failed.value) and "step 1" not in str(failed.value)
+    assert str(checkpoints.shm) in str(failed.value)
+    assert sorted(os.listdir(checkpoints.shm)) == ["step-000000000001.data", "step-000000000001.meta"]
+    checkpoints.close()
+
+
+def test_buffers_do_not_leak_across_runs(name, group):
+    trained_state(group, 18)
+    counts = []
+    for run in range(4):
+        checkpoints = FlashCheckpointer(group, None, keep=2, name=name)
+        for step in range(10 * run + 1, 10 * run + 4):
+            group.step = step
+            checkpoints.save()
+        checkpoints.close()
+        names = os.listdir(checkpoints.shm)
+        assert not [n for n in names if n.startswith(".")], "a spare buffer outlived close()"
+        counts.append(len(names))
+    assert counts == [4] * 4  # the two kept checkpoints, nothing more
+
+
+def test_files_abandoned_by_ended_processes_are_removed(name, group):
+    shm = pathlib.Path(f"/dev/shm/ftcomm-{name}")
+    shm.mkdir(mode=0o700)
+    abandoned = [shm / ".slot-999999-1.data", shm / ".step-000000000001.meta.999999-0a.tmp"]
+    held = shm / ".slot-999998-1.data"
+    for path in [*abandoned, held]:
+        path.write_bytes(bytes(4096))
+        os.utime(path, (time.time() - 3600,) * 2)
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # as a live process holds its own files
+        FlashCheckpointer(group, None, name=name).close()
+        assert not [p for p in abandoned if p.exists()] and held.exists()
+    finally:
+        os.close(fd)
+
+
+def test_a_new_checkpoint_is_kept_when_every_newer_one_is_corrupt(tmp_path, name, group):
+    trained_state(group, 19)
+    first = FlashCheckpointer(group, tmp_path, keep=2, name=name)
+    for step in (100, 108):
+        group.step = step
+        first.save()
+    first.close()
+    for place in (first.shm, tmp_path):
+        for step in (100, 108):
+            flip(place / f"step-{step:012d}.data", 0, 0xFF)
+    second = FlashCheckpointer(group, tmp_path, keep=2, name=name)
+    assert second.restore() is None
+    group.step = 8
+    second.save()
+    second.wait()
+    assert _steps(second.shm) == [8] and _steps(tmp_path) == [8]  # the corrupt ones are gone, the new one kept
+    loaded = second._load_verified(8)
+    assert loaded is not None
+    loaded[1].close()
+    second.close()
+
+
+def test_newer_checkpoints_of_an_earlier_run_are_neither_pruned_nor_counted(tmp_path, name, group):
+    trained_state(group, 20)
+    first = FlashCheckpointer(group, tmp_path, keep=1, name=name)
+    group.step = 100
+    first.save()
+    first.close()
+    second = FlashCheckpointer(group, tmp_path, keep=1, name=name)
+    for step in (8, 16):
+        group.step = step
+        second.save()
+    second.wait()
+    assert _steps(second.shm) == [100, 16] and _steps(tmp_path) == [100, 16]
+    second.close()
