@@ -33,42 +33,28 @@ live process holds.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import mmap
 import os
 import pathlib
 import queue
-import re
-import secrets
-import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import msgpack
 import torch
 import xxhash
 
+from . import checkpoint_files as files
 from . import plain
 from .errors import FtcommError, FtcommTimeout, StateError
 from .state import tensor_bytes
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # 2: the structure is a plain msgpack skeleton (format 1 pickled it and is not read)
-CHUNK = 64 << 20  # bytes per checksum piece
 MAX_CANDIDATES = 32  # newest steps each member offers when agreeing on one to restore
-MAX_META_BYTES = plain.MAX_SKELETON_BYTES + (64 << 20)  # the skeleton plus tensor table and checksums
-MAX_SIZE = 1 << 56  # bytes of tensor data a record may claim
-SETTLE_S = 10.0  # an unheld private file younger than this may be being created: left alone
-_NAME = re.compile(r"^step-(\d{12})\.meta$")
-_DATA = re.compile(r"^step-(\d{12})\.data$")
-_PRIVATE = re.compile(r"^\.(slot-.+\.data|.+\.tmp)$")  # unpublished files: spare buffers, temporaries
-_FIELDS = {"format": int, "step": int, "time": float, "size": int, "chunk": int, "tensors": list,
-           "checksums": list, "structure": bytes}
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # pages faulted in at mapping time
 
 
 @dataclass
@@ -81,219 +67,6 @@ class _Slot:
     buffer: mmap.mmap
     fd: int
     busy: bool = False
-
-
-@dataclass(frozen=True)
-class _TensorIndex:
-    """Stands for tensor ``index`` of a checkpoint in its decoded structure."""
-
-    index: int
-
-
-@dataclass
-class _Meta:
-    """A checkpoint record read back and validated."""
-
-    step: int
-    size: int
-    tensors: list[list]  # [offset, dtype, shape, nbytes] each, inside ``size``
-    checksums: list[list[int]]
-    structure: bytes  # the plain skeleton
-    tree: dict  # the skeleton decoded with a _TensorIndex in place of each tensor
-
-
-def _leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """Every leaf of a nested dict/list/tuple structure with its path of keys and indices."""
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, path + (k,))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from _leaves(v, path + (i,))
-    else:
-        yield path, tree
-
-
-def _checksums(buffer: Any, entries: list[list]) -> list[list[int]]:
-    """XXH3-64 of each ``CHUNK`` piece of each tensor's bytes in ``buffer``."""
-    with memoryview(buffer) as view:
-        return [[xxhash.xxh3_64_intdigest(view[lo:lo + min(CHUNK, offset + nbytes - lo)])
-                 for lo in range(offset, offset + nbytes, CHUNK)] for offset, _, _, nbytes in entries]
-
-
-# ---------------------------------------------------------------------- files
-def _private_directory(path: pathlib.Path) -> pathlib.Path:
-    """``path``, created with mode 0700 if missing (its parents as usual).
-
-    Raises FtcommError when it is a symlink, not a directory, owned by another user or
-    writable by group or others: whoever can write there could plant or swap checkpoints.
-    """
-    advice = "remove it if it is yours, or pick another job name (name=...) or shm_root"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-        info = os.lstat(path)
-    except OSError as exc:
-        raise FtcommError(f"cannot create the shared-memory directory {path}: {exc}; {advice}") from exc
-    if stat.S_ISLNK(info.st_mode):
-        problem = "is a symbolic link"
-    elif not stat.S_ISDIR(info.st_mode):
-        problem = "is not a directory"
-    elif info.st_uid != os.geteuid():
-        problem = f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
-    elif info.st_mode & 0o022:
-        problem = f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
-    else:
-        if stat.S_IMODE(info.st_mode) != 0o700:
-            os.chmod(path, 0o700)  # ours and not writable by others: make it private too
-        return path
-    raise FtcommError(f"refusing the shared-memory directory {path}: it {problem}, so another user could "
-                      f"read or plant checkpoints there; {advice}")
-
-
-def _hold(fd: int) -> None:
-    """Take a shared flock on ``fd``: its file is in use by this process (see _remove_abandoned)."""
-    with contextlib.suppress(OSError):  # a filesystem without flock: the file is merely never cleaned up
-        fcntl.flock(fd, fcntl.LOCK_SH)
-
-
-def _remove_abandoned(directory: pathlib.Path) -> None:
-    """Delete the unpublished files in ``directory`` that no live process holds.
-
-    A file that can be locked exclusively and is older than ``SETTLE_S`` (so not being
-    created this instant) was left by a process that ended. Failures are ignored.
-    """
-    for entry in os.scandir(directory):
-        if not _PRIVATE.match(entry.name):
-            continue
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            info = os.fstat(fd)
-            if stat.S_ISREG(info.st_mode) and time.time() - info.st_mtime > SETTLE_S:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: a live process holds it
-                os.unlink(entry.path)
-                log.info("removed %s, left behind by a process that ended", entry.path)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-
-def _write_atomic(path: pathlib.Path, data: Any, sync: bool) -> None:
-    """Write ``data`` to ``path`` through a private (0600) temporary file: write, fsync if
-    ``sync``, rename. Raises OSError on failure, with the temporary file removed and
-    ``path`` untouched."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        _hold(fd)
-        with memoryview(data) as view:
-            for lo in range(0, len(view), CHUNK):
-                piece = view[lo:lo + CHUNK]
-                while piece:
-                    piece = piece[os.write(fd, piece):]
-        if sync:
-            os.fsync(fd)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _open_regular(path: pathlib.Path) -> int:
-    """A read-only descriptor of ``path``; StateError if it is not a regular file (opening
-    never blocks, even on a FIFO)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StateError(f"{path.name} is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _meta_bytes(record: dict) -> bytes:
-    body = msgpack.packb(record, use_bin_type=True)
-    return b"FTCK" + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
-
-
-def _read_meta(path: pathlib.Path, step: int) -> _Meta:
-    """The validated record in ``path``, the checkpoint of ``step``.
-
-    Raises OSError when it cannot be read, ValueError when it is another version's
-    format, StateError when it is malformed or corrupt. Nothing in it is executed.
-    """
-    with open(_open_regular(path), "rb") as f:
-        raw = f.read(MAX_META_BYTES + 1)
-    if len(raw) > MAX_META_BYTES:
-        raise StateError(f"record larger than {MAX_META_BYTES} bytes")
-    if len(raw) < 12 or raw[:4] != b"FTCK" or \
-            int.from_bytes(raw[4:12], "little") != xxhash.xxh3_64_intdigest(raw[12:]):
-        raise StateError("bad header or record checksum")
-    try:
-        record = msgpack.unpackb(raw[12:], raw=False)
-    except Exception as exc:  # msgpack raises several unrelated exception types
-        raise StateError(f"malformed record ({type(exc).__name__})") from None
-    return _check_record(record, step)
-
-
-def _check_record(record: Any, step: int) -> _Meta:
-    """``record`` as a _Meta if every field has its type and range; StateError otherwise
-    (ValueError for another format)."""
-    if type(record) is not dict:
-        raise StateError("record is not a map")
-    if record.get("format") != FORMAT:
-        raise ValueError(f"format {record.get('format')!r:.20} (this version reads {FORMAT}); "
-                         f"restore it with the ftcomm version that wrote it")
-    for key, kind in _FIELDS.items():
-        if type(record.get(key)) is not kind:
-            raise StateError(f"field {key!r} is missing or not of type {kind.__name__}")
-    size = record["size"]
-    if record["step"] != step or record["chunk"] != CHUNK or not 0 <= size <= MAX_SIZE:
-        raise StateError(f"step {record['step']}, chunk {record['chunk']} or size {size} is out of range")
-    entries = plain.check_layout(record["tensors"], size)
-    checksums = record["checksums"]
-    if len(checksums) != len(entries) or any(
-            type(sums) is not list or len(sums) != -(-entry[3] // CHUNK) or
-            any(type(x) is not int or not 0 <= x < 1 << 64 for x in sums) for sums, entry in zip(checksums, entries)):
-        raise StateError("the checksum table does not match the tensor table")
-    tree = plain.join(record["structure"], [_TensorIndex(i) for i in range(len(entries))])  # type: ignore[misc]
-    if type(tree) is not dict or tree.get("step") != step or type(tree.get("values")) is not dict or \
-            type(tree.get("objects")) is not dict or any(type(v) is not dict for v in tree["objects"].values()):
-        raise StateError("the structure is not a snapshot of registered state")
-    return _Meta(step, size, entries, checksums, record["structure"], tree)
-
-
-def _map_data(path: pathlib.Path, size: int) -> mmap.mmap:
-    """A read-only mapping of the first ``size`` bytes of ``path``; StateError if it is shorter."""
-    fd = _open_regular(path)
-    try:
-        if os.fstat(fd).st_size < size:
-            raise StateError("data file is shorter than its record (partial write)")
-        return mmap.mmap(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ) if size else mmap.mmap(-1, 1)
-    finally:
-        os.close(fd)
-
-
-def _steps(directory: pathlib.Path | None, pattern: re.Pattern = _NAME) -> list[int]:
-    """Steps with a record (or, with ``_DATA``, a data file) in ``directory``, newest first."""
-    try:
-        names = os.listdir(directory) if directory is not None else []
-    except OSError:
-        return []
-    return sorted((int(m.group(1)) for m in map(pattern.match, names) if m), reverse=True)
-
-
-def _name(step: int, suffix: str) -> str:
-    return f"step-{step:012d}.{suffix}"
 
 
 class FlashCheckpointer:
@@ -319,8 +92,8 @@ class FlashCheckpointer:
             raise ValueError("keep must be at least 1, write_timeout positive, and name free of '/' and NUL")
         self.group, self.keep, self.sync, self.write_timeout = group, keep, sync, write_timeout
         self.directory = pathlib.Path(directory) if directory is not None else None
-        self.shm = _private_directory(pathlib.Path(shm_root) / f"ftcomm-{job}")
-        _remove_abandoned(self.shm)
+        self.shm = files.private_directory(pathlib.Path(shm_root) / f"ftcomm-{job}")
+        files.remove_abandoned(self.shm)
         if self.directory is not None:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.last_pause_s: float | None = None
@@ -373,7 +146,7 @@ class FlashCheckpointer:
                 slot.busy = False
             raise
         self.last_pause_s = time.perf_counter() - started
-        record = {"format": FORMAT, "step": step, "time": time.time(), "size": size, "chunk": CHUNK,
+        record = {"format": files.FORMAT, "step": step, "time": time.time(), "size": size, "chunk": files.CHUNK,
                   "tensors": entries, "structure": skeleton}
         with self._cond:
             self._pending += 1
@@ -470,10 +243,10 @@ class FlashCheckpointer:
         except OSError as exc:
             raise FtcommError(f"cannot create a buffer for {purpose} in {self.shm}: {exc}") from exc
         try:
-            _hold(fd)
+            files.hold_shared(fd)
             os.ftruncate(fd, max(size, 1))
             os.posix_fallocate(fd, 0, max(size, 1))
-            buffer = mmap.mmap(fd, max(size, 1), flags=_MAP_FLAGS)
+            buffer = mmap.mmap(fd, max(size, 1), flags=files.MAP_FLAGS)
         except OSError as exc:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -539,8 +312,8 @@ class FlashCheckpointer:
         is a spare again; when only persisting failed the shared-memory copy stays.
         """
         step = record["step"]
-        record["checksums"] = _checksums(slot.buffer, record["tensors"])
-        meta = _meta_bytes(record)
+        record["checksums"] = files.checksums_of(slot.buffer, record["tensors"])
+        meta = files.meta_bytes(record)
         self._publish_shm(slot, step, meta)
         self._prune(self.shm, step)
         if self.directory is not None:
@@ -548,7 +321,7 @@ class FlashCheckpointer:
             self._prune(self.directory, step)
 
     def _publish_shm(self, slot: _Slot, step: int, meta: bytes) -> None:
-        data, record = self.shm / _name(step, "data"), self.shm / _name(step, "meta")
+        data, record = self.shm / files.file_name(step, "data"), self.shm / files.file_name(step, "meta")
         try:
             record.unlink(missing_ok=True)
             with self._cond:
@@ -556,7 +329,7 @@ class FlashCheckpointer:
                     self._release(other, delete=False)  # the same step saved again: its file is replaced
                 os.replace(slot.path, data)
                 slot.path = data
-            _write_atomic(record, meta, sync=False)
+            files.write_atomic(record, meta, sync=False)
         except OSError as exc:
             with self._cond:
                 if slot.path == data:
@@ -567,15 +340,15 @@ class FlashCheckpointer:
 
     def _persist(self, slot: _Slot, step: int, size: int, meta: bytes) -> None:
         directory = self.directory
-        data, record = directory / _name(step, "data"), directory / _name(step, "meta")
+        data, record = directory / files.file_name(step, "data"), directory / files.file_name(step, "meta")
         path = record
         try:
             record.unlink(missing_ok=True)  # the same step saved again: invisible until rewritten
             path = data
             with memoryview(slot.buffer) as view:
-                _write_atomic(data, view[:size], self.sync)
+                files.write_atomic(data, view[:size], self.sync)
             path = record
-            _write_atomic(record, meta, self.sync)
+            files.write_atomic(record, meta, self.sync)
         except OSError as exc:
             raise FtcommError(f"checkpoint of step {step} is published in shared memory ({self.shm}) but could "
                               f"not be written to {path}: {exc.strerror or exc}; make {directory} a writable "
@@ -592,26 +365,26 @@ class FlashCheckpointer:
         renamed back to spares rather than deleted. Failures are logged, not raised.
         """
         corrupt = {step for where, step in list(self._corrupt) if where == place}
-        steps = _steps(place)
+        steps = files.steps_in(place)
         kept = [s for s in steps if s <= newest and s not in corrupt][:self.keep]
         with self._cond:
             own = {s.path.name: s for s in self._slots if not s.busy} if place == self.shm else {}
         for step in steps:
-            if step in kept or (step > newest and step not in corrupt and _name(step, "data") not in own):
+            if step in kept or (step > newest and step not in corrupt and files.file_name(step, "data") not in own):
                 continue
-            self._delete(place, step, own.get(_name(step, "data")))
-        for step in set(_steps(place, _DATA)) - set(steps):
+            self._delete(place, step, own.get(files.file_name(step, "data")))
+        for step in set(files.steps_in(place, files.DATA_NAME)) - set(steps):
             if len(kept) == self.keep and step < kept[-1]:  # would be pruned with its record too
-                self._delete(place, step, own.get(_name(step, "data")))
+                self._delete(place, step, own.get(files.file_name(step, "data")))
 
     def _delete(self, place: pathlib.Path, step: int, slot: _Slot | None) -> None:
         try:
-            (place / _name(step, "meta")).unlink(missing_ok=True)  # invisible first
+            (place / files.file_name(step, "meta")).unlink(missing_ok=True)  # invisible first
             if slot is not None:
                 with self._cond:
                     self._demote(slot)
             else:
-                (place / _name(step, "data")).unlink(missing_ok=True)
+                (place / files.file_name(step, "data")).unlink(missing_ok=True)
         except OSError as exc:
             log.warning("could not delete the checkpoint of step %d in %s: %s", step, place, exc)
         self._corrupt.discard((place, step))
@@ -631,7 +404,7 @@ class FlashCheckpointer:
     # ------------------------------------------------------------------ restore
     def available(self) -> list[int]:
         """Steps with a checkpoint record here (shared memory or directory), newest first."""
-        return sorted(set(_steps(self.shm)) | set(_steps(self.directory)), reverse=True)
+        return sorted(set(files.steps_in(self.shm)) | set(files.steps_in(self.directory)), reverse=True)
 
     def restore(self) -> int | None:
         """Agree with the other members on the newest step all of them can load, and load it.
@@ -676,7 +449,7 @@ class FlashCheckpointer:
         row[:len(values)] = torch.tensor(values, dtype=torch.int64)
         return [[int(v) for v in t.tolist() if v >= 0] for t in self.group.allgather(row)]
 
-    def _load_verified(self, step: int) -> tuple[_Meta, mmap.mmap] | None:
+    def _load_verified(self, step: int) -> tuple[files.Meta, mmap.mmap] | None:
         """The step's validated record and a verified mapping of its data, from the first
         copy (shared memory, then the directory) that verifies; None when none does.
 
@@ -684,7 +457,7 @@ class FlashCheckpointer:
         malformed or corrupt is remembered so that the next save's pruning deletes it.
         """
         for place in (self.shm, self.directory):
-            if place is None or not (place / _name(step, "meta")).exists():
+            if place is None or not (place / files.file_name(step, "meta")).exists():
                 continue
             try:
                 return self._open_verified(place, step)
@@ -696,26 +469,26 @@ class FlashCheckpointer:
             log.warning("skipping checkpoint of step %d in %s: %s", step, place, reason)
         return None
 
-    def _open_verified(self, place: pathlib.Path, step: int) -> tuple[_Meta, mmap.mmap]:
-        meta = _read_meta(place / _name(step, "meta"), step)
+    def _open_verified(self, place: pathlib.Path, step: int) -> tuple[files.Meta, mmap.mmap]:
+        meta = files.read_meta(place / files.file_name(step, "meta"), step)
         missing = sorted(set(self.group.state.objects) - set(meta.tree["objects"]), key=str)
         if missing:
             raise ValueError(f"it holds no state for {', '.join(missing)} (registered now)")
-        buffer = _map_data(place / _name(step, "data"), meta.size)
-        if _checksums(buffer, meta.tensors) != meta.checksums:
+        buffer = files.map_data(place / files.file_name(step, "data"), meta.size)
+        if files.checksums_of(buffer, meta.tensors) != meta.checksums:
             buffer.close()
             raise StateError("data checksum mismatch")
         return meta, buffer
 
-    def _apply(self, meta: _Meta, buffer: mmap.mmap) -> None:
+    def _apply(self, meta: files.Meta, buffer: mmap.mmap) -> None:
         """Copy a verified checkpoint into the registered state (in place where possible).
 
         Raises what the objects' ``load_state_dict`` raises (a checkpoint of another model).
         """
-        live = {path: t.detach() for path, t in _leaves(self.group.state.snapshot(self.group.step))
+        live = {path: t.detach() for path, t in files.leaves(self.group.state.snapshot(self.group.step))
                 if isinstance(t, torch.Tensor)}
-        targets = {leaf.index: live[path] for path, leaf in _leaves(meta.tree)
-                   if isinstance(leaf, _TensorIndex) and path in live}
+        targets = {leaf.index: live[path] for path, leaf in files.leaves(meta.tree)
+                   if isinstance(leaf, files.TensorIndex) and path in live}
         source = memoryview(buffer)
         try:
             tensors, in_place = [], True

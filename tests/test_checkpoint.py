@@ -20,8 +20,9 @@ import msgpack
 import pytest
 import torch
 
-from ftcomm import checkpoint
-from ftcomm.checkpoint import FlashCheckpointer, _meta_bytes, _steps
+from ftcomm import checkpoint_files
+from ftcomm.checkpoint import FlashCheckpointer
+from ftcomm.checkpoint_files import meta_bytes, steps_in
 from ftcomm.errors import FtcommError, FtcommTimeout
 from ftcomm.localproc import ChildProcess
 from tests.polling import wait_until
@@ -75,7 +76,7 @@ def test_save_restore_round_trip_and_keep(tmp_path, name, group):
         assert 0 <= pause < 5
         digests[step] = group.state.digest(step)
     checkpoints.wait()
-    assert _steps(checkpoints.shm) == [9, 5] and _steps(tmp_path) == [9, 5]
+    assert steps_in(checkpoints.shm) == [9, 5] and steps_in(tmp_path) == [9, 5]
     # buffers are reused: shared memory holds the kept checkpoints plus one spare
     assert len(os.listdir(checkpoints.shm)) <= 2 * 2 + 1
     with torch.no_grad():
@@ -156,7 +157,7 @@ def test_back_to_back_saves_never_overwrite_a_published_checkpoint(tmp_path, nam
         checkpoints.save()
         digests[step] = group.state.digest(step)
     checkpoints.wait()
-    assert _steps(checkpoints.shm) == [8, 7]
+    assert steps_in(checkpoints.shm) == [8, 7]
     for step in (8, 7):
         loaded = checkpoints._load_verified(step)
         assert loaded is not None
@@ -185,7 +186,7 @@ def test_whole_job_restart_resumes_from_the_newest_loadable_checkpoint(tmp_path,
     first = start(1_000_000)
     try:
         assert all(w.wait_for(lambda e: e["ev"] == "restored", 5, "restored")["step"] is None for w in first)
-        wait_until(lambda: len(_steps(tmp_path)) >= 2 and _steps(tmp_path)[0] >= 24, 120, "three checkpoints")
+        wait_until(lambda: len(steps_in(tmp_path)) >= 2 and steps_in(tmp_path)[0] >= 24, 120, "three checkpoints")
         for w in first:
             w.signal(signal.SIGKILL)
         logs = [e for w in first for e in w.snapshot() if e["ev"] == "batch"]
@@ -193,8 +194,8 @@ def test_whole_job_restart_resumes_from_the_newest_loadable_checkpoint(tmp_path,
         for w in first:
             w.close()
     shm = pathlib.Path(f"/dev/shm/ftcomm-{name}")
-    newest, previous = _steps(tmp_path)[:2]
-    assert _steps(shm)[:2] == [newest, previous]
+    newest, previous = steps_in(tmp_path)[:2]
+    assert steps_in(shm)[:2] == [newest, previous]
     for place in (shm, tmp_path):
         flip(place / f"step-{newest:012d}.data", -100, 0x40)
     (tmp_path / f"step-{newest + 8:012d}.data").write_bytes(b"partial")  # no record: invisible
@@ -233,7 +234,7 @@ def plant(place: pathlib.Path, step: int, change) -> None:
     raw = (place / "step-000000000001.meta").read_bytes()
     record = msgpack.unpackb(raw[12:], raw=False)
     record["step"] = step
-    (place / f"step-{step:012d}.meta").write_bytes(_meta_bytes(change(record)))
+    (place / f"step-{step:012d}.meta").write_bytes(meta_bytes(change(record)))
     shutil.copy(place / "step-000000000001.data", place / f"step-{step:012d}.data")
 
 
@@ -250,7 +251,7 @@ def saved_once(group, name: str, seed: int) -> tuple[FlashCheckpointer, int]:
 def test_a_pickle_planted_in_a_record_is_never_run(tmp_path, name, caplog, group):
     checkpoints, expected = saved_once(group, name, 11)
     marker = tmp_path / "pickle-ran"
-    plant(checkpoints.shm, 2, lambda r: {**r, "format": checkpoint.FORMAT, "structure": pickle.dumps(_Planted(marker))})
+    plant(checkpoints.shm, 2, lambda r: {**r, "format": checkpoint_files.FORMAT, "structure": pickle.dumps(_Planted(marker))})
     assert checkpoints.restore() == 1
     assert not marker.exists()
     assert group.state.digest(1) == expected
@@ -334,7 +335,7 @@ def test_save_never_blocks_when_the_directory_cannot_be_written(tmp_path, name, 
     assert not saving.is_alive(), "save() blocked"
     errors = [o for o in outcomes if isinstance(o, FtcommError)]
     assert errors and all(str(directory) in str(e) for e in errors)
-    assert len(_steps(checkpoints.shm)) == 2  # shared memory is still published and pruned
+    assert len(steps_in(checkpoints.shm)) == 2  # shared memory is still published and pruned
     checkpoints.close()
 
 
@@ -370,7 +371,7 @@ def test_a_full_disk_names_the_path_and_leaves_no_temporary_file(tmp_path, name,
     assert str(tmp_path / "step-000000000001.data") in str(failed.value)
     assert os.strerror(errno.ENOSPC) in str(failed.value)
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    assert _steps(checkpoints.shm) == [1]  # the shared-memory copy is published all the same
+    assert steps_in(checkpoints.shm) == [1]  # the shared-memory copy is published all the same
     checkpoints.close()
 
 
@@ -445,7 +446,7 @@ def test_a_new_checkpoint_is_kept_when_every_newer_one_is_corrupt(tmp_path, name
     group.step = 8
     second.save()
     second.wait()
-    assert _steps(second.shm) == [8] and _steps(tmp_path) == [8]  # the corrupt ones are gone, the new one kept
+    assert steps_in(second.shm) == [8] and steps_in(tmp_path) == [8]  # the corrupt ones are gone, the new one kept
     loaded = second._load_verified(8)
     assert loaded is not None
     loaded[1].close()
@@ -463,5 +464,5 @@ def test_newer_checkpoints_of_an_earlier_run_are_neither_pruned_nor_counted(tmp_
         group.step = step
         second.save()
     second.wait()
-    assert _steps(second.shm) == [100, 16] and _steps(tmp_path) == [100, 16]
+    assert steps_in(second.shm) == [100, 16] and steps_in(tmp_path) == [100, 16]
     second.close()

@@ -15,7 +15,7 @@ import torch
 
 import ftcomm
 from ftcomm import netif
-from ftcomm.errors import CommunicatorError, ConfigMismatch, FtcommError, SecretRequired, StateError
+from ftcomm.errors import ConfigMismatch, FtcommError, SecretRequired, StateError
 from ftcomm.gossip.runtime import query_members
 from ftcomm.state import TrainingState
 

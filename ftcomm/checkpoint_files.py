@@ -1,0 +1,257 @@
+"""Checkpoint files: the record format and its validation, private directories, atomic writes.
+
+A checkpoint of step ``S`` is ``step-S.data`` (every tensor's raw bytes, 64-byte
+aligned) and ``step-S.meta``: ``b"FTCK"``, an XXH3-64 of the body, and a msgpack record
+of plain values (format, step, time, sizes, the tensor table, a checksum per
+``CHUNK`` piece of each tensor, and the state's structure as a :mod:`ftcomm.plain`
+skeleton). Nothing is pickled; :func:`check_record` checks every field of a record read
+back, so a malformed or planted file is refused, never run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import pathlib
+import re
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import msgpack
+import xxhash
+
+from . import plain
+from .errors import FtcommError, StateError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 2  # 2: the structure is a plain msgpack skeleton (format 1 pickled it and is not read)
+CHUNK = 64 << 20  # bytes per checksum piece
+MAX_META_BYTES = plain.MAX_SKELETON_BYTES + (64 << 20)  # the skeleton plus tensor table and checksums
+MAX_SIZE = 1 << 56  # bytes of tensor data a record may claim
+SETTLE_S = 10.0  # an unheld private file younger than this may be being created: left alone
+META_NAME = re.compile(r"^step-(\d{12})\.meta$")
+DATA_NAME = re.compile(r"^step-(\d{12})\.data$")
+PRIVATE_NAME = re.compile(r"^\.(slot-.+\.data|.+\.tmp)$")  # unpublished files: spare buffers, temporaries
+RECORD_FIELDS = {"format": int, "step": int, "time": float, "size": int, "chunk": int, "tensors": list,
+           "checksums": list, "structure": bytes}
+MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # pages faulted in at mapping time
+
+
+@dataclass(frozen=True)
+class TensorIndex:
+    """Stands for tensor ``index`` of a checkpoint in its decoded structure."""
+
+    index: int
+
+
+@dataclass
+class Meta:
+    """A checkpoint record read back and validated."""
+
+    step: int
+    size: int
+    tensors: list[list]  # [offset, dtype, shape, nbytes] each, inside ``size``
+    checksums: list[list[int]]
+    structure: bytes  # the plain skeleton
+    tree: dict  # the skeleton decoded with a TensorIndex in place of each tensor
+
+
+def leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """Every leaf of a nested dict/list/tuple structure with its path of keys and indices."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from leaves(v, path + (k,))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from leaves(v, path + (i,))
+    else:
+        yield path, tree
+
+
+def checksums_of(buffer: Any, entries: list[list]) -> list[list[int]]:
+    """XXH3-64 of each ``CHUNK`` piece of each tensor's bytes in ``buffer``."""
+    with memoryview(buffer) as view:
+        return [[xxhash.xxh3_64_intdigest(view[lo:lo + min(CHUNK, offset + nbytes - lo)])
+                 for lo in range(offset, offset + nbytes, CHUNK)] for offset, _, _, nbytes in entries]
+
+
+# ---------------------------------------------------------------------- files
+def private_directory(path: pathlib.Path) -> pathlib.Path:
+    """``path``, created with mode 0700 if missing (its parents as usual).
+
+    Raises FtcommError when it is a symlink, not a directory, owned by another user or
+    writable by group or others: whoever can write there could plant or swap checkpoints.
+    """
+    advice = "remove it if it is yours, or pick another job name (name=...) or shm_root"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        info = os.lstat(path)
+    except OSError as exc:
+        raise FtcommError(f"cannot create the shared-memory directory {path}: {exc}; {advice}") from exc
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory"
+    elif info.st_uid != os.geteuid():
+        problem = f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    elif info.st_mode & 0o022:
+        problem = f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    else:
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.chmod(path, 0o700)  # ours and not writable by others: make it private too
+        return path
+    raise FtcommError(f"refusing the shared-memory directory {path}: it {problem}, so another user could "
+                      f"read or plant checkpoints there; {advice}")
+
+
+def hold_shared(fd: int) -> None:
+    """Take a shared flock on ``fd``: its file is in use by this process (see remove_abandoned)."""
+    with contextlib.suppress(OSError):  # a filesystem without flock: the file is merely never cleaned up
+        fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def remove_abandoned(directory: pathlib.Path) -> None:
+    """Delete the unpublished files in ``directory`` that no live process holds.
+
+    A file that can be locked exclusively and is older than ``SETTLE_S`` (so not being
+    created this instant) was left by a process that ended. Failures are ignored.
+    """
+    for entry in os.scandir(directory):
+        if not PRIVATE_NAME.match(entry.name):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and time.time() - info.st_mtime > SETTLE_S:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: a live process holds it
+                os.unlink(entry.path)
+                log.info("removed %s, left behind by a process that ended", entry.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: pathlib.Path, data: Any, sync: bool) -> None:
+    """Write ``data`` to ``path`` through a private (0600) temporary file: write, fsync if
+    ``sync``, rename. Raises OSError on failure, with the temporary file removed and
+    ``path`` untouched."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        hold_shared(fd)
+        with memoryview(data) as view:
+            for lo in range(0, len(view), CHUNK):
+                piece = view[lo:lo + CHUNK]
+                while piece:
+                    piece = piece[os.write(fd, piece):]
+        if sync:
+            os.fsync(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: pathlib.Path) -> int:
+    """A read-only descriptor of ``path``; StateError if it is not a regular file (opening
+    never blocks, even on a FIFO)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StateError(f"{path.name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def meta_bytes(record: dict) -> bytes:
+    body = msgpack.packb(record, use_bin_type=True)
+    return b"FTCK" + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
+
+
+def read_meta(path: pathlib.Path, step: int) -> Meta:
+    """The validated record in ``path``, the checkpoint of ``step``.
+
+    Raises OSError when it cannot be read, ValueError when it is another version's
+    format, StateError when it is malformed or corrupt. Nothing in it is executed.
+    """
+    with open(open_regular(path), "rb") as f:
+        raw = f.read(MAX_META_BYTES + 1)
+    if len(raw) > MAX_META_BYTES:
+        raise StateError(f"record larger than {MAX_META_BYTES} bytes")
+    if len(raw) < 12 or raw[:4] != b"FTCK" or \
+            int.from_bytes(raw[4:12], "little") != xxhash.xxh3_64_intdigest(raw[12:]):
+        raise StateError("bad header or record checksum")
+    try:
+        record = msgpack.unpackb(raw[12:], raw=False)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise StateError(f"malformed record ({type(exc).__name__})") from None
+    return check_record(record, step)
+
+
+def check_record(record: Any, step: int) -> Meta:
+    """``record`` as a Meta if every field has its type and range; StateError otherwise
+    (ValueError for another format)."""
+    if type(record) is not dict:
+        raise StateError("record is not a map")
+    if record.get("format") != FORMAT:
+        raise ValueError(f"format {record.get('format')!r:.20} (this version reads {FORMAT}); "
+                         f"restore it with the ftcomm version that wrote it")
+    for key, kind in RECORD_FIELDS.items():
+        if type(record.get(key)) is not kind:
+            raise StateError(f"field {key!r} is missing or not of type {kind.__name__}")
+    size = record["size"]
+    if record["step"] != step or record["chunk"] != CHUNK or not 0 <= size <= MAX_SIZE:
+        raise StateError(f"step {record['step']}, chunk {record['chunk']} or size {size} is out of range")
+    entries = plain.check_layout(record["tensors"], size)
+    checksums = record["checksums"]
+    if len(checksums) != len(entries) or any(
+            type(sums) is not list or len(sums) != -(-entry[3] // CHUNK) or
+            any(type(x) is not int or not 0 <= x < 1 << 64 for x in sums) for sums, entry in zip(checksums, entries)):
+        raise StateError("the checksum table does not match the tensor table")
+    tree = plain.join(record["structure"], [TensorIndex(i) for i in range(len(entries))])  # type: ignore[misc]
+    if type(tree) is not dict or tree.get("step") != step or type(tree.get("values")) is not dict or \
+            type(tree.get("objects")) is not dict or any(type(v) is not dict for v in tree["objects"].values()):
+        raise StateError("the structure is not a snapshot of registered state")
+    return Meta(step, size, entries, checksums, record["structure"], tree)
+
+
+def map_data(path: pathlib.Path, size: int) -> mmap.mmap:
+    """A read-only mapping of the first ``size`` bytes of ``path``; StateError if it is shorter."""
+    fd = open_regular(path)
+    try:
+        if os.fstat(fd).st_size < size:
+            raise StateError("data file is shorter than its record (partial write)")
+        return mmap.mmap(fd, size, flags=MAP_FLAGS, prot=mmap.PROT_READ) if size else mmap.mmap(-1, 1)
+    finally:
+        os.close(fd)
+
+
+def steps_in(directory: pathlib.Path | None, pattern: re.Pattern = META_NAME) -> list[int]:
+    """Steps with a record (or, with ``DATA_NAME``, a data file) in ``directory``, newest first."""
+    try:
+        names = os.listdir(directory) if directory is not None else []
+    except OSError:
+        return []
+    return sorted((int(m.group(1)) for m in map(pattern.match, names) if m), reverse=True)
+
+
+def file_name(step: int, suffix: str) -> str:
+    return f"step-{step:012d}.{suffix}"
