@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 

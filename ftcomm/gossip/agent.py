@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if name == "members":
             out.write(ev="members", t=time.time(),
-                      members=[dict(id=m.id, state=m.state, incarnation=m.incarnation, metadata=m.metadata)
-                               for m in node.members()])
+                      members=[dict(id=m.id, state=m.state, incarnation=m.incarnation, metadata=m.metadata,
+                                    confirmed=m.confirmed) for m in node.members()])
         elif name == "stats":
             usage = resource.getrusage(resource.RUSAGE_SELF)
             out.write(ev="stats", stats=node.stats(), cpu_s=usage.ru_utime + usage.ru_stime, t=time.time())

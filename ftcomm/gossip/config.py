@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from . import wire
+
 
 def suspicion_timeout(suspicion_mult: float, n: int, probe_interval: float) -> float:
     """Minimum suspicion timeout: ``suspicion_mult * max(1, log10(n)) * probe_interval``.
@@ -155,6 +157,37 @@ class GossipConfig:
     """How long leave() keeps the member running after announcing the departure, so
     the announcement is forwarded."""
 
+    freshness_window: float = 30.0
+    """With a secret, a packet is accepted only while its sender's timestamp is within
+    this many seconds of the receiver's wall clock, and only once (a bounded cache of
+    the packets seen inside the window refuses copies). The hosts' clocks must agree to
+    well within it (run NTP). Shorter narrows the time a captured packet can be replayed to a
+    member that has not seen it; too short drops packets delayed by a paused process."""
+
+    replay_cache_entries: int = 16384
+    """Packets remembered per member for replay detection (about 200 bytes each). When
+    more than this many arrive within one freshness window, the window shrinks rather
+    than a packet being forgotten; enough for ~500 packets/s per member at the default."""
+
+    max_members: int = 1024
+    """Largest member table (this member, and dead and left members, included). A record
+    of a new member beyond it is refused (counted in ``rejected.member_table_full``)
+    unless a dead or left member, or a live one that never answered its confirmation
+    pings, can be forgotten to make room. Bounds the memory and probe traffic a flood of
+    forged members can cost; keep it above the largest group."""
+
+    join_rate: float = 50.0
+    """New member ids admitted per second, from a bucket that holds ``max_members``: a
+    whole cluster can be learned at once (a join, a healed partition), but sustained
+    churn beyond this rate is refused (counted in ``rejected.join_rate``)."""
+
+    confirmation_pings: int = 8
+    """Extra pings per probe interval to members learned through gossip that have not yet
+    answered this member directly, so that a real newcomer is *confirmed* (``confirmed``
+    on the member info) within a probe interval or two and a forged one never is. Each
+    unconfirmed member gets up to three; more confirm a large batch of newcomers sooner
+    at the cost of a burst of datagrams."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
@@ -167,6 +200,13 @@ class GossipConfig:
             )
         if self.max_datagram_bytes < 512:
             raise ValueError("GossipConfig.max_datagram_bytes must be at least 512")
+        for name in ("freshness_window", "replay_cache_entries", "max_members"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"GossipConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_metadata_bytes > wire.MAX_METADATA_BYTES:
+            raise ValueError(f"GossipConfig.max_metadata_bytes must be at most {wire.MAX_METADATA_BYTES}")
+        if self.max_members > wire.MAX_RECORDS:
+            raise ValueError(f"GossipConfig.max_members must be at most {wire.MAX_RECORDS}")
 
     def with_overrides(self, **overrides: object) -> GossipConfig:
         """A copy with some fields replaced; unknown names raise a clear error."""

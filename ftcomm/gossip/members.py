@@ -1,4 +1,5 @@
-"""The member table of one member: every known member's state, the live set and the probe order."""
+"""The member table of one member: every known member's state, the live set, the probe order,
+and who may enter it (a size cap and a join rate) and who has proved to be real."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ class MemberInfo:
     state: str  # alive | suspect | dead | left
     metadata: bytes
     since: float  # time of the last state change, in the driver's clock
+    confirmed: bool = False
+    """This member has answered a ping of ours directly, with its own id, at its address
+    (or came from an out-of-band list). A member known only through others' gossip is
+    not confirmed: it may be a forgery. This member itself is always confirmed."""
 
     @property
     def address(self) -> tuple[str, int]:
@@ -39,6 +44,7 @@ class MemberState:
     state: int
     meta: bytes
     since: float
+    confirmed: bool = False
 
     @property
     def address(self) -> tuple[str, int]:
@@ -46,7 +52,7 @@ class MemberState:
 
     def info(self) -> MemberInfo:
         return MemberInfo(self.id, self.host, self.port, self.incarnation,
-                          wire.STATE_NAMES[self.state], self.meta, self.since)
+                          wire.STATE_NAMES[self.state], self.meta, self.since, self.confirmed)
 
     def record(self) -> list:
         return [self.id, self.host, self.port, self.incarnation, self.state, self.meta]
@@ -54,17 +60,28 @@ class MemberState:
 
 class MemberTable:
     """All known members; the *live* ones (alive or suspect, this member excluded) are
-    kept in a list for O(1) random picks and walked in a shuffled round-robin order."""
+    kept in a list for O(1) random picks and walked in a shuffled round-robin order.
 
-    def __init__(self, own: MemberState, rng: random.Random) -> None:
+    Members learned from the network enter through :meth:`admit`: at most ``capacity``
+    entries, and new ids at most ``join_rate`` per second from a bucket of ``capacity``.
+    Live members that have not answered this member directly wait in ``unconfirmed``.
+    """
+
+    def __init__(self, own: MemberState, rng: random.Random, *, capacity: int = 1024,
+                 join_rate: float = 50.0) -> None:
         self.own = own
         self.by_id: dict[str, MemberState] = {own.id: own}
         self.live: list[str] = []
         self._live_index: dict[str, int] = {}
         self.recent_dead: dict[str, float] = {}  # id -> time it was declared dead or left
+        self.unconfirmed: dict[str, int] = {}  # id -> confirmation pings sent, oldest first
         self._rng = rng
         self._probe_order: list[str] = []
         self._probe_pos = 0
+        self.capacity = capacity
+        self._join_rate = join_rate
+        self._join_tokens = float(capacity)
+        self._tokens_at: float | None = None
 
     def get(self, member_id: str) -> MemberState | None:
         return self.by_id.get(member_id)
@@ -81,10 +98,76 @@ class MemberTable:
         if member.state in (ALIVE_STATE, SUSPECT_STATE):
             self.mark_live(member.id)
 
+    def admit(self, member: MemberState, now: float) -> str | None:
+        """Add a member learned from the network; or the reason it was refused:
+        ``join_rate`` (too many new ids lately) or ``member_table_full``."""
+        if self._tokens_at is not None:
+            self._join_tokens = min(self.capacity, self._join_tokens + (now - self._tokens_at) * self._join_rate)
+        self._tokens_at = now
+        if self._join_tokens < 1:
+            return "join_rate"
+        if len(self.by_id) >= self.capacity and not self._make_room():
+            return "member_table_full"
+        self._join_tokens -= 1
+        self.add(member)
+        return None
+
+    def _make_room(self) -> bool:
+        """Forget the member least likely to matter: the oldest dead or left one, else the
+        oldest live one that ignored every confirmation ping (most likely a forgery)."""
+        candidates = [m for m in self.by_id.values() if m.state in (DEAD_STATE, LEFT_STATE)]
+        if not candidates:
+            candidates = [m for m in self.by_id.values() if not m.confirmed and m.id not in self.unconfirmed]
+        if not candidates:
+            return False
+        self._forget(min(candidates, key=lambda m: m.since).id)
+        return True
+
+    def _forget(self, member_id: str) -> None:
+        self._remove_live(member_id)
+        del self.by_id[member_id]
+        self.recent_dead.pop(member_id, None)
+        self.unconfirmed.pop(member_id, None)
+
+    def confirm(self, member_id: str) -> bool:
+        """Record a direct answer from ``member_id``; True when it was not confirmed before."""
+        self.unconfirmed.pop(member_id, None)
+        m = self.by_id.get(member_id)
+        if m is None or m.confirmed:
+            return False
+        m.confirmed = True
+        return True
+
+    def unconfirm(self, member_id: str) -> None:
+        """The member moved to another address: it must answer there before it counts again."""
+        m = self.by_id[member_id]
+        m.confirmed = False
+        if member_id in self._live_index:
+            self.unconfirmed.setdefault(member_id, 0)
+
+    def next_to_confirm(self, count: int, attempts: int) -> list[str]:
+        """Up to ``count`` live unconfirmed members to ping now, oldest first; each is
+        picked at most ``attempts`` times (after that only the regular probes confirm it)."""
+        picked: list[str] = []
+        gone: list[str] = []
+        for member_id in self.unconfirmed:
+            if len(picked) == count:
+                break
+            (picked if member_id in self._live_index else gone).append(member_id)
+        for member_id in gone:
+            del self.unconfirmed[member_id]
+        for member_id in picked:
+            sent = self.unconfirmed.pop(member_id) + 1
+            if sent < attempts:
+                self.unconfirmed[member_id] = sent  # to the back of the queue
+        return picked
+
     def mark_live(self, member_id: str) -> None:
         self.recent_dead.pop(member_id, None)
         if member_id in self._live_index:
             return
+        if not self.by_id[member_id].confirmed:
+            self.unconfirmed.setdefault(member_id, 0)
         self._live_index[member_id] = len(self.live)
         self.live.append(member_id)
         # Probe a newcomer within the current round, at a random place in it.
@@ -94,6 +177,9 @@ class MemberTable:
     def mark_gone(self, member_id: str, now: float) -> None:
         """A member became dead or left: out of the live set, into the recently dead."""
         self.recent_dead[member_id] = now
+        self._remove_live(member_id)
+
+    def _remove_live(self, member_id: str) -> None:
         index = self._live_index.pop(member_id, None)
         if index is None:
             return
@@ -137,4 +223,4 @@ class MemberTable:
         for m in [m for m in self.by_id.values() if m.state in (DEAD_STATE, LEFT_STATE)]:
             retention = left_retention if m.state == LEFT_STATE else dead_retention
             if now - m.since > retention:
-                del self.by_id[m.id]
+                self._forget(m.id)

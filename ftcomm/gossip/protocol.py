@@ -9,7 +9,15 @@ is needed. The asyncio runtime, the simulator and the tests are three drivers of
 one class.
 
 Failure semantics: nothing here raises on input from the network. A malformed,
-unauthenticated or foreign packet is dropped and counted in ``stats``.
+unauthenticated, stale, replayed or foreign packet is dropped and counted in ``stats``
+(``dropped`` and ``dropped.<reason>``); a message inside an accepted packet that is
+refused (a new member beyond the table cap or the join rate, oversized metadata, a
+ping for someone else) is counted under ``rejected.<reason>``.
+
+Time: every ``now`` is the driver's clock (monotonic in the runtime, virtual in the
+simulator). Sealed packets carry wall-clock time for the freshness check; it is
+``now + wall_offset``, and a driver whose ``now`` is not shared with the other hosts
+sets :attr:`Protocol.wall_offset` (the runtime sets it to ``time.time() - now``).
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ _INF = math.inf
 
 @dataclass(frozen=True)
 class MemberEvent:
-    """A change in membership: kind is joined, suspect, alive, dead, left or metadata."""
+    """A change in membership: kind is joined, suspect, alive, dead, left, metadata or confirmed
+    (the member answered this one directly for the first time, see ``MemberInfo.confirmed``)."""
 
     kind: str
     member: MemberInfo
@@ -67,6 +76,7 @@ class StreamRequest:
 @dataclass
 class _Probe:
     target: str
+    address: tuple[str, int]
     seq: int
     ack_deadline: float
     acked: bool = False
@@ -81,6 +91,9 @@ class _Relay:
     origin_id: str
     origin_seq: int
     deadline: float
+
+
+CONFIRMATION_ATTEMPTS = 3  # confirmation pings per unconfirmed member; then only regular probes
 
 
 @dataclass
@@ -98,18 +111,25 @@ class Protocol:
     def __init__(self, member_id: str, host: str, port: int, *, cluster: str = "ftcomm",
                  secret: bytes | None = None, config: GossipConfig | None = None,
                  metadata: bytes = b"", seed: int | None = None) -> None:
-        self.config = config or GossipConfig()
+        self.config = cfg = config or GossipConfig()
         self.id = member_id
         self._rng = random.Random(seed)
-        self._dgram = wire.Sealer(cluster, member_id, secret, self.config.max_datagram_bytes)
-        self._stream = wire.Sealer(cluster, member_id, secret, self.config.max_stream_bytes)
+        freshness = dict(freshness_window=cfg.freshness_window, replay_cache_entries=cfg.replay_cache_entries)
+        self._dgram = wire.Sealer(cluster, member_id, secret, cfg.max_datagram_bytes, **freshness)
+        self._stream = wire.Sealer(cluster, member_id, secret, cfg.max_stream_bytes, **freshness)
         self._check_metadata(metadata)
-        self._self = MemberState(member_id, host, port, 0, ALIVE_STATE, metadata, 0.0)
-        self._table = MemberTable(self._self, self._rng)
+        self._self = MemberState(member_id, host, port, 0, ALIVE_STATE, metadata, 0.0, confirmed=True)
+        self._table = MemberTable(self._self, self._rng, capacity=cfg.max_members, join_rate=cfg.join_rate)
         self._suspicions: dict[str, Suspicion] = {}
         self._relays: dict[int, _Relay] = {}
         self._probe: _Probe | None = None
-        self._seq = 0
+        self._confirmations: dict[int, tuple[str, tuple[str, int], float]] = {}  # seq -> (id, address, deadline)
+        self._seq = self._rng.getrandbits(32)  # unpredictable: an ack must answer a ping that was seen
+        self._now = 0.0
+        self.wall_offset = 0.0
+        """Wall-clock seconds minus the driver's ``now``: sealed packets are stamped with,
+        and checked for freshness against, ``now + wall_offset``. 0 when ``now`` is a
+        clock every member shares (the simulator's virtual clock)."""
         self._broadcasts = BroadcastQueue()
         self._awareness = Awareness(self.config.awareness_max_multiplier)
         self._timers = _Timers()
@@ -146,6 +166,7 @@ class Protocol:
 
     def start(self, now: float) -> None:
         """Begin probing and announce this member."""
+        self._now = now
         self.started = True
         self._self.since = now
         self._queue_alive_self()
@@ -160,26 +181,29 @@ class Protocol:
     def bootstrap(self, records: list[list], now: float) -> None:
         """Adopt a member table known out of band (``[id, host, port, incarnation, state, meta]``
         records) without announcing each entry or emitting events: a static host list, or a
-        simulator starting from a converged cluster."""
+        simulator starting from a converged cluster. They count as confirmed (the list
+        comes from the operator, not the network) and are not subject to ``max_members``."""
         for member_id, host, port, incarnation, state, meta in records:
             if member_id == self.id or self._table.get(member_id) is not None:
                 continue
             state = ALIVE_STATE if state == SUSPECT_STATE else state
-            self._table.add(MemberState(member_id, host, port, incarnation, state, meta, now))
+            self._table.add(MemberState(member_id, host, port, incarnation, state, meta, now, confirmed=True))
 
     def record(self) -> list:
         """This member's own record, as exchanged by push/pull."""
         return self._self.record()
 
-    def join_request(self) -> bytes:
+    def join_request(self, now: float) -> bytes:
         """The first push/pull to send to a seed address."""
+        self._now = now
         return self._push_pull_message(join=True)
 
     def set_metadata(self, metadata: bytes, now: float) -> None:
         """Replace this member's metadata; it spreads under a new incarnation."""
         self._check_metadata(metadata)
+        self._now = now
         self._self.meta = metadata
-        self._self.incarnation += 1
+        self._raise_incarnation(self._self.incarnation)
         self._queue_alive_self()
 
     def declare_dead(self, member_id: str, now: float) -> bool:
@@ -188,6 +212,7 @@ class Protocol:
         The death is gossiped like any other; a member declared dead by mistake refutes
         it. Returns False when the member is unknown or already dead or left.
         """
+        self._now = now
         m = self._table.get(member_id)
         if m is None or member_id == self.id or m.state in (DEAD_STATE, LEFT_STATE):
             return False
@@ -202,6 +227,7 @@ class Protocol:
         """
         if self.leaving:
             return
+        self._now = now
         self.leaving = True
         # The notice replaces this member's queued alive message, so the direct notices carry
         # the newest metadata first: receivers see the last published state before *left*.
@@ -213,11 +239,11 @@ class Protocol:
 
     def receive(self, data: bytes, source: tuple[str, int], now: float) -> None:
         """Handle one datagram from ``source``."""
+        self._now = now
         try:
-            sender, messages = self._dgram.open(data)
+            sender, messages = self._dgram.open(data, now=self._wall())
         except wire.WireError as err:
-            self.stats["dropped"] += 1
-            self.stats["dropped." + err.reason] += 1
+            self._drop(err.reason)
             return
         self.stats["datagrams_received"] += 1
         self.stats["bytes_received"] += len(data)
@@ -226,7 +252,7 @@ class Protocol:
             if kind == PING:
                 self._on_ping(message, source, sender)
             elif kind == ACK:
-                self._on_ack(message[1])
+                self._on_ack(message[1], sender, now)
             elif kind == PING_REQ:
                 self._on_ping_req(message, source, sender, now)
             elif kind == NACK:
@@ -241,34 +267,36 @@ class Protocol:
 
     def handle_stream(self, data: bytes, now: float) -> bytes:
         """Answer one TCP request (push/pull or a members query); never raises."""
+        self._now = now
         try:
-            sender, messages = self._stream.open(data, wire.STREAM_TYPES)
-            if len(messages) != 1:
-                raise wire.WireError("malformed", "a request holds exactly one message")
+            sender, messages = self._stream.open(data, wire.STREAM_TYPES, now=self._wall())
+            if len(messages) != 1 or messages[0][0] not in (wire.PUSH_PULL, wire.MEMBERS_QUERY):
+                raise wire.WireError("unexpected_request", "a request is one push/pull or members query")
         except wire.WireError as err:
-            self.stats["dropped"] += 1
-            self.stats["dropped." + err.reason] += 1
-            return self._stream.seal([wire.encode([wire.ERROR, err.reason])])
+            self._drop(err.reason)
+            return self._seal_stream([wire.ERROR, err.reason])
         message = messages[0]
         self.stats["streams_received"] += 1
         if message[0] == wire.PUSH_PULL:
             self._merge(message[2], sender, now)
             return self._push_pull_message(join=False)
-        if message[0] == wire.MEMBERS_QUERY:
-            return self._stream.seal([wire.encode([wire.MEMBERS_REPLY, self._table.records()])])
-        return self._stream.seal([wire.encode([wire.ERROR, "unexpected_request"])])
+        members = self._table.by_id.values()
+        return self._seal_stream([wire.MEMBERS_REPLY, [m.record() for m in members], [m.confirmed for m in members]])
 
     def handle_stream_reply(self, data: bytes, now: float) -> bool:
-        """Merge the reply to a push/pull this member made; False when it was unusable."""
+        """Merge the reply to a push/pull this member made; False when it was unusable
+        (an error reply, say because the peer found the request stale, counts as
+        ``dropped.error_reply``)."""
+        self._now = now
         try:
-            sender, messages = self._stream.open(data, wire.STREAM_TYPES)
+            sender, messages = self._stream.open(data, wire.STREAM_TYPES, now=self._wall())
+            if len(messages) != 1 or messages[0][0] != wire.PUSH_PULL:
+                error = len(messages) == 1 and messages[0][0] == wire.ERROR
+                raise wire.WireError("error_reply" if error else "unexpected_reply")
         except wire.WireError as err:
-            self.stats["dropped"] += 1
-            self.stats["dropped." + err.reason] += 1
+            self._drop(err.reason)
             return False
-        if len(messages) != 1 or messages[0][0] != wire.PUSH_PULL:
-            self.stats["stream_replies_rejected"] += 1
-            return False
+        self.stats["stream_replies_received"] += 1
         self._merge(messages[0][2], sender, now)
         return True
 
@@ -276,6 +304,7 @@ class Protocol:
         """Run every timer that is due at ``now``."""
         if not self.started:
             return
+        self._now = now
         cfg = self.config
         if self._relays:
             self._expire_relays(now)
@@ -293,6 +322,7 @@ class Protocol:
                     self._finish_probe(probe, now)
             if not self.leaving:
                 self._start_probe(now)
+                self._send_confirmation_pings(now)
             self._timers.probe = now + self._awareness.scale(cfg.probe_interval)
         if self._suspicions:
             for member_id, suspicion in list(self._suspicions.items()):
@@ -341,6 +371,16 @@ class Protocol:
         out, self._events = self._events, []
         return out
 
+    # ---------------------------------------------------------------- accounting
+    def _wall(self) -> float:
+        """Wall-clock time of the latest ``now``: what sealed packets are stamped and checked with."""
+        return self._now + self.wall_offset
+
+    def _drop(self, reason: str) -> None:
+        """Count a packet dropped whole (it was never acted on)."""
+        self.stats["dropped"] += 1
+        self.stats["dropped." + reason] += 1
+
     # ---------------------------------------------------------------- probing
     def _next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
@@ -356,7 +396,7 @@ class Protocol:
         if m.state == SUSPECT_STATE:  # Lifeguard buddy system: tell the suspect first
             buddy = wire.encode([SUSPECT, target, m.incarnation, self.id])
         self._send((m.host, m.port), target, [wire.encode([PING, seq, target])], buddy)
-        self._probe = _Probe(target, seq, now + self._awareness.scale(self.config.probe_timeout))
+        self._probe = _Probe(target, m.address, seq, now + self._awareness.scale(self.config.probe_timeout))
 
     def _send_indirect_probes(self, probe: _Probe) -> None:
         probe.indirect_sent = True
@@ -384,7 +424,7 @@ class Protocol:
 
     def _on_ping(self, message: list, source: tuple[str, int], sender: str) -> None:
         if message[2] != self.id:
-            self.stats["dropped.wrong_target"] += 1
+            self.stats["rejected.wrong_target"] += 1
             return
         notice = None
         m = self._table.get(sender)
@@ -392,12 +432,19 @@ class Protocol:
             notice = wire.encode([DEAD, sender, m.incarnation, self.id])
         self._send(source, sender, [wire.encode([ACK, message[1]])], notice)
 
-    def _on_ack(self, seq: int) -> None:
+    def _on_ack(self, seq: int, sender: str, now: float) -> None:
         probe = self._probe
         if probe is not None and probe.seq == seq:
             if not probe.acked:
                 probe.acked = True
                 self._awareness.apply(-1)
+            if sender == probe.target:  # not an ack relayed by a helper
+                self._confirm(sender, probe.address, now)
+            return
+        confirmation = self._confirmations.pop(seq, None)
+        if confirmation is not None:
+            if sender == confirmation[0]:
+                self._confirm(sender, confirmation[1], now)
             return
         relay = self._relays.pop(seq, None)
         if relay is not None:
@@ -409,6 +456,30 @@ class Protocol:
         deadline = now + self.config.probe_timeout * self.config.nack_timeout_fraction
         self._relays[seq] = _Relay(source, sender, origin_seq, deadline)
         self._send((host, port), target_id, [wire.encode([PING, seq, target_id])])
+
+    # ---------------------------------------------------------------- confirmation
+    def _send_confirmation_pings(self, now: float) -> None:
+        """Ping members learned through gossip that have not answered us directly yet.
+
+        Separate from the failure detector: an unanswered confirmation ping is no
+        evidence against anyone; the regular probes still judge every member.
+        """
+        if self._confirmations:
+            self._confirmations = {seq: c for seq, c in self._confirmations.items() if c[2] > now}
+        deadline = now + self._awareness.scale(self.config.probe_interval)
+        for member_id in self._table.next_to_confirm(self.config.confirmation_pings, CONFIRMATION_ATTEMPTS):
+            m = self._table.get(member_id)
+            seq = self._next_seq()
+            self._confirmations[seq] = (member_id, m.address, deadline)
+            self._send(m.address, member_id, [wire.encode([PING, seq, member_id])])
+            self.stats["confirmation_pings"] += 1
+
+    def _confirm(self, member_id: str, pinged: tuple[str, int], now: float) -> None:
+        """``member_id`` answered, with its own id, a ping this member sent to ``pinged``:
+        proof that it lives there, if that is still its address."""
+        m = self._table.get(member_id)
+        if m is not None and m.address == pinged and self._table.confirm(member_id):
+            self._emit("confirmed", m, now, member_id)
 
     def _expire_relays(self, now: float) -> None:
         for seq in [s for s, r in self._relays.items() if now >= r.deadline]:
@@ -423,18 +494,24 @@ class Protocol:
                 self._refute(incarnation)
             return
         if len(meta) > self.config.max_metadata_bytes:
-            self.stats["dropped.oversized_metadata"] += 1
+            self.stats["rejected.oversized_metadata"] += 1
             return
         m = self._table.get(member_id)
         if m is None:
             m = MemberState(member_id, host, port, incarnation, ALIVE_STATE, meta, now)
-            self._table.add(m)
+            refused = self._table.admit(m, now)
+            if refused is not None:
+                self.stats["rejected." + refused] += 1
+                return
             self._emit("joined", m, now, source)
         else:
             if incarnation <= m.incarnation:
                 return
             previous_state, previous_meta = m.state, m.meta
+            moved = (host, port) != m.address
             m.incarnation, m.host, m.port, m.meta = incarnation, host, port, meta
+            if moved and m.confirmed:
+                self._table.unconfirm(member_id)
             if previous_state != ALIVE_STATE:
                 self._suspicions.pop(member_id, None)
                 m.state, m.since = ALIVE_STATE, now
@@ -484,14 +561,28 @@ class Protocol:
         self._broadcasts.queue(member_id, wire.encode([DEAD, member_id, incarnation, reporter]))
 
     def _declare_dead(self, member_id: str, incarnation: int, now: float) -> None:
+        if self._table.get(member_id) is None:  # forgotten while suspected, to make room in a full table
+            self._suspicions.pop(member_id, None)
+            return
         self.stats["declared_dead"] += 1
         self._on_dead(member_id, incarnation, self.id, now)
 
     def _refute(self, incarnation: int) -> None:
         self.stats["refutations"] += 1
-        self._self.incarnation = max(self._self.incarnation, incarnation) + 1
+        self._raise_incarnation(incarnation)
         self._awareness.apply(1)
         self._queue_alive_self()
+
+    def _raise_incarnation(self, seen: int) -> None:
+        """Move this member's incarnation above ``seen`` (and its own), within the wire's range.
+
+        Decoding caps every received incarnation at ``wire.MAX_INCARNATION``, so only
+        forged news in a group without a secret can bring a member there; it then stays
+        at the cap (counted) rather than sending numbers its peers would drop.
+        """
+        if max(self._self.incarnation, seen) >= wire.MAX_INCARNATION:
+            self.stats["incarnation_exhausted"] += 1
+        self._self.incarnation = min(max(self._self.incarnation, seen) + 1, wire.MAX_INCARNATION)
 
     def _queue_alive_self(self) -> None:
         self._broadcasts.queue(self.id, self._alive_self_message())
@@ -508,7 +599,7 @@ class Protocol:
               first: bytes | None = None) -> None:
         budget = self.config.max_datagram_bytes - self._dgram.overhead - sum(len(m) + 1 for m in messages)
         extra = self._broadcasts.take(budget, self.config.retransmit_limit(self.num_members()), first)
-        data = self._dgram.seal(messages + extra)
+        data = self._dgram.seal(messages + extra, now=self._wall())
         self._out.append(Datagram(address, data, target))
         self.stats["datagrams_sent"] += 1
         self.stats["bytes_sent"] += len(data)
@@ -526,14 +617,17 @@ class Protocol:
             m = self._table.get(target)
             if m is None:
                 continue
-            data = self._dgram.seal(messages)
+            data = self._dgram.seal(messages, now=self._wall())
             self._out.append(Datagram((m.host, m.port), data, target))
             self.stats["datagrams_sent"] += 1
             self.stats["bytes_sent"] += len(data)
 
     # ---------------------------------------------------------------- anti-entropy
     def _push_pull_message(self, join: bool) -> bytes:
-        return self._stream.seal([wire.encode([wire.PUSH_PULL, join, self._table.records()])])
+        return self._seal_stream([wire.PUSH_PULL, join, self._table.records()])
+
+    def _seal_stream(self, message: list) -> bytes:
+        return self._stream.seal([wire.encode(message)], now=self._wall())
 
     def _push_pull_period(self) -> float:
         return push_pull_interval(self.config.push_pull_interval, self.num_members())

@@ -6,6 +6,10 @@ read an immutable snapshot of the members and post commands to the loop, so the
 training thread never blocks on the gossip thread. UDP carries probes and gossip; a
 ROUTER socket on the same port number over TCP serves push/pull and requests such as
 ``ftcomm members``.
+
+Failure semantics: an exception while handling one datagram, stream request, reply
+or timer is caught, counted in :meth:`GossipNode.stats` as ``errors.<where>.<type>``
+and logged the first time per kind; the node keeps serving.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import zmq.asyncio
 
 from ..errors import GossipError, JoinError
 from .config import GossipConfig
-from .faults import FaultFilter, _address_key
+from .faults import FaultFilter
 from .protocol import MemberEvent, MemberInfo, Protocol
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,9 @@ class Member:
     state: str
     incarnation: int
     metadata: dict
+    confirmed: bool = False
+    """This node has had a direct answer from the member (see ``MemberInfo.confirmed``);
+    a member known only through gossip may be forged, so it is no candidate for a view."""
 
     @property
     def address(self) -> str:
@@ -77,15 +84,41 @@ def encode_metadata(value: dict) -> bytes:
 
 
 def _member(info: MemberInfo) -> Member:
-    return Member(info.id, info.host, info.port, info.state, info.incarnation, decode_metadata(info.metadata))
+    return Member(info.id, info.host, info.port, info.state, info.incarnation, decode_metadata(info.metadata),
+                  info.confirmed)
 
 
 def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
-    """``"host:port"`` or ``(host, port)`` to ``(host, port)``, with a clear error."""
-    try:
-        return _address_key(address)
-    except (ValueError, IndexError):
-        raise ValueError(f"bad address {address!r}: expected HOST:PORT") from None
+    """``"host:port"`` or ``(host, port)`` to ``(host, port)``, checking the form only (no lookup).
+
+    The host must be non-empty and the port a decimal number with 0 <= port <= 65535 (0:
+    an automatic port); a member id ``host:port/nonce`` gives its address. Raises
+    ValueError naming the address and the accepted form for a malformed one, TypeError
+    for something that is neither a string nor a ``(host, port)`` pair.
+    """
+    accepted = "expected HOST:PORT with a non-empty HOST and 0 <= PORT <= 65535"
+    if isinstance(address, str):
+        host, colon, port = address.split("/", 1)[0].strip().rpartition(":")
+        if not colon:
+            raise ValueError(f"bad address {address!r}: no port; {accepted}")
+    elif isinstance(address, tuple) and len(address) == 2:
+        host, port = address
+        if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, (int, str)):
+            raise TypeError(f"bad address {address!r}: expected a (host, port) pair of a str and an int")
+    else:
+        raise TypeError(f"bad address {address!r}: expected a 'HOST:PORT' string or a (host, port) pair, "
+                        f"not {type(address).__name__}")
+    host = host.strip()
+    if not host:
+        raise ValueError(f"bad address {address!r}: empty host; {accepted}")
+    if isinstance(port, str):
+        digits = port.strip()
+        if not (digits.isascii() and digits.isdigit()):
+            raise ValueError(f"bad address {address!r}: port {port!r} is not a number; {accepted}")
+        port = int(digits)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"bad address {address!r}: port {port} is out of range; {accepted}")
+    return host, port
 
 
 class GossipNode:
@@ -125,6 +158,7 @@ class GossipNode:
         self._subscribers: list[Callable[[GossipEvent], None]] = []
         self._stopped = threading.Event()
         self._stopping = False
+        self._errors_logged: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -159,14 +193,15 @@ class GossipNode:
                 raise JoinError(
                     f"no seed answered within {self.config.join_timeout:.1f} s "
                     f"(tried {', '.join(f'{h}:{p}' for h, p in seed_addresses)}): check the addresses, "
-                    f"that a member runs there, and that cluster name and secret match")
+                    f"that a member runs there, that cluster name and secret match, and (with a secret) "
+                    f"that the hosts' clocks agree within freshness_window={self.config.freshness_window:g} s")
         return self
 
     def leave(self) -> None:
         """Announce a graceful departure (members see *left*, not *dead*), then stop."""
         if self._loop is None or self._stopped.is_set():
             return
-        self._call(lambda p: p.leave(time.monotonic()))
+        self._call(lambda p: p.leave(self._now()))
         time.sleep(self.config.leave_propagate_time)  # the loop keeps forwarding the notice meanwhile
         self.stop()
 
@@ -219,11 +254,11 @@ class GossipNode:
         if len(encoded) > self.config.max_metadata_bytes:
             raise ValueError(f"metadata is {len(encoded)} bytes; the limit is "
                              f"max_metadata_bytes={self.config.max_metadata_bytes}: keep it to small status fields")
-        self._call(lambda p: p.set_metadata(encoded, time.monotonic()))
+        self._call(lambda p: p.set_metadata(encoded, self._now()))
 
     def declare_dead(self, member_id: str) -> None:
         """Declare a member dead on outside evidence; see :meth:`Protocol.declare_dead`."""
-        self._call(lambda p: p.declare_dead(member_id, time.monotonic()))
+        self._call(lambda p: p.declare_dead(member_id, self._now()))
 
     def stats(self) -> dict[str, int]:
         """Protocol counters (datagrams, bytes, drops by reason, ...)."""
@@ -233,6 +268,24 @@ class GossipNode:
         return self._query(lambda p: p.incarnation)
 
     # ------------------------------------------------------------------ thread plumbing
+    def _now(self) -> float:
+        """The protocol's clock (monotonic), with its offset to the wall clock brought up to
+        date for the freshness of sealed packets. Called on the gossip thread only."""
+        now = time.monotonic()
+        self._protocol.wall_offset = time.time() - now
+        return now
+
+    def _contain(self, where: str, exc: Exception) -> None:
+        """Count an exception from handling one packet or timer; log the first of each kind."""
+        kind = f"{where}.{type(exc).__name__}"
+        stats = self._protocol.stats
+        stats["errors"] += 1
+        stats["errors." + kind] += 1
+        if kind not in self._errors_logged:
+            self._errors_logged.add(kind)
+            log.error("gossip: handling a %s raised %r; the node goes on (later %s errors are only counted "
+                      "in stats()['errors.%s'])", where, exc, kind, kind, exc_info=exc)
+
     def _call(self, fn: Callable[[Protocol], None]) -> None:
         if self._loop is None or self._stopped.is_set():
             raise GossipError("the gossip node is not running")
@@ -288,10 +341,9 @@ class GossipNode:
         self._loop = loop
         asyncio.set_event_loop(loop)
         try:
-            now = time.monotonic()
             self._protocol = Protocol(self.id, self.host, self.port, cluster=self.cluster, secret=self._secret,
                                       config=self.config, metadata=self._initial_metadata)
-            self._protocol.start(now)
+            self._protocol.start(self._now())
             loop.add_reader(self._udp.fileno(), self._on_readable)
             self._spawn(self._serve_streams())
             self._flush()
@@ -342,14 +394,21 @@ class GossipNode:
                 return received
             if faults is not None and not faults.allows(local, source):
                 continue
-            protocol.receive(data, source, time.monotonic())
+            try:
+                protocol.receive(data, source, self._now())
+            except Exception as exc:
+                self._contain("datagram", exc)
             received = True
 
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, float("inf")
-        self._drain_udp()  # after a pause, read what arrived before judging anyone by the clock
-        self._protocol.tick(time.monotonic())
-        self._flush()
+        try:
+            self._drain_udp()  # after a pause, read what arrived before judging anyone by the clock
+            self._protocol.tick(self._now())
+        except Exception as exc:
+            self._contain("timer", exc)
+        finally:
+            self._flush()  # re-arms the timer whatever happened
 
     def _flush(self) -> None:
         """Send what the protocol produced, publish events, and re-arm the timer."""
@@ -383,7 +442,7 @@ class GossipNode:
     def _sendto(self, data: bytes, address: tuple[str, int]) -> None:
         try:
             self._udp.sendto(data, address)
-        except OSError as exc:  # unreachable host, full buffer: the protocol tolerates loss
+        except (OSError, ValueError) as exc:  # unreachable or unusable address, full buffer: like a loss
             self._protocol.stats["send_errors"] += 1
             log.debug("gossip sendto %s failed: %s", address, exc)
 
@@ -404,8 +463,13 @@ class GossipNode:
             frames = await router.recv_multipart()
             if len(frames) < 2:
                 continue
-            reply = self._protocol.handle_stream(frames[-1], time.monotonic())
-            self._flush()
+            try:
+                reply = self._protocol.handle_stream(frames[-1], self._now())
+            except Exception as exc:
+                self._contain("stream", exc)
+                continue  # the requester times out
+            finally:
+                self._flush()
             try:
                 await router.send_multipart(frames[:-1] + [reply])
             except zmq.ZMQError as exc:  # the requester went away
@@ -425,11 +489,19 @@ class GossipNode:
             sock.close(linger=0)
 
     async def _push_pull(self, address: tuple[str, int], data: bytes) -> bool:
-        reply = await self._request(address, data)
+        try:
+            reply = await self._request(address, data)
+        except zmq.ZMQError as exc:  # an address zmq cannot connect to
+            log.debug("gossip push/pull to %s failed: %s", address, exc)
+            reply = None
         if reply is None:
             self._protocol.stats["push_pull_failed"] += 1
             return False
-        merged = self._protocol.handle_stream_reply(reply, time.monotonic())
+        try:
+            merged = self._protocol.handle_stream_reply(reply, self._now())
+        except Exception as exc:
+            self._contain("stream_reply", exc)
+            merged = False
         self._protocol.stats["push_pull_done"] += 1
         self._flush()
         return merged
@@ -438,7 +510,7 @@ class GossipNode:
         deadline = time.monotonic() + self.config.join_timeout
         while True:
             results = await asyncio.gather(
-                *(self._push_pull(seed, self._protocol.join_request()) for seed in seeds))
+                *(self._push_pull(seed, self._protocol.join_request(self._now())) for seed in seeds))
             if any(results):
                 return True
             if time.monotonic() >= deadline:
@@ -463,7 +535,7 @@ def query_members(peer: str | tuple[str, int], *, cluster: str = "ftcomm", secre
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://{address[0]}:{address[1]}")
-        sock.send(sealer.seal([wire.encode([wire.MEMBERS_QUERY])]))
+        sock.send(sealer.seal([wire.encode([wire.MEMBERS_QUERY])], now=time.time()))
         if not sock.poll(int(timeout * 1000)):
             raise GossipError(f"no answer from {address[0]}:{address[1]} within {timeout:g} s "
                               f"(is an ftcomm member running there?)")
@@ -472,11 +544,14 @@ def query_members(peer: str | tuple[str, int], *, cluster: str = "ftcomm", secre
         sock.close(linger=0)
         ctx.term()
     try:
-        _, messages = sealer.open(reply, wire.STREAM_TYPES)
+        _, messages = sealer.open(reply, wire.STREAM_TYPES, now=time.time())
     except wire.WireError as err:
         if err.reason in ("bad_hmac", "unauthenticated", "unexpected_auth"):
             raise GossipError(f"authentication failed with {address[0]}:{address[1]}: "
                               f"the member and this command use different secrets (--secret)") from None
+        if err.reason in ("stale", "future"):
+            raise GossipError(f"the answer from {address[0]}:{address[1]} is timestamped outside the freshness "
+                              f"window: this host's clock and the member's disagree") from None
         if err.reason == "wrong_cluster":
             raise GossipError(f"the member at {address[0]}:{address[1]} belongs to another cluster "
                               f"(--cluster)") from None
@@ -486,4 +561,5 @@ def query_members(peer: str | tuple[str, int], *, cluster: str = "ftcomm", secre
         raise GossipError(f"the member at {address[0]}:{address[1]} refused the request: {message[1]}")
     if message[0] != wire.MEMBERS_REPLY:
         raise GossipError(f"unexpected answer type {message[0]} from {address[0]}:{address[1]}")
-    return [Member(r[0], r[1], r[2], wire.STATE_NAMES[r[4]], r[3], decode_metadata(r[5])) for r in message[1]]
+    return [Member(r[0], r[1], r[2], wire.STATE_NAMES[r[4]], r[3], decode_metadata(r[5]), confirmed)
+            for r, confirmed in zip(message[1], message[2])]

@@ -40,11 +40,14 @@ class _Node:
 
 
 class Simulation:
-    """A virtual cluster. Schedule faults with the ``at_*`` methods, then :meth:`run_until`."""
+    """A virtual cluster. Schedule faults with the ``at_*`` methods, then :meth:`run_until`.
+
+    With ``secret`` every packet is sealed as on a real cluster (HMAC, and a timestamp
+    from the virtual clock, which every member shares)."""
 
     def __init__(self, n: int, config: GossipConfig | None = None, *, loss: float = 0.0,
                  delay: tuple[float, float] = (0.0002, 0.002), seed: int = 0,
-                 bootstrap: bool = True) -> None:
+                 bootstrap: bool = True, secret: bytes | None = None) -> None:
         self.config = config or GossipConfig()
         self.loss = loss
         self.delay = delay
@@ -60,7 +63,8 @@ class Simulation:
         for i in range(n):
             host = f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}"
             member_id = f"{host}:{PORT}/{self._rng.getrandbits(32):08x}"
-            protocol = Protocol(member_id, host, PORT, config=self.config, seed=self._rng.getrandbits(32))
+            protocol = Protocol(member_id, host, PORT, config=self.config, secret=secret,
+                                seed=self._rng.getrandbits(32))
             self.nodes.append(_Node(i, protocol))
             self._by_address[(host, PORT)] = i
             self._by_id[member_id] = i
@@ -72,7 +76,7 @@ class Simulation:
             self._after(node)
         if not bootstrap:  # everyone joins through member 0
             for node in self.nodes[1:]:
-                self._push(self._rng.uniform(0, 1.0), _STREAM, (node.index, 0, node.protocol.join_request()))
+                self._push(self._rng.uniform(0, 1.0), _STREAM, (node.index, 0, node.protocol.join_request(0.0)))
 
     # ------------------------------------------------------------ scheduling faults
     def member_id(self, index: int) -> str:

@@ -19,12 +19,13 @@ def address(i: int) -> tuple[str, int]:
 
 def decode(data: bytes, cluster: str = "ftcomm") -> list[list]:
     """The messages inside a datagram (no secret)."""
-    return wire.Sealer(cluster, "test", None, 1 << 20).open(data)[1]
+    return wire.Sealer(cluster, "test", None, 1 << 20).open(data, now=0.0)[1]
 
 
-def packet(*messages: list, sender: str = member_id(99), cluster: str = "ftcomm", secret: bytes | None = None) -> bytes:
-    """A sealed datagram holding ``messages``, as another member would send it."""
-    return wire.Sealer(cluster, sender, secret, 1400).seal([wire.encode(m) for m in messages])
+def packet(*messages: list, sender: str = member_id(99), cluster: str = "ftcomm", secret: bytes | None = None,
+           now: float = 0.0) -> bytes:
+    """A sealed datagram holding ``messages``, as another member would send it at ``now``."""
+    return wire.Sealer(cluster, sender, secret, 1400).seal([wire.encode(m) for m in messages], now=now)
 
 
 def lone_node(n_peers: int, config: GossipConfig | None = None, seed: int = 1) -> Protocol:
@@ -39,12 +40,17 @@ class MiniNet:
     """``n`` bootstrapped members; the clock advances in fixed steps and delivery is instant.
 
     ``blocked`` holds (src, dst) index pairs whose datagrams are dropped; ``down`` holds
-    crashed members. ``trace`` records (time, src, dst, message types) of delivered datagrams.
+    crashed members. ``trace`` records (time, src, dst, message types) of delivered datagrams
+    (without a secret); ``captured`` every delivered packet as (time, "datagram" or
+    "stream" or "reply", bytes).
     """
 
-    def __init__(self, n: int, config: GossipConfig | None = None, seed: int = 0) -> None:
+    def __init__(self, n: int, config: GossipConfig | None = None, seed: int = 0,
+                 secret: bytes | None = None) -> None:
         self.config = config or GossipConfig()
-        self.nodes = [Protocol(member_id(i), *address(i), config=self.config, seed=seed + i) for i in range(n)]
+        self.secret = secret
+        self.nodes = [Protocol(member_id(i), *address(i), config=self.config, seed=seed + i, secret=secret)
+                      for i in range(n)]
         records = [node.record() for node in self.nodes]
         for node in self.nodes:
             node.bootstrap(records, 0.0)
@@ -54,6 +60,7 @@ class MiniNet:
         self.down: set[int] = set()
         self.events: list[list] = [[] for _ in range(n)]
         self.trace: list[tuple[float, int, int, list[int]]] = []
+        self.captured: list[tuple[float, str, bytes]] = []
         self._index = {address(i): i for i in range(n)}
 
     def run(self, seconds: float, step: float = 0.005) -> None:
@@ -75,14 +82,18 @@ class MiniNet:
                     j = self._index.get(d.address)
                     if j is None or j in self.down or i in self.down or (i, j) in self.blocked:
                         continue
-                    self.trace.append((self.now, i, j, [m[0] for m in decode(d.data)]))
+                    if self.secret is None:
+                        self.trace.append((self.now, i, j, [m[0] for m in decode(d.data)]))
+                    self.captured.append((self.now, "datagram", d.data))
                     self.nodes[j].receive(d.data, address(i), self.now)
                 for request in node.take_stream_requests():
                     moved = True
                     j = self._index.get(request.address)
                     if j is None or j in self.down or i in self.down or (i, j) in self.blocked:
                         continue
-                    node.handle_stream_reply(self.nodes[j].handle_stream(request.data, self.now), self.now)
+                    reply = self.nodes[j].handle_stream(request.data, self.now)
+                    self.captured += [(self.now, "stream", request.data), (self.now, "reply", reply)]
+                    node.handle_stream_reply(reply, self.now)
                 self.events[i].extend(node.take_events())
 
     def kinds(self, observer: int, about: int) -> list[str]:

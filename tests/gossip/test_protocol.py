@@ -178,7 +178,7 @@ def test_push_pull_merges_a_divergent_table():
     b.bootstrap([[member_id(3), *address(3), 7, wire.STATE_ALIVE, b"d"]], 0.0)
     a.start(0.0)
     b.start(0.0)
-    reply = b.handle_stream(a.join_request(), 1.0)
+    reply = b.handle_stream(a.join_request(1.0), 1.0)
     assert a.handle_stream_reply(reply, 1.0)
     for node in (a, b):
         ids = {m.id for m in node.members() if m.state == "alive"}

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
+import zmq
 
 from ftcomm.errors import GossipError, JoinError
-from ftcomm.gossip import FaultFilter, GossipConfig, GossipNode
+from ftcomm.gossip import FaultFilter, GossipConfig, GossipNode, query_members, wire
 
 from ..polling import wait_until
 
@@ -120,3 +122,80 @@ def test_garbage_on_the_udp_port_is_counted_and_harmless(nodes):
     wait_until(lambda: a.stats().get("dropped", 0) >= 3, 2, "drops to be counted")
     b.set_metadata({"after": "garbage"})
     wait_until(lambda: a.member(b.id).metadata.get("after") == "garbage", 3, "a working member")
+
+
+def test_a_forged_accusation_with_an_overflowing_incarnation_is_dropped_and_the_member_stays(nodes):
+    # Finding: SUSPECT(victim, 2**64 - 1) made the victim's refutation overflow msgpack; the
+    # exception stopped its TCP server, the peers declared it dead and it never came back.
+    a, b = nodes(2)
+    wait_until(lambda: all(len(n.live_members()) == 2 for n in (a, b)), 5, "convergence")
+    forged = wire.Sealer(a.cluster, "10.66.0.9:7946/0badc0de", None, 1400).seal(
+        [wire.encode([wire.SUSPECT, a.id, 2**64 - 1, "10.66.0.9:7946/0badc0de"])], now=time.time())
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for node in (a, b):
+        s.sendto(forged, (node.host, node.port))
+    s.close()
+    wait_until(lambda: a.stats().get("dropped.out_of_range") == b.stats().get("dropped.out_of_range") == 1, 2,
+               "the forgery to be dropped")
+    time.sleep(3 * FAST.probe_interval)
+    assert a.incarnation() == 0 and b.member(a.id).state == "alive" and b.member(a.id).incarnation == 0
+    assert {m.id for m in query_members(a.address)} == {a.id, b.id}
+    assert a.stats().get("errors", 0) == 0
+
+
+def test_an_exception_while_handling_a_packet_is_counted_logged_once_and_the_node_goes_on(nodes, caplog):
+    a, b = nodes(2)
+    wait_until(lambda: all(len(n.live_members()) == 2 for n in (a, b)), 5, "convergence")
+    protocol = a._protocol
+    receive, handle_stream, tick = protocol.receive, protocol.handle_stream, protocol.tick
+    ticks_failed = []
+
+    def failing_receive(data, source, now):
+        if data.startswith(b"boom"):
+            raise RuntimeError("a bug in datagram handling")
+        return receive(data, source, now)
+
+    def failing_handle_stream(data, now):
+        if data.startswith(b"boom"):
+            raise KeyError("a bug in stream handling")
+        return handle_stream(data, now)
+
+    def failing_tick(now):
+        if not ticks_failed:
+            ticks_failed.append(now)
+            raise ZeroDivisionError("a bug in a timer")
+        return tick(now)
+
+    protocol.receive, protocol.handle_stream, protocol.tick = failing_receive, failing_handle_stream, failing_tick
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(3):
+        s.sendto(b"boom", (a.host, a.port))
+    s.close()
+    with pytest.raises(GossipError, match="no answer"):
+        _send_frame(a, b"boom")
+    wait_until(lambda: a.stats().get("errors.datagram.RuntimeError") == 3, 2, "datagram errors to be counted")
+    stats = a.stats()
+    assert stats["errors.stream.KeyError"] == 1 and stats["errors.timer.ZeroDivisionError"] == 1
+    assert stats["errors"] == 5
+    logged = [r for r in caplog.records if r.name == "ftcomm.gossip.runtime" and r.levelname == "ERROR"]
+    assert len(logged) == 3  # once per kind
+    assert {m.id for m in query_members(a.address)} == {a.id, b.id}  # still serving
+    b.set_metadata({"after": "errors"})
+    wait_until(lambda: a.member(b.id).metadata.get("after") == "errors", 3, "a working member")
+    probes = a.stats()["datagrams_sent"]
+    wait_until(lambda: a.stats()["datagrams_sent"] > probes + 2, 3, "the timer to keep probing")
+
+
+def _send_frame(node: GossipNode, frame: bytes) -> None:
+    """Send one raw request to a node's TCP port; GossipError when nothing answers (as query_members)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{node.address}")
+        sock.send(frame)
+        if not sock.poll(500):
+            raise GossipError("no answer")
+    finally:
+        sock.close(linger=0)
+        ctx.term()

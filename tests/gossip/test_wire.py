@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import struct
 
 import msgpack
@@ -12,9 +13,9 @@ from hypothesis import strategies as st
 from ftcomm.gossip import wire
 from ftcomm.gossip.config import GossipConfig
 from ftcomm.gossip.protocol import Protocol
-from ftcomm.gossip.wire import ACK, ALIVE, PING
+from ftcomm.gossip.wire import ACK, ALIVE, DEAD, PING, PING_REQ, SUSPECT
 
-from .helpers import address, decode, member_id, packet
+from .helpers import MiniNet, address, decode, member_id, packet
 
 SECRET = b"s3cret"
 
@@ -26,24 +27,36 @@ def node(secret: bytes | None = None) -> Protocol:
     return n
 
 
-def still_answers(n: Protocol, secret: bytes | None = None) -> bool:
-    n.receive(packet([PING, 77, member_id(0)], sender=member_id(5), secret=secret), address(5), 1.0)
+def still_answers(n: Protocol, secret: bytes | None = None, now: float = 1.0) -> bool:
+    n.receive(packet([PING, 77, member_id(0)], sender=member_id(5), secret=secret, now=now), address(5), now)
     replies = n.take_datagrams()
     sealer = wire.Sealer("ftcomm", "t", secret, 1400)
-    return any([ACK, 77] in sealer.open(d.data)[1] for d in replies)
+    return any([ACK, 77] in sealer.open(d.data, now=now)[1] for d in replies)
+
+
+def sealed(raw_body: bytes, secret: bytes | None = None, now: float = 0.0) -> bytes:
+    """A packet with a valid checksum (or HMAC) around a body built by hand."""
+    return wire.Sealer("ftcomm", "x", secret, 1 << 20).seal_body(raw_body, now=now)
+
+
+def decode_stream(data: bytes) -> list[list]:
+    return wire.Sealer("ftcomm", "t", None, 1 << 20).open(data, wire.STREAM_TYPES, now=0.0)[1]
 
 
 def body(*items) -> bytes:
-    return bytes((wire.VERSION, 0)) + msgpack.packb(list(items), use_bin_type=True)
+    return sealed(msgpack.packb(list(items), use_bin_type=True))
 
 
 CASES = {
-    "truncated": b"\x01",
-    "bad_version": bytes((9, 0)) + msgpack.packb(["ftcomm", "x", []]),
+    "truncated": bytes((wire.VERSION, wire.FLAG_CHECKSUM, 0)),
+    "bad_version": bytes((1, 0)) + msgpack.packb(["ftcomm", "x", []]),
+    "bad_flags": bytes((wire.VERSION, 0)) + msgpack.packb(["ftcomm", "x", []]),
+    "bad_checksum": packet([PING, 1, member_id(0)])[:-1] + b"\x00",
     "wrong_cluster": packet([PING, 1, member_id(0)], cluster="other"),
     "malformed": body("ftcomm", "x", [[PING, "not-an-int", member_id(0)]]),
+    "out_of_range": body("ftcomm", "x", [[PING, 2**32, member_id(0)]]),
     "unknown_type": body("ftcomm", "x", [[42, 1]]),
-    "oversized": b"\x01\x00" + b"\x00" * 2000,
+    "oversized": bytes((wire.VERSION, wire.FLAG_CHECKSUM)) + b"\x00" * 2000,
 }
 
 
@@ -59,13 +72,14 @@ def test_bad_packet_is_dropped_and_counted(reason):
 def test_truncated_msgpack_and_huge_declared_lengths_are_dropped():
     n = node()
     good = packet([ALIVE, member_id(3), 1, *address(3), b"m"])
-    for cut in range(3, len(good)):
+    for cut in range(len(good)):
         n.receive(good[:cut], address(5), 0.5)
-    huge_array = bytes((wire.VERSION, 0)) + b"\xdd" + struct.pack(">I", 2**31) + b"\x00"
-    huge_str = bytes((wire.VERSION, 0)) + b"\x93\xdb" + struct.pack(">I", 2**31 - 1) + b"ab"
+    huge_array = sealed(b"\xdd" + struct.pack(">I", 2**31) + b"\x00")
+    huge_str = sealed(b"\x93\xdb" + struct.pack(">I", 2**31 - 1) + b"ab")
     n.receive(huge_array, address(5), 0.5)
     n.receive(huge_str, address(5), 0.5)
-    assert n.stats["dropped"] == len(good) - 3 + 2
+    assert n.stats["dropped"] == len(good) + 2 == n.stats["dropped.malformed"] + n.stats["dropped.truncated"] + \
+        n.stats["dropped.bad_checksum"]
     assert n.member(member_id(3)) is None
     assert still_answers(n)
 
@@ -94,7 +108,7 @@ def test_member_without_secret_drops_authenticated_packets():
 def test_stream_requests_with_bad_input_get_an_error_reply():
     n = node(SECRET)
     reply = n.handle_stream(b"garbage", 0.5)
-    messages = wire.Sealer("ftcomm", "t", SECRET, 1 << 20).open(reply, wire.STREAM_TYPES)[1]
+    messages = wire.Sealer("ftcomm", "t", SECRET, 1 << 20).open(reply, wire.STREAM_TYPES, now=0.5)[1]
     assert messages[0][0] == wire.ERROR and n.stats["dropped"] == 1
 
 
@@ -143,5 +157,148 @@ def test_arbitrary_msgpack_bodies_never_raise(value):
     n = node()
     n.receive(body("ftcomm", member_id(5), [value]), address(5), 0.5)
     n.receive(body("ftcomm", member_id(5), value), address(5), 0.5)
-    n.receive(bytes((wire.VERSION, 0)) + msgpack.packb(value, use_bin_type=True), address(5), 0.5)
+    n.receive(sealed(msgpack.packb(value, use_bin_type=True)), address(5), 0.5)
     assert still_answers(n)
+
+
+# ---------------------------------------------------------------- numeric ranges (finding: one forged
+# SUSPECT(victim, 2**64 - 1) made the victim's refutation overflow msgpack and broke it for good)
+def test_an_accusation_with_an_unencodable_incarnation_is_dropped_and_the_accused_keeps_working():
+    n = node()
+    n.receive(packet([SUSPECT, member_id(0), 2**64 - 1, member_id(5)]), address(5), 0.5)
+    assert (n.stats["dropped.out_of_range"], n.stats["dropped"], n.incarnation) == (1, 1, 0)
+    n.tick(1.0)
+    assert still_answers(n)
+    assert decode_stream(n.handle_stream(n.join_request(1.0), 1.0))[0][0] == wire.PUSH_PULL
+
+
+OUT_OF_RANGE = {
+    "incarnation": [ALIVE, member_id(3), wire.MAX_INCARNATION + 1, *address(3), b""],
+    "negative incarnation": [SUSPECT, member_id(3), -1, member_id(4)],
+    "seq": [ACK, wire.MAX_SEQ + 1],
+    "negative seq": [PING, -5, member_id(0)],
+    "port": [PING_REQ, 1, member_id(3), "10.0.0.3", 65536],
+    "port zero": [ALIVE, member_id(3), 1, "10.0.0.3", 0, b""],
+    "id length": [DEAD, "x" * (wire.MAX_ID_CHARS + 1), 1, member_id(4)],
+    "empty id": [DEAD, "", 1, member_id(4)],
+    "unprintable host": [ALIVE, member_id(3), 1, "10.0.0.3\x00", 7946, b""],
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUT_OF_RANGE))
+def test_every_numeric_and_size_field_is_range_checked(case):
+    n = node()
+    n.receive(packet(OUT_OF_RANGE[case]), address(5), 0.5)
+    assert n.stats["dropped.out_of_range"] == 1 and n.stats["dropped"] == 1
+    assert n.member(member_id(3)) is None and n.take_events() == []
+
+
+@pytest.mark.parametrize("record", [
+    [member_id(3), *address(3), 2**63, wire.STATE_ALIVE, b""],
+    [member_id(3), *address(3), 1, 4, b""],
+    [member_id(3), *address(3), 1, wire.STATE_ALIVE, b"x" * (wire.MAX_METADATA_BYTES + 1)],
+])
+def test_stream_records_are_range_checked_too(record):
+    n = node()
+    reply = n.handle_stream(wire.Sealer("ftcomm", member_id(5), None, 1 << 20).seal(
+        [wire.encode([wire.PUSH_PULL, False, [record]])], now=0.5), 0.5)
+    assert decode_stream(reply)[0] == [wire.ERROR, "out_of_range"]
+    assert n.member(member_id(3)) is None
+
+
+def test_an_accusation_at_the_top_of_the_range_is_refuted_within_the_range():
+    n = node()
+    n.receive(packet([SUSPECT, member_id(0), wire.MAX_INCARNATION, member_id(5)]), address(5), 0.5)
+    assert n.incarnation == wire.MAX_INCARNATION and n.stats["incarnation_exhausted"] == 1
+    n.set_metadata(b"later", 0.6)
+    assert n.incarnation == wire.MAX_INCARNATION
+    reply = node().handle_stream(n.join_request(0.7), 0.7)
+    assert decode_stream(reply)[0][0] == wire.PUSH_PULL  # a peer accepts the record at the cap
+
+
+# ---------------------------------------------------------------- checksum (finding: without a secret
+# 548 of 1000 bit-flipped copies of real packets were accepted)
+def real_packets(secret: bytes | None = None, seconds: float = 6.0) -> list[bytes]:
+    net = MiniNet(5, GossipConfig(push_pull_interval=1.0), secret=secret)
+    net.run(1.0)
+    net.nodes[2].set_metadata(b"status=active", net.now)
+    net.down.add(4)
+    net.run(seconds - 1.0)
+    return [data for _, kind, data in net.captured if kind == "datagram"]
+
+
+def test_bit_flipped_copies_of_real_packets_are_dropped_without_a_secret():
+    packets = real_packets()
+    rng = random.Random(548)
+    n = Protocol(member_id(9), *address(9), seed=1)
+    n.start(0.0)
+    for i in range(1000):
+        data = bytearray(rng.choice(packets))
+        bit = rng.randrange(8 * len(data))
+        data[bit // 8] ^= 1 << (bit % 8)
+        n.receive(bytes(data), address(5), 0.5)
+    assert n.stats["datagrams_received"] == 0 and n.stats["dropped"] == 1000
+    assert n.stats["dropped.bad_checksum"] > 900
+    assert [m.id for m in n.members()] == [member_id(9)] and n.incarnation == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), min_size=1, max_size=8))
+def test_corrupted_packets_without_a_secret_are_never_acted_on(flips):
+    n = node()
+    original = packet([ALIVE, member_id(3), 1, *address(3), b"meta"])
+    data = bytearray(original)
+    for position, value in flips:
+        data[position % len(data)] = value
+    n.receive(bytes(data), address(5), 0.5)
+    if bytes(data) != original:
+        assert n.member(member_id(3)) is None and n.stats["dropped"] == 1
+
+
+# ---------------------------------------------------------------- freshness (finding: sealed packets
+# could be replayed forever)
+def test_a_sealed_packet_is_accepted_once_within_the_window():
+    n = node(SECRET)
+    news = packet([ALIVE, member_id(3), 1, *address(3), b""], secret=SECRET, now=10.0)
+    n.receive(news, address(5), 10.2)
+    n.receive(news, address(5), 10.4)
+    assert n.member(member_id(3)) is not None and n.stats["dropped.replayed"] == 1
+    window = n.config.freshness_window
+    n.receive(packet([ALIVE, member_id(4), 1, *address(4), b""], secret=SECRET, now=10.0), address(5),
+              10.0 + window + 0.1)
+    n.receive(packet([ALIVE, member_id(6), 1, *address(6), b""], secret=SECRET, now=50.0 + window + 0.1),
+              address(5), 50.0)
+    assert (n.stats["dropped.stale"], n.stats["dropped.future"]) == (1, 1)
+    assert n.member(member_id(4)) is None and n.member(member_id(6)) is None
+
+
+def test_replayed_stream_requests_are_refused():
+    n = node(SECRET)
+    request = wire.Sealer("ftcomm", member_id(5), SECRET, 1 << 20).seal([wire.encode([wire.MEMBERS_QUERY])], now=3.0)
+    sealer = wire.Sealer("ftcomm", "t", SECRET, 1 << 20)
+    first = sealer.open(n.handle_stream(request, 3.0), wire.STREAM_TYPES, now=3.0)[1][0]
+    again = sealer.open(n.handle_stream(request, 3.5), wire.STREAM_TYPES, now=3.5)[1][0]
+    late = sealer.open(n.handle_stream(request, 300.0), wire.STREAM_TYPES, now=300.0)[1][0]
+    assert first[0] == wire.MEMBERS_REPLY and again == [wire.ERROR, "replayed"] and late == [wire.ERROR, "stale"]
+
+
+def test_wall_offset_stamps_and_checks_sealed_packets_in_wall_clock_time():
+    n = node(SECRET)
+    n.wall_offset = 1_700_000_000.0  # the driver's now is a monotonic clock near 0
+    n.receive(packet([PING, 5, member_id(0)], secret=SECRET, now=1_700_000_001.0), address(5), 1.0)
+    (ack,) = n.take_datagrams()
+    sealer = wire.Sealer("ftcomm", "t", SECRET, 1400)
+    assert sealer.open(ack.data, now=1_700_000_001.0)[1][0] == [ACK, 5]
+    with pytest.raises(wire.WireError, match="stale"):
+        wire.Sealer("ftcomm", "t2", SECRET, 1400).open(ack.data, now=1.0 + 1_700_000_000.0 + 60)
+
+
+def test_a_full_replay_cache_shrinks_the_window_instead_of_forgetting():
+    guard = wire.ReplayGuard(window=30.0, capacity=3)
+    assert [guard.admit(key, sent, 10_000) for key, sent in ((b"a", 1_000), (b"b", 2_000), (b"c", 3_000))] == [None] * 3
+    assert guard.admit(b"d", 4_000, 10_000) is None and len(guard) == 3  # "a" was forgotten ...
+    assert guard.admit(b"a", 1_000, 10_000) == "stale"  # ... so its time is now outside the window
+    assert guard.admit(b"c", 3_000, 10_000) == "replayed"
+    assert guard.admit(b"e", 1_500, 10_000) is None  # above the edge: accepted, and "b" forgotten
+    assert [guard.admit(key, sent, 10_000) for key, sent in ((b"b", 2_000), (b"e", 1_500))] == ["stale"] * 2
+    assert guard.admit(b"f", 40_000, 45_000) is None and len(guard) == 1  # old entries expired
