@@ -1,7 +1,7 @@
 """ftcomm: coordinator-free fault-tolerant collectives for elastic data-parallel PyTorch training.
 
     import ftcomm
-    ft = ftcomm.init(backend="gloo", peers=["10.0.0.4:7946"], min_workers=2)
+    ft = ftcomm.init(backend="gloo", peers=["10.0.0.4:7946"], min_workers=2)  # secret: $FTCOMM_SECRET
     ft.register_state(model=model, optimizer=optimizer)
     for batch in data:
         loss_fn(model(batch)).backward()

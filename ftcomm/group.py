@@ -215,7 +215,8 @@ class FaultTolerantGroup:
         self.id = ""
         gossip = None
         try:
-            gossip = self._gossip = GossipNode((host, port), cluster=cluster, secret=self._secret, config=opts.gossip,
+            gossip = self._gossip = GossipNode((host, port), cluster=cluster, secret=self._secret,
+                                               config=member_cap(opts.gossip, max_workers),
                                                metadata=self._status_record(), fault_filter=opts.fault_filter)
             self._gossip.subscribe(self._on_gossip)
             self._gossip.start(peers)
@@ -707,13 +708,20 @@ class FaultTolerantGroup:
         timer.start()
 
     def _statuses(self) -> tuple[dict[str, Status], dict[str, tuple[str, int]]]:
+        """Every member's status record, from gossip. A member that has never answered this
+        worker directly is left out (unless it is in the current view): an alive record
+        alone may be forged, and a phantom in a candidate view would hold up agreement."""
         statuses, addresses = {}, {}
+        known = set(self._view.members) if self._view is not None else set()
         for m in self._gossip.members():
+            if not m.confirmed and m.id != self.id and m.id not in known:
+                continue
             status = Status.from_metadata(m.id, m.state, m.metadata)
             if status is not None:
                 statuses[m.id] = status
-                if "rz" in m.metadata:
-                    addresses[m.id] = (m.host, int(m.metadata["rz"]))
+                port = m.metadata.get("rz")
+                if type(port) is int and 0 < port < 65536:
+                    addresses[m.id] = (m.host, port)
         return statuses, addresses
 
     def _status_record(self) -> dict:
@@ -736,7 +744,8 @@ class FaultTolerantGroup:
         if self.max_workers is not None and view.size >= self.max_workers:
             return False
         for m in self._gossip.live_members():
-            if m.id not in view.members and m.metadata.get("ph") == JOINING and m.metadata.get("cf") == self._config:
+            if m.id not in view.members and m.confirmed and m.metadata.get("ph") == JOINING and \
+                    m.metadata.get("cf") == self._config:
                 return True
         return False
 
@@ -905,6 +914,15 @@ def check_worker_counts(min_workers: int, max_workers: int | None) -> None:
         raise TypeError(f"max_workers must be None or an int >= min_workers ({min_workers}), got {max_workers!r}")
     if max_workers < min_workers:
         raise ValueError(f"max_workers must be None or an int >= min_workers ({min_workers}), got {max_workers}")
+
+
+def member_cap(config: GossipConfig, max_workers: int | None) -> GossipConfig:
+    """``config`` with its member table capped at twice ``max_workers`` plus 16 (standbys,
+    and dead or left members not yet forgotten), unless ``max_members`` was set."""
+    default = GossipConfig().max_members
+    if max_workers is None or config.max_members != default:
+        return config
+    return config.with_overrides(max_members=min(default, 2 * max_workers + 16))
 
 
 def check_secret(secret: Any) -> bytes | None:

@@ -249,3 +249,54 @@ def test_members_whose_models_differ_raise_config_mismatch_on_every_worker():
     finally:
         for g in groups:
             g.shutdown()
+
+
+def test_forged_joiners_do_not_hold_up_a_group_without_a_secret():
+    """Before: forty forged 'joining' alive records stalled a 2-worker group for ~112 s."""
+    import socket as socket_module
+
+    import msgpack
+
+    from ftcomm.gossip import wire
+    from ftcomm.view import JOINING, encode_status
+
+    groups = start_groups(2)
+    try:
+        models, optimizers = linear_models(groups)
+        run_steps(groups, models, optimizers, 2)
+        target = groups[0].gossip
+        real = set(groups[0].view.members)
+        sock = socket_module.socket(socket_module.AF_INET, socket_module.SOCK_DGRAM)
+
+        def forge(count: int) -> None:
+            for i in range(count):
+                phantom = f"127.0.0.1:{40000 + i}/{i:08x}"
+                meta = encode_status(JOINING, 0, None, time.time(), groups[0]._config, 0, 40000 + i)
+                sealer = wire.Sealer("ftcomm", phantom, None, 1400)
+                packet = sealer.seal([wire.encode([wire.ALIVE, phantom, 0, "127.0.0.1", 40000 + i,
+                                                   msgpack.packb(meta, use_bin_type=True)])], now=time.time())
+                sock.sendto(packet, (target.host, target.port))
+                time.sleep(0.02)
+
+        forger = __import__("threading").Thread(target=forge, args=(40,), daemon=True)
+        forger.start()
+        run_steps(groups, models, optimizers, 30)  # bounded by in_threads: 60 s
+        forger.join(10)
+        run_steps(groups, models, optimizers, 5)
+        sock.close()
+        assert all(set(e.members) <= real for g in groups for e in g.events)
+        assert {g.world_size for g in groups} == {2}
+        assert len({g.state.digest(g.step) for g in groups}) == 1
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_the_member_table_is_capped_from_max_workers_unless_set():
+    from ftcomm.gossip import GossipConfig
+    from ftcomm.group import member_cap
+
+    assert member_cap(GossipConfig(), 4).max_members == 24
+    assert member_cap(GossipConfig(), None).max_members == GossipConfig().max_members
+    assert member_cap(GossipConfig(max_members=100), 4).max_members == 100
+    assert member_cap(GossipConfig(), 10_000).max_members == GossipConfig().max_members
