@@ -612,11 +612,13 @@ class FaultTolerantGroup:
         return True
 
     def _state_tag(self, manifest: bytes, data: torch.Tensor) -> bytes:
-        """Keyed BLAKE2b of a state transfer with the group's secret (zeros without one)."""
+        """Keyed BLAKE2b of a state transfer in the current view with the group's secret (zeros
+        without one); the view is covered, so a transfer replayed in a later view fails."""
         if self._secret is None:
             return bytes(STATE_TAG_BYTES)
         mac = hashlib.blake2b(key=hashlib.sha256(b"ftcomm-state\0" + self._secret).digest(),
                               digest_size=STATE_TAG_BYTES)
+        mac.update(f"{self._view.id}/{self._view.digest}\0".encode())
         mac.update(len(manifest).to_bytes(8, "little"))
         mac.update(manifest)
         mac.update(tensor_bytes(data.cpu()))

@@ -135,9 +135,11 @@ def check_layout(entries: Any, size: int) -> list[list]:
                 any(type(d) is not int or d < 0 for d in shape) or type(offset) is not int or \
                 type(nbytes) is not int or offset < 0 or offset % ALIGN or offset + nbytes > size:
             raise StateError(f"tensor entry {entry!r:.120} is out of range")
-        numel = 1
+        numel, extent = 1, 1  # extent: what torch computes strides from, even for an empty tensor
         for d in shape:
-            numel *= d
+            numel, extent = numel * d, extent * max(d, 1)
+        if extent >= 1 << 62:
+            raise StateError(f"tensor entry {entry!r:.120}: shape {shape} is too large")
         if numel * DTYPES[dtype].itemsize != nbytes:
             raise StateError(f"tensor entry {entry!r:.120}: {nbytes} bytes for shape {shape} of {dtype}")
     return entries

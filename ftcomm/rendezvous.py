@@ -58,6 +58,7 @@ MAX_VALUE_BYTES = 1 << 20
 MAX_KEYS = 65536
 MAX_STORED_BYTES = 64 << 20
 MAX_WAITERS = 4096
+MAX_WAIT_MS = 1 << 31  # about 25 days: a longer wait is clamped to this
 REPLAY_CACHE = 1 << 16
 
 
@@ -261,7 +262,10 @@ class StoreServer:
         if op == "num":
             return True, len(data)
         if op == "add":
-            current = int(data.get(args[0], b"0") or b"0")
+            try:
+                current = int(data.get(args[0], b"0") or b"0")
+            except ValueError:
+                return False, "its value is not an integer"
             return self._put(args[0], str(current + args[1]).encode(), current + args[1])
         if op == "cas":
             key, expected, desired = args
@@ -313,7 +317,7 @@ def _check_request(request: Any) -> tuple[str, list]:
         keys = value if kind is list else [value] if kind is str else []
         if any(type(k) is not str or not 0 < len(k) <= MAX_KEY_CHARS for k in keys):
             raise ValueError("bad key")
-    if op in ("get", "wait") and not 0 <= args[1] <= 3_600_000:
+    if op in ("get", "wait") and not 0 <= args[1] <= MAX_WAIT_MS:
         raise ValueError("bad wait")
     if op == "add" and not -(1 << 62) <= args[1] <= 1 << 62:
         raise ValueError("bad increment")
@@ -367,15 +371,15 @@ class StoreClient(dist.Store):
         self._request(["set", self._prefix + key, _bytes(value)])
 
     def get(self, key: str) -> bytes:
-        wait_ms = int(self._timeout * 1000)
+        wait_ms = _wait_ms(self._timeout)
         return self._request(["get", self._prefix + key, wait_ms], wait_ms / 1000)
 
     def check(self, keys: list[str]) -> bool:
         return bool(self._request(["check", [self._prefix + k for k in keys]]))
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        seconds = self._timeout if timeout is None else timeout.total_seconds()
-        self._request(["wait", [self._prefix + k for k in keys], int(seconds * 1000)], seconds)
+        wait_ms = _wait_ms(self._timeout if timeout is None else timeout.total_seconds())
+        self._request(["wait", [self._prefix + k for k in keys], wait_ms], wait_ms / 1000)
 
     def add(self, key: str, value: int) -> int:
         return int(self._request(["add", self._prefix + key, int(value)]))
@@ -416,6 +420,11 @@ class StoreClient(dist.Store):
                 return value
         raise CommunicatorError(f"no authenticated answer from the rendezvous store at {self.address} within "
                                 f"{waits + self._timeout:.1f} s (the worker is gone or uses another secret)")
+
+
+def _wait_ms(seconds: float) -> int:
+    """A wait of ``seconds`` as the store takes it: whole milliseconds, at most MAX_WAIT_MS."""
+    return int(max(0.0, min(seconds * 1000, MAX_WAIT_MS)))
 
 
 def _bytes(value: Any) -> bytes:

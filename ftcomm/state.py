@@ -95,17 +95,31 @@ class TrainingState:
         tensors = [plain.view(data, *entry) for entry in entries]
         snapshot = plain.join(record["skeleton"], tensors)
         if type(snapshot) is not dict or set(snapshot) != {"step", "objects", "values"} or \
-                type(snapshot["objects"]) is not dict or type(snapshot["values"]) is not dict or \
-                set(snapshot["objects"]) != set(self.objects):
-            raise StateError(f"the state received holds {sorted(snapshot.get('objects', {}))!r:.200} where this "
+                type(snapshot["objects"]) is not dict or type(snapshot["values"]) is not dict:
+            raise StateError("the state received is not a snapshot of registered state")
+        if set(snapshot["objects"]) != set(self.objects):
+            raise StateError(f"the state received holds {sorted(snapshot['objects'], key=str)!r:.200} where this "
                              f"worker registered {sorted(self.objects)!r:.200}")
-        for name, obj in self.objects.items():
+        for name in modules:  # checked before anything is loaded, so a mismatch leaves the state as it was
+            _check_module_state(name, self.objects[name].state_dict(), snapshot["objects"][name])
+        for name in sorted(self.objects, key=lambda n: n in modules):  # modules last: they cannot fail now
             state = snapshot["objects"][name]
             if name not in modules:  # kept by the object: its own memory, not a view of ``data``
                 state = _detach_from(state, data)
-            obj.load_state_dict(state)
+            try:
+                self.objects[name].load_state_dict(state)
+            except Exception as exc:  # noqa: BLE001 - whatever the object's own check raises
+                raise StateError(f"the state received for {name!r} does not load: {exc}"[:500]) from None
         self.values.update(_detach_from(snapshot["values"], data))
         return record["step"]
+
+
+def _check_module_state(name: str, mine: Any, received: Any) -> None:
+    """StateError unless ``received`` has exactly the keys, dtypes and shapes of the module state ``mine``."""
+    if type(received) is not dict or set(received) != set(mine) or \
+            sorted(plain.signature(received)) != sorted(plain.signature(dict(mine))):
+        raise StateError(f"the state received for module {name!r} does not fit its parameters and buffers "
+                         f"(other names, dtypes or shapes)")
 
 
 def _detach_from(value: Any, data: torch.Tensor) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+import types
 
 import pytest
 import torch
@@ -155,12 +156,34 @@ def test_pack_and_unpack_round_trip_model_optimizer_and_values_exactly():
     __import__("msgpack").packb({"step": 1, "skeleton": b"\xc7\x04\x01\x09\x00\x00\x00", "tensors": [], "size": 0}),
     __import__("msgpack").packb({"step": 1, "skeleton": b"\x80", "tensors": [[0, "float32", [4], 999]], "size": 0}),
     __import__("msgpack").packb({"step": -1, "skeleton": b"\x80", "tensors": [], "size": 0}),
+    # a skeleton that is not a snapshot: before, AttributeError and TypeError escaped
+    __import__("msgpack").packb({"step": 1, "skeleton": b"\x92\x01\x02", "tensors": [], "size": 0}),
+    __import__("msgpack").packb({"step": 1, "skeleton": b"\x83\xa4step\x01\xa7objects\x05\xa6values\x80",
+                                 "tensors": [], "size": 0}),
+    # an empty tensor whose shape overflows: before, torch's RuntimeError escaped
+    __import__("msgpack").packb({"step": 1, "skeleton": b"\x80", "tensors": [[0, "float32", [0, 1 << 40, 1 << 40], 0]],
+                                 "size": 0}),
 ])
 def test_a_malformed_manifest_is_refused(manifest):
     state = TrainingState()
     state.register(model=torch.nn.Linear(2, 2))
     with pytest.raises(StateError):
         state.unpack(manifest, torch.empty(0, dtype=torch.uint8))
+
+
+def test_state_that_does_not_fit_the_model_is_refused_before_anything_is_loaded():
+    """Before: the optimizer was loaded, then the model raised torch's RuntimeError (not StateError)."""
+    source, target = TrainingState(), TrainingState()
+    models = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=lr) for m, lr in zip(models, (0.5, 0.1))]
+    source.register(optimizer=optimizers[0], model=models[0])
+    target.register(optimizer=optimizers[1], model=models[1])  # the optimizer is loaded first
+    del models[0].bias  # the source's model lacks a tensor the target's has
+    manifest, data = source.pack(3)
+    before = target.digest(0)
+    with pytest.raises(StateError, match="model"):
+        target.unpack(manifest, data)
+    assert target.digest(0) == before and optimizers[1].param_groups[0]["lr"] == 0.1
 
 
 def test_a_pickled_manifest_never_runs(tmp_path):
@@ -231,6 +254,19 @@ def test_with_a_secret_state_that_fails_authentication_is_discarded():
     finally:
         for g in groups:
             g.shutdown()
+
+
+def test_a_signed_state_transfer_is_bound_to_its_view():
+    """Before: the tag covered manifest and bytes only, so a transfer captured on the data
+    plane in one view (an older state) verified when replayed in any later view."""
+    manifest, data = b"manifest", torch.zeros(64, dtype=torch.uint8)
+
+    def tag(view: ftcomm.View) -> bytes:
+        signer = types.SimpleNamespace(_secret=b"s" * 32, _view=view)
+        return ftcomm.FaultTolerantGroup._state_tag(signer, manifest, data)
+
+    assert tag(ftcomm.View(3, ("a", "b"))) == tag(ftcomm.View(3, ("a", "b")))
+    assert tag(ftcomm.View(3, ("a", "b"))) != tag(ftcomm.View(4, ("a", "b")))
 
 
 def test_members_whose_models_differ_raise_config_mismatch_on_every_worker():
