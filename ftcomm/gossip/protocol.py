@@ -150,6 +150,11 @@ class Protocol:
         return self._self.meta
 
     @property
+    def address(self) -> tuple[str, int]:
+        """Where this member receives datagrams and stream requests."""
+        return self._self.address
+
+    @property
     def awareness(self) -> int:
         return self._awareness.score
 
@@ -283,10 +288,11 @@ class Protocol:
         members = self._table.by_id.values()
         return self._seal_stream([wire.MEMBERS_REPLY, [m.record() for m in members], [m.confirmed for m in members]])
 
-    def handle_stream_reply(self, data: bytes, now: float) -> bool:
-        """Merge the reply to a push/pull this member made; False when it was unusable
-        (an error reply, say because the peer found the request stale, counts as
-        ``dropped.error_reply``)."""
+    def handle_stream_reply(self, data: bytes, now: float, address: tuple[str, int] | None = None) -> bool:
+        """Merge the reply to a push/pull this member made to ``address``; False when it was
+        unusable (an error reply, say because the peer found the request stale, counts as
+        ``dropped.error_reply``). A reply from the member that lives at ``address``
+        confirms it, as an ack to a ping would: a joiner trusts its seed at once."""
         self._now = now
         try:
             sender, messages = self._stream.open(data, wire.STREAM_TYPES, now=self._wall())
@@ -298,6 +304,8 @@ class Protocol:
             return False
         self.stats["stream_replies_received"] += 1
         self._merge(messages[0][2], sender, now)
+        if address is not None:
+            self._confirm(sender, address, now)
         return True
 
     def tick(self, now: float) -> None:

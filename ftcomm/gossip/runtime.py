@@ -498,7 +498,7 @@ class GossipNode:
             self._protocol.stats["push_pull_failed"] += 1
             return False
         try:
-            merged = self._protocol.handle_stream_reply(reply, self._now())
+            merged = self._protocol.handle_stream_reply(reply, self._now(), address)
         except Exception as exc:
             self._contain("stream_reply", exc)
             merged = False

@@ -130,10 +130,10 @@ class Simulation:
             elif kind == _STREAM:
                 self._stream(*payload)
             elif kind == _STREAM_REPLY:
-                index, reply = payload
+                index, reply, address = payload
                 node = self.nodes[index]
                 if not (node.crashed or node.stalled):
-                    node.protocol.handle_stream_reply(reply, t)
+                    node.protocol.handle_stream_reply(reply, t, address)
                     self._after(node)
             else:
                 payload()
@@ -179,7 +179,8 @@ class Simulation:
             return  # the TCP exchange fails; the requester simply tries again later
         reply = target.protocol.handle_stream(data, self.now)
         self._after(target)
-        self._push(self.now + self._rng.uniform(*self.delay), _STREAM_REPLY, (src, reply))
+        address = target.protocol.address
+        self._push(self.now + self._rng.uniform(*self.delay), _STREAM_REPLY, (src, reply, address))
 
     def _resume(self, node: _Node) -> None:
         node.stalled = False

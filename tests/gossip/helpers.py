@@ -93,7 +93,7 @@ class MiniNet:
                         continue
                     reply = self.nodes[j].handle_stream(request.data, self.now)
                     self.captured += [(self.now, "stream", request.data), (self.now, "reply", reply)]
-                    node.handle_stream_reply(reply, self.now)
+                    node.handle_stream_reply(reply, self.now, request.address)
                 self.events[i].extend(node.take_events())
 
     def kinds(self, observer: int, about: int) -> list[str]:
