@@ -14,7 +14,9 @@ with a fresh model and an empty optimizer and joins. Reported per size:
   the transfer did before: ``torch.save`` of the state into bytes, two broadcasts,
   ``torch.load(weights_only=False)`` and ``load_state_dict``.
 
-Medians of ``--repeats`` transfers; the ratio is pickle_s / raw_s.
+Medians of ``--repeats`` transfers; the ratio is pickle_s / raw_s. Gossip probes are
+slowed (5 s) so that the baseline's ``torch.save``, which holds the interpreter for
+seconds at 100M parameters, does not get a worker suspected mid-transfer.
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ def worker(role: str, port: int, million: int, repeats: int) -> dict:
         optimizer.step()
     peers = [] if role == "seed" else [f"127.0.0.1:{port}"]
     bind = f"127.0.0.1:{port if role == 'seed' else 0}"
-    ft = ftcomm.init(peers=peers, bind=bind, min_workers=1, handle_signals=False,
-                     init_timeout=120)
+    # Slow probes: torch.save of a large state holds the interpreter for seconds, and a
+    # worker that cannot answer probes meanwhile would be suspected (the baseline's problem).
+    ft = ftcomm.init(peers=peers, bind=bind, min_workers=1, handle_signals=False, init_timeout=120,
+                     gossip={"probe_interval": 5.0, "probe_timeout": 4.0})
     ft.register_state(model=model, optimizer=optimizer)
     probe = torch.zeros(1, requires_grad=True)  # a tiny gradient to step with: joins happen at steps
 

@@ -480,11 +480,33 @@ class FlashCheckpointer:
             raise StateError("data checksum mismatch")
         return meta, buffer
 
+    def _check_modules_fit(self, meta: files.Meta) -> None:
+        saved_objects = meta.tree["objects"]
+        for name, obj in self.group.state.objects.items():
+            if not isinstance(obj, torch.nn.Module):
+                continue
+            saved, mine = saved_objects.get(name), obj.state_dict()
+            if type(saved) is not dict or set(saved) != set(mine):
+                raise StateError(f"the checkpoint of step {meta.step} holds other parameters for module {name!r} "
+                                 f"than it has: restore with the model the checkpoint was saved from")
+            for key, leaf in saved.items():
+                tensor = mine[key]
+                if not isinstance(leaf, files.TensorIndex) or not isinstance(tensor, torch.Tensor):
+                    continue
+                _, dtype, shape, _ = meta.tensors[leaf.index]
+                if plain.DTYPES[dtype] != tensor.dtype or list(shape) != list(tensor.shape):
+                    raise StateError(f"the checkpoint of step {meta.step} holds {name}.{key} as {dtype}{list(shape)}, "
+                                     f"the module has {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}: "
+                                     f"restore with the model the checkpoint was saved from")
+
     def _apply(self, meta: files.Meta, buffer: mmap.mmap) -> None:
         """Copy a verified checkpoint into the registered state (in place where possible).
 
-        Raises what the objects' ``load_state_dict`` raises (a checkpoint of another model).
+        Raises StateError, before anything is copied, when a registered module's parameters
+        and buffers differ from the checkpoint's (names, dtypes or shapes: another model);
+        otherwise what the objects' ``load_state_dict`` raise.
         """
+        self._check_modules_fit(meta)
         live = {path: t.detach() for path, t in files.leaves(self.group.state.snapshot(self.group.step))
                 if isinstance(t, torch.Tensor)}
         targets = {leaf.index: live[path] for path, leaf in files.leaves(meta.tree)

@@ -23,7 +23,7 @@ import torch
 from ftcomm import checkpoint_files
 from ftcomm.checkpoint import FlashCheckpointer
 from ftcomm.checkpoint_files import meta_bytes, steps_in
-from ftcomm.errors import FtcommError, FtcommTimeout
+from ftcomm.errors import FtcommError, FtcommTimeout, StateError
 from ftcomm.localproc import ChildProcess
 from tests.polling import wait_until
 from tests.test_group_threads import free_port, in_threads, start_groups
@@ -466,3 +466,21 @@ def test_newer_checkpoints_of_an_earlier_run_are_neither_pruned_nor_counted(tmp_
     second.wait()
     assert steps_in(second.shm) == [100, 16] and steps_in(tmp_path) == [100, 16]
     second.close()
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_copied(name, group):
+    model, optimizer = trained_state(group, 0)
+    checkpoints = FlashCheckpointer(group, None, keep=2, name=name)
+    checkpoints.save()
+    checkpoints.wait()
+    checkpoints.close()
+    # The same names, one layer wider: the first layer would fit in place, the last not.
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    group.state.objects.clear()
+    group.register_state(model=other)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    restorer = FlashCheckpointer(group, None, keep=2, name=name)
+    with pytest.raises(StateError, match=r"model.* holds 2.weight as float32\[3, 16\], the module has float32\[4, 16\]"):
+        restorer.restore()
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    restorer.close()
