@@ -173,9 +173,7 @@ class FaultTolerantGroup:
                  insecure: bool = False) -> None:
         self._backend = communicator_class(backend)  # NcclUnavailable here, before joining anyone
         check_worker_counts(min_workers, max_workers)
-        self.options = opts = options or GroupOptions()
-        if opts.partition_policy not in ("quorum", "availability"):
-            raise ValueError("partition_policy must be 'quorum' or 'availability'")
+        self.options = opts = options or GroupOptions()  # GroupOptions checks its own fields
         self.min_workers, self.max_workers = min_workers, max_workers
         self.settings = {"backend": backend, "min_workers": min_workers, "max_workers": max_workers,
                          "partition_policy": opts.partition_policy}
@@ -627,13 +625,13 @@ class FaultTolerantGroup:
     def _raise_model_mismatch(self, gathered: list[tuple[int, int, int]]) -> None:
         """Every member raises ConfigMismatch saying how the models differ (one more allgather)."""
         comm = self._comm
-        mine = msgpack.packb(self.state.describe())
+        mine_list = self.state.describe()
+        mine = msgpack.packb(mine_list)
         lengths = comm.allgather(torch.tensor([len(mine)], dtype=torch.int64, device=comm.device)).wait(self._abort)
         longest = max(int(t.item()) for t in lengths)
         padded = torch.zeros(longest, dtype=torch.uint8, device=comm.device)
         padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
         theirs = comm.allgather(padded).wait(self._abort)
-        mine_list = self.state.describe()
         for rank, (blob, length) in enumerate(zip(theirs, lengths)):
             if gathered[rank][2] == gathered[comm.rank][2]:
                 continue

@@ -44,6 +44,7 @@ import zmq
 
 from . import netif
 from .errors import CommunicatorError
+from .gossip.wire import ReplayGuard
 from .view import View
 
 log = logging.getLogger(__name__)
@@ -105,34 +106,6 @@ class Framing:
         return xxhash.xxh3_64_digest(header + answers + body)
 
 
-class ReplayGuard:
-    """Drops requests outside the freshness window and nonces seen inside it (bounded memory).
-
-    When the cache is full the oldest nonce is forgotten and the window's lower edge
-    moves up to its time, so a forgotten nonce can never be accepted again.
-    """
-
-    def __init__(self, window_s: float = FRESHNESS_S, capacity: int = REPLAY_CACHE) -> None:
-        self.window_ms = int(window_s * 1000)
-        self.capacity = capacity
-        self._seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()
-        self._floor_ms = -1  # requests sent at or before this time are refused (their nonces were forgotten)
-
-    def admit(self, sent_ms: int, nonce: bytes, now_ms: int) -> str | None:
-        """None if the request is fresh, else the drop reason."""
-        while self._seen and next(iter(self._seen.values())) < now_ms - self.window_ms:
-            self._seen.popitem(last=False)
-        if abs(now_ms - sent_ms) > self.window_ms or sent_ms <= self._floor_ms:
-            return "stale"
-        if nonce in self._seen:
-            return "replay"
-        if len(self._seen) >= self.capacity:
-            _, oldest = self._seen.popitem(last=False)
-            self._floor_ms = max(self._floor_ms, oldest)
-        self._seen[nonce] = sent_ms
-        return None
-
-
 def refused(host: str, port: int, timeout: float = 0.25) -> bool:
     """True when the host actively refuses a TCP connection: no process owns the port.
 
@@ -168,7 +141,7 @@ class StoreServer:
 
     def __init__(self, host: str, secret: bytes | None) -> None:
         self._framing = Framing(secret)
-        self._guard = ReplayGuard() if secret else None
+        self._guard = ReplayGuard(FRESHNESS_S, REPLAY_CACHE) if secret else None  # the gossip layer's
         self._data: dict[str, bytes] = {}
         self._stored_bytes = 0
         self._waiters: list[tuple[bytes, bytes, str, list[str], float]] = []  # peer, nonce, op, keys, deadline
@@ -226,7 +199,7 @@ class StoreServer:
             self.drops[exc.reason] += 1
             return
         if self._guard is not None:
-            reason = self._guard.admit(sent_ms, nonce, int(time.time() * 1000))
+            reason = self._guard.admit(nonce, sent_ms, int(time.time() * 1000))
             if reason is not None:
                 self.drops[reason] += 1
                 return

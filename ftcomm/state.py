@@ -52,20 +52,23 @@ class TrainingState:
     def signature(self) -> int:
         """A 63-bit digest of the modules' parameter names, shapes and dtypes: equal on
         workers that train the same model (the optimizer's state may still differ)."""
-        modules = {n: o.state_dict() for n, o in self.objects.items() if isinstance(o, torch.nn.Module)}
-        return xxhash.xxh3_64_intdigest(msgpack.packb(plain.signature(modules))) >> 1
+        return xxhash.xxh3_64_intdigest(msgpack.packb(self.describe())) >> 1
 
     def describe(self) -> list:
         """What :meth:`signature` digests, to say how two workers' models differ."""
-        return plain.signature({n: o.state_dict() for n, o in self.objects.items() if isinstance(o, torch.nn.Module)})
+        return plain.signature({n: m.state_dict() for n, m in self._modules().items()})
 
     def transfer_limit(self) -> int:
         """The most tensor bytes a state sent by a peer may hold: generous (sixteen times this
         worker's modules, an optimizer's state included, and at least 1 GiB), yet a bound
         on what a peer can make this worker allocate."""
-        modules = sum(t.numel() * t.element_size() for o in self.objects.values() if isinstance(o, torch.nn.Module)
-                      for t in o.state_dict().values() if isinstance(t, torch.Tensor))
+        modules = sum(t.numel() * t.element_size() for m in self._modules().values()
+                      for t in m.state_dict().values() if isinstance(t, torch.Tensor))
         return max(1 << 30, 16 * modules)
+
+    def _modules(self) -> dict[str, torch.nn.Module]:
+        """The registered objects that are modules: their shapes must match between workers."""
+        return {n: o for n, o in self.objects.items() if isinstance(o, torch.nn.Module)}
 
     def pack(self, step: int, device: Any = "cpu") -> tuple[bytes, torch.Tensor]:
         """The state as a manifest (msgpack: step, plain skeleton, tensor table) and one flat
@@ -91,7 +94,7 @@ class TrainingState:
                 type(record.get("skeleton")) is not bytes or record.get("size") != data.numel():
             raise StateError("malformed state manifest")
         entries = plain.check_layout(record.get("tensors"), data.numel())
-        modules = {n for n, o in self.objects.items() if isinstance(o, torch.nn.Module)}
+        modules = self._modules()
         tensors = [plain.view(data, *entry) for entry in entries]
         snapshot = plain.join(record["skeleton"], tensors)
         if type(snapshot) is not dict or set(snapshot) != {"step", "objects", "values"} or \

@@ -14,7 +14,7 @@ import zmq
 
 from ftcomm import rendezvous
 from ftcomm.errors import CommunicatorError
-from ftcomm.rendezvous import Framing, Rendezvous, ReplayGuard, StoreClient
+from ftcomm.rendezvous import Framing, Rendezvous, StoreClient
 from ftcomm.view import View
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,7 +91,7 @@ def test_a_captured_request_cannot_be_replayed(store):
     assert raw_request(store.port, frame) is not None
     StoreClient("127.0.0.1", store.port, SECRET, 1.0).set("k", b"second")
     assert raw_request(store.port, frame) is None  # the same frame again: dropped
-    assert contents(store, "k") == b"second" and store.drops["replay"] == 1
+    assert contents(store, "k") == b"second" and store.drops["replayed"] == 1
 
 
 def test_a_stale_request_is_dropped(store, monkeypatch):
@@ -147,32 +147,3 @@ def test_a_wait_is_answered_when_the_key_appears_and_times_out_otherwise(store):
     assert client.get("late") == b"x"
     with pytest.raises(CommunicatorError, match="timeout"):
         client.wait(["never"], datetime.timedelta(seconds=0.2))
-
-
-def test_replay_guard_forgets_old_nonces_only_by_raising_its_floor():
-    guard = ReplayGuard(window_s=10, capacity=2)
-    assert guard.admit(1000, b"a", 1000) is None
-    assert guard.admit(1001, b"b", 1001) is None
-    assert guard.admit(1002, b"c", 1002) is None  # "a" forgotten, floor raised to its time
-    assert guard.admit(1000, b"a", 1003) == "stale"
-    assert guard.admit(1001, b"b", 1003) == "replay"
-    assert guard.admit(50_000, b"d", 1003) == "stale"  # from the future
-
-
-@pytest.mark.timeout(10)
-def test_a_wait_longer_than_the_store_allows_is_still_answered(store):
-    """Before: a wait over an hour (formation_timeout=7200) was dropped as malformed, unanswered."""
-    client = StoreClient("127.0.0.1", store.port, SECRET, 1.0)
-    client.set("k", b"v")
-    client.wait(["k"], datetime.timedelta(hours=2))
-    assert StoreClient("127.0.0.1", store.port, SECRET, 7200.0).get("k") == b"v"
-    assert store.drops["malformed"] == 0
-
-
-def test_adding_to_a_value_that_is_not_a_number_is_answered_with_an_error(store):
-    """Before: the server raised, logged a traceback per request and left the client to time out."""
-    client = StoreClient("127.0.0.1", store.port, SECRET, 5.0)
-    client.set("k", b"not a number")
-    with pytest.raises(CommunicatorError, match="not an integer"):  # an answer, not "no authenticated answer"
-        client.add("k", 1)
-    assert store.drops["error"] == 0

@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
+import threading
 import time
 import types
 
+import msgpack
+import numpy
 import pytest
 import torch
 
 import ftcomm
 from ftcomm import netif
 from ftcomm.errors import ConfigMismatch, FtcommError, SecretRequired, StateError
+from ftcomm.gossip import wire
 from ftcomm.gossip.runtime import query_members
 from ftcomm.state import TrainingState
+from ftcomm.view import JOINING, encode_status
 
 from .test_group_threads import in_threads, linear_models, run_steps, start_groups
 
@@ -110,7 +116,7 @@ class Opaque:
 
 
 @pytest.mark.parametrize("value, where", [
-    ({"lr": __import__("numpy").float64(0.1)}, r"registered state 'extras'\['lr'\].*numpy.float64"),
+    ({"lr": numpy.float64(0.1)}, r"registered state 'extras'\['lr'\].*numpy.float64"),
     ([1, Opaque()], r"registered state 'extras'\[1\].*Opaque"),
     ({("a", 1): 2}, "dict key of type tuple"),
     ({"big": 1 << 70}, "does not fit in 64 bits"),
@@ -153,15 +159,15 @@ def test_pack_and_unpack_round_trip_model_optimizer_and_values_exactly():
 @pytest.mark.parametrize("manifest", [
     pickle.dumps({"step": 1}),
     b"\x85\xa4step\x01",  # truncated msgpack
-    __import__("msgpack").packb({"step": 1, "skeleton": b"\xc7\x04\x01\x09\x00\x00\x00", "tensors": [], "size": 0}),
-    __import__("msgpack").packb({"step": 1, "skeleton": b"\x80", "tensors": [[0, "float32", [4], 999]], "size": 0}),
-    __import__("msgpack").packb({"step": -1, "skeleton": b"\x80", "tensors": [], "size": 0}),
+    msgpack.packb({"step": 1, "skeleton": b"\xc7\x04\x01\x09\x00\x00\x00", "tensors": [], "size": 0}),
+    msgpack.packb({"step": 1, "skeleton": b"\x80", "tensors": [[0, "float32", [4], 999]], "size": 0}),
+    msgpack.packb({"step": -1, "skeleton": b"\x80", "tensors": [], "size": 0}),
     # a skeleton that is not a snapshot: before, AttributeError and TypeError escaped
-    __import__("msgpack").packb({"step": 1, "skeleton": b"\x92\x01\x02", "tensors": [], "size": 0}),
-    __import__("msgpack").packb({"step": 1, "skeleton": b"\x83\xa4step\x01\xa7objects\x05\xa6values\x80",
+    msgpack.packb({"step": 1, "skeleton": b"\x92\x01\x02", "tensors": [], "size": 0}),
+    msgpack.packb({"step": 1, "skeleton": b"\x83\xa4step\x01\xa7objects\x05\xa6values\x80",
                                  "tensors": [], "size": 0}),
     # an empty tensor whose shape overflows: before, torch's RuntimeError escaped
-    __import__("msgpack").packb({"step": 1, "skeleton": b"\x80", "tensors": [[0, "float32", [0, 1 << 40, 1 << 40], 0]],
+    msgpack.packb({"step": 1, "skeleton": b"\x80", "tensors": [[0, "float32", [0, 1 << 40, 1 << 40], 0]],
                                  "size": 0}),
 ])
 def test_a_malformed_manifest_is_refused(manifest):
@@ -289,20 +295,13 @@ def test_members_whose_models_differ_raise_config_mismatch_on_every_worker():
 
 def test_forged_joiners_do_not_hold_up_a_group_without_a_secret():
     """Before: forty forged 'joining' alive records stalled a 2-worker group for ~112 s."""
-    import socket as socket_module
-
-    import msgpack
-
-    from ftcomm.gossip import wire
-    from ftcomm.view import JOINING, encode_status
-
     groups = start_groups(2)
     try:
         models, optimizers = linear_models(groups)
         run_steps(groups, models, optimizers, 2)
         target = groups[0].gossip
         real = set(groups[0].view.members)
-        sock = socket_module.socket(socket_module.AF_INET, socket_module.SOCK_DGRAM)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 
         def forge(count: int) -> None:
             for i in range(count):
@@ -314,7 +313,7 @@ def test_forged_joiners_do_not_hold_up_a_group_without_a_secret():
                 sock.sendto(packet, (target.host, target.port))
                 time.sleep(0.02)
 
-        forger = __import__("threading").Thread(target=forge, args=(40,), daemon=True)
+        forger = threading.Thread(target=forge, args=(40,), daemon=True)
         forger.start()
         run_steps(groups, models, optimizers, 30)  # bounded by in_threads: 60 s
         forger.join(10)
