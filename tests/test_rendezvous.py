@@ -147,3 +147,22 @@ def test_a_wait_is_answered_when_the_key_appears_and_times_out_otherwise(store):
     assert client.get("late") == b"x"
     with pytest.raises(CommunicatorError, match="timeout"):
         client.wait(["never"], datetime.timedelta(seconds=0.2))
+
+
+@pytest.mark.timeout(10)
+def test_a_wait_longer_than_the_store_allows_is_still_answered(store):
+    """Before: a wait over an hour (formation_timeout=7200) was dropped as malformed, unanswered."""
+    client = StoreClient("127.0.0.1", store.port, SECRET, 1.0)
+    client.set("k", b"v")
+    client.wait(["k"], datetime.timedelta(hours=2))
+    assert StoreClient("127.0.0.1", store.port, SECRET, 7200.0).get("k") == b"v"
+    assert store.drops["malformed"] == 0
+
+
+def test_adding_to_a_value_that_is_not_a_number_is_answered_with_an_error(store):
+    """Before: the server raised, logged a traceback per request and left the client to time out."""
+    client = StoreClient("127.0.0.1", store.port, SECRET, 5.0)
+    client.set("k", b"not a number")
+    with pytest.raises(CommunicatorError, match="not an integer"):  # an answer, not "no authenticated answer"
+        client.add("k", 1)
+    assert store.drops["error"] == 0
