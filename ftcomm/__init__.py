@@ -18,17 +18,34 @@ import os
 import socket
 from typing import Any, Iterable
 
+import importlib
+
 from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
                      MembershipChanged, NcclUnavailable, QuorumLost, RetryLimitExceeded, SecretRequired, StateError)
 from . import netif
 from .backends import BACKENDS
 from .gossip import GossipConfig
 from .gossip.runtime import parse_address
-from .checkpoint import FlashCheckpointer
-from .data import ElasticSampler
-from .group import FaultTolerantGroup, GroupOptions, ViewChange, check_worker_counts
-from .scaling import LinearLRScaling
 from .view import View
+
+# The training API needs torch; it is imported on first use, so that the gossip layer, the
+# simulator and ``ftcomm members`` (which import this package) start without it.
+_LAZY = {"FlashCheckpointer": "checkpoint", "ElasticSampler": "data", "FaultTolerantGroup": "group",
+         "GroupOptions": "group", "ViewChange": "group", "LinearLRScaling": "scaling",
+         "check_worker_counts": "group"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ftcomm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __version__ = "0.1.0"
 __all__ = [
@@ -73,6 +90,8 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
         raise TypeError(f"backend must be a string, one of {', '.join(BACKENDS)}; got {type(backend).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    from .group import FaultTolerantGroup, GroupOptions, check_worker_counts
+
     check_worker_counts(min_workers, max_workers)
     peers = _peer_list(peers if peers is not None else os.environ.get("FTCOMM_PEERS", ""),
                        "peers" if peers is not None else "$FTCOMM_PEERS")

@@ -53,3 +53,14 @@ def test_no_answer_is_one_clear_line(capsys):
 def test_bad_address_is_refused(capsys):
     assert main(["members", "--peer", "nonsense"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_gossip_layer_and_members_command_run_without_torch():
+    """The layers below the training API (gossip, its simulator, view agreement, the
+    ``members`` command) never import torch."""
+    code = ("import sys, ftcomm, ftcomm.gossip, ftcomm.gossip.sim, ftcomm.gossip.agent, ftcomm.view, ftcomm.cli\n"
+            "from ftcomm.cli import main\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
