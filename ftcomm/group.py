@@ -106,7 +106,8 @@ class GroupOptions:
 
     handle_signals: bool = True
     """Install a SIGTERM handler and an excepthook that leave the group gracefully (main
-    thread only); ``shutdown`` also runs at interpreter exit."""
+    thread only); ``shutdown`` also runs at interpreter exit. On SIGTERM a handler installed
+    before runs first, then the worker exits with status 143 and leaves on the way out."""
 
     def __post_init__(self) -> None:
         """Refuse a value no worker could run with, naming the option and what it accepts:
@@ -406,7 +407,7 @@ class FaultTolerantGroup:
                 if self._comm is not None:
                     self._comm.abandon()
                     self._comm = None
-                self._probe_crashed(view)
+                self._probe_crashed(view.members)
                 continue
             self._view, self._forming, self._phase = view, None, ACTIVE
             self._publish()
@@ -808,7 +809,13 @@ class FaultTolerantGroup:
     def _classify(self, exc: BaseException) -> str:
         """Why the view broke: crash, hang, leave, partition, superseded or backend."""
         if isinstance(exc, CommunicatorError) and self._view is not None:
-            self._probe_crashed(self._view)
+            self._probe_crashed(self._view.members)
+        elif self._view is not None:
+            # Gossip may suspect a crashed member before any collective touched it (the
+            # training thread was computing): a refused connection still names it a crash.
+            suspects = {member for _, kind, member in self._faults if kind == "suspect"}
+            if suspects:
+                self._probe_crashed([m for m in self._view.members if m in suspects], timeout=0.05)
         kinds = {kind for _, kind, _ in self._faults}
         lost = {member for _, kind, member in self._faults if kind != "superseded"}
         if "left" in kinds:
@@ -840,12 +847,14 @@ class FaultTolerantGroup:
             return "hang"
         return "crash" if any(k == "dead" for k in kinds) else noticed
 
-    def _probe_crashed(self, view: View) -> None:
-        """Crash fast path: members whose host refuses a connection are declared dead now."""
-        others = [m for m in view.members if m != self.id]
+    def _probe_crashed(self, members: Iterable[str], timeout: float = 0.25) -> None:
+        """Crash fast path: members whose host refuses a connection are declared dead now.
+        A refusal comes back within a round trip; ``timeout`` bounds the wait for a host
+        that does not answer at all (lost or partitioned)."""
+        others = [m for m in members if m != self.id]
         by_id = {m.id: m for m in self._gossip.members()}
         targets = [(m, (by_id[m].host, by_id[m].port)) for m in others if m in by_id and by_id[m].state != "dead"]
-        for (member, _), gone in zip(targets, refused_many([a for _, a in targets])):
+        for (member, _), gone in zip(targets, refused_many([a for _, a in targets], timeout)):
             if gone:
                 self._faults.append((time.monotonic(), "crash", member))
                 self._gossip.declare_dead(member)
@@ -893,11 +902,12 @@ class FaultTolerantGroup:
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum, frame):
-            self.shutdown()
+            # The handler runs on the main thread between two bytecodes, possibly inside one
+            # of this group's locks: it takes none. SystemExit unwinds the main thread (which
+            # releases them) and the atexit hook leaves the group.
             if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
                 previous(signum, frame)
-            else:
-                raise SystemExit(128 + signum)
+            raise SystemExit(128 + signum)
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
