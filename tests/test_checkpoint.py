@@ -166,6 +166,23 @@ def test_back_to_back_saves_never_overwrite_a_published_checkpoint(tmp_path, nam
     checkpoints.close()
 
 
+def wait_all(workers: list[ChildProcess], event: str, timeout: float) -> list[dict]:
+    """Every worker's first ``event``; on a timeout, fail with every worker's stacks and log."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [w.wait_for(lambda e: e["ev"] == event, max(0.0, deadline - time.monotonic()), event)
+                for w in workers]
+    except TimeoutError:
+        for w in workers:
+            if w.process.poll() is None:
+                w.signal(signal.SIGUSR1)  # faulthandler: every thread's stack on stderr
+        time.sleep(1.0)
+        logs = "\n".join(f"--- worker {i} (exit {w.process.poll()}):\n" + "".join(w.stderr_tail[-60:])
+                         for i, w in enumerate(workers))
+        pytest.fail(f"no {event} from every worker within {timeout:g} s\n{logs}")
+
+
+@pytest.mark.timeout(300)
 def test_whole_job_restart_resumes_from_the_newest_loadable_checkpoint(tmp_path, name):
     """Three workers checkpoint every 8 steps and are all killed; the newest checkpoint is then
     corrupted in both places and a partial one is left behind. Three new processes agree on the
@@ -176,7 +193,8 @@ def test_whole_job_restart_resumes_from_the_newest_loadable_checkpoint(tmp_path,
         for i in range(3):
             command = [sys.executable, "-u", str(EXAMPLE), "--steps", str(steps), "--step-time", "0.02",
                        "--control", "--log-indices", "--min-workers", "3", "--checkpoint-dir", str(tmp_path),
-                       "--checkpoint-every", "8", "--checkpoint-name", name, "--report-every", "1000000"]
+                       "--checkpoint-every", "8", "--checkpoint-name", name, "--report-every", "1000000",
+                       "--log-level", "INFO"]
             command += ["--bind", seed] if i == 0 else ["--bind", "127.0.0.1:0", "--peers", seed]
             workers.append(ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
         for w in workers:
@@ -204,7 +222,7 @@ def test_whole_job_restart_resumes_from_the_newest_loadable_checkpoint(tmp_path,
     try:
         restored = [w.wait_for(lambda e: e["ev"] == "restored", 60, "restored")["step"] for w in second]
         assert restored == [previous] * 3
-        done = [w.wait_for(lambda e: e["ev"] == "done", 120, "done") for w in second]
+        done = wait_all(second, "done", 60)
         assert {d["step"] for d in done} == {previous + 16} and len({d["digest"] for d in done}) == 1
         # the data continues exactly where the checkpointed step left it
         before = {e["step"]: (e["epoch"], e["start"], e["size"]) for e in logs}
