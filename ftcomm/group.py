@@ -205,6 +205,7 @@ class FaultTolerantGroup:
         self._last_step_publish = 0.0
         self._closed = False
         self._proposals: dict[tuple[int, str], tuple[str, ...]] = {}
+        self._lagging: dict[str, tuple[tuple[int, str], float, float]] = {}  # see _chase
         peers = list(peers)
         host, port = parse_address(bind)
         host = check_addresses(host, peers)  # every plane uses this one IPv4 address
@@ -489,6 +490,7 @@ class FaultTolerantGroup:
                         self._publish()
                     if agreed(cand, statuses):
                         return self._enter(View(cand.view_id, cand.members))
+                    self._chase(key, cand.members, statuses, now)
             self._changed.wait(0.02)
 
     def _adopt(self, statuses: dict[str, Status], addresses: dict[str, tuple[str, int]]) -> View | None:
@@ -512,7 +514,26 @@ class FaultTolerantGroup:
             proposal = Candidate(members, key[0], True, ())
             if agreed(proposal, statuses):
                 return self._enter(View(key[0], members))
+            self._chase(key, members, statuses, time.monotonic())
         return None
+
+    def _chase(self, key: tuple[int, str], members: tuple[str, ...], statuses: dict[str, Status],
+               now: float) -> None:
+        """Sync directly with members whose status has not shown proposal ``key`` for a while.
+
+        Gossip delivers an update to every member with high probability, not certainty; a
+        member that missed another's proposal would otherwise wait for the next periodic
+        push/pull (many seconds) while that member sits in formation. At most a few syncs
+        per interval, each member at most once per interval.
+        """
+        interval = 3 * self.options.gossip.gossip_interval
+        lagging = [m for m in members if m != self.id and (m not in statuses or statuses[m].proposal != key)]
+        self._lagging = {m: self._lagging[m] if self._lagging.get(m, (None,))[0] == key else (key, now, 0.0)
+                         for m in lagging}
+        due = [m for m in lagging if now - self._lagging[m][1] >= interval and now - self._lagging[m][2] >= interval]
+        for m in due[:3]:
+            self._lagging[m] = (key, self._lagging[m][1], now)
+            self._gossip.sync(m)
 
     def _enter(self, view: View) -> View:
         """Start forming ``view``: from now on gossip about its members fires the abort signal."""

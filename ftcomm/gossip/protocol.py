@@ -224,6 +224,22 @@ class Protocol:
         self._declare_dead(member_id, m.incarnation, now)
         return True
 
+    def sync_with(self, member_id: str, now: float) -> bool:
+        """Exchange full state with one member now (a push/pull), outside the periodic ones.
+
+        For a caller that waits on news a member has published and that has not arrived:
+        gossip delivers every update with high probability, not certainty, and the
+        periodic push/pull that repairs a miss may be many seconds away. Returns False
+        when the member is unknown, this member, or dead or left.
+        """
+        self._now = now
+        m = self._table.get(member_id)
+        if m is None or member_id == self.id or m.state in (DEAD_STATE, LEFT_STATE):
+            return False
+        self.stats["push_pull_requested"] += 1
+        self._streams.append(StreamRequest((m.host, m.port), m.id, self._push_pull_message(False), "sync"))
+        return True
+
     def leave(self, now: float) -> None:
         """Announce a graceful departure: every member will mark this one *left*.
 

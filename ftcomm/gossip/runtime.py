@@ -260,6 +260,10 @@ class GossipNode:
         """Declare a member dead on outside evidence; see :meth:`Protocol.declare_dead`."""
         self._call(lambda p: p.declare_dead(member_id, self._now()))
 
+    def sync(self, member_id: str) -> None:
+        """Exchange full state with one member now; see :meth:`Protocol.sync_with`."""
+        self._call(lambda p: p.sync_with(member_id, self._now()))
+
     def stats(self) -> dict[str, int]:
         """Protocol counters (datagrams, bytes, drops by reason, ...)."""
         return self._query(lambda p: dict(p.stats))

@@ -59,3 +59,31 @@ def test_command_line_prints_json():
     result = json.loads(out)
     assert result["n"] == 20 and result["probe_interval_s"] == 0.4
     assert result["crash_undetected_members"] == 0 and result["messages_per_member_s"] > 0
+
+
+def test_sync_with_repairs_an_update_that_gossip_missed():
+    """A metadata update whose broadcasts were all lost reaches a member that syncs with its
+    owner at once (and spreads from there); without the sync nobody has it a second later."""
+    from ftcomm.gossip.broadcast import BroadcastQueue
+
+    def run(sync: bool) -> list[bytes]:
+        sim = Simulation(4, seed=7)
+        owner = sim.nodes[0]
+
+        def update_lost_everywhere() -> None:
+            owner.protocol.set_metadata(b"\x81\xa2pv\x03", sim.now)
+            owner.protocol._broadcasts = BroadcastQueue()  # every copy of the broadcast lost
+
+        def sync_now() -> None:
+            assert sim.nodes[1].protocol.sync_with(owner.protocol.id, sim.now)
+            assert not sim.nodes[1].protocol.sync_with(sim.nodes[1].protocol.id, sim.now)  # not with itself
+            sim._after(sim.nodes[1])
+        sim.at(3.0, update_lost_everywhere)
+        if sync:
+            sim.at(3.5, sync_now)
+        sim.run_until(4.5)
+        return [next(m.metadata for m in sim.nodes[i].protocol.members() if m.id == owner.protocol.id)
+                for i in (1, 2, 3)]
+
+    assert run(sync=True) == [b"\x81\xa2pv\x03"] * 3
+    assert b"\x81\xa2pv\x03" not in run(sync=False)
