@@ -202,6 +202,7 @@ class FaultTolerantGroup:
         self._broken: str | None = None
         self._faults: list[tuple[float, str, str]] = []  # (time, kind, member) since the last view
         self._deferred_aborts: list[tuple[AbortSignal, str]] = []  # see _defer_abort
+        self._ops = 0  # group operations (collectives, gradient steps) completed in the current view
         self._last_step_publish = 0.0
         self._closed = False
         self._proposals: dict[tuple[int, str], tuple[str, ...]] = {}
@@ -302,6 +303,7 @@ class FaultTolerantGroup:
             self._waiting_since = time.monotonic()
             for h in handles:
                 h.wait(self._abort)
+            self._ops += 1
         except MembershipChanged as exc:
             buckets.discard()
             self._recover(self._classify(exc) if self._broken is None else self._broken, self._waiting_since)
@@ -421,6 +423,8 @@ class FaultTolerantGroup:
             except MembershipChanged as exc:
                 log.info("reconciling view %d failed (%s); agreeing again", view.id, exc)
                 reason = self._classify(exc)
+                self._comm.abandon()
+                self._comm = None
                 continue
             break
         done = time.monotonic()
@@ -437,6 +441,7 @@ class FaultTolerantGroup:
             self._record_reconciled()
         self._faults.clear()
         self._broken = None
+        self._ops = 0
         log.info("view %d: %d members (%s), rank %d; detect %.3f agree %.3f form %.3f reconcile %.3f s",
                  view.id, view.size, reason, self.rank, change.detect_s, change.agree_s, change.form_s,
                  change.reconcile_s)
@@ -681,6 +686,9 @@ class FaultTolerantGroup:
     def _end_step(self, committed: bool) -> None:
         for obj in self._participants("step_ended"):
             obj.step_ended(committed)
+        self._fire_deferred_aborts()
+
+    def _fire_deferred_aborts(self) -> None:
         while self._deferred_aborts:
             abort, reason = self._deferred_aborts.pop()
             abort.fire(reason)
@@ -694,8 +702,8 @@ class FaultTolerantGroup:
             return
         if view is not None and member.id in view.members and event.kind in ("suspect", "dead", "left"):
             self._faults.append((time.monotonic(), event.kind, member.id))
-            if event.kind == "left" and self._finished_step_in_flight(member):
-                self._defer_abort(f"{member.id} left after committing step {self.step + 1}")
+            if event.kind == "left" and self._completed_op_in_flight(member):
+                self._defer_abort(f"{member.id} left after completing the operation in flight")
             else:
                 self._abort.fire(f"{member.id} is {event.kind}")
             return
@@ -710,15 +718,13 @@ class FaultTolerantGroup:
             self._faults.append((time.monotonic(), "superseded", member.id))
             self._abort.fire(f"view {status.current_view} exists without this worker")
 
-    def _finished_step_in_flight(self, member: Any) -> bool:
-        """``member`` left after committing the step this worker is still in: every
-        contribution to that step's collectives is then already on its way here."""
-        try:
-            their_step = int(member.metadata.get("st", -1))
-        except (TypeError, ValueError):
-            return False
-        return (self._forming is None and self._phase == ACTIVE and member.metadata.get("ph") == LEAVING
-                and their_step > self.step)
+    def _completed_op_in_flight(self, member: Any) -> bool:
+        """``member`` left after completing the group operation (collective or gradient step)
+        this worker is still in: its every contribution to it is already on its way here."""
+        status = Status.from_metadata(member.id, member.state, member.metadata)
+        view = self._view
+        return (status is not None and status.done_ops is not None and view is not None and self._forming is None
+                and self._phase == ACTIVE and status.done_ops[0] == view.id and status.done_ops[1] > self._ops)
 
     def _defer_abort(self, reason: str) -> None:
         """Let the step in flight finish before the view is re-formed: the abort fires when the
@@ -741,20 +747,16 @@ class FaultTolerantGroup:
             status = Status.from_metadata(m.id, m.state, m.metadata)
             if status is not None:
                 statuses[m.id] = status
-                port = m.metadata.get("rz")
-                if type(port) is int and 0 < port < 65536:
-                    addresses[m.id] = (m.host, port)
+                if status.rendezvous_port is not None:
+                    addresses[m.id] = (m.host, status.rendezvous_port)
         return statuses, addresses
 
     def _status_record(self) -> dict:
         current = self._view.id if self._view is not None and self._phase == ACTIVE else 0
-        record = encode_status(self._phase, current, self._proposal, self._joined_at, self._config, self.step,
-                               self._rendezvous.port, self._view_floor)
-        record["set"] = [self.settings["backend"], self.min_workers, self.max_workers,
-                         self.settings["partition_policy"]]
-        if self.insecure:
-            record["insecure"] = True  # shown by ``ftcomm members``
-        return record
+        done_ops = (self._view.id, self._ops) if self._view is not None and self._phase == LEAVING else None
+        settings = (self.settings["backend"], self.min_workers, self.max_workers, self.settings["partition_policy"])
+        return encode_status(self._phase, current, self._proposal, self._joined_at, self._config, self.step,
+                             self._rendezvous.port, self._view_floor, settings, done_ops, self.insecure)
 
     def _publish(self) -> None:
         self._last_step_publish = time.monotonic()
@@ -766,8 +768,10 @@ class FaultTolerantGroup:
         if self.max_workers is not None and view.size >= self.max_workers:
             return False
         for m in self._gossip.live_members():
-            if m.id not in view.members and m.confirmed and m.metadata.get("ph") == JOINING and \
-                    m.metadata.get("cf") == self._config:
+            if m.id in view.members or not m.confirmed:
+                continue
+            status = Status.from_metadata(m.id, m.state, m.metadata)
+            if status is not None and status.phase == JOINING and status.config == self._config:
                 return True
         return False
 
@@ -790,7 +794,7 @@ class FaultTolerantGroup:
             if status is None or status.config == self._config or m.id == self.id:
                 continue
             if status.phase == ACTIVE or status.joined_at < self._joined_at:
-                theirs = m.metadata.get("set") or []
+                theirs = status.settings
                 names = ["backend", "min_workers", "max_workers", "partition_policy"]
                 mine = [self.settings[n] for n in names]
                 diffs = [f"{n}={a!r} but the group uses {n}={b!r}" for n, a, b in zip(names, mine, theirs) if a != b]
@@ -817,10 +821,13 @@ class FaultTolerantGroup:
             self._reconcile()
         self._waiting_since = time.monotonic()
         try:
-            return start().wait(self._abort)  # starting can fail too (NCCL reports a dead peer at enqueue)
+            result = start().wait(self._abort)  # starting can fail too (NCCL reports a dead peer at enqueue)
         except MembershipChanged as exc:
             self._broken = self._classify(exc)
             raise
+        self._ops += 1
+        self._fire_deferred_aborts()
+        return result
 
     def _commit(self) -> None:
         self.step += 1

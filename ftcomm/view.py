@@ -23,6 +23,7 @@ The rule (see docs/ARCHITECTURE.md):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -55,7 +56,11 @@ def view_digest(view_id: int, members: tuple[str, ...] | list[str]) -> str:
 
 @dataclass(frozen=True)
 class Status:
-    """What one member publishes about itself in gossip metadata (a few dozen bytes)."""
+    """What one member publishes about itself in gossip metadata (a few dozen bytes).
+
+    This module owns the record's encoding (:func:`encode_status`, :meth:`from_metadata`);
+    nothing else reads its keys.
+    """
 
     id: str
     alive: bool  # gossip state is alive (not suspect, dead or left)
@@ -66,26 +71,56 @@ class Status:
     joined_at: float
     config: str  # digest of the settings that must match across the group
     floor: int = 0  # lowest view id it accepts: the views below failed to form there
+    step: int = 0  # committed training steps
+    rendezvous_port: int | None = None  # its rendezvous store's TCP port (same host as gossip)
+    settings: tuple = ()  # backend, min_workers, max_workers, partition_policy: named in a mismatch error
+    done_ops: tuple[int, int] | None = None  # leaving: (view id, group operations it completed in that view)
+    insecure: bool = False  # started without a secret on a reachable address (shown by ``ftcomm members``)
 
     @classmethod
     def from_metadata(cls, member_id: str, gossip_state: str, meta: dict) -> "Status | None":
-        """Decode; None when the record is not an ftcomm worker's (or is malformed)."""
+        """Decode; None when the record is not an ftcomm worker's (or is malformed). An optional
+        field that is malformed reads as absent."""
         try:
             proposal = (int(meta["pv"]), str(meta["pd"])) if meta.get("pv") else None
-            return cls(member_id, gossip_state == "alive", gossip_state == "left", str(meta["ph"]),
-                       int(meta["cv"]), proposal, float(meta["jt"]), str(meta["cf"]), int(meta.get("fl", 0)))
-        except (KeyError, TypeError, ValueError):
+            status = cls(member_id, gossip_state == "alive", gossip_state == "left", str(meta["ph"]),
+                         int(meta["cv"]), proposal, float(meta["jt"]), str(meta["cf"]), int(meta.get("fl", 0)))
+        except (KeyError, TypeError, ValueError, AttributeError):
             return None
+        extra: dict = {}
+        if _is_int(meta.get("st")):
+            extra["step"] = meta["st"]
+        if _is_int(meta.get("rz")) and 0 < meta["rz"] < 65536:
+            extra["rendezvous_port"] = meta["rz"]
+        if isinstance(meta.get("set"), (list, tuple)):
+            extra["settings"] = tuple(meta["set"][:4])
+        ops = meta.get("op")
+        if isinstance(ops, (list, tuple)) and len(ops) == 2 and all(_is_int(x) for x in ops):
+            extra["done_ops"] = (ops[0], ops[1])
+        if meta.get("insecure") is True:
+            extra["insecure"] = True
+        return dataclasses.replace(status, **extra) if extra else status
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
 
 
 def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | None, joined_at: float,
-                  config: str, step: int, rendezvous_port: int, floor: int = 0) -> dict:
-    """The metadata record for :meth:`Status.from_metadata` (plus step and rendezvous)."""
+                  config: str, step: int, rendezvous_port: int, floor: int = 0, settings: tuple | list = (),
+                  done_ops: tuple[int, int] | None = None, insecure: bool = False) -> dict:
+    """The metadata record :meth:`Status.from_metadata` decodes."""
     meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
     if floor:
         meta["fl"] = floor
     if proposal is not None:
         meta["pv"], meta["pd"] = proposal
+    if settings:
+        meta["set"] = list(settings)
+    if done_ops is not None:
+        meta["op"] = list(done_ops)
+    if insecure:
+        meta["insecure"] = True
     return meta
 
 

@@ -193,21 +193,54 @@ def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap)
             g.shutdown()
 
 
-def _observe_completions_late(group: ftcomm.FaultTolerantGroup, delay: float) -> None:
-    """This member's training thread learns that its allreduces completed ``delay`` seconds
+def _observe_completions_late(group: ftcomm.FaultTolerantGroup, delay: float,
+                              operations: tuple[str, ...] = ("allreduce",)) -> None:
+    """This member's training thread learns that its ``operations`` completed ``delay`` seconds
     late, as a descheduled worker would: the collective itself is done at the usual time."""
-    comm, real = group._comm, group._comm.allreduce
+    comm = group._comm
 
-    def slow_allreduce(tensors, op="sum"):
-        handle = real(tensors, op)
-        seen_done_at: list[float] = []
+    def late(real):
+        def call(*args, **kwargs):
+            handle = real(*args, **kwargs)
+            seen_done_at: list[float] = []
 
-        def done() -> bool:
-            if not seen_done_at and handle.completed:
-                seen_done_at.append(time.monotonic())
-            return bool(seen_done_at) and time.monotonic() - seen_done_at[0] >= delay
-        return Handle(handle.what, done, lambda: handle.wait(AbortSignal()))
-    comm.allreduce = slow_allreduce
+            def done() -> bool:
+                if not seen_done_at and handle.completed:
+                    seen_done_at.append(time.monotonic())
+                return bool(seen_done_at) and time.monotonic() - seen_done_at[0] >= delay
+            return Handle(handle.what, done, lambda: handle.wait(AbortSignal()))
+        return call
+    for name in operations:
+        setattr(comm, name, late(getattr(comm, name)))
+
+
+@pytest.mark.parametrize("operation", ["barrier", "allreduce", "broadcast", "allgather"])
+def test_a_member_leaving_right_after_a_collective_does_not_abort_it_on_a_slower_member(operation):
+    """Every member calls one collective and the fastest leaves as soon as it returns (the end
+    of a job: a barrier, then shutdown). The leaver's share is already sent: the collective
+    completes on the slower member instead of raising CollectiveAborted."""
+    groups = start_groups(3, overlap=False, leave_grace=5.0)
+    try:
+        calls = {"barrier": lambda g: g.barrier(),
+                 "allreduce": lambda g: g.allreduce(torch.ones(3)).tolist(),
+                 "broadcast": lambda g: g.broadcast(torch.tensor([float(g.rank)]), 0).tolist(),
+                 "allgather": lambda g: [t.item() for t in g.allgather(torch.tensor([1.0]))]}
+        for g in groups[1:]:
+            _observe_completions_late(g, 0.8, (operation,))
+
+        def collective_then_leave(i: int, g: ftcomm.FaultTolerantGroup):
+            try:
+                return calls[operation](g)
+            finally:
+                if i == 0:
+                    g.shutdown()
+        results = in_threads(groups, collective_then_leave)
+        assert len({repr(r) for r in results}) == 1, results
+        for survivor in groups[1:]:
+            assert "left after completing" in survivor._abort.reason
+    finally:
+        for g in groups:
+            g.shutdown()
 
 
 @pytest.mark.parametrize("delay, grace, committed", [(0.8, 5.0, True), (1.5, 0.2, False)])
@@ -236,7 +269,7 @@ def test_a_member_leaving_after_the_last_step_lets_a_slower_member_commit_it(del
         if committed:
             assert survivor.step == leaver.step
             assert survivor.state.digest(survivor.step) == leaver.state.digest(leaver.step)
-            assert "left after committing" in survivor._abort.reason
+            assert "left after completing" in survivor._abort.reason
         else:
             assert survivor.step == leaver.step - 1
         # either way the survivor carries on alone in a new view

@@ -73,8 +73,25 @@ def test_a_retry_after_a_failed_formation_gets_a_new_view_id_everyone_follows():
 
 def test_status_round_trips_through_metadata():
     meta = encode_status(ACTIVE, 3, (4, "d4"), 1.5, CFG, 10, 4242, floor=5)
-    assert Status.from_metadata("a", "alive", meta) == Status("a", True, False, ACTIVE, 3, (4, "d4"), 1.5, CFG, 5)
+    assert Status.from_metadata("a", "alive", meta) == Status("a", True, False, ACTIVE, 3, (4, "d4"), 1.5, CFG, 5,
+                                                              step=10, rendezvous_port=4242)
+    leaving = encode_status(LEAVING, 0, None, 1.5, CFG, 10, 4242, settings=("gloo", 2, None, "quorum"),
+                            done_ops=(3, 17), insecure=True)
+    decoded = Status.from_metadata("a", "left", leaving)
+    assert (decoded.left, decoded.done_ops, decoded.settings, decoded.insecure) == \
+        (True, (3, 17), ("gloo", 2, None, "quorum"), True)
     assert Status.from_metadata("a", "alive", {"ph": ACTIVE}) is None
+
+
+def test_malformed_optional_status_fields_read_as_absent():
+    meta = encode_status(ACTIVE, 3, None, 1.5, CFG, 10, 4242)
+    for key, value in [("st", "10"), ("rz", 70000), ("rz", True), ("op", [1]), ("op", ["1", 2]), ("set", 5),
+                       ("insecure", 1)]:
+        status = Status.from_metadata("a", "alive", {**meta, key: value})
+        assert status is not None and status.current_view == 3, (key, value)
+    assert Status.from_metadata("a", "alive", {**meta, "rz": 70000}).rendezvous_port is None
+    assert Status.from_metadata("a", "alive", {**meta, "op": [1]}).done_ops is None
+    assert Status.from_metadata("a", "alive", {**meta, "st": "10"}).step == 0
 
 
 def test_a_member_left_out_of_a_newer_view_knows_it():
