@@ -89,10 +89,10 @@ class GroupOptions:
     and are not merged back automatically."""
 
     leave_grace: float = 2.0
-    """A member that leaves gracefully after committing the step this worker is still in
-    has already sent its share of that step: the step is let finish (up to this many
-    seconds) before the view is re-formed, instead of being discarded. Crashes and hangs
-    abort at once."""
+    """A member that leaves gracefully after completing the group operation (gradient step
+    or collective) this worker is still in has already sent its share of it: the operation
+    is let finish (up to this many seconds) before the view is re-formed, instead of being
+    aborted. Crashes and hangs abort at once."""
 
     step_publish_interval: float = 2.0
     """Minimum seconds between gossip updates of the committed step (shown by ``ftcomm
