@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import importlib
 
@@ -27,6 +27,9 @@ from .backends import BACKENDS
 from .gossip import GossipConfig
 from .gossip.runtime import parse_address
 from .view import View
+
+if TYPE_CHECKING:
+    from .group import FaultTolerantGroup
 
 # The training API needs torch; it is imported on first use, so that the gossip layer, the
 # simulator and ``ftcomm members`` (which import this package) start without it.

@@ -41,8 +41,9 @@ from .gossip import FaultFilter, GossipConfig, GossipEvent, GossipNode
 from .gossip.runtime import parse_address
 from .rendezvous import Rendezvous, refused_many
 from .state import TrainingState, tensor_bytes
-from .view import (ACTIVE, JOINING, LEAVING, Candidate, Status, View, agreed, candidate, encode_status,
-                   superseded)
+from . import engine as core
+from .engine import Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
+from .view import ACTIVE, JOINING, Status, View, encode_status
 
 log = logging.getLogger(__name__)
 
@@ -182,15 +183,11 @@ class FaultTolerantGroup:
         self.state = TrainingState()
         self.step = 0
         self.events: list[ViewChange] = []
-        self._view: View | None = None  # the current view: formed and verified
-        self._forming: View | None = None  # a view agreed on and being formed
         self._comm: Any = None  # the backend's communicator of the current view
         self._abort = AbortSignal()
         self._changed = threading.Event()
-        self._phase = JOINING
-        self._proposal: tuple[int, str] | None = None
-        self._view_floor = 0  # lowest view id to propose or adopt: views below it failed to form here
-        self._joined_at = time.time()
+        self._engine = Engine("", self._config, min_workers, max_workers, opts.partition_policy,
+                              opts.settle_interval, 3 * opts.gossip.gossip_interval, joined_at=time.time())
         self._join_pending = False
         self._state_replaced = False
         self._rejoined = False
@@ -203,10 +200,9 @@ class FaultTolerantGroup:
         self._faults: list[tuple[float, str, str]] = []  # (time, kind, member) since the last view
         self._deferred_aborts: list[tuple[AbortSignal, str]] = []  # see _defer_abort
         self._ops = 0  # group operations (collectives, gradient steps) completed in the current view
+        self._op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
         self._last_step_publish = 0.0
         self._closed = False
-        self._proposals: dict[tuple[int, str], tuple[str, ...]] = {}
-        self._lagging: dict[str, tuple[tuple[int, str], float, float]] = {}  # see _chase
         peers = list(peers)
         host, port = parse_address(bind)
         host = check_addresses(host, peers)  # every plane uses this one IPv4 address
@@ -221,7 +217,7 @@ class FaultTolerantGroup:
                                                metadata=self._status_record(), fault_filter=opts.fault_filter)
             self._gossip.subscribe(self._on_gossip)
             self._gossip.start(peers)
-            self.id = self._gossip.id
+            self.id = self._engine.id = self._gossip.id
             self._install_exit_hooks()
             self._recover("init", time.monotonic(), opts.init_timeout)
         except BaseException:
@@ -233,7 +229,12 @@ class FaultTolerantGroup:
     # ------------------------------------------------------------------ public attributes
     @property
     def view(self) -> View:
-        return self._view
+        return self._engine.view
+
+    @property
+    def _view(self) -> View | None:
+        """The current view: formed and verified."""
+        return self._engine.view
 
     @property
     def rank(self) -> int:
@@ -303,7 +304,9 @@ class FaultTolerantGroup:
             self._waiting_since = time.monotonic()
             for h in handles:
                 h.wait(self._abort)
+            self._confirm_after_stall()
             self._ops += 1
+            self._op_began = time.monotonic()
         except MembershipChanged as exc:
             buckets.discard()
             self._recover(self._classify(exc) if self._broken is None else self._broken, self._waiting_since)
@@ -367,7 +370,7 @@ class FaultTolerantGroup:
         if self._closed:
             return
         self._closed = True
-        self._phase = LEAVING
+        self._engine.leave()
         self._abort.fire("this worker is shutting down")
         try:
             self._publish()
@@ -393,6 +396,8 @@ class FaultTolerantGroup:
         if self._comm is not None:
             self._comm.abandon()
             self._comm = None
+        if self._engine.state in (core.RUNNING, core.RECONCILING):
+            self._engine.broken()
         deadline = noticed + (timeout if timeout is not None else self.options.quorum_timeout)
         while True:
             started = time.monotonic()
@@ -404,16 +409,13 @@ class FaultTolerantGroup:
                 log.info("forming view %d failed (%s); agreeing again", view.id, exc)
                 # This worker stays in the view (or phase) it had. Withdrawing the proposal
                 # aborts the other members' attempts at once; the retry gets a new view id.
-                self._forming, self._proposal = None, None
-                self._view_floor = max(self._view_floor, view.id + 1)
-                self._publish()
+                self._perform(self._engine.form_failed(), {})
                 if self._comm is not None:
                     self._comm.abandon()
                     self._comm = None
                 self._probe_crashed(view.members)
                 continue
-            self._view, self._forming, self._phase = view, None, ACTIVE
-            self._publish()
+            self._perform(self._engine.formed(), {})
             formed_at = time.monotonic()
             try:
                 if self.state.registered:
@@ -423,9 +425,11 @@ class FaultTolerantGroup:
             except MembershipChanged as exc:
                 log.info("reconciling view %d failed (%s); agreeing again", view.id, exc)
                 reason = self._classify(exc)
+                self._engine.broken()
                 self._comm.abandon()
                 self._comm = None
                 continue
+            self._engine.reconciled()
             break
         done = time.monotonic()
         before = previous.members if previous else ()
@@ -442,108 +446,59 @@ class FaultTolerantGroup:
         self._faults.clear()
         self._broken = None
         self._ops = 0
+        self._op_began = time.monotonic()
         log.info("view %d: %d members (%s), rank %d; detect %.3f agree %.3f form %.3f reconcile %.3f s",
                  view.id, view.size, reason, self.rank, change.detect_s, change.agree_s, change.form_s,
                  change.reconcile_s)
 
     def _agree(self, deadline: float) -> View:
-        """Wait until a view containing this worker is agreed (see ftcomm.view)."""
-        last: Candidate | None = None
-        settled_since = last_debug = 0.0
+        """Wait until a view containing this worker is agreed (the engine decides; see ftcomm.engine)."""
+        engine = self._engine
+        last_debug = 0.0
         while True:
             now = time.monotonic()
             if now > deadline:
-                self._raise_stuck(last)
+                self._raise_stuck()
             self._changed.clear()
             statuses, addresses = self._statuses()
-            own = statuses.get(self.id)
-            if own is None:
-                self._changed.wait(0.02)
-                continue
             self._check_config(statuses)
-            if self._phase == ACTIVE and superseded(own, statuses):
-                self._become_joiner("a newer view exists without this worker")
-                continue
-            if self._phase == JOINING and self._group_exists(statuses):
-                view = self._adopt(statuses, addresses)
-                if view is not None:
-                    return view
-                if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
-                    last_debug = now
-                    log.debug("joining: proposals %s; fetched %s",
-                              {s.id: (s.alive, s.phase, s.current_view, s.proposal) for s in statuses.values()},
-                              self._proposals)
-            else:
-                previous = self._view if self._phase == ACTIVE else None
-                cand = candidate(self.id, previous, statuses, self._config, self.max_workers)
-                if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
-                    last_debug = now
-                    log.debug("agreeing: candidate %s (view %d, quorum %s); proposals %s", cand.members,
-                              cand.view_id, cand.quorum,
-                              {s.id: (s.alive, s.phase, s.current_view, s.proposal) for s in statuses.values()})
-                usable = (self.id in cand.members and len(cand.members) >= self.min_workers
-                          and (cand.quorum or self.options.partition_policy == "availability"))
-                if not usable:
-                    last = None
-                elif cand != last:
-                    last, settled_since = cand, now
-                elif now - settled_since >= self.options.settle_interval:
-                    key = (cand.view_id, cand.digest)
-                    if self._proposal != key:
-                        self._rendezvous.publish_proposal(cand.view_id, cand.digest, cand.members)
-                        self._proposal = key
-                        self._publish()
-                    if agreed(cand, statuses):
-                        return self._enter(View(cand.view_id, cand.members))
-                    self._chase(key, cand.members, statuses, now)
-            self._changed.wait(0.02)
+            actions = engine.agree(now, statuses)
+            if actions and isinstance(actions[-1], Form):  # agreed: publish what comes before, then form
+                self._perform(actions[:-1], addresses)
+                return self._enter(actions[-1].view)
+            self._perform(actions, addresses)
+            if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
+                last_debug = now
+                log.debug("%s: proposals %s", engine.state.lower(),
+                          {s.id: (s.alive, s.phase, s.current_view, s.proposal) for s in statuses.values()})
+            if not any(isinstance(a, Fetch) for a in actions):  # a fetched proposal is looked at at once
+                self._changed.wait(0.02)
 
-    def _adopt(self, statuses: dict[str, Status], addresses: dict[str, tuple[str, int]]) -> View | None:
-        """As a joiner: agree to a proposal of the existing group that includes this worker."""
-        for status in statuses.values():
-            if not (status.alive and status.phase == ACTIVE and status.proposal and status.config == self._config):
-                continue
-            key = status.proposal
-            if key[0] < self._view_floor:
-                continue  # its formation failed here: wait for the retry's proposal
-            members = self._proposals.get(key)
-            if members is None and status.id in addresses:
-                members = self._rendezvous.fetch_proposal(*addresses[status.id], *key)
-                if members is not None:
-                    self._proposals[key] = members
-            if not members or self.id not in members:
-                continue
-            if self._proposal != key:
-                self._proposal = key
+    def _perform(self, actions: list, addresses: dict[str, tuple[str, int]]) -> None:
+        """Carry out the engine's actions (all but Form, which the caller performs)."""
+        for action in actions:
+            if isinstance(action, Publish):
                 self._publish()
-            proposal = Candidate(members, key[0], True, ())
-            if agreed(proposal, statuses):
-                return self._enter(View(key[0], members))
-            self._chase(key, members, statuses, time.monotonic())
-        return None
-
-    def _chase(self, key: tuple[int, str], members: tuple[str, ...], statuses: dict[str, Status],
-               now: float) -> None:
-        """Sync directly with members whose status has not shown proposal ``key`` for a while.
-
-        Gossip delivers an update to every member with high probability, not certainty; a
-        member that missed another's proposal would otherwise wait for the next periodic
-        push/pull (many seconds) while that member sits in formation. At most a few syncs
-        per interval, each member at most once per interval.
-        """
-        interval = 3 * self.options.gossip.gossip_interval
-        lagging = [m for m in members if m != self.id and (m not in statuses or statuses[m].proposal != key)]
-        self._lagging = {m: self._lagging[m] if self._lagging.get(m, (None,))[0] == key else (key, now, 0.0)
-                         for m in lagging}
-        due = [m for m in lagging if now - self._lagging[m][1] >= interval and now - self._lagging[m][2] >= interval]
-        for m in due[:3]:
-            self._lagging[m] = (key, self._lagging[m][1], now)
-            self._gossip.sync(m)
+            elif isinstance(action, PublishProposal):
+                self._rendezvous.publish_proposal(action.view_id, action.digest, action.members)
+            elif isinstance(action, Fetch):
+                members = None
+                if action.member in addresses:
+                    members = self._rendezvous.fetch_proposal(*addresses[action.member], *action.key)
+                self._engine.fetched_proposal(action.key, members)
+            elif isinstance(action, Sync):
+                self._gossip.sync(action.member)
+            elif isinstance(action, Rejoined):
+                log.warning("rejoining the group as a new member: %s", action.why)
+                self._rejoined = True
+                self._engine.joined_at = time.time()
+                self._needs_reconcile = True
+            else:
+                raise core.IllegalTransition(f"the driver cannot perform {action!r} here")
 
     def _enter(self, view: View) -> View:
         """Start forming ``view``: from now on gossip about its members fires the abort signal."""
         self._abort = AbortSignal()
-        self._forming = view
         statuses, _ = self._statuses()
         for member in view.members:
             status = statuses.get(member)
@@ -697,34 +652,17 @@ class FaultTolerantGroup:
     def _on_gossip(self, event: GossipEvent) -> None:
         """Runs on the gossip thread: fire the abort signal the moment the view is damaged."""
         self._changed.set()
-        view, member = self._forming or self._view, event.member
-        if member.id == self.id:
-            return
-        if view is not None and member.id in view.members and event.kind in ("suspect", "dead", "left"):
-            self._faults.append((time.monotonic(), event.kind, member.id))
-            if event.kind == "left" and self._completed_op_in_flight(member):
-                self._defer_abort(f"{member.id} left after completing the operation in flight")
-            else:
-                self._abort.fire(f"{member.id} is {event.kind}")
-            return
+        member = event.member
         status = Status.from_metadata(member.id, member.state, member.metadata)
-        if view is None or status is None or status.config != self._config or not status.alive:
+        damage = self._engine.damage(event.kind, member.id, status, self._ops)
+        if damage is None:
             return
-        if member.id in view.members:
-            if status.proposal != (view.id, view.digest):  # it saw a change, or gave up forming
-                what = f"proposes view {status.proposal[0]}" if status.proposal else "withdrew its proposal"
-                self._abort.fire(f"{member.id} {what}")
-        elif status.phase == ACTIVE and status.current_view > view.id:
-            self._faults.append((time.monotonic(), "superseded", member.id))
-            self._abort.fire(f"view {status.current_view} exists without this worker")
-
-    def _completed_op_in_flight(self, member: Any) -> bool:
-        """``member`` left after completing the group operation (collective or gradient step)
-        this worker is still in: its every contribution to it is already on its way here."""
-        status = Status.from_metadata(member.id, member.state, member.metadata)
-        view = self._view
-        return (status is not None and status.done_ops is not None and view is not None and self._forming is None
-                and self._phase == ACTIVE and status.done_ops[0] == view.id and status.done_ops[1] > self._ops)
+        if damage.fault is not None:
+            self._faults.append((time.monotonic(), damage.fault, member.id))
+        if damage.defer:
+            self._defer_abort(damage.reason)
+        else:
+            self._abort.fire(damage.reason)
 
     def _defer_abort(self, reason: str) -> None:
         """Let the step in flight finish before the view is re-formed: the abort fires when the
@@ -752,11 +690,11 @@ class FaultTolerantGroup:
         return statuses, addresses
 
     def _status_record(self) -> dict:
-        current = self._view.id if self._view is not None and self._phase == ACTIVE else 0
-        done_ops = (self._view.id, self._ops) if self._view is not None and self._phase == LEAVING else None
+        engine = self._engine
+        done_ops = (engine.view.id, self._ops) if engine.view is not None and engine.state == core.LEAVING else None
         settings = (self.settings["backend"], self.min_workers, self.max_workers, self.settings["partition_policy"])
-        return encode_status(self._phase, current, self._proposal, self._joined_at, self._config, self.step,
-                             self._rendezvous.port, self._view_floor, settings, done_ops, self.insecure)
+        return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, self._config,
+                             self.step, self._rendezvous.port, engine.floor, settings, done_ops, self.insecure)
 
     def _publish(self) -> None:
         self._last_step_publish = time.monotonic()
@@ -775,25 +713,13 @@ class FaultTolerantGroup:
                 return True
         return False
 
-    def _group_exists(self, statuses: dict[str, Status]) -> bool:
-        return any(s.alive and s.phase == ACTIVE and s.current_view > 0 and s.config == self._config
-                   for s in statuses.values() if s.id != self.id)
-
-    def _become_joiner(self, why: str) -> None:
-        log.warning("rejoining the group as a new member: %s", why)
-        self._phase, self._view, self._proposal = JOINING, None, None
-        self._rejoined = True
-        self._joined_at = time.time()
-        self._needs_reconcile = True
-        self._publish()
-
     def _check_config(self, statuses: dict[str, Status]) -> None:
         """Refuse to train with a group started with other settings (the newer worker raises)."""
         for m in self._gossip.live_members():
             status = statuses.get(m.id)
             if status is None or status.config == self._config or m.id == self.id:
                 continue
-            if status.phase == ACTIVE or status.joined_at < self._joined_at:
+            if status.phase == ACTIVE or status.joined_at < self._engine.joined_at:
                 theirs = status.settings
                 names = ["backend", "min_workers", "max_workers", "partition_policy"]
                 mine = [self.settings[n] for n in names]
@@ -822,10 +748,12 @@ class FaultTolerantGroup:
         self._waiting_since = time.monotonic()
         try:
             result = start().wait(self._abort)  # starting can fail too (NCCL reports a dead peer at enqueue)
+            self._confirm_after_stall()
         except MembershipChanged as exc:
             self._broken = self._classify(exc)
             raise
         self._ops += 1
+        self._op_began = time.monotonic()
         self._fire_deferred_aborts()
         return result
 
@@ -833,6 +761,22 @@ class FaultTolerantGroup:
         self.step += 1
         if time.monotonic() - self._last_step_publish >= self.options.step_publish_interval:
             self._publish()
+
+    def _confirm_after_stall(self) -> None:
+        """An operation that completed while (or after) this process was stopped or starved
+        may have completed only here: the others, seeing this worker hang, may have
+        abandoned the view and moved on (the abandoned communicators' threads still finish
+        the exchange). Before counting it, learn what the others did meanwhile (a direct
+        state exchange with a view member); if the view moved on, the operation is
+        discarded like any aborted one (reconciling brings this worker up to date)."""
+        if self._gossip.last_stall < self._op_began or self._view is None:
+            return
+        for member in [m for m in self._view.members if m != self.id][:2]:
+            if self._gossip.exchange(member):
+                break
+        if self._abort.reason is not None:
+            raise CollectiveAborted(f"an operation completed after this worker was stalled, but the view moved "
+                                    f"on: {self._abort.reason}")
 
     def _classify(self, exc: BaseException) -> str:
         """Why the view broke: crash, hang, leave, partition, superseded or backend."""
@@ -887,8 +831,8 @@ class FaultTolerantGroup:
                 self._faults.append((time.monotonic(), "crash", member))
                 self._gossip.declare_dead(member)
 
-    def _raise_stuck(self, last: Candidate | None) -> None:
-        if self._view is None or self._phase == JOINING:
+    def _raise_stuck(self) -> None:
+        if self._view is None or self._engine.state == core.JOINING:
             raise FtcommTimeout(
                 f"no view with at least min_workers={self.min_workers} members could be agreed "
                 f"(this worker sees {len(self._gossip.live_members())} live members; group full or "

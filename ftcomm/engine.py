@@ -1,0 +1,332 @@
+"""The group engine's core: one member's lifecycle as a state machine, with no I/O.
+
+Inputs are what the member observed (membership snapshots with ``now``, the outcome of
+forming or reconciling a view, faults in the view, a leave request); outputs are the
+actions the driver performs (publish the status record, publish a proposal on the
+rendezvous store, fetch one from a peer, sync with a lagging peer, form a view, rejoin).
+No threads, sockets, clocks or torch: :mod:`ftcomm.group` drives it with real gossip and
+communicators, :mod:`ftcomm.groupsim` with simulated ones, unchanged.
+
+States and transitions (anything else raises :class:`IllegalTransition`)::
+
+    JOINING ----agreed----> FORMING ---formed---> RECONCILING ---reconciled---> RUNNING
+    AGREEING ---agreed----> FORMING ---failed---> AGREEING (had a view) | JOINING
+    RUNNING ----broken----> AGREEING              RECONCILING ---broken---> AGREEING
+    AGREEING | RUNNING ---superseded---> JOINING  (a newer view exists without it)
+    any state but CLOSED ---leave---> LEAVING ---closed---> CLOSED
+
+The published phase (``joining`` / ``active`` / ``leaving``) follows from the state and
+whether the member has formed a view: peers see a member that lost its view as a joiner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .view import (ACTIVE, JOINING as PHASE_JOINING, LEAVING as PHASE_LEAVING, Candidate, Status, View, agreed,
+                   candidate, gone_from, has_quorum, superseded)
+
+JOINING, AGREEING, FORMING, RECONCILING, RUNNING, LEAVING, CLOSED = (
+    "JOINING", "AGREEING", "FORMING", "RECONCILING", "RUNNING", "LEAVING", "CLOSED")
+
+TRANSITIONS: dict[tuple[str, str], str] = {
+    (JOINING, "agreed"): FORMING,
+    (AGREEING, "agreed"): FORMING,
+    (FORMING, "formed"): RECONCILING,
+    (FORMING, "failed"): AGREEING,  # or JOINING when it has no view: see Engine.form_failed
+    (RECONCILING, "reconciled"): RUNNING,
+    (RECONCILING, "broken"): AGREEING,
+    (RUNNING, "broken"): AGREEING,
+    (AGREEING, "superseded"): JOINING,
+    (RUNNING, "superseded"): JOINING,
+    (LEAVING, "closed"): CLOSED,
+    **{(state, "leave"): LEAVING for state in (JOINING, AGREEING, FORMING, RECONCILING, RUNNING)},
+}
+
+
+class IllegalTransition(RuntimeError):
+    """An input the current state does not accept: a bug in the driver, never ignored."""
+
+
+# ---------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class Publish:
+    """Publish this member's status record (gossip metadata)."""
+
+
+@dataclass(frozen=True)
+class PublishProposal:
+    """Store the member list of proposal ``(view_id, digest)`` on this member's rendezvous
+    store, where joiners fetch it (a status record holds only the key)."""
+    view_id: int
+    digest: str
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Read the member list of proposal ``key`` from ``member``'s rendezvous store and
+    hand it back with :meth:`Engine.fetched`."""
+    member: str
+    key: tuple[int, str]
+
+
+@dataclass(frozen=True)
+class Sync:
+    """Exchange full gossip state with ``member`` now: its news is late here."""
+    member: str
+
+
+@dataclass(frozen=True)
+class Form:
+    """Form (and verify) the communicator of ``view``; report with formed / form_failed."""
+    view: View
+
+
+@dataclass(frozen=True)
+class Rejoined:
+    """This member lost its view and is a joiner again (log ``why``; state must be reconciled)."""
+    why: str
+
+
+Action = Publish | PublishProposal | Fetch | Sync | Form | Rejoined
+
+
+@dataclass
+class Engine:
+    """One member's lifecycle. ``config`` is the digest of the settings that must match."""
+
+    id: str
+    config: str
+    min_workers: int = 1
+    max_workers: int | None = None
+    partition_policy: str = "quorum"
+    settle_interval: float = 0.05
+    chase_interval: float = 0.6  # a member whose status lags this long gets a Sync, at most this often
+    refetch_interval: float = 0.05  # a proposal a peer's store did not have yet is asked for again after this
+    joined_at: float = 0.0
+    state: str = JOINING
+    view: View | None = None  # formed and verified
+    forming: View | None = None  # agreed, being formed
+    proposal: tuple[int, str] | None = None
+    floor: int = 0  # lowest view id to propose or adopt: views below it failed to form here
+    lost: View | None = None  # the view it had when it learned it was left out of a newer one
+    fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
+    _last: Candidate | None = None
+    _settled_since: float = 0.0
+    _lagging: dict = field(default_factory=dict)  # member -> (key, lagging since, last sync)
+    _fetching: dict = field(default_factory=dict)  # (member, key) -> when asked
+
+    # ------------------------------------------------------------------ transitions
+    def _move(self, what: str) -> str:
+        target = TRANSITIONS.get((self.state, what))
+        if target is None:
+            raise IllegalTransition(f"{self.id}: {what!r} in state {self.state}")
+        self.state = target
+        return target
+
+    @property
+    def phase(self) -> str:
+        """The phase peers see in the status record."""
+        if self.state in (LEAVING, CLOSED):
+            return PHASE_LEAVING
+        return ACTIVE if self.view is not None else PHASE_JOINING
+
+    @property
+    def current_view(self) -> int:
+        return self.view.id if self.view is not None and self.phase == ACTIVE else 0
+
+    def broken(self) -> list[Action]:
+        """The running view (or the one being reconciled) can no longer be used."""
+        self._move("broken")
+        self._last = None
+        return []
+
+    def formed(self) -> list[Action]:
+        """Every member formed and verified the communicator of the view being formed."""
+        self._move("formed")
+        self.view, self.forming = self.forming, None
+        self._lagging.clear()
+        return [Publish()]
+
+    def form_failed(self) -> list[Action]:
+        """Forming failed: withdraw the proposal (aborting the others' attempts) and never
+        reuse its view id, so a retry cannot meet a stale attempt's rendezvous keys."""
+        self._move("failed")
+        if self.view is None:
+            self.state = JOINING
+        self.floor = max(self.floor, self.forming.id + 1)
+        self.forming, self.proposal, self._last = None, None, None
+        return [Publish()]
+
+    def reconciled(self) -> list[Action]:
+        self._move("reconciled")
+        return []
+
+    def leave(self) -> list[Action]:
+        if self.state in (LEAVING, CLOSED):
+            return []
+        self._move("leave")
+        return [Publish()]
+
+    def closed(self) -> None:
+        self._move("closed")
+
+    def _rejoin(self, why: str) -> list[Action]:
+        self._move("superseded")
+        self.lost = self.view
+        self.view, self.proposal, self._last = None, None, None
+        return [Rejoined(why), Publish()]
+
+    # ------------------------------------------------------------------ agreement
+    def agree(self, now: float, statuses: dict[str, Status]) -> list[Action]:
+        """One look at the membership while JOINING or AGREEING; see :mod:`ftcomm.view`.
+
+        Returns what to do now; the driver calls again when the membership changes (or
+        after a short wait). Entering FORMING is signalled by a :class:`Form` action.
+        """
+        if self.state not in (JOINING, AGREEING):
+            raise IllegalTransition(f"{self.id}: agree in state {self.state}")
+        own = statuses.get(self.id)
+        if own is None:
+            return []
+        if self.state == AGREEING and self.view is not None and superseded(own, statuses):
+            return self._rejoin("a newer view exists without this worker")
+        if self.state == JOINING and self._group_exists(statuses):
+            return self._adopt(now, statuses)
+        previous = self.view if self.state == AGREEING else None
+        cand = candidate(self.id, previous, statuses, self.config, self.max_workers)
+        if self.state == JOINING and self.lost is not None and not self._may_refound(cand, statuses):
+            self._last = None
+            return []
+        if cand.view_id < self.floor:  # its own floor counts before gossip echoes its record
+            cand = dataclasses.replace(cand, view_id=self.floor)
+        if not self.usable(cand):
+            self._last = None
+            return []
+        if cand != self._last:
+            self._last, self._settled_since = cand, now
+            return []
+        if now - self._settled_since < self.settle_interval:
+            return []
+        actions: list[Action] = []
+        key = (cand.view_id, cand.digest)
+        if self.proposal != key:
+            self.proposal = key
+            actions += [PublishProposal(cand.view_id, cand.digest, cand.members), Publish()]
+        if agreed(cand, statuses):
+            return actions + self._enter(View(cand.view_id, cand.members))
+        return actions + self._chase(key, cand.members, statuses, now)
+
+    def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
+        """A member left out of a newer view sees no live group to join. It founds one only
+        if the quorum of the view it lost is with it and nothing shows a view newer than
+        that one (the newer group is then merely out of its sight: founding another would
+        split the job)."""
+        lost = self.lost
+        if any(s.config == self.config and s.last_view > lost.id for s in statuses.values() if s.id != self.id):
+            return False
+        return has_quorum(lost, cand.members, gone_from(lost, statuses))
+
+    def usable(self, cand: Candidate) -> bool:
+        return (self.id in cand.members and len(cand.members) >= self.min_workers
+                and (cand.quorum or self.partition_policy == "availability"))
+
+    def _adopt(self, now: float, statuses: dict[str, Status]) -> list[Action]:
+        """As a joiner: agree to a proposal of the existing group that includes this member."""
+        actions: list[Action] = []
+        for status in statuses.values():
+            if not (status.alive and status.phase == ACTIVE and status.proposal and status.config == self.config):
+                continue
+            key = status.proposal
+            if key[0] < self.floor:
+                continue  # its formation failed here: wait for the retry's proposal
+            members = self.fetched.get(key)
+            if members is None:
+                asked = self._fetching.get((status.id, key))
+                if status.rendezvous_port is not None and (asked is None or now - asked >= self.refetch_interval):
+                    self._fetching[(status.id, key)] = now
+                    actions.append(Fetch(status.id, key))
+                continue
+            if self.id not in members:
+                continue
+            if self.proposal != key:
+                self.proposal = key
+                actions.append(Publish())
+            if agreed(Candidate(members, key[0], True, ()), statuses):
+                return actions + self._enter(View(key[0], members))
+            actions += self._chase(key, members, statuses, now)
+        return actions
+
+    def fetched_proposal(self, key: tuple[int, str], members: tuple[str, ...] | None) -> None:
+        """The answer to a :class:`Fetch` (None: the member does not have it, or is gone)."""
+        if members is not None:
+            self.fetched[key] = tuple(members)
+            if len(self.fetched) > 64:  # only recent proposals matter
+                self.fetched.pop(next(iter(self.fetched)))
+
+    def _group_exists(self, statuses: dict[str, Status]) -> bool:
+        return any(s.alive and s.phase == ACTIVE and s.current_view > 0 and s.config == self.config
+                   for s in statuses.values() if s.id != self.id)
+
+    def _enter(self, view: View) -> list[Action]:
+        self._move("agreed")
+        self.forming = view
+        self._lagging.clear()
+        self._fetching.clear()
+        return [Form(view)]
+
+    def _chase(self, key: tuple[int, str], members: tuple[str, ...], statuses: dict[str, Status],
+               now: float) -> list[Action]:
+        """Sync with members whose status has not shown proposal ``key`` for a while.
+
+        Gossip delivers an update to every member with high probability, not certainty; a
+        member that missed another's proposal would otherwise wait for the next periodic
+        push/pull (many seconds) while that member sits in formation. At most three syncs
+        per interval, each member at most once per interval.
+        """
+        interval = self.chase_interval
+        lagging = [m for m in members if m != self.id and (m not in statuses or statuses[m].proposal != key)]
+        self._lagging = {m: self._lagging[m] if self._lagging.get(m, (None,))[0] == key else (key, now, -interval)
+                         for m in lagging}
+        due = [m for m in lagging if now - self._lagging[m][1] >= interval and now - self._lagging[m][2] >= interval]
+        for m in due[:3]:
+            self._lagging[m] = (key, self._lagging[m][1], now)
+        return [Sync(m) for m in due[:3]]
+
+    # ------------------------------------------------------------------ what breaks a view
+    def damage(self, kind: str, member: str, status: Status | None, ops_done: int) -> "Damage | None":
+        """Whether gossip news about ``member`` breaks the view being run or formed.
+
+        ``kind``: a gossip event (suspect, dead, left, metadata, ...); ``status``: the
+        member's decoded record; ``ops_done``: group operations this member completed in
+        its current view. None: the view is not affected.
+        """
+        view = self.forming or self.view
+        if view is None or member == self.id or self.state in (JOINING, LEAVING, CLOSED):
+            return None
+        if member in view.members and kind in ("suspect", "dead", "left"):
+            if (kind == "left" and status is not None and status.done_ops is not None and self.forming is None
+                    and self.state == RUNNING and status.done_ops[0] == view.id and status.done_ops[1] > ops_done):
+                return Damage(f"{member} left after completing the operation in flight", kind, defer=True)
+            return Damage(f"{member} is {kind}", kind)
+        if status is None or status.config != self.config or not status.alive:
+            return None
+        if member in view.members:
+            if status.proposal != (view.id, view.digest):  # it saw a change, or gave up forming
+                what = f"proposes view {status.proposal[0]}" if status.proposal else "withdrew its proposal"
+                return Damage(f"{member} {what}", None)
+        elif status.phase == ACTIVE and status.current_view > view.id:
+            return Damage(f"view {status.current_view} exists without this worker", "superseded")
+        return None
+
+
+@dataclass(frozen=True)
+class Damage:
+    """The view is broken (``reason``); ``fault``: what happened to a member (suspect, dead,
+    left, superseded) or None for a peer that moved on; ``defer``: let the operation in
+    flight finish first (the member left after completing it)."""
+    reason: str
+    fault: str | None
+    defer: bool = False

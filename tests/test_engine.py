@@ -1,0 +1,140 @@
+"""The engine core: its transition table, agreement decisions and what breaks a view."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftcomm import engine as core
+from ftcomm.engine import Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
+from ftcomm.view import ACTIVE, JOINING, LEAVING, Status, View
+
+CFG = "cfg"
+
+
+def status(member: str, phase: str = ACTIVE, cv: int = 0, proposal=None, joined_at: float = 0.0, alive: bool = True,
+           port: int | None = 4000, done_ops=None) -> Status:
+    return Status(member, alive, False, phase, cv, proposal, joined_at, CFG, rendezvous_port=port, done_ops=done_ops)
+
+
+def engine(member: str = "a", **kw) -> Engine:
+    return Engine(member, CFG, settle_interval=0.05, chase_interval=0.6, **kw)
+
+
+def agree_until_form(e: Engine, statuses: dict, start: float = 0.0) -> tuple[list, float]:
+    """Call agree every 10 ms (others echo this member's proposal) until it forms."""
+    now, actions = start, []
+    for _ in range(100):
+        step = e.agree(now, statuses)
+        actions += step
+        if step and isinstance(step[-1], Form):
+            return actions, now
+        if e.proposal is not None:
+            statuses = {m: (s if m == e.id else Status(**{**s.__dict__, "proposal": e.proposal}))
+                        for m, s in statuses.items()}
+            statuses[e.id] = Status(**{**statuses[e.id].__dict__, "proposal": e.proposal})
+        now += 0.01
+    raise AssertionError(f"no Form after 1 s: {actions}")
+
+
+def test_a_fresh_group_agrees_publishes_and_forms_after_the_settle_interval():
+    e = engine()
+    statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate("abc")}
+    actions, formed_at = agree_until_form(e, statuses)
+    assert formed_at >= 0.05
+    proposal = next(a for a in actions if isinstance(a, PublishProposal))
+    assert proposal.members == ("a", "b", "c") and proposal.view_id == 1
+    assert any(isinstance(a, Publish) for a in actions)
+    assert e.state == core.FORMING and e.forming == View(1, ("a", "b", "c"))
+    e.formed()
+    assert (e.state, e.view, e.phase, e.current_view) == (core.RECONCILING, View(1, ("a", "b", "c")), ACTIVE, 1)
+    e.reconciled()
+    assert e.state == core.RUNNING
+
+
+def test_illegal_inputs_raise():
+    e = engine()
+    with pytest.raises(core.IllegalTransition):
+        e.formed()
+    with pytest.raises(core.IllegalTransition):
+        e.broken()
+    e.leave()
+    with pytest.raises(core.IllegalTransition):
+        e.agree(0.0, {})
+    e.closed()
+    assert e.state == core.CLOSED and e.leave() == []
+
+
+def running(e: Engine, members=("a", "b", "c"), view_id: int = 1) -> Engine:
+    statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate(members)}
+    agree_until_form(e, statuses)
+    e.formed()
+    e.reconciled()
+    assert e.view.id == view_id
+    return e
+
+
+def test_a_failed_formation_withdraws_the_proposal_and_raises_the_floor():
+    e = engine()
+    statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate("ab")}
+    agree_until_form(e, statuses)
+    assert e.form_failed() == [Publish()]
+    assert (e.state, e.proposal, e.floor) == (core.JOINING, None, 2)  # had no view: a joiner again
+    actions, _ = agree_until_form(e, statuses)
+    assert next(a for a in actions if isinstance(a, PublishProposal)).view_id == 2
+
+
+def test_a_member_left_out_of_a_newer_view_rejoins():
+    e = running(engine())
+    e.broken()
+    statuses = {"a": status("a", cv=1), "b": status("b", cv=3), "c": status("c", cv=3)}
+    actions = e.agree(1.0, statuses)
+    assert isinstance(actions[0], Rejoined) and Publish() in actions
+    assert (e.state, e.view, e.phase) == (core.JOINING, None, JOINING)
+
+
+def test_a_joiner_fetches_the_proposal_then_adopts_it():
+    e = engine("j", joined_at=5.0)
+    key = (2, View(2, ("a", "b", "j")).digest)
+    statuses = {"a": status("a", cv=1, proposal=key), "b": status("b", cv=1, proposal=key),
+                "j": status("j", JOINING, joined_at=5.0)}
+    assert e.agree(0.0, statuses) == [Fetch("a", key), Fetch("b", key)]
+    assert e.agree(0.01, statuses) == []  # asked a moment ago
+    e.fetched_proposal(key, None)  # not stored there yet
+    assert Fetch("a", key) in e.agree(0.07, statuses)
+    e.fetched_proposal(key, ("a", "b", "j"))
+    assert e.agree(0.08, statuses) == [Publish()] and e.proposal == key
+    statuses["j"] = status("j", JOINING, joined_at=5.0, proposal=key)
+    assert e.agree(0.09, statuses) == [Form(View(2, ("a", "b", "j")))]
+
+
+def test_a_member_whose_proposal_is_late_gets_a_sync_each_interval():
+    e = engine()
+    statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate("abcde")}
+    now = 0.0
+    for _ in range(10):  # settle and publish
+        e.agree(now, statuses)
+        now += 0.01
+    key = e.proposal
+    echo = {m: Status(**{**s.__dict__, "proposal": key}) for m, s in statuses.items() if m != "e"}
+    echo["e"] = statuses["e"]  # e never shows the proposal
+    syncs = []
+    while now < 2.0:
+        syncs += [(round(now, 2), a.member) for a in e.agree(now, echo) if isinstance(a, Sync)]
+        now += 0.01
+    assert [m for _, m in syncs] == ["e"] * len(syncs) and 2 <= len(syncs) <= 3
+    assert all(b - a >= 0.6 - 1e-9 for (a, _), (b, _) in zip(syncs, syncs[1:]))
+
+
+def test_damage_decides_abort_defer_or_nothing():
+    e = running(engine())
+    view = e.view
+    assert e.damage("suspect", "b", status("b", cv=1), 0).reason == "b is suspect"
+    assert e.damage("suspect", "x", status("x"), 0) is None  # not in the view
+    left = status("b", LEAVING, done_ops=(view.id, 4), alive=False)
+    assert e.damage("left", "b", left, 3).defer  # b completed the operation this member is in
+    assert not e.damage("left", "b", left, 4).defer  # it is not ahead: abort
+    assert not e.damage("left", "b", status("b", LEAVING, done_ops=(view.id - 1, 9), alive=False), 0).defer
+    moved = status("c", cv=1, proposal=(2, "d"))
+    assert e.damage("metadata", "c", moved, 0) == core.Damage("c proposes view 2", None)
+    assert e.damage("metadata", "x", status("x", cv=2), 0).fault == "superseded"
+    assert e.damage("metadata", "c", status("c", cv=1, proposal=(view.id, view.digest)), 0) is None
