@@ -11,8 +11,11 @@ The rule (see docs/ARCHITECTURE.md):
    previous order, then joiners ordered by (join time, id), up to ``max_workers``.
    With no previous view (a fresh group) the candidate is the joiners alone.
 2. Quorum: the candidate holds a strict majority of the previous view's members that
-   are not confirmed gone (left gracefully); a tie goes to the side holding the
-   previous view's lowest-ranked member that is not confirmed gone (rank 0 unless it left).
+   are not confirmed gone (left gracefully, from that view or an older one); a tie goes
+   to the side holding the previous view's lowest-ranked member that is not confirmed
+   gone (rank 0 unless it left). A member that lost its view (it was left out of a newer
+   one) and rejoins founds no group of its own: it only adopts the existing group's
+   proposals, unless that group is gone (see ftcomm.engine).
 3. Agreement: every candidate member publishes the same ``(view id, digest)``; the
    view id is one more than the highest current view id among the candidate, raised
    to the highest floor a candidate member publishes. A member whose formation of
@@ -77,6 +80,14 @@ class Status:
     done_ops: tuple[int, int] | None = None  # leaving: (view id, group operations it completed in that view)
     insecure: bool = False  # started without a secret on a reachable address (shown by ``ftcomm members``)
 
+    @property
+    def last_view(self) -> int:
+        """The newest view this member is known to have formed (a leaving member names the
+        view it leaves)."""
+        if self.phase == ACTIVE:
+            return self.current_view
+        return self.done_ops[0] if self.done_ops is not None else 0
+
     @classmethod
     def from_metadata(cls, member_id: str, gossip_state: str, meta: dict) -> "Status | None":
         """Decode; None when the record is not an ftcomm worker's (or is malformed). An optional
@@ -139,6 +150,14 @@ def has_quorum(previous: View | None, members: list[str] | tuple[str, ...], gone
     return 2 * kept == len(eligible) and eligible[0] in present
 
 
+def gone_from(previous: View | None, statuses: dict[str, Status]) -> set[str]:
+    """Members confirmed gone for the quorum over ``previous``: they left gracefully, and
+    not from a newer view (a member that left a newer view proves that view exists; its
+    departure says nothing about the majority of ``previous``)."""
+    limit = previous.id if previous is not None else 0
+    return {s.id for s in statuses.values() if s.left and s.last_view <= limit}
+
+
 @dataclass(frozen=True)
 class Candidate:
     members: tuple[str, ...]
@@ -164,7 +183,7 @@ def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], c
     ordered = survivors + [s.id for s in joiners]
     limit = len(ordered) if max_workers is None else max_workers
     members, standby = tuple(ordered[:limit]), tuple(ordered[limit:])
-    gone = {s.id for s in statuses.values() if s.left}
+    gone = gone_from(previous, statuses)
     quorum = has_quorum(previous, members, gone)
     view_id = 1 + max([statuses[m].current_view for m in members if m in statuses] +
                       [previous.id if previous else 0])
@@ -179,14 +198,16 @@ def agreed(proposal: Candidate, statuses: dict[str, Status]) -> bool:
 
 
 def superseded(own: Status, statuses: dict[str, Status], forming: int = 0) -> bool:
-    """Some live member of our group holds a newer view than this member ever formed.
+    """Some member of our group holds (or held) a newer view than this member ever formed.
 
     A view becomes a member's current view only once every member has formed it, so a
     member whose current view (or the view it is forming) is older than another
     member's current view was left out of it (it hung, or sat on the minority side of a
-    partition) and must rejoin as a joiner. Proposals do not count: a left-out member
-    may well propose a newer view id from its stale table.
+    partition) and must rejoin as a joiner. The evidence counts whatever that member's
+    state is now: a member that left a newer view (its last record names that view), or
+    died in one, proves the view existed just as well; ignoring it let the losing side of
+    a partition count the winner's departure as its own majority. Proposals do not
+    count: a left-out member may well propose a newer view id from its stale table.
     """
     mine = max(own.current_view, forming)
-    return any(s.alive and s.config == own.config and s.phase == ACTIVE and s.current_view > mine
-               for s in statuses.values() if s.id != own.id)
+    return any(s.config == own.config and s.last_view > mine for s in statuses.values() if s.id != own.id)

@@ -224,6 +224,12 @@ class Protocol:
         self._declare_dead(member_id, m.incarnation, now)
         return True
 
+    def push_pull_request(self, now: float) -> bytes:
+        """A push/pull request (this member's full table) for the driver to send itself."""
+        self._now = now
+        self.stats["push_pull_requested"] += 1
+        return self._push_pull_message(False)
+
     def sync_with(self, member_id: str, now: float) -> bool:
         """Exchange full state with one member now (a push/pull), outside the periodic ones.
 

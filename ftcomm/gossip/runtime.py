@@ -15,6 +15,7 @@ and logged the first time per kind; the node keeps serving.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import secrets as _secrets
 import socket
@@ -33,6 +34,10 @@ from .faults import FaultFilter
 from .protocol import MemberEvent, MemberInfo, Protocol
 
 log = logging.getLogger(__name__)
+
+STALL_S = 0.25
+"""A protocol timer firing this much later than due means the whole process was stopped
+or starved (its timers are never due further apart than a probe interval)."""
 
 try:  # pragma: no cover - depends on the platform
     import uvloop as _uvloop
@@ -152,6 +157,8 @@ class GossipNode:
         self._router: zmq.asyncio.Socket | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        self.last_stall = float("-inf")
+        """time.monotonic() when this process was last seen to have been stalled (see STALL_S)."""
         self._tasks: set[asyncio.Task] = set()
         self._snapshot: tuple[Member, ...] = ()
         self._snapshot_stale = True
@@ -259,6 +266,25 @@ class GossipNode:
     def declare_dead(self, member_id: str) -> None:
         """Declare a member dead on outside evidence; see :meth:`Protocol.declare_dead`."""
         self._call(lambda p: p.declare_dead(member_id, self._now()))
+
+    def exchange(self, member_id: str, timeout: float | None = None) -> bool:
+        """Exchange full state with one member and wait until its answer is merged (and the
+        events it caused are published): True, or False when it does not answer within
+        ``timeout`` (default: the request timeout) or is unknown, dead or left."""
+        if self._loop is None or self._stopped.is_set():
+            raise GossipError("the gossip node is not running")
+        wait = self.config.request_timeout if timeout is None else timeout
+
+        async def run() -> bool:
+            info = self._protocol.member(member_id)
+            if info is None or member_id == self.id or info.state in ("dead", "left"):
+                return False
+            request = self._protocol.push_pull_request(self._now())
+            return await asyncio.wait_for(self._push_pull((info.host, info.port), request), wait)
+        try:
+            return asyncio.run_coroutine_threadsafe(run(), self._loop).result(wait + 1.0)
+        except (asyncio.TimeoutError, TimeoutError, concurrent.futures.TimeoutError):
+            return False
 
     def sync(self, member_id: str) -> None:
         """Exchange full state with one member now; see :meth:`Protocol.sync_with`."""
@@ -405,6 +431,10 @@ class GossipNode:
             received = True
 
     def _on_timer(self) -> None:
+        late = time.monotonic() - self._timer_at
+        if late > STALL_S:  # the whole process was stopped or starved (a timer is never due later than that)
+            self.last_stall = time.monotonic()
+            log.debug("gossip timer fired %.3f s late: this process was stalled", late)
         self._timer, self._timer_at = None, float("inf")
         try:
             self._drain_udp()  # after a pause, read what arrived before judging anyone by the clock

@@ -59,15 +59,10 @@ class Simulation:
         self.nodes: list[_Node] = []
         self._by_address: dict[tuple[str, int], int] = {}
         self._by_id: dict[str, int] = {}
+        self._secret = secret
         self.listeners: list[Callable[[int, MemberEvent], None]] = []
-        for i in range(n):
-            host = f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}"
-            member_id = f"{host}:{PORT}/{self._rng.getrandbits(32):08x}"
-            protocol = Protocol(member_id, host, PORT, config=self.config, secret=secret,
-                                seed=self._rng.getrandbits(32))
-            self.nodes.append(_Node(i, protocol))
-            self._by_address[(host, PORT)] = i
-            self._by_id[member_id] = i
+        for _ in range(n):
+            self._new_node()
         records = [node.protocol.record() for node in self.nodes]
         for node in self.nodes:
             if bootstrap:
@@ -77,6 +72,26 @@ class Simulation:
         if not bootstrap:  # everyone joins through member 0
             for node in self.nodes[1:]:
                 self._push(self._rng.uniform(0, 1.0), _STREAM, (node.index, 0, node.protocol.join_request(0.0)))
+
+    def _new_node(self) -> _Node:
+        i = len(self.nodes)
+        host = f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}"
+        member_id = f"{host}:{PORT}/{self._rng.getrandbits(32):08x}"
+        protocol = Protocol(member_id, host, PORT, config=self.config, secret=self._secret,
+                            seed=self._rng.getrandbits(32))
+        node = _Node(i, protocol)
+        self.nodes.append(node)
+        self._by_address[(host, PORT)] = i
+        self._by_id[member_id] = i
+        return node
+
+    def add_node(self, seed_index: int = 0) -> int:
+        """A new member, started now, that joins through member ``seed_index``; its index."""
+        node = self._new_node()
+        node.protocol.start(self.now)
+        self._after(node)
+        self._push(self.now, _STREAM, (node.index, seed_index, node.protocol.join_request(self.now)))
+        return node.index
 
     # ------------------------------------------------------------ scheduling faults
     def member_id(self, index: int) -> str:
