@@ -106,8 +106,13 @@ def views_by_id(workers: list[ChildProcess]) -> dict[int, list[dict]]:
     return grouped
 
 
-def assert_invariants(workers: list[ChildProcess], done: list[dict], abort_bound: float = 0.1) -> None:
-    """DESIGN §2: equal digests after every re-formation and at the end; abort latency bound."""
+def assert_invariants(workers: list[ChildProcess], done: list[dict], abort_bound: float = 2.0) -> None:
+    """DESIGN §2: equal digests after every re-formation and at the end; aborts noticed.
+
+    The abort bound only tells a waiting collective that the signal woke (well under a
+    second) from one that missed it and ran into a timeout (many seconds): a loaded
+    machine deschedules the waiting thread for a while. The 100 ms target is measured
+    by benchmarks/group_recovery.py, and the wake-up itself by tests/test_backends.py."""
     assert len({d["digest"] for d in done}) == 1, f"final digests differ: {done}"
     assert len({d["step"] for d in done}) == 1
     for view_id, events in views_by_id(workers).items():
