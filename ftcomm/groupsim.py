@@ -1,0 +1,684 @@
+"""Whole groups under deterministic simulation: engines, gossip, rendezvous and collectives.
+
+N :class:`~ftcomm.engine.Engine` cores, each driven the way :mod:`ftcomm.group` drives
+it, over the gossip simulator (the real :class:`~ftcomm.gossip.protocol.Protocol`, real
+packets, a virtual clock, loss and delay). The rendezvous and the collectives are
+modelled:
+
+* a proposal published by a member is readable by the others while its owner runs and
+  is reachable;
+* a view forms once every member entered its formation (each after agreeing on its own)
+  and every pair of members can reach each other, within ``formation_timeout``;
+* reconciling gathers every member's (step, state digest) and all adopt the most
+  advanced (lowest rank among equals), as ``FaultTolerantGroup._reconcile`` does;
+* a training step is one collective: it completes when every member contributed and
+  each member observes it a little later (its own latency); a member that crashes,
+  hangs or is cut off before another observed it leaves that one waiting (so a step may
+  commit on some members only); a crashed process's peers get a connection error at
+  once (and declare it dead, the crash fast path), a lost node or a hung process gives
+  none, only gossip tells.
+
+Each seed draws a group size, network conditions and a fault schedule (crash, hang and
+resume, node loss and return, partition and heal, joins, graceful leaves, leaves right
+after a collective, slow members). After every commit and at the end it checks the
+invariants below; a violation names the seed and the command that reproduces it::
+
+    python -m ftcomm.groupsim --seed 17            # one seed, its timeline
+    python -m ftcomm.groupsim --seeds 500 --json   # many seeds, summary
+
+Invariants: (1) no two members commit different contents for the same step; (2) each
+member's committed steps strictly increase; (3) the members of a view hold equal state
+before their first commit in it; (4) with the quorum policy no side of a partition that
+lacks a majority of the view before it commits; (5) the committed steps of the group are
+contiguous (every sample of an epoch consumed once: the sampler's share of a step is a
+function of the step); (6) liveness: once faults stop, every live member is in one view
+with all live members and commits within ``liveness_bound`` seconds; (7) every
+communicator a member formed is closed or abandoned, except the current one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .engine import (AGREEING, FORMING, JOINING, LEAVING, RECONCILING, RUNNING, Engine, Fetch, Form, Publish,
+                     PublishProposal, Rejoined, Sync)
+from .gossip.config import GossipConfig
+from .gossip.runtime import decode_metadata, encode_metadata
+from .gossip.sim import Simulation
+from .view import Status, View, encode_status, has_quorum
+
+CONFIG = "simcfg"
+TICK = 0.02  # the driver looks at the membership this often (FaultTolerantGroup waits 20 ms)
+FORM_LATENCY = 0.01
+CRASH_ERROR_DELAY = 0.005
+
+
+class InvariantViolation(AssertionError):
+    """An invariant of the group did not hold; the message names it and the seed."""
+
+
+@dataclass
+class Worker:
+    node: int  # index in the gossip simulation
+    engine: Engine
+    started: float
+    step_time: float
+    slow: float = 1.0
+    step: int = 0
+    digest: int = 0
+    ops: int = 0
+    crashed: bool = False
+    crashed_at: float = float("inf")
+    hung: bool = False
+    gone: bool = False  # left gracefully (or crashed): no longer driven
+    abort: str | None = None
+    deferred: tuple[str, float] | None = None  # (reason, deadline): see leave_grace
+    entered: float = 0.0  # when it entered the formation in progress
+    comm: tuple[int, str] | None = None
+    comms: list = field(default_factory=list)  # every communicator formed: [key, closed]
+    contributed: float | None = None  # when it contributed to the step in flight
+    ready_at: float = 0.0  # when it may contribute next (its compute)
+    fresh_view: bool = False  # no commit yet in the current view
+    committed: list = field(default_factory=list)  # (time, step, view id)
+    leave_after_commit: bool = False
+    join_seen: bool = False  # it saw an admissible joiner when it contributed
+    joined: bool = False  # its gossip join completed (ftcomm.init agrees only after that)
+    op_began: float = 0.0  # when the operation in flight began
+    resumed_at: float = float("-inf")  # when it last came back from a hang
+    confirming: float | None = None  # waiting for a state exchange until then (see _confirm_after_stall)
+
+
+@dataclass
+class Outcome:
+    seed: int
+    n: int
+    ok: bool
+    violation: str | None
+    faults: list
+    commits: int
+    views: int
+    recovery: dict  # fault kind -> [seconds from the fault to the next commit of every survivor]
+    settle_s: float | None  # from the last fault to one view of everyone, committing
+    wall_s: float
+
+
+class GroupSimulation:
+    """One seeded run. ``faults``: list of (time, kind, args) or None to draw them."""
+
+    def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
+                 quiet: float | None = None, loss: float | None = None, leave_grace: float = 2.0,
+                 formation_timeout: float = 10.0, gossip: GossipConfig | None = None) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.n = n if n is not None else self.rng.randint(3, 7)
+        self.loss = loss if loss is not None else self.rng.choice([0.0, 0.0, 0.01, 0.03])
+        delay = self.rng.choice([(0.0002, 0.002), (0.001, 0.01), (0.002, 0.03)])
+        self.config = gossip or GossipConfig()
+        # Workers start within a second of each other and join through the first (their peer).
+        self.sim = Simulation(self.n, self.config, loss=self.loss, delay=delay, seed=self.rng.getrandbits(32),
+                              bootstrap=False)
+        self.duration = duration
+        self.liveness_bound = self.config.detection_bound(self.n + 4) + formation_timeout + 5.0
+        """Seconds after the last fault within which every live member must run one view."""
+        self.quiet = quiet if quiet is not None else self.liveness_bound
+        self.leave_grace, self.formation_timeout = leave_grace, formation_timeout
+        self.workers: dict[int, Worker] = {}
+        self.by_id: dict[str, Worker] = {}
+        self.store: dict[tuple[int, tuple[int, str]], tuple[str, ...]] = {}
+        self.formations: dict[tuple[int, str], dict[str, float]] = {}
+        self.reconciles: dict[tuple[int, str], dict[str, tuple[int, int]]] = {}
+        self.steps: dict[tuple[tuple[int, str], int], dict[str, float]] = {}
+        self.contents: dict[int, int] = {}  # step -> digest committed (invariant 1)
+        self.view_digest: dict[tuple[int, str], tuple[int, int]] = {}  # view -> (step, digest) at first commit
+        self.views_formed: set[tuple[int, str]] = set()
+        self.partition: tuple[frozenset[str], frozenset[str], View | None] | None = None
+        self.log: list[str] = []
+        self.fault_log: list[tuple[float, str, str]] = []
+        self.pending_recovery: list[tuple[float, str, set[str]]] = []  # (time, kind, survivors to commit)
+        self.recovery: dict[str, list[float]] = {}
+        self.last_fault = 0.0
+        self.sim.listeners.append(self._on_event)
+        for i in range(self.n):
+            self._start_worker(i, 0.0)
+        self.faults = faults if faults is not None else self._draw_faults()
+        self.end_faults = max((t + a.get("length", 0.0) if k in ("hang", "node_loss", "partition") else t
+                               for t, k, a in self.faults), default=0.0)
+        self.settled_at: float | None = None
+        for t, kind, args in self.faults:
+            self.sim.at(t, lambda kind=kind, args=args: self._fault(kind, args))
+        self._schedule_ticks()
+
+    # ------------------------------------------------------------------ setup
+    def _start_worker(self, node: int, now: float) -> Worker:
+        member = self.sim.member_id(node)
+        engine = Engine(member, CONFIG, min_workers=1, settle_interval=0.05,
+                        chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6)
+        w = Worker(node, engine, now, step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
+        self.workers[node] = w
+        self.by_id[member] = w
+        self._publish(w)
+        return w
+
+    def _draw_faults(self) -> list:
+        rng, faults, t = self.rng, [], 2.0
+        network_free_at = 0.0
+        kinds = ["crash", "hang", "node_loss", "partition", "join", "leave", "leave_after_commit", "slow"]
+        for _ in range(rng.randint(1, 5)):
+            t += rng.uniform(0.5, 5.0)
+            if t > self.duration:
+                break
+            kind = rng.choice(kinds)
+            if kind in ("node_loss", "partition") and t < network_free_at:
+                kind = "crash"
+            if kind in ("hang", "node_loss", "partition"):
+                length = rng.uniform(0.3, 8.0)
+                faults.append((t, kind, {"length": length, "pick": rng.random(), "split": rng.random()}))
+                if kind != "hang":
+                    network_free_at = t + length + 0.5
+            else:
+                faults.append((t, kind, {"pick": rng.random(), "factor": rng.uniform(2, 5),
+                                         "length": rng.uniform(1, 6)}))
+        return faults
+
+    def _schedule_ticks(self) -> None:
+        t = 0.0
+        end = self.duration + self.quiet
+        while t <= end:
+            self.sim.at(t, self._tick)
+            t = round(t + TICK, 6)
+
+    # ------------------------------------------------------------------ faults
+    def _live(self) -> list[Worker]:
+        return [w for w in self.workers.values() if not w.crashed and not w.gone]
+
+    def _pick(self, frac: float, exclude_last: bool = True) -> Worker | None:
+        live = self._live()
+        if len(live) <= 2 and exclude_last:  # keep a group to recover
+            return None
+        return live[int(frac * len(live)) % len(live)]
+
+    def _fault(self, kind: str, args: dict) -> None:
+        now = self.sim.now
+        self.last_fault = max(self.last_fault, now)
+        if kind == "join":
+            node = self.sim.add_node(seed_index=self._live()[0].node)
+            w = self._start_worker(node, now)
+            self.fault_log.append((now, kind, w.engine.id))
+            return
+        if kind == "slow":
+            w = self._pick(args["pick"], exclude_last=False)
+            w.slow = args["factor"]
+            self.sim.at(now + args["length"], lambda: setattr(w, "slow", 1.0))
+            self.fault_log.append((now, kind, w.engine.id))
+            return
+        if kind == "partition":
+            live = self._live()
+            if len(live) < 2:
+                return
+            cut = max(1, min(len(live) - 1, int(args["split"] * len(live)) or 1))
+            side_a = {w.node for w in live[:cut]}
+            side_b = set(range(len(self.sim.nodes))) - side_a
+            self._cut(now, side_a, side_b, args["length"], kind)
+            return
+        w = self._pick(args["pick"])
+        if w is None:
+            return
+        self.fault_log.append((now, kind, w.engine.id))
+        survivors = {x.engine.id for x in self._live() if x is not w}
+        if kind == "crash":
+            self._crash(w)
+            self.pending_recovery.append((now, kind, survivors))
+        elif kind == "hang":
+            w.hung = True
+            self.sim.nodes[w.node].stalled = True
+            self.pending_recovery.append((now, kind, survivors))
+            self.sim.at(now + args["length"], lambda: self._resume(w))
+            self.last_fault = max(self.last_fault, now + args["length"])
+        elif kind == "node_loss":
+            others = set(range(len(self.sim.nodes))) - {w.node}
+            self._cut(now, {w.node}, others, args["length"], kind, survivors)
+        elif kind in ("leave", "leave_after_commit"):
+            if kind == "leave":
+                self._leave(w)
+            else:
+                w.leave_after_commit = True
+            self.pending_recovery.append((now, "leave", survivors))
+
+    def _cut(self, now: float, side_a: set[int], side_b: set[int], length: float, kind: str,
+             survivors: set[str] | None = None) -> None:
+        ids = {i: self.sim.member_id(i) for i in range(len(self.sim.nodes))}
+        before = max((w.engine.view for w in self._live() if w.engine.view is not None),
+                     key=lambda v: v.id, default=None)
+        self.partition = (frozenset(ids[i] for i in side_a), frozenset(ids[i] for i in side_b), before)
+        self.sim._partition = (frozenset(side_a), frozenset(side_b))
+        self.fault_log.append((now, kind, f"{sorted(ids[i] for i in side_a)}"))
+        if survivors is not None:
+            self.pending_recovery.append((now, kind, survivors))
+        self.sim.at(now + length, self._heal)
+        self.last_fault = max(self.last_fault, now + length)
+
+    def _heal(self) -> None:
+        self.partition = None
+        self.sim._partition = None
+
+    def _crash(self, w: Worker) -> None:
+        w.crashed = True
+        w.crashed_at = self.sim.now
+        self.sim.nodes[w.node].crashed = True
+        for entry in w.comms:  # the process is gone: so are its communicators
+            entry[1] = True
+
+    def _resume(self, w: Worker) -> None:
+        w.hung = False
+        w.resumed_at = self.sim.now
+        self.sim._resume(self.sim.nodes[w.node])
+
+    def _leave(self, w: Worker) -> None:
+        if w.gone or w.crashed:
+            return
+        w.engine.leave()
+        self._publish(w)
+        self.sim.nodes[w.node].protocol.leave(self.sim.now)
+        self.sim._after(self.sim.nodes[w.node])
+        self._abandon(w)
+        w.gone = True
+        # the process exits once the notice has spread
+        self.sim.at(self.sim.now + self.config.leave_propagate_time, lambda: self._exit(w))
+
+    def _exit(self, w: Worker) -> None:
+        self.sim.nodes[w.node].crashed = True
+
+    # ------------------------------------------------------------------ gossip side
+    def _on_event(self, index: int, event) -> None:
+        w = self.workers.get(index)
+        if w is None or w.crashed or w.gone:
+            return
+        member = event.member
+        status = Status.from_metadata(member.id, member.state, decode_metadata(member.metadata))
+        damage = w.engine.damage(event.kind, member.id, status, w.ops)
+        if damage is None:
+            return
+        if damage.defer:
+            if w.deferred is None:
+                w.deferred = (damage.reason, self.sim.now + self.leave_grace)
+        elif w.abort is None:
+            w.abort = damage.reason
+
+    def _statuses(self, w: Worker) -> dict[str, Status]:
+        protocol = self.sim.nodes[w.node].protocol
+        known = set(w.engine.view.members) if w.engine.view is not None else set()
+        out = {}
+        for m in protocol.members():
+            if not m.confirmed and m.id != w.engine.id and m.id not in known:
+                continue
+            status = Status.from_metadata(m.id, m.state, decode_metadata(m.metadata))
+            if status is not None:
+                out[m.id] = status
+        return out
+
+    def _publish(self, w: Worker) -> None:
+        e = w.engine
+        done_ops = (e.view.id, w.ops) if e.view is not None and e.state == LEAVING else None
+        record = encode_status(e.phase, e.current_view, e.proposal, e.joined_at, CONFIG, w.step, 1, e.floor,
+                               done_ops=done_ops)
+        node = self.sim.nodes[w.node]
+        node.protocol.set_metadata(encode_metadata(record), self.sim.now)
+        self.sim._after(node)
+
+    # ------------------------------------------------------------------ the driver
+    def _tick(self) -> None:
+        for w in list(self.workers.values()):
+            if w.crashed or w.gone or w.hung:
+                continue
+            if not w.joined:
+                if self.sim.nodes[w.node].protocol.num_members() < 2:
+                    continue
+                w.joined = True
+            state = w.engine.state
+            if state in (JOINING, AGREEING):
+                self._agree(w)
+            elif state == FORMING:
+                self._forming(w)
+            elif state == RECONCILING:
+                self._reconciling(w)
+            elif state == RUNNING:
+                self._running(w)
+        self._check_recoveries()
+        if self.settled_at is None and self.sim.now >= self.end_faults and self._settled():
+            self.settled_at = self.sim.now
+
+    def _settled(self) -> bool:
+        """Every live member runs one view of exactly the live members and committed in it
+        since the faults stopped."""
+        live = self._live()
+        views = {w.engine.view for w in live}
+        if len(views) != 1 or None in views or any(w.engine.state != RUNNING for w in live):
+            return False
+        view = next(iter(views))
+        return set(view.members) == {w.engine.id for w in live} and all(
+            w.committed and w.committed[-1][2] == view.id and w.committed[-1][0] >= self.end_faults for w in live)
+
+    def _perform(self, w: Worker, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, Publish):
+                self._publish(w)
+            elif isinstance(action, PublishProposal):
+                self.store[(w.node, (action.view_id, action.digest))] = action.members
+            elif isinstance(action, Fetch):
+                owner = self.by_id.get(action.member)
+                members = None
+                if owner is not None and not owner.crashed and not self._cut_off(w, owner):
+                    members = self.store.get((owner.node, action.key))
+                w.engine.fetched_proposal(action.key, members)
+            elif isinstance(action, Sync):
+                node = self.sim.nodes[w.node]
+                node.protocol.sync_with(action.member, self.sim.now)
+                self.sim._after(node)
+            elif isinstance(action, Rejoined):
+                self.log.append(f"{self.sim.now:.3f} {w.engine.id} rejoins: {action.why}")
+            elif isinstance(action, Form):
+                self._enter(w, action.view)
+
+    def _agree(self, w: Worker) -> None:
+        self._perform(w, w.engine.agree(self.sim.now, self._statuses(w)))
+
+    def _enter(self, w: Worker, view: View) -> None:
+        w.abort, w.deferred = None, None
+        w.entered = self.sim.now
+        statuses = self._statuses(w)
+        for member in view.members:
+            if member != w.engine.id and (member not in statuses or not statuses[member].alive):
+                w.abort = f"{member} is no longer alive"
+        self.formations.setdefault((view.id, view.digest), {})[w.engine.id] = self.sim.now
+
+    def _cut_off(self, a: Worker, b: Worker) -> bool:
+        return self.sim._blocked(a.node, b.node)
+
+    def _members(self, view: View) -> list[Worker]:
+        return [self.by_id[m] for m in view.members]
+
+    def _crash_error(self, w: Worker, view: View) -> bool:
+        """A crashed member's peers get a connection error: abort, and declare it dead."""
+        crashed = [x for x in self._members(view) if x.crashed and self.sim.now - x.crashed_at >= CRASH_ERROR_DELAY
+                   and not self._cut_off(w, x)]
+        if not crashed:
+            return False
+        node = self.sim.nodes[w.node]
+        for x in crashed:
+            node.protocol.declare_dead(x.engine.id, self.sim.now)
+        self.sim._after(node)
+        w.abort = w.abort or f"{crashed[0].engine.id} refused a connection"
+        return True
+
+    def _forming(self, w: Worker) -> None:
+        view = w.engine.forming
+        key = (view.id, view.digest)
+        entered = self.formations.get(key, {})
+        members = self._members(view)
+        connected = all(not x.crashed and not x.hung and not self._cut_off(w, x) for x in members)
+        if w.abort is None and connected and all(m in entered for m in view.members):
+            if self.sim.now >= max(entered.values()) + FORM_LATENCY:
+                self._perform(w, w.engine.formed())
+                w.comm = key
+                w.comms.append([key, False])
+                self.reconciles.setdefault(key, {})
+                return
+        self._crash_error(w, view)
+        if w.abort is not None or self.sim.now - w.entered >= self.formation_timeout:
+            self._perform(w, w.engine.form_failed())
+            w.abort = None
+
+    def _reconciling(self, w: Worker) -> None:
+        view = w.engine.view
+        key = (view.id, view.digest)
+        gathered = self.reconciles.setdefault(key, {})
+        gathered.setdefault(w.engine.id, (w.step, w.digest))
+        members = self._members(view)
+        connected = all(not x.crashed and not x.hung and not self._cut_off(w, x) for x in members)
+        if w.abort is None and connected and all(m in gathered for m in view.members):
+            pairs = [gathered[m] for m in view.members]
+            top = max(p[0] for p in pairs)
+            w.step, w.digest = next(p for p in pairs if p[0] == top)
+            w.engine.reconciled()
+            w.ops, w.contributed, w.fresh_view = 0, None, True
+            w.ready_at = w.op_began = self.sim.now
+            return
+        self._crash_error(w, view)
+        if w.abort is not None:
+            self._break(w)
+
+    def _break(self, w: Worker) -> None:
+        w.engine.broken()
+        self._abandon(w)
+        w.abort, w.deferred, w.contributed, w.confirming = None, None, None, None
+
+    def _abandon(self, w: Worker) -> None:
+        for entry in w.comms:
+            if entry[0] == w.comm:
+                entry[1] = True
+        w.comm = None
+
+    def _admissible_joiner(self, w: Worker) -> bool:
+        view = w.engine.view
+        for status in self._statuses(w).values():
+            if status.id not in view.members and status.alive and status.phase == "joining" and \
+                    status.config == CONFIG:
+                return True
+        return False
+
+    def _running(self, w: Worker) -> None:
+        now = self.sim.now
+        view = w.engine.view
+        key = (view.id, view.digest)
+        if w.contributed is None:
+            if w.abort is not None and w.deferred is None:
+                self._break(w)
+                return
+            if now >= w.ready_at:
+                w.contributed = now
+                w.join_seen = self._admissible_joiner(w)
+                self.steps.setdefault((key, w.ops + 1), {})[w.engine.id] = (now, w.join_seen)
+            return
+        contributions = self.steps.get((key, w.ops + 1), {})
+        members = self._members(view)
+        if all(m in contributions for m in view.members):
+            done_at = max(t for t, _ in contributions.values()) + 0.002 * w.slow
+            # every member must stay up and reachable until this member has observed it
+            healthy = all(not (x.crashed and x.crashed_at < done_at) and not x.hung and not self._cut_off(w, x)
+                          for x in members)
+            if healthy and now >= done_at:
+                if w.resumed_at >= w.op_began and w.confirming is None:
+                    # completed after a stall: exchange state with a view member first
+                    # (FaultTolerantGroup._confirm_after_stall), then look at the abort again
+                    other = next((m for m in view.members if m != w.engine.id), None)
+                    if other is not None:
+                        node = self.sim.nodes[w.node]
+                        node.protocol.sync_with(other, now)
+                        self.sim._after(node)
+                    w.confirming = now + 4 * TICK
+                    return
+                if w.confirming is not None and now < w.confirming:
+                    return
+                w.confirming = None
+                if w.abort is not None and w.deferred is None and w.resumed_at >= w.op_began:
+                    self._break(w)  # discarded: the view moved on while it was stopped
+                    return
+                self._commit(w, view, any(j for _, j in contributions.values()))
+                return
+        if w.deferred is not None and now >= w.deferred[1]:
+            w.abort = w.deferred[0]
+            w.deferred = None
+        self._crash_error(w, view)
+        if w.abort is not None and w.deferred is None:
+            self._break(w)
+
+    def _commit(self, w: Worker, view: View, join: bool) -> None:
+        now = self.sim.now
+        step = w.step + 1
+        if w.fresh_view:
+            first = self.view_digest.setdefault((view.id, view.digest), (w.step, w.digest))
+            if first != (w.step, w.digest):
+                self._violation(3, f"{w.engine.id} starts view {view.id} at {(w.step, w.digest)}, another member "
+                                   f"at {first}")
+            w.fresh_view = False
+        digest = int.from_bytes(hashlib.blake2b(f"{w.digest}/{step}/{view.id}".encode(), digest_size=8).digest(),
+                                "big")
+        if w.committed and step <= w.committed[-1][1]:
+            self._violation(2, f"{w.engine.id} commits step {step} after step {w.committed[-1][1]}")
+        known = self.contents.setdefault(step, digest)
+        if known != digest:
+            self._violation(1, f"step {step} committed with two contents (view {view.id} by {w.engine.id})")
+        if self.partition is not None and self.partition[2] is not None:
+            side_a, side_b, before = self.partition
+            side = side_a if w.engine.id in side_a else side_b
+            if set(view.members) <= side and not has_quorum(before, [m for m in before.members if m in side], set()):
+                self._violation(4, f"{w.engine.id} commits step {step} in view {view.id} on the minority side "
+                                   f"of a partition of view {before.id}")
+        w.step, w.digest = step, digest
+        w.ops += 1
+        w.committed.append((now, step, view.id))
+        w.contributed = None
+        w.op_began = now
+        w.ready_at = now + w.step_time * w.slow
+        if w.deferred is not None:  # the operation in flight ended: the held abort fires now
+            w.abort, w.deferred = w.deferred[0], None
+        if join and w.abort is None:
+            w.abort = "a joiner is admitted at this step boundary"
+        if w.leave_after_commit:
+            self._leave(w)
+
+    def _check_recoveries(self) -> None:
+        now = self.sim.now
+        still = []
+        for t, kind, survivors in self.pending_recovery:
+            live = {s for s in survivors if not self.by_id[s].crashed and not self.by_id[s].gone}
+            done = all(any(c[0] > t and c[2] > self._view_at(s, t) for c in self.by_id[s].committed) for s in live)
+            if done and live:
+                last = max(min(c[0] for c in self.by_id[s].committed if c[0] > t and c[2] > self._view_at(s, t))
+                           for s in live)
+                self.recovery.setdefault(kind, []).append(round(last - t, 4))
+            elif live and now - t < self.liveness_bound + self.duration:
+                still.append((t, kind, survivors))
+        self.pending_recovery = still
+
+    def _view_at(self, member: str, t: float) -> int:
+        commits = [c for c in self.by_id[member].committed if c[0] <= t]
+        return commits[-1][2] if commits else 0
+
+    def _violation(self, number: int, text: str) -> None:
+        raise InvariantViolation(f"invariant {number} violated at t={self.sim.now:.3f} (seed {self.seed}): {text}; "
+                                 f"reproduce: python -m ftcomm.groupsim --seed {self.seed}")
+
+    # ------------------------------------------------------------------ run and final checks
+    def run(self) -> Outcome:
+        started = time.perf_counter()
+        violation = None
+        try:
+            self.sim.run_until(self.end_faults + self.liveness_bound)
+            self._check_end()
+        except InvariantViolation as exc:
+            violation = str(exc)
+        commits = sum(len(w.committed) for w in self.workers.values())
+        views = len({c[2] for w in self.workers.values() for c in w.committed})
+        settle = round(self.settled_at - self.end_faults, 4) if self.settled_at is not None else None
+        return Outcome(self.seed, self.n, violation is None, violation,
+                       [(round(t, 3), k, m) for t, k, m in self.fault_log], commits, views,
+                       self.recovery, settle, round(time.perf_counter() - started, 3))
+
+    def _check_end(self) -> None:
+        steps = sorted(self.contents)
+        if steps and steps != list(range(1, steps[-1] + 1)):
+            missing = sorted(set(range(1, steps[-1] + 1)) - set(steps))[:5]
+            self._violation(5, f"committed steps are not contiguous: missing {missing}")
+        if self.settled_at is None:
+            states = {w.engine.id: (w.engine.state, w.engine.view.id if w.engine.view else None)
+                      for w in self._live()}
+            self._violation(6, f"within {self.liveness_bound:.1f} s of the last fault the live members never ran "
+                               f"one view of all of them, committing: {states}")
+        live = self._live()
+        for w in self.workers.values():
+            open_comms = [entry[0] for entry in w.comms if not entry[1]]
+            allowed = [w.comm] if w in live else []
+            if any(c not in allowed for c in open_comms):
+                self._violation(7, f"{w.engine.id} still holds communicators {open_comms} (current {w.comm})")
+
+
+def run_seed(seed: int, **kwargs) -> Outcome:
+    return GroupSimulation(seed, **kwargs).run()
+
+
+def run_seeds(seeds: list[int], processes: int = 1, **kwargs) -> list[Outcome]:
+    if processes <= 1:
+        return [run_seed(s, **kwargs) for s in seeds]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        return pool.map(_run_seed_kw, [(s, kwargs) for s in seeds], chunksize=8)
+
+
+def _run_seed_kw(item: tuple[int, dict]) -> Outcome:
+    return run_seed(item[0], **item[1])
+
+
+def summarize(outcomes: list[Outcome]) -> dict:
+    recovery: dict[str, list[float]] = {}
+    for o in outcomes:
+        for kind, values in o.recovery.items():
+            recovery.setdefault(kind, []).extend(values)
+
+    def dist(values: list[float]) -> dict:
+        values = sorted(values)
+        if not values:
+            return {"count": 0}
+        return {"count": len(values), "median_s": round(statistics.median(values), 3),
+                "p99_s": round(values[min(len(values) - 1, int(0.99 * len(values)))], 3),
+                "max_s": round(values[-1], 3)}
+    settles = [o.settle_s for o in outcomes if o.settle_s is not None]
+    return {"seeds": len(outcomes), "violations": sum(not o.ok for o in outcomes),
+            "failing_seeds": [o.seed for o in outcomes if not o.ok][:20],
+            "first_violation": next((o.violation for o in outcomes if not o.ok), None),
+            "recovery_to_next_commit": {k: dist(v) for k, v in sorted(recovery.items())},
+            "settle_after_last_fault": dist(settles),
+            "simulated_commits": sum(o.commits for o in outcomes),
+            "wall_s_per_seed": round(statistics.mean(o.wall_s for o in outcomes), 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ftcomm.groupsim", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, help="run one seed and print its timeline")
+    parser.add_argument("--seeds", type=int, default=100, help="run seeds 0..N-1 (without --seed)")
+    parser.add_argument("--first", type=int, default=0, help="first seed of --seeds")
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.seed is not None:
+        sim = GroupSimulation(args.seed)
+        outcome = sim.run()
+        if args.json:
+            print(json.dumps(outcome.__dict__))
+        else:
+            print(f"seed {outcome.seed}: {outcome.n} workers, loss {sim.loss:g}; faults:")
+            for t, kind, who in outcome.faults:
+                print(f"  {t:8.3f} {kind:20s} {who}")
+            for line in sim.log:
+                print(" ", line)
+            for w in sim.workers.values():
+                print(f"  {w.engine.id}: {w.engine.state} view {w.engine.view.id if w.engine.view else None} "
+                      f"step {w.step} commits {len(w.committed)}")
+            print("recovery:", outcome.recovery, "settle:", outcome.settle_s)
+            print("OK" if outcome.ok else outcome.violation)
+        return 0 if outcome.ok else 1
+    outcomes = run_seeds(list(range(args.first, args.first + args.seeds)), args.processes)
+    summary = summarize(outcomes)
+    print(json.dumps(summary, indent=None if args.json else 2))
+    return 0 if summary["violations"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
