@@ -117,6 +117,7 @@ class Engine:
     _settled_since: float = 0.0
     _lagging: dict = field(default_factory=dict)  # member -> (key, lagging since, last sync)
     _fetching: dict = field(default_factory=dict)  # (member, key) -> when asked
+    _final_sync: float = float("-inf")  # see _fetch_final_records
 
     # ------------------------------------------------------------------ transitions
     def _move(self, what: str) -> str:
@@ -138,10 +139,12 @@ class Engine:
         return self.view.id if self.view is not None and self.phase == ACTIVE else 0
 
     def broken(self) -> list[Action]:
-        """The running view (or the one being reconciled) can no longer be used."""
+        """The running view (or the one being reconciled) can no longer be used (or is to be
+        re-formed for a joiner). The proposal is withdrawn at once: a member of the view
+        still finishing an operation of it learns that the view moved on."""
         self._move("broken")
-        self._last = None
-        return []
+        self._last, self.proposal = None, None
+        return [Publish()]
 
     def formed(self) -> list[Action]:
         """Every member formed and verified the communicator of the view being formed."""
@@ -204,7 +207,7 @@ class Engine:
             cand = dataclasses.replace(cand, view_id=self.floor)
         if not self.usable(cand):
             self._last = None
-            return []
+            return self._fetch_final_records(previous, statuses, now)
         if cand != self._last:
             self._last, self._settled_since = cand, now
             return []
@@ -218,6 +221,21 @@ class Engine:
         if agreed(cand, statuses):
             return actions + self._enter(View(cand.view_id, cand.members))
         return actions + self._chase(key, cand.members, statuses, now)
+
+    def _fetch_final_records(self, previous: View | None, statuses: dict[str, Status], now: float) -> list[Action]:
+        """A member of the previous view left, but its final record (which says from which
+        view it left, and so whether it counts as gone for the quorum) has not arrived here:
+        sync with another live member, who may have it (at most once per chase interval)."""
+        if previous is None:
+            return []
+        stale = [m for m in previous.members if m in statuses and statuses[m].left and statuses[m].phase != PHASE_LEAVING]
+        if not stale or now - self._final_sync < self.chase_interval:
+            return []
+        others = sorted(s.id for s in statuses.values() if s.alive and s.id != self.id)
+        if not others:
+            return []
+        self._final_sync = now
+        return [Sync(others[int(now / self.chase_interval) % len(others)])]
 
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
         """A member left out of a newer view sees no live group to join. It founds one only

@@ -201,6 +201,7 @@ class FaultTolerantGroup:
         self._deferred_aborts: list[tuple[AbortSignal, str]] = []  # see _defer_abort
         self._ops = 0  # group operations (collectives, gradient steps) completed in the current view
         self._op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
+        self._contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
         self._last_step_publish = 0.0
         self._closed = False
         peers = list(peers)
@@ -301,7 +302,7 @@ class FaultTolerantGroup:
                 self._reconcile()
             # Gradients computed on state that was just replaced are not valid: contribute none.
             handles, tail = buckets.finish(valid=not self._state_replaced)
-            self._waiting_since = time.monotonic()
+            self._waiting_since = self._contributed_at = time.monotonic()
             for h in handles:
                 h.wait(self._abort)
             self._confirm_after_stall()
@@ -397,7 +398,7 @@ class FaultTolerantGroup:
             self._comm.abandon()
             self._comm = None
         if self._engine.state in (core.RUNNING, core.RECONCILING):
-            self._engine.broken()
+            self._perform(self._engine.broken(), {})
         deadline = noticed + (timeout if timeout is not None else self.options.quorum_timeout)
         while True:
             started = time.monotonic()
@@ -425,7 +426,7 @@ class FaultTolerantGroup:
             except MembershipChanged as exc:
                 log.info("reconciling view %d failed (%s); agreeing again", view.id, exc)
                 reason = self._classify(exc)
-                self._engine.broken()
+                self._perform(self._engine.broken(), {})
                 self._comm.abandon()
                 self._comm = None
                 continue
@@ -745,7 +746,7 @@ class FaultTolerantGroup:
         self._prepare()
         if self._needs_reconcile:
             self._reconcile()
-        self._waiting_since = time.monotonic()
+        self._waiting_since = self._contributed_at = time.monotonic()
         try:
             result = start().wait(self._abort)  # starting can fail too (NCCL reports a dead peer at enqueue)
             self._confirm_after_stall()
@@ -763,20 +764,26 @@ class FaultTolerantGroup:
             self._publish()
 
     def _confirm_after_stall(self) -> None:
-        """An operation that completed while (or after) this process was stopped or starved
-        may have completed only here: the others, seeing this worker hang, may have
-        abandoned the view and moved on (the abandoned communicators' threads still finish
-        the exchange). Before counting it, learn what the others did meanwhile (a direct
-        state exchange with a view member); if the view moved on, the operation is
-        discarded like any aborted one (reconciling brings this worker up to date)."""
-        if self._gossip.last_stall < self._op_began or self._view is None:
+        """An operation that completed while (or after) this worker was cut off may have
+        completed only here: the others, seeing this worker hang, may have abandoned the view
+        and moved on (their abandoned communicators still finish the exchange). Whenever that
+        is possible (this process was stalled, or it had to refute a suspicion, since the
+        operation began; or the operation took longer than a probe interval after this
+        worker's share was handed over), it learns what the others did meanwhile (a direct
+        state exchange with a view member) before counting the operation; if the view moved
+        on (the others withdraw their proposal the moment they break it), the operation is
+        discarded like any aborted one and reconciling brings this worker up to date."""
+        gossip = self._gossip
+        late = time.monotonic() - self._contributed_at > gossip.config.probe_interval
+        if not (late or gossip.last_stall >= self._op_began or gossip.last_refuted >= self._op_began) \
+                or self._view is None:
             return
         for member in [m for m in self._view.members if m != self.id][:2]:
-            if self._gossip.exchange(member):
+            if gossip.exchange(member):
                 break
         if self._abort.reason is not None:
-            raise CollectiveAborted(f"an operation completed after this worker was stalled, but the view moved "
-                                    f"on: {self._abort.reason}")
+            raise CollectiveAborted(f"an operation completed after this worker may have been cut off, but the view "
+                                    f"moved on: {self._abort.reason}")
 
     def _classify(self, exc: BaseException) -> str:
         """Why the view broke: crash, hang, leave, partition, superseded or backend."""

@@ -26,7 +26,10 @@ invariants below; a violation names the seed and the command that reproduces it:
     python -m ftcomm.groupsim --seed 17            # one seed, its timeline
     python -m ftcomm.groupsim --seeds 500 --json   # many seeds, summary
 
-Invariants: (1) no two members commit different contents for the same step; (2) each
+Invariants: (1) no two members of a view commit different contents for the same step
+(a step can still commit on some members only, when the others abort it and carry on
+without them; such a commit is overwritten when its member is reconciled, and the
+summary counts them: without a second commit round nothing can prevent it); (2) each
 member's committed steps strictly increase; (3) the members of a view hold equal state
 before their first commit in it; (4) with the quorum policy no side of a partition that
 lacks a majority of the view before it commits; (5) the committed steps of the group are
@@ -93,6 +96,7 @@ class Worker:
     joined: bool = False  # its gossip join completed (ftcomm.init agrees only after that)
     op_began: float = 0.0  # when the operation in flight began
     resumed_at: float = float("-inf")  # when it last came back from a hang
+    refutations: int = 0  # its gossip refutations when the operation began
     confirming: float | None = None  # waiting for a state exchange until then (see _confirm_after_stall)
 
 
@@ -107,6 +111,8 @@ class Outcome:
     views: int
     recovery: dict  # fault kind -> [seconds from the fault to the next commit of every survivor]
     settle_s: float | None  # from the last fault to one view of everyone, committing
+    quorum_survived: bool  # a quorum of the newest view outlived the faults (else no liveness is owed)
+    rolled_back: int  # commits of a step whose contents differ from its first commit (see invariant 1)
     wall_s: float
 
 
@@ -136,7 +142,7 @@ class GroupSimulation:
         self.formations: dict[tuple[int, str], dict[str, float]] = {}
         self.reconciles: dict[tuple[int, str], dict[str, tuple[int, int]]] = {}
         self.steps: dict[tuple[tuple[int, str], int], dict[str, float]] = {}
-        self.contents: dict[int, int] = {}  # step -> digest committed (invariant 1)
+        self.contents: dict[tuple, int] = {}  # (step, view) -> digest committed there (invariant 1)
         self.view_digest: dict[tuple[int, str], tuple[int, int]] = {}  # view -> (step, digest) at first commit
         self.views_formed: set[tuple[int, str]] = set()
         self.partition: tuple[frozenset[str], frozenset[str], View | None] | None = None
@@ -152,6 +158,10 @@ class GroupSimulation:
         self.end_faults = max((t + a.get("length", 0.0) if k in ("hang", "node_loss", "partition") else t
                                for t, k, a in self.faults), default=0.0)
         self.settled_at: float | None = None
+        self.history: dict[int, int] = {}  # step -> the first contents committed for it
+        self.rolled_back = 0
+        self.newest: View | None = None  # the newest view formed by anyone
+        self.quorum_survived = True
         for t, kind, args in self.faults:
             self.sim.at(t, lambda kind=kind, args=args: self._fault(kind, args))
         self._schedule_ticks()
@@ -212,6 +222,7 @@ class GroupSimulation:
             node = self.sim.add_node(seed_index=self._live()[0].node)
             w = self._start_worker(node, now)
             self.fault_log.append((now, kind, w.engine.id))
+            self.sim.at(now + 1.0, lambda: self._retry_join(w, 1))
             return
         if kind == "slow":
             w = self._pick(args["pick"], exclude_last=False)
@@ -251,6 +262,17 @@ class GroupSimulation:
             else:
                 w.leave_after_commit = True
             self.pending_recovery.append((now, "leave", survivors))
+
+    def _retry_join(self, w: Worker, attempt: int) -> None:
+        """ftcomm.init retries its join with every peer it was given until one answers."""
+        node = self.sim.nodes[w.node]
+        if w.crashed or w.gone or node.protocol.num_members() > 1 or attempt > 10:
+            return
+        seeds = [x for x in self._live() if x is not w and not x.hung]
+        if seeds:
+            seed = seeds[attempt % len(seeds)]
+            self.sim.join_through(w.node, seed.node)
+        self.sim.at(self.sim.now + 1.0, lambda: self._retry_join(w, attempt + 1))
 
     def _cut(self, now: float, side_a: set[int], side_b: set[int], length: float, kind: str,
              survivors: set[str] | None = None) -> None:
@@ -427,6 +449,7 @@ class GroupSimulation:
         if w.abort is None and connected and all(m in entered for m in view.members):
             if self.sim.now >= max(entered.values()) + FORM_LATENCY:
                 self._perform(w, w.engine.formed())
+                self.newest = max(self.newest, view, key=lambda v: v.id) if self.newest else view
                 w.comm = key
                 w.comms.append([key, False])
                 self.reconciles.setdefault(key, {})
@@ -450,13 +473,14 @@ class GroupSimulation:
             w.engine.reconciled()
             w.ops, w.contributed, w.fresh_view = 0, None, True
             w.ready_at = w.op_began = self.sim.now
+            w.refutations = self.sim.nodes[w.node].protocol.stats["refutations"]
             return
         self._crash_error(w, view)
         if w.abort is not None:
             self._break(w)
 
     def _break(self, w: Worker) -> None:
-        w.engine.broken()
+        self._perform(w, w.engine.broken())
         self._abandon(w)
         w.abort, w.deferred, w.contributed, w.confirming = None, None, None, None
 
@@ -495,7 +519,7 @@ class GroupSimulation:
             healthy = all(not (x.crashed and x.crashed_at < done_at) and not x.hung and not self._cut_off(w, x)
                           for x in members)
             if healthy and now >= done_at:
-                if w.resumed_at >= w.op_began and w.confirming is None:
+                if self._must_confirm(w) and w.confirming is None:
                     # completed after a stall: exchange state with a view member first
                     # (FaultTolerantGroup._confirm_after_stall), then look at the abort again
                     other = next((m for m in view.members if m != w.engine.id), None)
@@ -508,7 +532,7 @@ class GroupSimulation:
                 if w.confirming is not None and now < w.confirming:
                     return
                 w.confirming = None
-                if w.abort is not None and w.deferred is None and w.resumed_at >= w.op_began:
+                if w.abort is not None and w.deferred is None and self._must_confirm(w):
                     self._break(w)  # discarded: the view moved on while it was stopped
                     return
                 self._commit(w, view, any(j for _, j in contributions.values()))
@@ -519,6 +543,12 @@ class GroupSimulation:
         self._crash_error(w, view)
         if w.abort is not None and w.deferred is None:
             self._break(w)
+
+    def _must_confirm(self, w: Worker) -> bool:
+        """FaultTolerantGroup._must_confirm: stalled, suspected, or waited long."""
+        protocol = self.sim.nodes[w.node].protocol
+        return (w.resumed_at >= w.op_began or protocol.stats["refutations"] > w.refutations
+                or self.sim.now - w.contributed > self.config.probe_interval)
 
     def _commit(self, w: Worker, view: View, join: bool) -> None:
         now = self.sim.now
@@ -533,9 +563,14 @@ class GroupSimulation:
                                 "big")
         if w.committed and step <= w.committed[-1][1]:
             self._violation(2, f"{w.engine.id} commits step {step} after step {w.committed[-1][1]}")
-        known = self.contents.setdefault(step, digest)
+        known = self.contents.setdefault((step, view.id, view.digest), digest)
         if known != digest:
-            self._violation(1, f"step {step} committed with two contents (view {view.id} by {w.engine.id})")
+            self._violation(1, f"step {step} committed with two contents in view {view.id} (by {w.engine.id})")
+        history = self.history.setdefault(step, digest)
+        if history != digest:
+            # Committed on some members only, then the others carried on without them: this
+            # commit (or the earlier one) is discarded when its member is reconciled.
+            self.rolled_back += 1
         if self.partition is not None and self.partition[2] is not None:
             side_a, side_b, before = self.partition
             side = side_a if w.engine.id in side_a else side_b
@@ -547,6 +582,7 @@ class GroupSimulation:
         w.committed.append((now, step, view.id))
         w.contributed = None
         w.op_began = now
+        w.refutations = self.sim.nodes[w.node].protocol.stats["refutations"]
         w.ready_at = now + w.step_time * w.slow
         if w.deferred is not None:  # the operation in flight ended: the held abort fires now
             w.abort, w.deferred = w.deferred[0], None
@@ -591,14 +627,22 @@ class GroupSimulation:
         settle = round(self.settled_at - self.end_faults, 4) if self.settled_at is not None else None
         return Outcome(self.seed, self.n, violation is None, violation,
                        [(round(t, 3), k, m) for t, k, m in self.fault_log], commits, views,
-                       self.recovery, settle, round(time.perf_counter() - started, 3))
+                       self.recovery, settle, self.quorum_survived, self.rolled_back,
+                       round(time.perf_counter() - started, 3))
 
     def _check_end(self) -> None:
-        steps = sorted(self.contents)
+        steps = sorted(self.history)
         if steps and steps != list(range(1, steps[-1] + 1)):
             missing = sorted(set(range(1, steps[-1] + 1)) - set(steps))[:5]
             self._violation(5, f"committed steps are not contiguous: missing {missing}")
-        if self.settled_at is None:
+        live_ids = {w.engine.id for w in self._live()}
+        left = {w.engine.id for w in self.workers.values() if w.gone}
+        newest = self.newest
+        self.quorum_survived = newest is None or has_quorum(newest, [m for m in newest.members if m in live_ids],
+                                                            left)
+        # Without a quorum of the newest view alive the quorum policy must stop (and wait for
+        # the lost members) rather than go on: liveness is owed only when a quorum survived.
+        if self.settled_at is None and self.quorum_survived:
             states = {w.engine.id: (w.engine.state, w.engine.view.id if w.engine.view else None)
                       for w in self._live()}
             self._violation(6, f"within {self.liveness_bound:.1f} s of the last fault the live members never ran "
@@ -645,6 +689,8 @@ def summarize(outcomes: list[Outcome]) -> dict:
             "first_violation": next((o.violation for o in outcomes if not o.ok), None),
             "recovery_to_next_commit": {k: dist(v) for k, v in sorted(recovery.items())},
             "settle_after_last_fault": dist(settles),
+            "quorum_lost_seeds": sum(not o.quorum_survived for o in outcomes),
+            "seeds_with_rolled_back_commits": sum(o.rolled_back > 0 for o in outcomes),
             "simulated_commits": sum(o.commits for o in outcomes),
             "wall_s_per_seed": round(statistics.mean(o.wall_s for o in outcomes), 4)}
 

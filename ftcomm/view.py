@@ -151,11 +151,14 @@ def has_quorum(previous: View | None, members: list[str] | tuple[str, ...], gone
 
 
 def gone_from(previous: View | None, statuses: dict[str, Status]) -> set[str]:
-    """Members confirmed gone for the quorum over ``previous``: they left gracefully, and
-    not from a newer view (a member that left a newer view proves that view exists; its
-    departure says nothing about the majority of ``previous``)."""
+    """Members confirmed gone for the quorum over ``previous``: they left gracefully, their
+    final record arrived, and they did not leave a newer view (a member that left a newer
+    view proves that view exists; its departure says nothing about the majority of
+    ``previous``)."""
     limit = previous.id if previous is not None else 0
-    return {s.id for s in statuses.values() if s.left and s.last_view <= limit}
+    # Only a member whose final record arrived (phase leaving, naming the view it leaves)
+    # counts: with an older record, it may have left a newer view this member never saw.
+    return {s.id for s in statuses.values() if s.left and s.phase == LEAVING and s.last_view <= limit}
 
 
 @dataclass(frozen=True)

@@ -259,7 +259,7 @@ class Protocol:
         # The notice replaces this member's queued alive message, so the direct notices carry
         # the newest metadata first: receivers see the last published state before *left*.
         latest = self._alive_self_message()
-        notice = wire.encode([DEAD, self.id, self._self.incarnation, self.id])
+        notice = wire.encode([DEAD, self.id, self._self.incarnation, self.id, self._self.meta])
         self._broadcasts.queue(self.id, notice)
         for member_id in self._table.live:
             self._send(self._table.get(member_id).address, member_id, [latest, notice])
@@ -290,7 +290,7 @@ class Protocol:
             elif kind == SUSPECT:
                 self._on_suspect(message[1], message[2], message[3], now)
             elif kind == DEAD:
-                self._on_dead(message[1], message[2], message[3], now)
+                self._on_dead(message[1], message[2], message[3], now, message[4] if len(message) > 4 else None)
 
     def handle_stream(self, data: bytes, now: float) -> bytes:
         """Answer one TCP request (push/pull or a members query); never raises."""
@@ -573,22 +573,32 @@ class Protocol:
         self._emit("suspect", m, now, suspecter)
         self._broadcasts.queue(member_id, wire.encode([SUSPECT, member_id, incarnation, suspecter]))
 
-    def _on_dead(self, member_id: str, incarnation: int, reporter: str, now: float) -> None:
+    def _on_dead(self, member_id: str, incarnation: int, reporter: str, now: float,
+                 meta: bytes | None = None) -> None:
+        """``meta``: a leaving member's final metadata, carried by its notice (so that every
+        member learns how it left even where the update sent just before was lost)."""
         if member_id == self.id:
             if not self.leaving and incarnation >= self._self.incarnation:
                 self._refute(incarnation)
             return
         m = self._table.get(member_id)
-        if m is None or incarnation < m.incarnation or m.state == LEFT_STATE:
-            return
         left = reporter == member_id
+        if m is None or incarnation < m.incarnation:
+            return
+        if left and meta is not None and len(meta) <= self.config.max_metadata_bytes and meta != m.meta:
+            m.meta = meta
+            if m.state == LEFT_STATE:
+                self._emit("metadata", m, now, reporter)
+        if m.state == LEFT_STATE:
+            return
         if m.state == DEAD_STATE and not left:
             return
         self._suspicions.pop(member_id, None)
         self._table.mark_gone(member_id, now)
         m.state, m.incarnation, m.since = (LEFT_STATE if left else DEAD_STATE), incarnation, now
         self._emit("left" if left else "dead", m, now, reporter)
-        self._broadcasts.queue(member_id, wire.encode([DEAD, member_id, incarnation, reporter]))
+        notice = [DEAD, member_id, incarnation, reporter] + ([m.meta] if left else [])
+        self._broadcasts.queue(member_id, wire.encode(notice))
 
     def _declare_dead(self, member_id: str, incarnation: int, now: float) -> None:
         if self._table.get(member_id) is None:  # forgotten while suspected, to make room in a full table
@@ -679,7 +689,7 @@ class Protocol:
             if state == ALIVE_STATE:
                 self._on_alive(member_id, incarnation, host, port, meta, sender, now)
             elif state == LEFT_STATE:
-                self._on_dead(member_id, incarnation, member_id, now)
+                self._on_dead(member_id, incarnation, member_id, now, meta)
             else:  # a remote "dead" is only a suspicion here: let the member refute
                 self._on_suspect(member_id, incarnation, sender, now)
 

@@ -159,6 +159,9 @@ class GossipNode:
         self._timer_at = float("inf")
         self.last_stall = float("-inf")
         """time.monotonic() when this process was last seen to have been stalled (see STALL_S)."""
+        self.last_refuted = float("-inf")
+        """time.monotonic() when this member last refuted a suspicion of itself."""
+        self._refutations = 0
         self._tasks: set[asyncio.Task] = set()
         self._snapshot: tuple[Member, ...] = ()
         self._snapshot_stale = True
@@ -449,6 +452,9 @@ class GossipNode:
         if self._stopping:
             return
         protocol, faults, local = self._protocol, self.faults, (self.host, self.port)
+        if protocol.stats["refutations"] != self._refutations:
+            self._refutations = protocol.stats["refutations"]
+            self.last_refuted = time.monotonic()
         for datagram in protocol.take_datagrams():
             if faults is not None:
                 if not faults.allows(local, datagram.address):

@@ -90,8 +90,12 @@ class Simulation:
         node = self._new_node()
         node.protocol.start(self.now)
         self._after(node)
-        self._push(self.now, _STREAM, (node.index, seed_index, node.protocol.join_request(self.now)))
+        self.join_through(node.index, seed_index)
         return node.index
+
+    def join_through(self, index: int, seed_index: int) -> None:
+        """Member ``index`` sends a join request to member ``seed_index`` now."""
+        self._push(self.now, _STREAM, (index, seed_index, self.nodes[index].protocol.join_request(self.now)))
 
     # ------------------------------------------------------------ scheduling faults
     def member_id(self, index: int) -> str:

@@ -62,7 +62,7 @@ PING_REQ = 2  # [PING_REQ, seq, target_id, target_host, target_port]
 NACK = 3  # [NACK, seq]
 ALIVE = 4  # [ALIVE, member_id, incarnation, host, port, metadata]
 SUSPECT = 5  # [SUSPECT, member_id, incarnation, from_id]
-DEAD = 6  # [DEAD, member_id, incarnation, from_id]; from_id == member_id means "left"
+DEAD = 6  # [DEAD, member_id, incarnation, from_id(, metadata)]; from_id == member_id means "left" (+ final metadata)
 
 # Stream (TCP request/response) message types.
 PUSH_PULL = 10  # [PUSH_PULL, join, [member_record, ...]]
@@ -111,6 +111,7 @@ _SCHEMAS: dict[int, tuple[_Field, ...]] = {
     MEMBERS_REPLY: (_RECORDS, _FLAGS),
     ERROR: (_REASON,),
 }
+_DEAD_LEFT = (_ID, _INCARNATION, _ID, _METADATA)
 _RECORD_SCHEMA = (_ID, _HOST, _PORT, _INCARNATION, _STATE, _METADATA)
 DATAGRAM_TYPES = frozenset({PING, ACK, PING_REQ, NACK, ALIVE, SUSPECT, DEAD})
 STREAM_TYPES = frozenset({PUSH_PULL, MEMBERS_QUERY, MEMBERS_REPLY, ERROR})
@@ -282,6 +283,8 @@ def validate_message(message: object, allowed_types: frozenset[int]) -> None:
     if kind not in allowed_types:
         raise WireError("unknown_type", str(kind))
     schema = _SCHEMAS[kind]
+    if kind == DEAD and len(message) == len(_DEAD_LEFT) + 1:
+        schema = _DEAD_LEFT  # a departure notice carries the member's final metadata
     if len(message) != len(schema) + 1:
         raise WireError("malformed", f"type {kind} has {len(message) - 1} fields, expected {len(schema)}")
     _check_fields(message[1:], schema, "message")

@@ -1,0 +1,87 @@
+"""Whole groups under deterministic simulation (ftcomm.groupsim): random seeds, and the races
+the simulation found, each replayed from its seed and fault schedule."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ftcomm import engine as core
+from ftcomm import groupsim, view
+from ftcomm.groupsim import GroupSimulation, run_seeds, summarize
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_five_hundred_random_seeds_keep_every_invariant():
+    outcomes = run_seeds(list(range(500)), processes=2)
+    summary = summarize(outcomes)
+    assert summary["violations"] == 0, summary["first_violation"]
+    assert summary["seeds"] == 500 and summary["simulated_commits"] > 100_000
+    # every drawn fault kind occurred and was recovered from
+    assert {"crash", "hang", "node_loss", "leave"} <= set(summary["recovery_to_next_commit"])
+
+
+def partition_then_winner_leaves(seed: int = 13, gap: float = 0.3) -> groupsim.Outcome:
+    """A 2|2 partition of four heals; right after, the winning side's rank 0 leaves."""
+    return GroupSimulation(seed, n=4, faults=[(3.0, "partition", {"length": 2.0, "pick": 0.0, "split": 0.5}),
+                                              (5.0 + gap, "leave", {"pick": 0.0})]).run()
+
+
+def test_a_healed_partition_whose_winner_leaves_does_not_split_the_job():
+    outcomes = [partition_then_winner_leaves(seed, gap) for seed in range(16) for gap in (0.1, 0.3, 0.6, 1.0)]
+    assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
+
+
+def test_without_the_departure_rules_the_losing_side_commits_again(monkeypatch):
+    """The old rules: a departure counted as gone from the old view even when it came from a
+    newer one, and only live members' views proved a newer view. The losing side of the
+    healed partition then claimed a majority when the winners' rank 0 left."""
+    def old_superseded(own, statuses, forming=0):
+        mine = max(own.current_view, forming)
+        return any(s.alive and s.config == own.config and s.phase == view.ACTIVE and s.current_view > mine
+                   for s in statuses.values() if s.id != own.id)
+    monkeypatch.setattr(core, "superseded", old_superseded)
+    monkeypatch.setattr(view, "gone_from", lambda previous, statuses: {s.id for s in statuses.values() if s.left})
+    monkeypatch.setattr(core, "gone_from", view.gone_from)
+    outcome = partition_then_winner_leaves()
+    assert not outcome.ok and "reproduce: python -m ftcomm.groupsim" in outcome.violation
+
+
+HANG_AND_NODE_LOSS_SEEDS = [4, 11, 22, 25]  # seeds where a member finished a step the others had abandoned
+
+
+def test_a_member_cut_off_mid_step_confirms_before_committing():
+    """After a hang or a short node loss, the member's old collective can still complete (the
+    others' abandoned communicators finish it). It exchanges state with a view member first,
+    sees the view moved on, and discards the step: no commit has to be rolled back."""
+    outcomes = run_seeds(HANG_AND_NODE_LOSS_SEEDS)
+    assert all(o.ok for o in outcomes) and sum(o.rolled_back for o in outcomes) == 0
+
+
+def test_without_the_confirmation_such_steps_commit_and_are_rolled_back(monkeypatch):
+    monkeypatch.setattr(GroupSimulation, "_must_confirm", lambda self, w: False)
+    assert sum(o.rolled_back for o in run_seeds(HANG_AND_NODE_LOSS_SEEDS)) > 0
+
+
+def test_a_rejoiner_that_sees_no_group_founds_none(monkeypatch):
+    """Seeds where a member left out of a newer view saw no live group (its members
+    unconfirmed) and, founding its own, split the job; it now waits to join."""
+    assert all(o.ok for o in run_seeds([42, 54, 107, 111]))
+    monkeypatch.setattr(core.Engine, "_may_refound", lambda self, cand, statuses: True)
+    violations = [o for o in run_seeds(list(range(40, 120))) if not o.ok]
+    assert violations, "a rejoiner founding its own group should split some of these seeds"
+    assert f"python -m ftcomm.groupsim --seed {violations[0].seed}" in violations[0].violation
+
+
+def test_command_line_runs_seeds_and_one_seed():
+    out = subprocess.run([sys.executable, "-m", "ftcomm.groupsim", "--seeds", "4", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["seeds"] == 4
+    one = subprocess.run([sys.executable, "-m", "ftcomm.groupsim", "--seed", "5"], capture_output=True, text=True,
+                         timeout=120)
+    assert one.returncode == 0 and one.stdout.strip().endswith("OK"), one.stdout[-2000:]
