@@ -65,6 +65,13 @@ class PublishProposal:
 
 
 @dataclass(frozen=True)
+class Announce:
+    """Send the status record just published directly to ``members`` (they wait on it to
+    agree; an epidemic would take a few gossip rounds)."""
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Fetch:
     """Read the member list of proposal ``key`` from ``member``'s rendezvous store and
     hand it back with :meth:`Engine.fetched`."""
@@ -90,7 +97,9 @@ class Rejoined:
     why: str
 
 
-Action = Publish | PublishProposal | Fetch | Sync | Form | Rejoined
+Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined
+
+ANNOUNCE_LIMIT = 64  # larger views rely on gossip alone (an announcement costs one datagram per member)
 
 
 @dataclass
@@ -218,6 +227,8 @@ class Engine:
         if self.proposal != key:
             self.proposal = key
             actions += [PublishProposal(cand.view_id, cand.digest, cand.members), Publish()]
+            if len(cand.members) <= ANNOUNCE_LIMIT:
+                actions.append(Announce(cand.members))
         if agreed(cand, statuses):
             return actions + self._enter(View(cand.view_id, cand.members))
         return actions + self._chase(key, cand.members, statuses, now)
@@ -272,6 +283,8 @@ class Engine:
             if self.proposal != key:
                 self.proposal = key
                 actions.append(Publish())
+                if len(members) <= ANNOUNCE_LIMIT:
+                    actions.append(Announce(members))
             if agreed(Candidate(members, key[0], True, ()), statuses):
                 return actions + self._enter(View(key[0], members))
             actions += self._chase(key, members, statuses, now)

@@ -42,7 +42,7 @@ from .gossip.runtime import parse_address
 from .rendezvous import Rendezvous, refused_many
 from .state import TrainingState, tensor_bytes
 from . import engine as core
-from .engine import Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
+from .engine import Announce, Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
 from .view import ACTIVE, JOINING, Status, View, encode_status
 
 log = logging.getLogger(__name__)
@@ -487,6 +487,8 @@ class FaultTolerantGroup:
                 if action.member in addresses:
                     members = self._rendezvous.fetch_proposal(*addresses[action.member], *action.key)
                 self._engine.fetched_proposal(action.key, members)
+            elif isinstance(action, Announce):
+                self._gossip.announce(action.members)
             elif isinstance(action, Sync):
                 self._gossip.sync(action.member)
             elif isinstance(action, Rejoined):

@@ -51,8 +51,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .engine import (AGREEING, FORMING, JOINING, LEAVING, RECONCILING, RUNNING, Engine, Fetch, Form, Publish,
-                     PublishProposal, Rejoined, Sync)
+from .engine import (AGREEING, FORMING, JOINING, LEAVING, RECONCILING, RUNNING, Announce, Engine, Fetch, Form,
+                     Publish, PublishProposal, Rejoined, Sync)
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
@@ -97,7 +97,9 @@ class Worker:
     op_began: float = 0.0  # when the operation in flight began
     resumed_at: float = float("-inf")  # when it last came back from a hang
     refutations: int = 0  # its gossip refutations when the operation began
-    confirming: float | None = None  # waiting for a state exchange until then (see _confirm_after_stall)
+    confirming: float | None = None
+    statuses: dict | None = None  # cached membership view (see GroupSimulation._statuses)
+    dirty: bool = True  # waiting for a state exchange until then (see _confirm_after_stall)
 
 
 @dataclass
@@ -159,6 +161,7 @@ class GroupSimulation:
                                for t, k, a in self.faults), default=0.0)
         self.settled_at: float | None = None
         self.history: dict[int, int] = {}  # step -> the first contents committed for it
+        self._healthy_cache: tuple = (None, float("inf"), False)
         self.rolled_back = 0
         self.newest: View | None = None  # the newest view formed by anyone
         self.quorum_survived = True
@@ -323,6 +326,7 @@ class GroupSimulation:
         w = self.workers.get(index)
         if w is None or w.crashed or w.gone:
             return
+        w.dirty = True
         member = event.member
         status = Status.from_metadata(member.id, member.state, decode_metadata(member.metadata))
         damage = w.engine.damage(event.kind, member.id, status, w.ops)
@@ -335,6 +339,15 @@ class GroupSimulation:
             w.abort = damage.reason
 
     def _statuses(self, w: Worker) -> dict[str, Status]:
+        """What FaultTolerantGroup._statuses returns, recomputed only after a membership
+        event at this member (or its own record changed)."""
+        if w.statuses is not None and not w.dirty:
+            return w.statuses
+        w.dirty = False
+        w.statuses = self._read_statuses(w)
+        return w.statuses
+
+    def _read_statuses(self, w: Worker) -> dict[str, Status]:
         protocol = self.sim.nodes[w.node].protocol
         known = set(w.engine.view.members) if w.engine.view is not None else set()
         out = {}
@@ -354,6 +367,7 @@ class GroupSimulation:
         node = self.sim.nodes[w.node]
         node.protocol.set_metadata(encode_metadata(record), self.sim.now)
         self.sim._after(node)
+        w.dirty = True
 
     # ------------------------------------------------------------------ the driver
     def _tick(self) -> None:
@@ -377,15 +391,20 @@ class GroupSimulation:
         if self.settled_at is None and self.sim.now >= self.end_faults and self._settled():
             self.settled_at = self.sim.now
 
+    def _settled_view(self, live: list[Worker]) -> View | None:
+        """The view every live member runs, when it holds exactly the live members."""
+        views = {w.engine.view for w in live}
+        if len(views) != 1 or None in views or any(w.engine.state != RUNNING for w in live):
+            return None
+        view = next(iter(views))
+        return view if set(view.members) == {w.engine.id for w in live} else None
+
     def _settled(self) -> bool:
         """Every live member runs one view of exactly the live members and committed in it
         since the faults stopped."""
         live = self._live()
-        views = {w.engine.view for w in live}
-        if len(views) != 1 or None in views or any(w.engine.state != RUNNING for w in live):
-            return False
-        view = next(iter(views))
-        return set(view.members) == {w.engine.id for w in live} and all(
+        view = self._settled_view(live)
+        return view is not None and all(
             w.committed and w.committed[-1][2] == view.id and w.committed[-1][0] >= self.end_faults for w in live)
 
     def _perform(self, w: Worker, actions: list) -> None:
@@ -400,6 +419,10 @@ class GroupSimulation:
                 if owner is not None and not owner.crashed and not self._cut_off(w, owner):
                     members = self.store.get((owner.node, action.key))
                 w.engine.fetched_proposal(action.key, members)
+            elif isinstance(action, Announce):
+                node = self.sim.nodes[w.node]
+                node.protocol.announce(list(action.members), self.sim.now)
+                self.sim._after(node)
             elif isinstance(action, Sync):
                 node = self.sim.nodes[w.node]
                 node.protocol.sync_with(action.member, self.sim.now)
@@ -513,11 +536,10 @@ class GroupSimulation:
             return
         contributions = self.steps.get((key, w.ops + 1), {})
         members = self._members(view)
-        if all(m in contributions for m in view.members):
+        if len(contributions) == view.size:
             done_at = max(t for t, _ in contributions.values()) + 0.002 * w.slow
             # every member must stay up and reachable until this member has observed it
-            healthy = all(not (x.crashed and x.crashed_at < done_at) and not x.hung and not self._cut_off(w, x)
-                          for x in members)
+            healthy = self._healthy(w, view, members, done_at)
             if healthy and now >= done_at:
                 if self._must_confirm(w) and w.confirming is None:
                     # completed after a stall: exchange state with a view member first
@@ -549,6 +571,17 @@ class GroupSimulation:
         protocol = self.sim.nodes[w.node].protocol
         return (w.resumed_at >= w.op_began or protocol.stats["refutations"] > w.refutations
                 or self.sim.now - w.contributed > self.config.probe_interval)
+
+    def _healthy(self, w: Worker, view: View, members: list[Worker], done_at: float) -> bool:
+        """Every member stayed up and reachable until ``w`` observed the step's completion."""
+        key = (self.sim.now, view.id, view.digest)
+        if self._healthy_cache[0] != key:  # once per tick and view: the earliest crash, any hang
+            first_crash = min((x.crashed_at for x in members), default=float("inf"))
+            self._healthy_cache = (key, first_crash, any(x.hung for x in members))
+        _, first_crash, hung = self._healthy_cache
+        if hung or first_crash < done_at:
+            return False
+        return self.sim._partition is None or not any(self._cut_off(w, x) for x in members)
 
     def _commit(self, w: Worker, view: View, join: bool) -> None:
         now = self.sim.now

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ftcomm import engine as core
-from ftcomm.engine import Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
+from ftcomm.engine import Announce, Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
 from ftcomm.view import ACTIVE, JOINING, LEAVING, Status, View
 
 CFG = "cfg"
@@ -44,6 +44,7 @@ def test_a_fresh_group_agrees_publishes_and_forms_after_the_settle_interval():
     proposal = next(a for a in actions if isinstance(a, PublishProposal))
     assert proposal.members == ("a", "b", "c") and proposal.view_id == 1
     assert any(isinstance(a, Publish) for a in actions)
+    assert Announce(("a", "b", "c")) in actions  # the proposal goes straight to the members waiting on it
     assert e.state == core.FORMING and e.forming == View(1, ("a", "b", "c"))
     e.formed()
     assert (e.state, e.view, e.phase, e.current_view) == (core.RECONCILING, View(1, ("a", "b", "c")), ACTIVE, 1)
@@ -102,7 +103,7 @@ def test_a_joiner_fetches_the_proposal_then_adopts_it():
     e.fetched_proposal(key, None)  # not stored there yet
     assert Fetch("a", key) in e.agree(0.07, statuses)
     e.fetched_proposal(key, ("a", "b", "j"))
-    assert e.agree(0.08, statuses) == [Publish()] and e.proposal == key
+    assert e.agree(0.08, statuses) == [Publish(), Announce(("a", "b", "j"))] and e.proposal == key
     statuses["j"] = status("j", JOINING, joined_at=5.0, proposal=key)
     assert e.agree(0.09, statuses) == [Form(View(2, ("a", "b", "j")))]
 

@@ -224,6 +224,22 @@ class Protocol:
         self._declare_dead(member_id, m.incarnation, now)
         return True
 
+    def announce(self, member_ids: list[str], now: float) -> int:
+        """Send this member's current record directly to each of ``member_ids`` (live ones
+        only; also gossiped as usual). For news a known set of members waits on, where an
+        epidemic would take a few gossip rounds. Returns how many were sent."""
+        self._now = now
+        message = self._alive_self_message()
+        sent = 0
+        for member_id in member_ids:
+            m = self._table.get(member_id)
+            if m is None or member_id == self.id or m.state in (DEAD_STATE, LEFT_STATE):
+                continue
+            self._send(m.address, member_id, [message])
+            sent += 1
+        self.stats["announced"] += sent
+        return sent
+
     def push_pull_request(self, now: float) -> bytes:
         """A push/pull request (this member's full table) for the driver to send itself."""
         self._now = now

@@ -289,6 +289,11 @@ class GossipNode:
         except (asyncio.TimeoutError, TimeoutError, concurrent.futures.TimeoutError):
             return False
 
+    def announce(self, member_ids: list[str]) -> None:
+        """Send this member's record directly to these members; see :meth:`Protocol.announce`."""
+        ids = list(member_ids)
+        self._call(lambda p: p.announce(ids, self._now()))
+
     def sync(self, member_id: str) -> None:
         """Exchange full state with one member now; see :meth:`Protocol.sync_with`."""
         self._call(lambda p: p.sync_with(member_id, self._now()))
