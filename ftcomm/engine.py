@@ -121,6 +121,8 @@ class Engine:
     proposal: tuple[int, str] | None = None
     floor: int = 0  # lowest view id to propose or adopt: views below it failed to form here
     lost: View | None = None  # the view it had when it learned it was left out of a newer one
+    entered: int = 0  # the newest view id it entered (formed or tried to form)
+    entered_view: View | None = None  # that view
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
     _last: Candidate | None = None
     _settled_since: float = 0.0
@@ -146,6 +148,14 @@ class Engine:
     @property
     def current_view(self) -> int:
         return self.view.id if self.view is not None and self.phase == ACTIVE else 0
+
+    def published_view(self) -> View | None:
+        """The view its record names: the current one (leaving: the one it leaves). Not a
+        view it only entered: one that formed nowhere would read as a newer view to the
+        others and make them rejoin a group that does not exist."""
+        if self.state in (LEAVING, CLOSED) or self.phase == ACTIVE:
+            return self.view
+        return None
 
     def broken(self) -> list[Action]:
         """The running view (or the one being reconciled) can no longer be used (or is to be
@@ -203,11 +213,18 @@ class Engine:
         own = statuses.get(self.id)
         if own is None:
             return []
-        if self.state == AGREEING and self.view is not None and superseded(own, statuses):
+        if self.state == AGREEING and self.view is not None and superseded(own, statuses, self.entered_view):
             return self._rejoin("a newer view exists without this worker")
         if self.state == JOINING and self._group_exists(statuses):
             return self._adopt(now, statuses)
         previous = self.view if self.state == AGREEING else None
+        entered = self.entered_view
+        if previous is not None and entered is not None and entered.id > previous.id and any(
+                s.current_view == entered.id and s.view_digest == entered.digest and s.config == self.config
+                for s in statuses.values()):
+            # A view it entered formed on other members although its own formation failed:
+            # that view, not the older one, is what the group goes on from.
+            previous = entered
         cand = candidate(self.id, previous, statuses, self.config, self.max_workers)
         if self.state == JOINING and self.lost is not None and not self._may_refound(cand, statuses):
             self._last = None
@@ -263,10 +280,18 @@ class Engine:
                 and (cand.quorum or self.partition_policy == "availability"))
 
     def _adopt(self, now: float, statuses: dict[str, Status]) -> list[Action]:
-        """As a joiner: agree to a proposal of the existing group that includes this member."""
+        """As a joiner: agree to a proposal of the existing group that includes this member,
+        made by a member that holds the newest view known here (a member left out of a newer
+        view may still propose from its stale table: adopting that would lend it a vote)."""
         actions: list[Action] = []
+        newest = max([s.last_view for s in statuses.values() if s.config == self.config] +
+                     [self.lost.id if self.lost is not None else 0])
+        if len(self._fetching) > 256:
+            self._fetching.clear()
         for status in statuses.values():
             if not (status.alive and status.phase == ACTIVE and status.proposal and status.config == self.config):
+                continue
+            if status.current_view < newest:
                 continue
             key = status.proposal
             if key[0] < self.floor:
@@ -304,6 +329,8 @@ class Engine:
     def _enter(self, view: View) -> list[Action]:
         self._move("agreed")
         self.forming = view
+        if view.id > self.entered:
+            self.entered, self.entered_view = view.id, view
         self._lagging.clear()
         self._fetching.clear()
         return [Form(view)]

@@ -417,6 +417,7 @@ class FaultTolerantGroup:
                 self._probe_crashed(view.members)
                 continue
             self._perform(self._engine.formed(), {})
+            self._ops = 0  # before anything can publish a leave naming this view
             formed_at = time.monotonic()
             try:
                 if self.state.registered:
@@ -503,10 +504,12 @@ class FaultTolerantGroup:
         """Start forming ``view``: from now on gossip about its members fires the abort signal."""
         self._abort = AbortSignal()
         statuses, _ = self._statuses()
-        for member in view.members:
+        for member in view.members:  # news that reached only the previous signal
             status = statuses.get(member)
             if member != self.id and (status is None or not status.alive):
                 self._abort.fire(f"{member} is no longer alive")
+            elif member != self.id and status.proposal != (view.id, view.digest):
+                self._abort.fire(f"{member} no longer proposes view {view.id}")
         return view
 
     def _form(self, view: View) -> None:
@@ -660,7 +663,7 @@ class FaultTolerantGroup:
         damage = self._engine.damage(event.kind, member.id, status, self._ops)
         if damage is None:
             return
-        if damage.fault is not None:
+        if damage.fault is not None and len(self._faults) < 4096:
             self._faults.append((time.monotonic(), damage.fault, member.id))
         if damage.defer:
             self._defer_abort(damage.reason)
@@ -694,10 +697,12 @@ class FaultTolerantGroup:
 
     def _status_record(self) -> dict:
         engine = self._engine
-        done_ops = (engine.view.id, self._ops) if engine.view is not None and engine.state == core.LEAVING else None
+        named = engine.published_view()
+        done_ops = (named.id, self._ops) if named is not None and engine.state == core.LEAVING else None
         settings = (self.settings["backend"], self.min_workers, self.max_workers, self.settings["partition_policy"])
         return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, self._config,
-                             self.step, self._rendezvous.port, engine.floor, settings, done_ops, self.insecure)
+                             self.step, self._rendezvous.port, engine.floor, settings, done_ops, self.insecure,
+                             named.digest if named is not None else None)
 
     def _publish(self) -> None:
         self._last_step_publish = time.monotonic()
@@ -780,12 +785,17 @@ class FaultTolerantGroup:
         if not (late or gossip.last_stall >= self._op_began or gossip.last_refuted >= self._op_began) \
                 or self._view is None:
             return
-        for member in [m for m in self._view.members if m != self.id][:2]:
+        reachable = [m for m in self._view.members if m != self.id and
+                     (info := gossip.member(m)) is not None and info.state in ("alive", "suspect")]
+        answered = not reachable  # everyone else left or died: the abort signal alone decides
+        for member in reachable[:2]:
             if gossip.exchange(member):
+                answered = True
                 break
-        if self._abort.reason is not None:
-            raise CollectiveAborted(f"an operation completed after this worker may have been cut off, but the view "
-                                    f"moved on: {self._abort.reason}")
+        if self._abort.reason is not None or not answered:
+            # Without an answer nothing shows the view is intact: discarding is the safe side.
+            raise CollectiveAborted(f"an operation completed after this worker may have been cut off, and "
+                                    f"{self._abort.reason or 'no member of the view answered'}")
 
     def _classify(self, exc: BaseException) -> str:
         """Why the view broke: crash, hang, leave, partition, superseded or backend."""

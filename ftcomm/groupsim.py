@@ -160,7 +160,7 @@ class GroupSimulation:
         self.end_faults = max((t + a.get("length", 0.0) if k in ("hang", "node_loss", "partition") else t
                                for t, k, a in self.faults), default=0.0)
         self.settled_at: float | None = None
-        self.history: dict[int, int] = {}  # step -> the first contents committed for it
+        self.history: dict[int, tuple] = {}  # step -> (first contents committed for it, by which view's members)
         self._healthy_cache: tuple = (None, float("inf"), False)
         self.rolled_back = 0
         self.newest: View | None = None  # the newest view formed by anyone
@@ -361,9 +361,10 @@ class GroupSimulation:
 
     def _publish(self, w: Worker) -> None:
         e = w.engine
-        done_ops = (e.view.id, w.ops) if e.view is not None and e.state == LEAVING else None
+        named = e.published_view()
+        done_ops = (named.id, w.ops) if named is not None and e.state == LEAVING else None
         record = encode_status(e.phase, e.current_view, e.proposal, e.joined_at, CONFIG, w.step, 1, e.floor,
-                               done_ops=done_ops)
+                               done_ops=done_ops, view_digest=named.digest if named is not None else None)
         node = self.sim.nodes[w.node]
         node.protocol.set_metadata(encode_metadata(record), self.sim.now)
         self.sim._after(node)
@@ -599,8 +600,11 @@ class GroupSimulation:
         known = self.contents.setdefault((step, view.id, view.digest), digest)
         if known != digest:
             self._violation(1, f"step {step} committed with two contents in view {view.id} (by {w.engine.id})")
-        history = self.history.setdefault(step, digest)
-        if history != digest:
+        first, first_members = self.history.setdefault(step, (digest, frozenset(view.members)))
+        if first != digest:
+            if not first_members & set(view.members):
+                self._violation(4, f"step {step} committed by two disjoint groups: view {view.id} "
+                                   f"({len(view.members)} members) and an earlier view of {len(first_members)}")
             # Committed on some members only, then the others carried on without them: this
             # commit (or the earlier one) is discarded when its member is reconciled.
             self.rolled_back += 1

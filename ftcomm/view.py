@@ -31,6 +31,7 @@ import hashlib
 from dataclasses import dataclass
 
 JOINING, ACTIVE, LEAVING = "joining", "active", "leaving"
+MAX_VIEW_ID = 2**31  # far beyond any group's lifetime; larger ids in a record are refused
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Status:
     settings: tuple = ()  # backend, min_workers, max_workers, partition_policy: named in a mismatch error
     done_ops: tuple[int, int] | None = None  # leaving: (view id, group operations it completed in that view)
     insecure: bool = False  # started without a secret on a reachable address (shown by ``ftcomm members``)
+    view_digest: str | None = None  # digest of its current view (leaving: of the view it names)
 
     @property
     def last_view(self) -> int:
@@ -98,6 +100,9 @@ class Status:
                          int(meta["cv"]), proposal, float(meta["jt"]), str(meta["cf"]), int(meta.get("fl", 0)))
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
+        views = [status.current_view, status.floor] + ([status.proposal[0]] if status.proposal else [])
+        if not all(0 <= v <= MAX_VIEW_ID for v in views):
+            return None  # a view id no group reaches: a forged or corrupt record
         extra: dict = {}
         if _is_int(meta.get("st")):
             extra["step"] = meta["st"]
@@ -106,10 +111,12 @@ class Status:
         if isinstance(meta.get("set"), (list, tuple)):
             extra["settings"] = tuple(meta["set"][:4])
         ops = meta.get("op")
-        if isinstance(ops, (list, tuple)) and len(ops) == 2 and all(_is_int(x) for x in ops):
+        if isinstance(ops, (list, tuple)) and len(ops) == 2 and all(_is_int(x) and 0 <= x <= MAX_VIEW_ID for x in ops):
             extra["done_ops"] = (ops[0], ops[1])
         if meta.get("insecure") is True:
             extra["insecure"] = True
+        if isinstance(meta.get("cd"), str) and len(meta["cd"]) <= 64:
+            extra["view_digest"] = meta["cd"]
         return dataclasses.replace(status, **extra) if extra else status
 
 
@@ -119,7 +126,8 @@ def _is_int(value: object) -> bool:
 
 def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | None, joined_at: float,
                   config: str, step: int, rendezvous_port: int, floor: int = 0, settings: tuple | list = (),
-                  done_ops: tuple[int, int] | None = None, insecure: bool = False) -> dict:
+                  done_ops: tuple[int, int] | None = None, insecure: bool = False,
+                  view_digest: str | None = None) -> dict:
     """The metadata record :meth:`Status.from_metadata` decodes."""
     meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
     if floor:
@@ -132,6 +140,8 @@ def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | Non
         meta["op"] = list(done_ops)
     if insecure:
         meta["insecure"] = True
+    if view_digest is not None:
+        meta["cd"] = view_digest
     return meta
 
 
@@ -157,8 +167,10 @@ def gone_from(previous: View | None, statuses: dict[str, Status]) -> set[str]:
     ``previous``)."""
     limit = previous.id if previous is not None else 0
     # Only a member whose final record arrived (phase leaving, naming the view it leaves)
-    # counts: with an older record, it may have left a newer view this member never saw.
-    return {s.id for s in statuses.values() if s.left and s.phase == LEAVING and s.last_view <= limit}
+    # counts: with an older record, or none naming a view (it had lost its view), it may
+    # have left a newer view this member never saw.
+    return {s.id for s in statuses.values()
+            if s.left and s.phase == LEAVING and s.done_ops is not None and s.done_ops[0] <= limit}
 
 
 @dataclass(frozen=True)
@@ -200,17 +212,25 @@ def agreed(proposal: Candidate, statuses: dict[str, Status]) -> bool:
     return all(m in statuses and statuses[m].alive and statuses[m].proposal == key for m in proposal.members)
 
 
-def superseded(own: Status, statuses: dict[str, Status], forming: int = 0) -> bool:
-    """Some member of our group holds (or held) a newer view than this member ever formed.
+def superseded(own: Status, statuses: dict[str, Status], entered: View | None = None) -> bool:
+    """Some member of our group holds (or held) a newer view than this member's current one,
+    and not the view this member itself entered (``entered``: the newest view it agreed on
+    and tried to form; when that very view formed on the others, this member is one of its
+    members, not left out of it).
 
     A view becomes a member's current view only once every member has formed it, so a
-    member whose current view (or the view it is forming) is older than another
-    member's current view was left out of it (it hung, or sat on the minority side of a
-    partition) and must rejoin as a joiner. The evidence counts whatever that member's
-    state is now: a member that left a newer view (its last record names that view), or
-    died in one, proves the view existed just as well; ignoring it let the losing side of
-    a partition count the winner's departure as its own majority. Proposals do not
-    count: a left-out member may well propose a newer view id from its stale table.
+    member whose current view is older than another member's was left out of it (it hung,
+    or sat on the minority side of a partition) and must rejoin as a joiner. The evidence
+    counts whatever that member's state is now: a member that left a newer view (its final
+    record names that view), or died in one, proves the view existed just as well; ignoring
+    it let the losing side of a partition count the winner's departure as its own
+    majority. Proposals do not count: a left-out member may well propose a newer view id
+    from its stale table.
     """
-    mine = max(own.current_view, forming)
-    return any(s.config == own.config and s.last_view > mine for s in statuses.values() if s.id != own.id)
+    for s in statuses.values():
+        if s.id == own.id or s.config != own.config or s.last_view <= own.current_view:
+            continue
+        if entered is not None and s.last_view == entered.id and s.view_digest == entered.digest:
+            continue
+        return True
+    return False

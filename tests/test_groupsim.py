@@ -36,21 +36,6 @@ def test_a_healed_partition_whose_winner_leaves_does_not_split_the_job():
     assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
 
 
-def test_without_the_departure_rules_the_losing_side_commits_again(monkeypatch):
-    """The old rules: a departure counted as gone from the old view even when it came from a
-    newer one, and only live members' views proved a newer view. The losing side of the
-    healed partition then claimed a majority when the winners' rank 0 left."""
-    def old_superseded(own, statuses, forming=0):
-        mine = max(own.current_view, forming)
-        return any(s.alive and s.config == own.config and s.phase == view.ACTIVE and s.current_view > mine
-                   for s in statuses.values() if s.id != own.id)
-    monkeypatch.setattr(core, "superseded", old_superseded)
-    monkeypatch.setattr(view, "gone_from", lambda previous, statuses: {s.id for s in statuses.values() if s.left})
-    monkeypatch.setattr(core, "gone_from", view.gone_from)
-    outcome = partition_then_winner_leaves()
-    assert not outcome.ok and "reproduce: python -m ftcomm.groupsim" in outcome.violation
-
-
 HANG_AND_NODE_LOSS_SEEDS = [4, 11, 22, 25]  # seeds where a member finished a step the others had abandoned
 
 

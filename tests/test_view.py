@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from ftcomm.view import (ACTIVE, JOINING, LEAVING, Status, View, agreed, candidate, encode_status, has_quorum,
-                         superseded)
+import dataclasses
+
+from ftcomm.view import (ACTIVE, JOINING, LEAVING, Status, View, agreed, candidate, encode_status, gone_from,
+                         has_quorum, superseded)
 
 CFG = "cfg1"
 
@@ -98,7 +100,14 @@ def test_a_member_left_out_of_a_newer_view_knows_it():
     me = st("c", cv=3, proposal=(3, "d3"))
     assert superseded(me, table(me, st("a", cv=4, proposal=(4, "d4"))))
     assert not superseded(me, table(me, st("a", cv=3, proposal=(4, "d4"))))  # others still agreeing
-    assert not superseded(me, table(me, st("a", cv=4)), forming=4)  # it is forming that view too
+    entered = View(4, ("a", "c"))
+    formed = dataclasses.replace(st("a", cv=4), view_digest=entered.digest)
+    assert not superseded(me, table(me, formed), entered)  # the view it entered formed on the others
+    other = dataclasses.replace(st("a", cv=4), view_digest=View(4, ("a",)).digest)
+    assert superseded(me, table(me, other), entered)  # a view 4 without it formed instead
+    left = Status("a", False, True, LEAVING, 0, None, 0.0, CFG, done_ops=(5, 3), view_digest="x")
+    assert superseded(me, table(me, left))  # a departure from view 5 proves view 5 existed
+    assert Status.from_metadata("a", "alive", {**encode_status(ACTIVE, 2**40, None, 1.0, CFG, 0, 1)}) is None
     # After a partition heals, the minority may propose a higher id from its stale table;
     # that proposal does not make it a member of the view the majority formed meanwhile.
     stale = st("c", cv=2, proposal=(4, "d4-stale"))
@@ -107,3 +116,17 @@ def test_a_member_left_out_of_a_newer_view_knows_it():
 
 def test_digest_depends_on_order_and_id():
     assert View(1, ("a", "b")).digest != View(1, ("b", "a")).digest != View(2, ("b", "a")).digest
+
+
+def test_a_departure_counts_as_gone_only_by_a_final_record_from_that_view_or_an_older_one():
+    previous = View(4, ("m", "n", "x", "a", "b"))
+
+    def left(member, phase=LEAVING, cv=0, done_ops=None):
+        return Status(member, False, True, phase, cv, None, 0.0, CFG, done_ops=done_ops)
+    statuses = {"x": left("x", done_ops=(4, 9)),  # left view 4 itself: gone
+                "a": left("a", done_ops=(6, 2)),  # left a newer view: proves it, is not gone from 4
+                "b": left("b", phase=ACTIVE, cv=4),  # its final record never arrived: it may have left a newer one
+                "n": left("n")}  # had lost its view when it left: it may have seen a newer one
+    assert gone_from(previous, statuses) == {"x"}
+    # m alone is not a majority of m, n, a, b (x gone): the stale side gets no quorum
+    assert not candidate("m", previous, {**statuses, "m": st("m", cv=4)}, CFG, None).quorum

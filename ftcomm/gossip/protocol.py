@@ -204,9 +204,13 @@ class Protocol:
         return self._push_pull_message(join=True)
 
     def set_metadata(self, metadata: bytes, now: float) -> None:
-        """Replace this member's metadata; it spreads under a new incarnation."""
+        """Replace this member's metadata; it spreads under a new incarnation. Ignored once
+        leaving: a new alive record would replace the leave notice and undo it."""
         self._check_metadata(metadata)
         self._now = now
+        if self.leaving:
+            self.stats["metadata_after_leave"] += 1
+            return
         self._self.meta = metadata
         self._raise_incarnation(self._self.incarnation)
         self._queue_alive_self()
@@ -272,13 +276,12 @@ class Protocol:
             return
         self._now = now
         self.leaving = True
-        # The notice replaces this member's queued alive message, so the direct notices carry
-        # the newest metadata first: receivers see the last published state before *left*.
-        latest = self._alive_self_message()
+        # The notice carries the final metadata (receivers see how this member left even if
+        # its last update was lost) and replaces the queued alive message.
         notice = wire.encode([DEAD, self.id, self._self.incarnation, self.id, self._self.meta])
         self._broadcasts.queue(self.id, notice)
         for member_id in self._table.live:
-            self._send(self._table.get(member_id).address, member_id, [latest, notice])
+            self._send(self._table.get(member_id).address, member_id, [notice])
 
     def receive(self, data: bytes, source: tuple[str, int], now: float) -> None:
         """Handle one datagram from ``source``."""
@@ -601,12 +604,16 @@ class Protocol:
         left = reporter == member_id
         if m is None or incarnation < m.incarnation:
             return
+        if m.state == LEFT_STATE:
+            # a later departure notice (a newer incarnation) may carry a newer final record
+            if left and meta is not None and incarnation > m.incarnation and \
+                    len(meta) <= self.config.max_metadata_bytes:
+                m.meta, m.incarnation = meta, incarnation
+                self._emit("metadata", m, now, reporter)
+            return
         if left and meta is not None and len(meta) <= self.config.max_metadata_bytes and meta != m.meta:
             m.meta = meta
-            if m.state == LEFT_STATE:
-                self._emit("metadata", m, now, reporter)
-        if m.state == LEFT_STATE:
-            return
+            self._emit("metadata", m, now, reporter)  # the final record first, then the departure
         if m.state == DEAD_STATE and not left:
             return
         self._suspicions.pop(member_id, None)
