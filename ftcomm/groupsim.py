@@ -611,7 +611,8 @@ class GroupSimulation:
         if self.partition is not None and self.partition[2] is not None:
             side_a, side_b, before = self.partition
             side = side_a if w.engine.id in side_a else side_b
-            if set(view.members) <= side and not has_quorum(before, [m for m in before.members if m in side], set()):
+            left = {x.engine.id for x in self.workers.values() if x.gone and not x.crashed}  # left gracefully
+            if set(view.members) <= side and not has_quorum(before, [m for m in before.members if m in side], left):
                 self._violation(4, f"{w.engine.id} commits step {step} in view {view.id} on the minority side "
                                    f"of a partition of view {before.id}")
         w.step, w.digest = step, digest
