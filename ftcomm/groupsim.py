@@ -148,6 +148,7 @@ class GroupSimulation:
         self.view_digest: dict[tuple[int, str], tuple[int, int]] = {}  # view -> (step, digest) at first commit
         self.views_formed: set[tuple[int, str]] = set()
         self.partition: tuple[frozenset[str], frozenset[str], View | None] | None = None
+        self.partition_left: set[str] = set()
         self.log: list[str] = []
         self.fault_log: list[tuple[float, str, str]] = []
         self.pending_recovery: list[tuple[float, str, set[str]]] = []  # (time, kind, survivors to commit)
@@ -283,6 +284,7 @@ class GroupSimulation:
         before = max((w.engine.view for w in self._live() if w.engine.view is not None),
                      key=lambda v: v.id, default=None)
         self.partition = (frozenset(ids[i] for i in side_a), frozenset(ids[i] for i in side_b), before)
+        self.partition_left = {x.engine.id for x in self.workers.values() if x.gone and not x.crashed}
         self.sim._partition = (frozenset(side_a), frozenset(side_b))
         self.fault_log.append((now, kind, f"{sorted(ids[i] for i in side_a)}"))
         if survivors is not None:
@@ -611,8 +613,9 @@ class GroupSimulation:
         if self.partition is not None and self.partition[2] is not None:
             side_a, side_b, before = self.partition
             side = side_a if w.engine.id in side_a else side_b
-            left = {x.engine.id for x in self.workers.values() if x.gone and not x.crashed}  # left gracefully
-            if set(view.members) <= side and not has_quorum(before, [m for m in before.members if m in side], left):
+            # members that had left gracefully before the cut do not count, as in the quorum rule
+            if set(view.members) <= side and not has_quorum(before, [m for m in before.members if m in side],
+                                                            self.partition_left):
                 self._violation(4, f"{w.engine.id} commits step {step} in view {view.id} on the minority side "
                                    f"of a partition of view {before.id}")
         w.step, w.digest = step, digest
