@@ -121,8 +121,7 @@ class Engine:
     proposal: tuple[int, str] | None = None
     floor: int = 0  # lowest view id to propose or adopt: views below it failed to form here
     lost: View | None = None  # the view it had when it learned it was left out of a newer one
-    entered: int = 0  # the newest view id it entered (formed or tried to form)
-    entered_view: View | None = None  # that view
+    entered_view: View | None = None  # the newest view it entered (formed or tried to form)
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
     _last: Candidate | None = None
     _settled_since: float = 0.0
@@ -243,12 +242,15 @@ class Engine:
         key = (cand.view_id, cand.digest)
         if self.proposal != key:
             self.proposal = key
-            actions += [PublishProposal(cand.view_id, cand.digest, cand.members), Publish()]
-            if len(cand.members) <= ANNOUNCE_LIMIT:
-                actions.append(Announce(cand.members))
+            actions += [PublishProposal(cand.view_id, cand.digest, cand.members), *self._published(cand.members)]
         if agreed(cand, statuses):
             return actions + self._enter(View(cand.view_id, cand.members))
         return actions + self._chase(key, cand.members, statuses, now)
+
+    @staticmethod
+    def _published(members: tuple[str, ...]) -> list[Action]:
+        """A new proposal: publish the record, and send it straight to the members waiting on it."""
+        return [Publish()] + ([Announce(members)] if len(members) <= ANNOUNCE_LIMIT else [])
 
     def _fetch_final_records(self, previous: View | None, statuses: dict[str, Status], now: float) -> list[Action]:
         """A member of the previous view left, but its final record (which says from which
@@ -307,9 +309,7 @@ class Engine:
                 continue
             if self.proposal != key:
                 self.proposal = key
-                actions.append(Publish())
-                if len(members) <= ANNOUNCE_LIMIT:
-                    actions.append(Announce(members))
+                actions += self._published(members)
             if agreed(Candidate(members, key[0], True, ()), statuses):
                 return actions + self._enter(View(key[0], members))
             actions += self._chase(key, members, statuses, now)
@@ -329,8 +329,8 @@ class Engine:
     def _enter(self, view: View) -> list[Action]:
         self._move("agreed")
         self.forming = view
-        if view.id > self.entered:
-            self.entered, self.entered_view = view.id, view
+        if self.entered_view is None or view.id > self.entered_view.id:
+            self.entered_view = view
         self._lagging.clear()
         self._fetching.clear()
         return [Form(view)]

@@ -382,6 +382,7 @@ class FaultTolerantGroup:
             self._comm.abandon()
             self._comm = None
         self._rendezvous.close()
+        self._engine.closed()
 
     # ------------------------------------------------------------------ lifecycle phases
     def _recover(self, reason: str, detected_at: float, timeout: float | None = None) -> None:
@@ -447,7 +448,6 @@ class FaultTolerantGroup:
             self._record_reconciled()
         self._faults.clear()
         self._broken = None
-        self._ops = 0
         self._op_began = time.monotonic()
         log.info("view %d: %d members (%s), rank %d; detect %.3f agree %.3f form %.3f reconcile %.3f s",
                  view.id, view.size, reason, self.rank, change.detect_s, change.agree_s, change.form_s,

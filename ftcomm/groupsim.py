@@ -72,7 +72,6 @@ class InvariantViolation(AssertionError):
 class Worker:
     node: int  # index in the gossip simulation
     engine: Engine
-    started: float
     step_time: float
     slow: float = 1.0
     step: int = 0
@@ -92,11 +91,9 @@ class Worker:
     fresh_view: bool = False  # no commit yet in the current view
     committed: list = field(default_factory=list)  # (time, step, view id)
     leave_after_commit: bool = False
-    join_seen: bool = False  # it saw an admissible joiner when it contributed
     joined: bool = False  # its gossip join completed (ftcomm.init agrees only after that)
     op_began: float = 0.0  # when the operation in flight began
     resumed_at: float = float("-inf")  # when it last came back from a hang
-    refutations: int = 0  # its gossip refutations when the operation began
     confirming: float | None = None
     statuses: dict | None = None  # cached membership view (see GroupSimulation._statuses)
     dirty: bool = True  # waiting for a state exchange until then (see _confirm_after_stall)
@@ -122,7 +119,7 @@ class GroupSimulation:
     """One seeded run. ``faults``: list of (time, kind, args) or None to draw them."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
-                 quiet: float | None = None, loss: float | None = None, leave_grace: float = 2.0,
+                 loss: float | None = None, leave_grace: float = 2.0,
                  formation_timeout: float = 10.0, gossip: GossipConfig | None = None) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
@@ -136,7 +133,6 @@ class GroupSimulation:
         self.duration = duration
         self.liveness_bound = self.config.detection_bound(self.n + 4) + formation_timeout + 5.0
         """Seconds after the last fault within which every live member must run one view."""
-        self.quiet = quiet if quiet is not None else self.liveness_bound
         self.leave_grace, self.formation_timeout = leave_grace, formation_timeout
         self.workers: dict[int, Worker] = {}
         self.by_id: dict[str, Worker] = {}
@@ -146,14 +142,12 @@ class GroupSimulation:
         self.steps: dict[tuple[tuple[int, str], int], dict[str, float]] = {}
         self.contents: dict[tuple, int] = {}  # (step, view) -> digest committed there (invariant 1)
         self.view_digest: dict[tuple[int, str], tuple[int, int]] = {}  # view -> (step, digest) at first commit
-        self.views_formed: set[tuple[int, str]] = set()
         self.partition: tuple[frozenset[str], frozenset[str], View | None] | None = None
         self.partition_left: set[str] = set()
         self.log: list[str] = []
         self.fault_log: list[tuple[float, str, str]] = []
         self.pending_recovery: list[tuple[float, str, set[str]]] = []  # (time, kind, survivors to commit)
         self.recovery: dict[str, list[float]] = {}
-        self.last_fault = 0.0
         self.sim.listeners.append(self._on_event)
         for i in range(self.n):
             self._start_worker(i, 0.0)
@@ -168,14 +162,14 @@ class GroupSimulation:
         self.quorum_survived = True
         for t, kind, args in self.faults:
             self.sim.at(t, lambda kind=kind, args=args: self._fault(kind, args))
-        self._schedule_ticks()
+        self.sim.at(0.0, self._tick)
 
     # ------------------------------------------------------------------ setup
     def _start_worker(self, node: int, now: float) -> Worker:
         member = self.sim.member_id(node)
         engine = Engine(member, CONFIG, min_workers=1, settle_interval=0.05,
                         chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6)
-        w = Worker(node, engine, now, step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
+        w = Worker(node, engine, step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
         self.workers[node] = w
         self.by_id[member] = w
         self._publish(w)
@@ -202,13 +196,6 @@ class GroupSimulation:
                                          "length": rng.uniform(1, 6)}))
         return faults
 
-    def _schedule_ticks(self) -> None:
-        t = 0.0
-        end = self.duration + self.quiet
-        while t <= end:
-            self.sim.at(t, self._tick)
-            t = round(t + TICK, 6)
-
     # ------------------------------------------------------------------ faults
     def _live(self) -> list[Worker]:
         return [w for w in self.workers.values() if not w.crashed and not w.gone]
@@ -221,7 +208,6 @@ class GroupSimulation:
 
     def _fault(self, kind: str, args: dict) -> None:
         now = self.sim.now
-        self.last_fault = max(self.last_fault, now)
         if kind == "join":
             node = self.sim.add_node(seed_index=self._live()[0].node)
             w = self._start_worker(node, now)
@@ -256,7 +242,6 @@ class GroupSimulation:
             self.sim.nodes[w.node].stalled = True
             self.pending_recovery.append((now, kind, survivors))
             self.sim.at(now + args["length"], lambda: self._resume(w))
-            self.last_fault = max(self.last_fault, now + args["length"])
         elif kind == "node_loss":
             others = set(range(len(self.sim.nodes))) - {w.node}
             self._cut(now, {w.node}, others, args["length"], kind, survivors)
@@ -290,7 +275,6 @@ class GroupSimulation:
         if survivors is not None:
             self.pending_recovery.append((now, kind, survivors))
         self.sim.at(now + length, self._heal)
-        self.last_fault = max(self.last_fault, now + length)
 
     def _heal(self) -> None:
         self.partition = None
@@ -322,6 +306,7 @@ class GroupSimulation:
 
     def _exit(self, w: Worker) -> None:
         self.sim.nodes[w.node].crashed = True
+        w.engine.closed()
 
     # ------------------------------------------------------------------ gossip side
     def _on_event(self, index: int, event) -> None:
@@ -374,6 +359,8 @@ class GroupSimulation:
 
     # ------------------------------------------------------------------ the driver
     def _tick(self) -> None:
+        """Every live worker's driver looks once; the next look is due a tick later."""
+        self.sim.at(round(self.sim.now + TICK, 6), self._tick)
         for w in list(self.workers.values()):
             if w.crashed or w.gone or w.hung:
                 continue
@@ -450,6 +437,10 @@ class GroupSimulation:
     def _cut_off(self, a: Worker, b: Worker) -> bool:
         return self.sim._blocked(a.node, b.node)
 
+    def _connected(self, w: Worker, view: View) -> bool:
+        """Every member of ``view`` runs and ``w`` can reach it (as forming and reconciling need)."""
+        return all(not x.crashed and not x.hung and not self._cut_off(w, x) for x in self._members(view))
+
     def _members(self, view: View) -> list[Worker]:
         return [self.by_id[m] for m in view.members]
 
@@ -470,9 +461,7 @@ class GroupSimulation:
         view = w.engine.forming
         key = (view.id, view.digest)
         entered = self.formations.get(key, {})
-        members = self._members(view)
-        connected = all(not x.crashed and not x.hung and not self._cut_off(w, x) for x in members)
-        if w.abort is None and connected and all(m in entered for m in view.members):
+        if w.abort is None and self._connected(w, view) and all(m in entered for m in view.members):
             if self.sim.now >= max(entered.values()) + FORM_LATENCY:
                 self._perform(w, w.engine.formed())
                 self.newest = max(self.newest, view, key=lambda v: v.id) if self.newest else view
@@ -490,16 +479,13 @@ class GroupSimulation:
         key = (view.id, view.digest)
         gathered = self.reconciles.setdefault(key, {})
         gathered.setdefault(w.engine.id, (w.step, w.digest))
-        members = self._members(view)
-        connected = all(not x.crashed and not x.hung and not self._cut_off(w, x) for x in members)
-        if w.abort is None and connected and all(m in gathered for m in view.members):
+        if w.abort is None and self._connected(w, view) and all(m in gathered for m in view.members):
             pairs = [gathered[m] for m in view.members]
             top = max(p[0] for p in pairs)
             w.step, w.digest = next(p for p in pairs if p[0] == top)
             w.engine.reconciled()
             w.ops, w.contributed, w.fresh_view = 0, None, True
             w.ready_at = w.op_began = self.sim.now
-            w.refutations = self.sim.nodes[w.node].protocol.stats["refutations"]
             return
         self._crash_error(w, view)
         if w.abort is not None:
@@ -534,8 +520,7 @@ class GroupSimulation:
                 return
             if now >= w.ready_at:
                 w.contributed = now
-                w.join_seen = self._admissible_joiner(w)
-                self.steps.setdefault((key, w.ops + 1), {})[w.engine.id] = (now, w.join_seen)
+                self.steps.setdefault((key, w.ops + 1), {})[w.engine.id] = (now, self._admissible_joiner(w))
             return
         contributions = self.steps.get((key, w.ops + 1), {})
         members = self._members(view)
@@ -572,7 +557,7 @@ class GroupSimulation:
     def _must_confirm(self, w: Worker) -> bool:
         """FaultTolerantGroup._must_confirm: stalled, suspected, or waited long."""
         protocol = self.sim.nodes[w.node].protocol
-        return (w.resumed_at >= w.op_began or protocol.stats["refutations"] > w.refutations
+        return (w.resumed_at >= w.op_began or protocol.last_refuted >= w.op_began
                 or self.sim.now - w.contributed > self.config.probe_interval)
 
     def _healthy(self, w: Worker, view: View, members: list[Worker], done_at: float) -> bool:
@@ -623,7 +608,6 @@ class GroupSimulation:
         w.committed.append((now, step, view.id))
         w.contributed = None
         w.op_began = now
-        w.refutations = self.sim.nodes[w.node].protocol.stats["refutations"]
         w.ready_at = now + w.step_time * w.slow
         if w.deferred is not None:  # the operation in flight ended: the held abort fires now
             w.abort, w.deferred = w.deferred[0], None

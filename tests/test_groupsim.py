@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ftcomm import engine as core
-from ftcomm import groupsim, view
+from ftcomm import groupsim
 from ftcomm.groupsim import GroupSimulation, run_seeds, summarize
 
 pytestmark = pytest.mark.timeout(300)

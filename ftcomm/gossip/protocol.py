@@ -138,6 +138,7 @@ class Protocol:
         self._events: list[MemberEvent] = []
         self.stats: Counter[str] = Counter()
         self.leaving = False
+        self.last_refuted = float("-inf")  # the driver's clock when this member last refuted a suspicion
         self.started = False
 
     # ---------------------------------------------------------------- public API
@@ -236,11 +237,10 @@ class Protocol:
         message = self._alive_self_message()
         sent = 0
         for member_id in member_ids:
-            m = self._table.get(member_id)
-            if m is None or member_id == self.id or m.state in (DEAD_STATE, LEFT_STATE):
-                continue
-            self._send(m.address, member_id, [message])
-            sent += 1
+            address = self.reachable(member_id)
+            if address is not None:
+                self._send(address, member_id, [message])
+                sent += 1
         self.stats["announced"] += sent
         return sent
 
@@ -258,13 +258,18 @@ class Protocol:
         periodic push/pull that repairs a miss may be many seconds away. Returns False
         when the member is unknown, this member, or dead or left.
         """
-        self._now = now
+        address = self.reachable(member_id)
+        if address is None:
+            return False
+        self._streams.append(StreamRequest(address, member_id, self.push_pull_request(now), "sync"))
+        return True
+
+    def reachable(self, member_id: str) -> tuple[str, int] | None:
+        """The address of another member believed alive or suspect; None otherwise."""
         m = self._table.get(member_id)
         if m is None or member_id == self.id or m.state in (DEAD_STATE, LEFT_STATE):
-            return False
-        self.stats["push_pull_requested"] += 1
-        self._streams.append(StreamRequest((m.host, m.port), m.id, self._push_pull_message(False), "sync"))
-        return True
+            return None
+        return m.address
 
     def leave(self, now: float) -> None:
         """Announce a graceful departure: every member will mark this one *left*.
@@ -632,6 +637,7 @@ class Protocol:
 
     def _refute(self, incarnation: int) -> None:
         self.stats["refutations"] += 1
+        self.last_refuted = self._now
         self._raise_incarnation(incarnation)
         self._awareness.apply(1)
         self._queue_alive_self()

@@ -159,9 +159,6 @@ class GossipNode:
         self._timer_at = float("inf")
         self.last_stall = float("-inf")
         """time.monotonic() when this process was last seen to have been stalled (see STALL_S)."""
-        self.last_refuted = float("-inf")
-        """time.monotonic() when this member last refuted a suspicion of itself."""
-        self._refutations = 0
         self._tasks: set[asyncio.Task] = set()
         self._snapshot: tuple[Member, ...] = ()
         self._snapshot_stale = True
@@ -279,11 +276,11 @@ class GossipNode:
         wait = self.config.request_timeout if timeout is None else timeout
 
         async def run() -> bool:
-            info = self._protocol.member(member_id)
-            if info is None or member_id == self.id or info.state in ("dead", "left"):
+            address = self._protocol.reachable(member_id)
+            if address is None:
                 return False
             request = self._protocol.push_pull_request(self._now())
-            return await asyncio.wait_for(self._push_pull((info.host, info.port), request), wait)
+            return await asyncio.wait_for(self._push_pull(address, request), wait)
         try:
             return asyncio.run_coroutine_threadsafe(run(), self._loop).result(wait + 1.0)
         except (asyncio.TimeoutError, TimeoutError, concurrent.futures.TimeoutError):
@@ -293,6 +290,11 @@ class GossipNode:
         """Send this member's record directly to these members; see :meth:`Protocol.announce`."""
         ids = list(member_ids)
         self._call(lambda p: p.announce(ids, self._now()))
+
+    @property
+    def last_refuted(self) -> float:
+        """time.monotonic() when this member last refuted a suspicion of itself; -inf before."""
+        return self._protocol.last_refuted if self._protocol is not None else float("-inf")
 
     def sync(self, member_id: str) -> None:
         """Exchange full state with one member now; see :meth:`Protocol.sync_with`."""
@@ -457,9 +459,6 @@ class GossipNode:
         if self._stopping:
             return
         protocol, faults, local = self._protocol, self.faults, (self.host, self.port)
-        if protocol.stats["refutations"] != self._refutations:
-            self._refutations = protocol.stats["refutations"]
-            self.last_refuted = time.monotonic()
         for datagram in protocol.take_datagrams():
             if faults is not None:
                 if not faults.allows(local, datagram.address):
