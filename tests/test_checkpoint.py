@@ -173,10 +173,13 @@ def wait_all(workers: list[ChildProcess], event: str, timeout: float) -> list[di
         return [w.wait_for(lambda e: e["ev"] == event, max(0.0, deadline - time.monotonic()), event)
                 for w in workers]
     except TimeoutError:
-        for w in workers:
-            if w.process.poll() is None:
-                w.signal(signal.SIGUSR1)  # faulthandler: every thread's stack on stderr
-        time.sleep(1.0)
+        dumped = [w for w in workers if w.process.poll() is None]
+        for w in dumped:
+            w.signal(signal.SIGUSR1)  # faulthandler: every thread's stack on stderr
+        until = time.monotonic() + 5.0  # until each dump has arrived (or give up and show what there is)
+        while time.monotonic() < until and not all(any("File " in line for line in w.stderr_tail[-60:])
+                                                     for w in dumped):
+            time.sleep(0.05)
         logs = "\n".join(f"--- worker {i} (exit {w.process.poll()}):\n" + "".join(w.stderr_tail[-60:])
                          for i, w in enumerate(workers))
         pytest.fail(f"no {event} from every worker within {timeout:g} s\n{logs}")
