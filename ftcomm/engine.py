@@ -122,6 +122,7 @@ class Engine:
     floor: int = 0  # lowest view id to propose or adopt: views below it failed to form here
     lost: View | None = None  # the view it had when it learned it was left out of a newer one
     entered_view: View | None = None  # the newest view it entered (formed or tried to form)
+    seen_view: int = 0  # the newest view of this group another member showed here
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
     _last: Candidate | None = None
     _settled_since: float = 0.0
@@ -214,8 +215,14 @@ class Engine:
             return []
         if self.state == AGREEING and self.view is not None and superseded(own, statuses, self.entered_view):
             return self._rejoin("a newer view exists without this worker")
-        if self.state == JOINING and self._group_exists(statuses):
-            return self._adopt(now, statuses)
+        if self.state == JOINING:
+            self.seen_view = max([self.seen_view] + [
+                s.last_view for s in statuses.values() if s.id != self.id and s.config == self.config])
+            if self._group_exists(statuses):
+                return self._adopt(now, statuses)
+            if self._group_seen():
+                self._last = None
+                return []
         previous = self.view if self.state == AGREEING else None
         entered = self.entered_view
         if previous is not None and entered is not None and entered.id > previous.id and any(
@@ -266,6 +273,13 @@ class Engine:
             return []
         self._final_sync = now
         return [Sync(others[int(now / self.chase_interval) % len(others)])]
+
+    def _group_seen(self) -> bool:
+        """A joiner that never had a view, while no member of the group is live and reachable
+        from here (a partition, or the member it joined through is suspect), but some member
+        showed a view of it: it waits to be admitted. A joiner founds a group only before any
+        exists; another would commit the job's steps a second time from step 0."""
+        return self.lost is None and self.seen_view > 0
 
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
         """A member left out of a newer view sees no live group to join. It founds one only

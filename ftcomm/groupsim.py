@@ -663,10 +663,12 @@ class GroupSimulation:
         live_ids = {w.engine.id for w in self._live()}
         left = {w.engine.id for w in self.workers.values() if w.gone}
         newest = self.newest
-        self.quorum_survived = newest is None or has_quorum(newest, [m for m in newest.members if m in live_ids],
-                                                            left)
+        survivors = [m for m in newest.members if m in live_ids] if newest is not None else []
+        self.quorum_survived = newest is None or (bool(survivors) and has_quorum(newest, survivors, left))
         # Without a quorum of the newest view alive the quorum policy must stop (and wait for
         # the lost members) rather than go on: liveness is owed only when a quorum survived.
+        # When every member of the newest view left, the group ended with them: the members
+        # left behind hold older states, and going on from one would commit those steps again.
         if self.settled_at is None and self.quorum_survived:
             states = {w.engine.id: (w.engine.state, w.engine.view.id if w.engine.view else None)
                       for w in self._live()}

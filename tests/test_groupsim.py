@@ -62,6 +62,27 @@ def test_a_rejoiner_that_sees_no_group_founds_none(monkeypatch):
     assert f"python -m ftcomm.groupsim --seed {violations[0].seed}" in violations[0].violation
 
 
+def test_a_joiner_that_cannot_reach_the_group_founds_none(monkeypatch):
+    """Seeds where a worker joined through a member that a partition then cut off: it saw
+    the group's view but no live member of it, founded its own group and committed step 1
+    a second time. It now waits to be admitted."""
+    seeds = [2792, 7663]
+    assert all(o.ok for o in run_seeds(seeds))
+    monkeypatch.setattr(core.Engine, "_group_seen", lambda self: False)
+    violations = [o for o in run_seeds(seeds) if not o.ok]
+    assert violations and "two disjoint groups" in violations[0].violation
+
+
+def test_a_group_that_ended_by_leaving_is_not_resumed_from_an_older_state():
+    """Seeds where every member of the newest view left (the partition's winner, then its
+    last member) while members holding older views lived on: going on from their state would
+    commit the same steps again, so they wait (bounded by quorum_timeout and init_timeout in
+    the library) and the simulation owes no liveness."""
+    outcomes = run_seeds([4158, 5898, 7049])
+    assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
+    assert not any(o.quorum_survived for o in outcomes)
+
+
 def test_command_line_runs_seeds_and_one_seed():
     out = subprocess.run([sys.executable, "-m", "ftcomm.groupsim", "--seeds", "4", "--json"],
                          capture_output=True, text=True, timeout=120)
