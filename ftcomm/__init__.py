@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 # The training API needs torch; it is imported on first use, so that the gossip layer, the
 # simulator and ``ftcomm members`` (which import this package) start without it.
 _LAZY = {"FlashCheckpointer": "checkpoint", "ElasticSampler": "data", "FaultTolerantGroup": "group",
-         "GroupOptions": "group", "ViewChange": "group", "LinearLRScaling": "scaling",
-         "check_worker_counts": "group"}
+         "GroupOptions": "options", "ViewChange": "options", "LinearLRScaling": "scaling",
+         "check_worker_counts": "options"}
 
 
 def __getattr__(name: str) -> Any:
@@ -93,7 +93,8 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
         raise TypeError(f"backend must be a string, one of {', '.join(BACKENDS)}; got {type(backend).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    from .group import FaultTolerantGroup, GroupOptions, check_worker_counts
+    from .group import FaultTolerantGroup
+    from .options import GroupOptions, check_worker_counts
 
     check_worker_counts(min_workers, max_workers)
     peers = _peer_list(peers if peers is not None else os.environ.get("FTCOMM_PEERS", ""),

@@ -367,6 +367,15 @@ class Engine:
             self._lagging[m] = (key, self._lagging[m][1], now)
         return [Sync(m) for m in due[:3]]
 
+    def admits_joiner(self, statuses: dict[str, Status]) -> bool:
+        """A live worker with these settings waits to join and the view has room for it: the
+        step being reduced raises the join flag, and every member re-forms at its boundary."""
+        view = self.view
+        if view is None or (self.max_workers is not None and view.size >= self.max_workers):
+            return False
+        return any(s.alive and s.phase == PHASE_JOINING and s.config == self.config and s.id not in view.members
+                   for s in statuses.values())
+
     # ------------------------------------------------------------------ what breaks a view
     def damage(self, kind: str, member: str, status: Status | None, ops_done: int) -> "Damage | None":
         """Whether gossip news about ``member`` breaks the view being run or formed.
@@ -402,3 +411,75 @@ class Damage:
     reason: str
     fault: str | None
     defer: bool = False
+
+
+# ---------------------------------------------------------------------- pure decisions
+def reconcile_source(states: list[tuple[int, int]]) -> int | None:
+    """The rank whose state every member of a new view takes, from each rank's (step, state
+    digest): the lowest rank holding the newest step. None when all hold the same state."""
+    if len(set(states)) <= 1:
+        return None
+    top = max(step for step, _ in states)
+    return min(rank for rank, (step, _) in enumerate(states) if step == top)
+
+
+def step_verdict(contributors: float, joiners: float, world: int, batches_checked: bool) -> tuple[bool, bool]:
+    """What a reduced gradient step means, from the two counters reduced with it: how many
+    members contributed valid gradients and how many saw a joiner waiting. Returns (commit,
+    admit the joiner at this boundary). Nobody's gradients are valid (every member just
+    received state), or, with a sampler checking batches (``batches_checked``), some batch
+    did not match the plan: committing would lose its samples."""
+    commit = contributors >= 1 and not (batches_checked and contributors < world - 0.5)
+    return commit, joiners > 0
+
+
+def classify(faults: list[tuple[str, str]], view_size: int | None) -> str:
+    """Why a view broke, from the faults seen in it, as (kind, member) pairs: leave,
+    superseded, crash (a refused connection or a death), partition (half the view or more
+    lost at once), hang (suspected only) or backend (the communicator failed alone)."""
+    kinds = {kind for kind, _ in faults}
+    lost = {member for kind, member in faults if kind != "superseded"}
+    if "left" in kinds:
+        return "leave"
+    if "superseded" in kinds:
+        return "superseded"
+    if "crash" in kinds:
+        return "crash"
+    if len(lost) > 1 and view_size is not None and 2 * len(lost) >= view_size:
+        return "partition"
+    if "suspect" in kinds:
+        return "hang"
+    return "crash" if "dead" in kinds else "backend"
+
+
+def reason_for(noticed: str, before: tuple[str, ...], after: tuple[str, ...], gossip_states: dict[str, str]) -> str:
+    """Name a re-formation from ``before`` to ``after`` by what happened to the members it
+    dropped (their gossip states; one not known reads as dead)."""
+    removed = [m for m in before if m not in after]
+    if not removed:
+        return "join" if noticed != "init" and len(after) > len(before) else noticed
+    kinds = [gossip_states.get(m, "dead") for m in removed]
+    if all(k == "left" for k in kinds):
+        return "leave"
+    if len(removed) > 1 and 2 * len(removed) >= len(before):
+        return "partition"
+    if "suspect" in kinds or noticed == "hang":
+        return "hang"
+    return "crash" if "dead" in kinds else noticed
+
+
+SETTING_NAMES = ("backend", "min_workers", "max_workers", "partition_policy")
+
+
+def settings_conflict(engine: "Engine", settings: tuple, statuses: dict[str, Status]) -> str | None:
+    """Why this member must not train with the group, or None: a live member whose settings
+    (``SETTING_NAMES``) differ is already active or started first (the newer worker yields)."""
+    for status in statuses.values():
+        if status.id == engine.id or not status.alive or status.config == engine.config:
+            continue
+        if status.phase == ACTIVE or status.joined_at < engine.joined_at:
+            diffs = [f"{n}={a!r} but the group uses {n}={b!r}"
+                     for n, a, b in zip(SETTING_NAMES, settings, status.settings) if a != b]
+            return (f"this worker was started with {'; '.join(diffs) or 'settings differ'} (member {status.id}): "
+                    f"start all workers of a group with the same settings")
+    return None

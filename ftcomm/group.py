@@ -14,157 +14,37 @@ probes the view's members and declares dead those whose host refuses a connectio
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import hashlib
-import hmac
-import ipaddress
 import json
 import logging
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-import msgpack
 import torch
 
-from .backends.base import AbortSignal
 from .backends import communicator_class
+from .backends.base import AbortSignal, Communicator
 from .buckets import GradientBuckets
-from . import netif
-from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
-                     MembershipChanged, QuorumLost, RetryLimitExceeded, SecretRequired, StateError)
-from .gossip import FaultFilter, GossipConfig, GossipEvent, GossipNode
+from .errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
+                     MembershipChanged, QuorumLost, RetryLimitExceeded)
+from .gossip import GossipEvent, GossipNode
 from .gossip.runtime import parse_address
+from .options import (GroupOptions, ViewChange, check_addresses, check_protection, check_secret,
+                      check_worker_counts, member_cap)
 from .rendezvous import Rendezvous, refused_many
-from .state import TrainingState, tensor_bytes
+from .state import TrainingState
 from . import engine as core
+from . import transfer
 from .engine import Announce, Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
-from .view import ACTIVE, JOINING, Status, View, encode_status
+from .view import Status, View, encode_status
 
 log = logging.getLogger(__name__)
-
-STATE_TAG_BYTES = 32
-MAX_MANIFEST_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class GroupOptions:
-    """Options of a fault-tolerant group (``ftcomm.init(**options)``); see docs/CONFIGURATION.md."""
-
-    settle_interval: float = 0.05
-    """A candidate view must stay unchanged this long before it is proposed. Longer batches
-    simultaneous changes into one re-formation; shorter re-forms sooner."""
-
-    init_timeout: float = 120.0
-    """``init`` raises FtcommTimeout when no view with ``min_workers`` members forms in time."""
-
-    formation_timeout: float = 10.0
-    """Bound on forming one communicator (rendezvous and Gloo connect); a formation that
-    times out is abandoned and the view agreed again."""
-
-    quorum_timeout: float = 300.0
-    """How long a worker cut off from the majority waits for the partition to heal before
-    ``QuorumLost``. Long enough to ride out a switch reboot; short enough to free the node."""
-
-    max_retries: int = 5
-    """Consecutive re-formations ``execute`` tolerates before ``RetryLimitExceeded``."""
-
-    bucket_mb: float = 25.0
-    """Size of the flat gradient buckets of ``wait_gradients_ready`` (one allreduce each;
-    the first bucket is at most 1 MB so communication starts early, as in DDP). Larger
-    buckets mean fewer collectives; smaller ones start overlapping sooner."""
-
-    overlap: bool = True
-    """Reduce each bucket during backward as soon as its gradients are ready (hooks on the
-    parameters, installed at the first ``wait_gradients_ready``). Gradient accumulation
-    then needs ``with ft.no_sync():`` around all but the last backward. False: reduce
-    everything inside ``wait_gradients_ready``."""
-
-    partition_policy: str = "quorum"
-    """``quorum`` (safe): only a side holding a majority of the previous view (ties: its
-    oldest member) continues. ``availability``: every side continues; sides may diverge
-    and are not merged back automatically."""
-
-    leave_grace: float = 2.0
-    """A member that leaves gracefully after completing the group operation (gradient step
-    or collective) this worker is still in has already sent its share of it: the operation
-    is let finish (up to this many seconds) before the view is re-formed, instead of being
-    aborted. Crashes and hangs abort at once."""
-
-    step_publish_interval: float = 2.0
-    """Minimum seconds between gossip updates of the committed step (shown by ``ftcomm
-    members``); every update is a broadcast to the whole group."""
-
-    gossip: GossipConfig = field(default_factory=GossipConfig)
-    """The membership protocol's configuration (a GossipConfig, or a dict of its fields)."""
-
-    fault_filter: FaultFilter | None = None
-    """Testing API: drop, delay or partition this worker's gossip traffic."""
-
-    handle_signals: bool = True
-    """Install a SIGTERM handler and an excepthook that leave the group gracefully (main
-    thread only); ``shutdown`` also runs at interpreter exit. On SIGTERM a handler installed
-    before runs first, then the worker exits with status 143 and leaves on the way out."""
-
-    def __post_init__(self) -> None:
-        """Refuse a value no worker could run with, naming the option and what it accepts:
-        TypeError for a wrong type, ValueError for a value out of range."""
-        def number(name: str, zero_allowed: bool, unit: str = "seconds") -> None:
-            value = getattr(self, name)
-            accepted = f"{'>= 0' if zero_allowed else '> 0'} and finite ({unit})"
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number {accepted}, got {value!r}")
-            if not ((0 <= value if zero_allowed else 0 < value) and value < float("inf")):
-                raise ValueError(f"{name} must be {accepted}, got {value!r}")
-
-        for name in ("init_timeout", "formation_timeout", "quorum_timeout"):
-            number(name, zero_allowed=False)
-        for name in ("settle_interval", "leave_grace", "step_publish_interval"):
-            number(name, zero_allowed=True)
-        number("bucket_mb", zero_allowed=False, unit="MB")
-        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
-            raise TypeError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries}")
-        for name in ("overlap", "handle_signals"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.partition_policy not in ("quorum", "availability"):
-            raise ValueError(f"partition_policy must be 'quorum' or 'availability', got {self.partition_policy!r}")
-        if not isinstance(self.gossip, GossipConfig):
-            raise TypeError(f"gossip must be a GossipConfig (ftcomm.init also takes a dict of its fields), "
-                            f"got {type(self.gossip).__name__}")
-        if self.fault_filter is not None and not isinstance(self.fault_filter, FaultFilter):
-            raise TypeError(f"fault_filter must be None or a FaultFilter, got {type(self.fault_filter).__name__}")
-
-
-@dataclass(frozen=True)
-class ViewChange:
-    """One re-formation: why, who changed, and how long each phase took (seconds)."""
-
-    view_id: int
-    members: tuple[str, ...]
-    reason: str  # init | crash | hang | leave | join | partition | rejoin | backend
-    added: tuple[str, ...]
-    removed: tuple[str, ...]
-    detect_s: float  # how long the failed collective was blocked before the fault was noticed
-    agree_s: float
-    form_s: float
-    reconcile_s: float
-    time: float  # time.time() when the group was ready again
-    abort_latency_s: float | None = None  # from the abort signal firing to the training thread noticing
-    step: int | None = None  # committed step once the state was reconciled in this view
-    state_digest: int | None = None  # digest of the registered state then (equal on every member)
-    policy: dict | None = None  # what the batch-size / learning-rate policies set for this view
-
-    @property
-    def total_s(self) -> float:
-        return self.detect_s + self.agree_s + self.form_s + self.reconcile_s
-
 
 class FaultTolerantGroup:
     """A data-parallel group that survives crashes, hangs, leaves, joins and partitions."""
@@ -179,12 +59,13 @@ class FaultTolerantGroup:
         self.min_workers, self.max_workers = min_workers, max_workers
         self.settings = {"backend": backend, "min_workers": min_workers, "max_workers": max_workers,
                          "partition_policy": opts.partition_policy}
+        self._settings_tuple = tuple(self.settings[n] for n in core.SETTING_NAMES)
         self._config = hashlib.blake2b(json.dumps(self.settings, sort_keys=True).encode(), digest_size=4).hexdigest()
         self.state = TrainingState()
         self.step = 0
         self.events: list[ViewChange] = []
-        self._comm: Any = None  # the backend's communicator of the current view
-        self._abort = AbortSignal()
+        self._comm: Communicator | None = None  # the backend's communicator of the current view
+        self._abort = AbortSignal(self._drain)
         self._changed = threading.Event()
         self._engine = Engine("", self._config, min_workers, max_workers, opts.partition_policy,
                               opts.settle_interval, 3 * opts.gossip.gossip_interval, joined_at=time.time())
@@ -198,7 +79,10 @@ class FaultTolerantGroup:
         self._needs_reconcile = False
         self._broken: str | None = None
         self._faults: list[tuple[float, str, str]] = []  # (time, kind, member) since the last view
-        self._deferred_aborts: list[tuple[AbortSignal, str]] = []  # see _defer_abort
+        self._deferred_aborts: list[tuple[AbortSignal, str, float]] = []  # (signal, reason, fire by); see _drain
+        self._inbox: collections.deque = collections.deque()  # (time posted, GossipEvent) from the gossip thread
+        self._draining = threading.Lock()
+        self._news_since = 0.0  # news posted before this is not judged: see _enter
         self._ops = 0  # group operations (collectives, gradient steps) completed in the current view
         self._op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
         self._contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
@@ -285,6 +169,7 @@ class FaultTolerantGroup:
         waits only for what is still in flight.
         """
         buckets = self._buckets_for(_parameters(model_or_params))
+        self._drain()
         for obj in self._participants("check_step"):
             obj.check_step()
         if self._step_lost:  # the group re-formed (in execute) after backward began reducing
@@ -313,12 +198,11 @@ class FaultTolerantGroup:
             self._recover(self._classify(exc) if self._broken is None else self._broken, self._waiting_since)
             self._end_step(False)
             return False
-        contributors, joiners = float(tail[0]), float(tail[1])
-        if joiners > 0:
-            self._join_pending = True
-        # Nobody's gradients are valid (every worker just received state), or a sampler is
-        # registered and some batch did not match the plan: committing would lose its samples.
-        if contributors < 1 or (self._participants("batch_valid") and contributors < self._comm.size - 0.5):
+        contributors = float(tail[0])
+        commit, admit = core.step_verdict(contributors, float(tail[1]), self._comm.size,
+                                          bool(self._participants("batch_valid")))
+        self._join_pending = self._join_pending or admit
+        if not commit:
             buckets.discard()
             self._end_step(False)
             return False
@@ -436,7 +320,8 @@ class FaultTolerantGroup:
             break
         done = time.monotonic()
         before = previous.members if previous else ()
-        reason = "rejoin" if self._rejoined else self._reason_for(reason, before, view)
+        reason = "rejoin" if self._rejoined else core.reason_for(
+            reason, before, view.members, {m.id: m.state for m in self._gossip.members()})
         change = ViewChange(view.id, view.members, reason,
                             tuple(m for m in view.members if m not in before),
                             tuple(m for m in before if m not in view.members),
@@ -462,8 +347,11 @@ class FaultTolerantGroup:
             if now > deadline:
                 self._raise_stuck()
             self._changed.clear()
+            self._drain()
             statuses, addresses = self._statuses()
-            self._check_config(statuses)
+            conflict = core.settings_conflict(engine, self._settings_tuple, statuses)
+            if conflict is not None:
+                raise ConfigMismatch(conflict)
             actions = engine.agree(now, statuses)
             if actions and isinstance(actions[-1], Form):  # agreed: publish what comes before, then form
                 self._perform(actions[:-1], addresses)
@@ -501,10 +389,13 @@ class FaultTolerantGroup:
                 raise core.IllegalTransition(f"the driver cannot perform {action!r} here")
 
     def _enter(self, view: View) -> View:
-        """Start forming ``view``: from now on gossip about its members fires the abort signal."""
-        self._abort = AbortSignal()
+        """Start forming ``view``: from now on gossip about its members fires the abort signal.
+        News posted before is not judged against it: the members' records read here are
+        at least as new."""
+        self._news_since = time.monotonic()
+        self._abort = AbortSignal(self._drain)
         statuses, _ = self._statuses()
-        for member in view.members:  # news that reached only the previous signal
+        for member in view.members:
             status = statuses.get(member)
             if member != self.id and (status is None or not status.alive):
                 self._abort.fire(f"{member} is no longer alive")
@@ -536,97 +427,13 @@ class FaultTolerantGroup:
         deferred until the state was registered belongs to the view formed before it).
         """
         self._needs_reconcile = True
-        comm, abort = self._comm, self._abort
-        mine = torch.tensor([self.step, self.state.digest(self.step), self.state.signature()], dtype=torch.int64,
-                            device=comm.device)
-        gathered = [tuple(t.tolist()) for t in comm.allgather(mine).wait(abort)]
-        if len({g[2] for g in gathered}) > 1:
-            self._raise_model_mismatch(gathered)
-        pairs = [g[:2] for g in gathered]
-        loaded = False
-        if len(set(pairs)) > 1:
-            top = max(p[0] for p in pairs)
-            source = min(r for r, p in enumerate(pairs) if p[0] == top)
-            loaded = self._transfer_state(source, load=pairs[comm.rank] != pairs[source])
-            self._state_replaced = self._state_replaced or loaded
+        self.step, loaded, self._reconciled_digest = transfer.reconcile(
+            self._comm, self._abort, self.state, self.step, self._view, self._secret)
+        self._state_replaced = self._state_replaced or loaded
         self._needs_reconcile = False
-        self._reconciled_digest = self.state.digest(self.step) if loaded else int(mine[1])
         if stamp:
             self._record_reconciled()
         return loaded
-
-    def _transfer_state(self, source: int, load: bool) -> bool:
-        """Broadcast rank ``source``'s state to every member (each takes part); members with
-        ``load`` replace theirs with it. Returns ``load``.
-
-        Raw tensor bytes and a msgpack manifest travel, never a pickle. With a secret the
-        source signs step, manifest and bytes (keyed BLAKE2b) and members verify before
-        loading anything; a transfer that fails verification raises CommunicatorError.
-        """
-        comm, abort = self._comm, self._abort
-        if comm.rank == source:
-            manifest, data = self.state.pack(self.step, comm.device)
-            header = self._state_tag(manifest, data) + manifest
-            sizes = torch.tensor([len(header), data.numel()], dtype=torch.int64, device=comm.device)
-        else:
-            sizes = torch.zeros(2, dtype=torch.int64, device=comm.device)
-        comm.broadcast(sizes, source).wait(abort)
-        header_len, data_len = (int(x) for x in sizes.tolist())
-        if comm.rank != source and not (STATE_TAG_BYTES < header_len <= MAX_MANIFEST_BYTES
-                                        and 0 <= data_len <= self.state.transfer_limit()):
-            raise CommunicatorError(f"rank {source} announced a state of {header_len} + {data_len} bytes, beyond "
-                                    f"what this worker's model can hold; discarded")
-        if comm.rank == source:
-            head = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(comm.device)
-        else:
-            head = torch.empty(header_len, dtype=torch.uint8, device=comm.device)
-            data = torch.empty(data_len, dtype=torch.uint8, device=comm.device)
-        comm.broadcast(head, source).wait(abort)
-        comm.broadcast(data, source).wait(abort)
-        if not load:
-            return False
-        header = head.cpu().numpy().tobytes()
-        tag, manifest = header[:STATE_TAG_BYTES], header[STATE_TAG_BYTES:]
-        if not hmac.compare_digest(tag, self._state_tag(manifest, data)):
-            raise CommunicatorError(f"the state sent by rank {source} in view {self._view.id} failed "
-                                    f"authentication; discarded")
-        try:
-            self.step = self.state.unpack(manifest, data)
-        except StateError as exc:
-            raise CommunicatorError(f"the state sent by rank {source} in view {self._view.id} is malformed ({exc}); "
-                                    f"discarded") from None
-        return True
-
-    def _state_tag(self, manifest: bytes, data: torch.Tensor) -> bytes:
-        """Keyed BLAKE2b of a state transfer in the current view with the group's secret (zeros
-        without one); the view is covered, so a transfer replayed in a later view fails."""
-        if self._secret is None:
-            return bytes(STATE_TAG_BYTES)
-        mac = hashlib.blake2b(key=hashlib.sha256(b"ftcomm-state\0" + self._secret).digest(),
-                              digest_size=STATE_TAG_BYTES)
-        mac.update(f"{self._view.id}/{self._view.digest}\0".encode())
-        mac.update(len(manifest).to_bytes(8, "little"))
-        mac.update(manifest)
-        mac.update(tensor_bytes(data.cpu()))
-        return mac.digest()
-
-    def _raise_model_mismatch(self, gathered: list[tuple[int, int, int]]) -> None:
-        """Every member raises ConfigMismatch saying how the models differ (one more allgather)."""
-        comm = self._comm
-        mine_list = self.state.describe()
-        mine = msgpack.packb(mine_list)
-        lengths = comm.allgather(torch.tensor([len(mine)], dtype=torch.int64, device=comm.device)).wait(self._abort)
-        longest = max(int(t.item()) for t in lengths)
-        padded = torch.zeros(longest, dtype=torch.uint8, device=comm.device)
-        padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-        theirs = comm.allgather(padded).wait(self._abort)
-        for rank, (blob, length) in enumerate(zip(theirs, lengths)):
-            if gathered[rank][2] == gathered[comm.rank][2]:
-                continue
-            other = msgpack.unpackb(blob.cpu().numpy().tobytes()[:int(length.item())], raw=False)
-            detail = _first_difference(mine_list, other)
-            raise ConfigMismatch(f"the registered model of member {self._view.members[rank]} (rank {rank}) differs "
-                                 f"from this worker's: {detail}; start every worker with the same model")
 
     def _record_reconciled(self) -> None:
         """Stamp the latest view change with the state every member holds after reconciling, and
@@ -650,34 +457,48 @@ class FaultTolerantGroup:
         self._fire_deferred_aborts()
 
     def _fire_deferred_aborts(self) -> None:
+        """The operation in flight ended: aborts held for it fire now."""
         while self._deferred_aborts:
-            abort, reason = self._deferred_aborts.pop()
+            abort, reason, _ = self._deferred_aborts.pop()
             abort.fire(reason)
 
     # ------------------------------------------------------------------ gossip side
     def _on_gossip(self, event: GossipEvent) -> None:
-        """Runs on the gossip thread: fire the abort signal the moment the view is damaged."""
+        """Runs on the gossip thread, and only posts: the thread that waits on the view's
+        collectives (or agrees on the next view) is woken and judges the news itself."""
+        self._inbox.append((time.monotonic(), event))
         self._changed.set()
-        member = event.member
-        status = Status.from_metadata(member.id, member.state, member.metadata)
-        damage = self._engine.damage(event.kind, member.id, status, self._ops)
-        if damage is None:
-            return
-        if damage.fault is not None and len(self._faults) < 4096:
-            self._faults.append((time.monotonic(), damage.fault, member.id))
-        if damage.defer:
-            self._defer_abort(damage.reason)
-        else:
-            self._abort.fire(damage.reason)
+        self._abort.nudge()
 
-    def _defer_abort(self, reason: str) -> None:
-        """Let the step in flight finish before the view is re-formed: the abort fires when the
-        step ends (committed or not) or after ``leave_grace`` seconds, whichever is first."""
-        abort = self._abort
-        self._deferred_aborts.append((abort, reason))
-        timer = threading.Timer(self.options.leave_grace, abort.fire, args=(reason,))
-        timer.daemon = True
-        timer.start()
+    def _drain(self) -> None:
+        """Judge the gossip news posted since the last look (see :meth:`Engine.damage`): fire
+        the abort signal the moment the view is damaged, or hold the abort until the
+        operation in flight ends when a member left after completing it (at most
+        ``leave_grace`` seconds). Runs on the waiting thread, never on the gossip thread."""
+        if not self._draining.acquire(blocking=False):
+            return  # another thread of this worker is judging the same news
+        try:
+            while self._inbox:
+                posted, event = self._inbox.popleft()
+                if posted < self._news_since:
+                    continue  # about an earlier view; see _enter
+                member = event.member
+                status = Status.from_metadata(member.id, member.state, member.metadata)
+                damage = self._engine.damage(event.kind, member.id, status, self._ops)
+                if damage is None:
+                    continue
+                if damage.fault is not None and len(self._faults) < 4096:
+                    self._faults.append((posted, damage.fault, member.id))
+                if damage.defer:
+                    self._deferred_aborts.append((self._abort, damage.reason, posted + self.options.leave_grace))
+                else:
+                    self._abort.fire(damage.reason)
+            now = time.monotonic()
+            for abort, reason, deadline in self._deferred_aborts:
+                if now >= deadline:
+                    abort.fire(reason)
+        finally:
+            self._draining.release()
 
     def _statuses(self) -> tuple[dict[str, Status], dict[str, tuple[str, int]]]:
         """Every member's status record, from gossip. A member that has never answered this
@@ -699,42 +520,14 @@ class FaultTolerantGroup:
         engine = self._engine
         named = engine.published_view()
         done_ops = (named.id, self._ops) if named is not None and engine.state == core.LEAVING else None
-        settings = (self.settings["backend"], self.min_workers, self.max_workers, self.settings["partition_policy"])
         return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, self._config,
-                             self.step, self._rendezvous.port, engine.floor, settings, done_ops, self.insecure,
+                             self.step, self._rendezvous.port, engine.floor, self._settings_tuple, done_ops,
+                             self.insecure,
                              named.digest if named is not None else None)
 
     def _publish(self) -> None:
         self._last_step_publish = time.monotonic()
         self._gossip.set_metadata(self._status_record())
-
-    def _admissible_joiner(self) -> bool:
-        """A worker waits to join and the view has room for it (the pending-join flag)."""
-        view = self._view
-        if self.max_workers is not None and view.size >= self.max_workers:
-            return False
-        for m in self._gossip.live_members():
-            if m.id in view.members or not m.confirmed:
-                continue
-            status = Status.from_metadata(m.id, m.state, m.metadata)
-            if status is not None and status.phase == JOINING and status.config == self._config:
-                return True
-        return False
-
-    def _check_config(self, statuses: dict[str, Status]) -> None:
-        """Refuse to train with a group started with other settings (the newer worker raises)."""
-        for m in self._gossip.live_members():
-            status = statuses.get(m.id)
-            if status is None or status.config == self._config or m.id == self.id:
-                continue
-            if status.phase == ACTIVE or status.joined_at < self._engine.joined_at:
-                theirs = status.settings
-                names = ["backend", "min_workers", "max_workers", "partition_policy"]
-                mine = [self.settings[n] for n in names]
-                diffs = [f"{n}={a!r} but the group uses {n}={b!r}" for n, a, b in zip(names, mine, theirs) if a != b]
-                detail = "; ".join(diffs) or "settings differ"
-                raise ConfigMismatch(f"this worker was started with {detail} (member {m.id}): "
-                                     f"start all workers of a group with the same settings")
 
     # ------------------------------------------------------------------ helpers
     def _prepare(self) -> None:
@@ -746,6 +539,7 @@ class FaultTolerantGroup:
         if self._join_pending:
             self._join_pending = False
             self._recover("join", time.monotonic())
+        self._drain()
         if self._abort.reason is not None:
             raise MembershipChanged(self._abort.reason)
 
@@ -792,6 +586,7 @@ class FaultTolerantGroup:
             if gossip.exchange(member):
                 answered = True
                 break
+        self._drain()  # what the exchange brought
         if self._abort.reason is not None or not answered:
             # Without an answer nothing shows the view is intact: discarding is the safe side.
             raise CollectiveAborted(f"an operation completed after this worker may have been cut off, and "
@@ -807,36 +602,8 @@ class FaultTolerantGroup:
             suspects = {member for _, kind, member in self._faults if kind == "suspect"}
             if suspects:
                 self._probe_crashed([m for m in self._view.members if m in suspects], timeout=0.05)
-        kinds = {kind for _, kind, _ in self._faults}
-        lost = {member for _, kind, member in self._faults if kind != "superseded"}
-        if "left" in kinds:
-            return "leave"
-        if "superseded" in kinds:
-            return "superseded"
-        if "crash" in kinds:
-            return "crash"
-        if len(lost) > 1 and self._view is not None and 2 * len(lost) >= self._view.size:
-            return "partition"
-        if "suspect" in kinds:
-            return "hang"
-        if "dead" in kinds:
-            return "crash"
-        return "backend"
-
-    def _reason_for(self, noticed: str, before: tuple[str, ...], view: View) -> str:
-        """Name a re-formation by what happened to the members it dropped."""
-        removed = [m for m in before if m not in view.members]
-        if not removed:
-            return "join" if noticed not in ("init",) and len(view.members) > len(before) else noticed
-        states = {m.id: m.state for m in self._gossip.members()}
-        kinds = [states.get(m, "dead") for m in removed]
-        if all(k == "left" for k in kinds):
-            return "leave"
-        if len(removed) > 1 and 2 * len(removed) >= len(before):
-            return "partition"
-        if any(k == "suspect" for k in kinds) or noticed == "hang":
-            return "hang"
-        return "crash" if any(k == "dead" for k in kinds) else noticed
+        return core.classify([(kind, member) for _, kind, member in self._faults],
+                             self._view.size if self._view is not None else None)
 
     def _probe_crashed(self, members: Iterable[str], timeout: float = 0.25) -> None:
         """Crash fast path: members whose host refuses a connection are declared dead now.
@@ -871,12 +638,13 @@ class FaultTolerantGroup:
                 params, self.options.bucket_mb, self.options.overlap,
                 launch=lambda flat: self._comm.allreduce([flat], "sum"),
                 may_overlap=self._may_overlap, world_size=lambda: self._comm.size,
-                join=lambda: 1.0 if self._admissible_joiner() else 0.0,
+                join=lambda: 1.0 if self._engine.admits_joiner(self._statuses()[0]) else 0.0,
                 data_valid=lambda: all(obj.batch_valid() for obj in self._participants("batch_valid")))
         return buckets
 
     def _may_overlap(self) -> bool:
         """Backward may start reducing: nothing has to happen before this step's collectives."""
+        self._drain()
         return (self._comm is not None and self._broken is None and not self._join_pending
                 and not self._needs_reconcile and self._abort.reason is None and not self._closed)
 
@@ -900,108 +668,6 @@ class FaultTolerantGroup:
                 previous(signum, frame)
             raise SystemExit(128 + signum)
         signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def check_worker_counts(min_workers: int, max_workers: int | None) -> None:
-    """TypeError or ValueError, naming the argument, unless ``min_workers`` is an int >= 1
-    and ``max_workers`` is None or an int >= ``min_workers`` (bools are not counts)."""
-    if isinstance(min_workers, bool) or not isinstance(min_workers, int):
-        raise TypeError(f"min_workers must be an int >= 1, got {min_workers!r}")
-    if min_workers < 1:
-        raise ValueError(f"min_workers must be an int >= 1, got {min_workers}")
-    if max_workers is None:
-        return
-    if isinstance(max_workers, bool) or not isinstance(max_workers, int):
-        raise TypeError(f"max_workers must be None or an int >= min_workers ({min_workers}), got {max_workers!r}")
-    if max_workers < min_workers:
-        raise ValueError(f"max_workers must be None or an int >= min_workers ({min_workers}), got {max_workers}")
-
-
-def member_cap(config: GossipConfig, max_workers: int | None) -> GossipConfig:
-    """``config`` with its member table capped at twice ``max_workers`` plus 16 (standbys,
-    and dead or left members not yet forgotten), unless ``max_members`` was set."""
-    default = GossipConfig().max_members
-    if max_workers is None or config.max_members != default:
-        return config
-    return config.with_overrides(max_members=min(default, 2 * max_workers + 16))
-
-
-def check_secret(secret: Any) -> bytes | None:
-    """The secret as bytes (None: no secret); an empty or non-string secret is an error."""
-    if secret is None:
-        return None
-    if isinstance(secret, str):
-        secret = secret.encode()
-    if not isinstance(secret, bytes):
-        raise TypeError(f"secret must be a string or bytes, not {type(secret).__name__}")
-    if not secret:
-        raise ValueError("secret is empty, which would leave the group unauthenticated: give every worker the "
-                         "same non-empty secret (secret= or $FTCOMM_SECRET; e.g. from "
-                         "`python -c 'import secrets; print(secrets.token_hex(16))'`), or leave it unset on a "
-                         "loopback-only group")
-    return secret
-
-
-def check_protection(host: str, secret: bytes | None, insecure: bool) -> bool:
-    """Protected mode: True when the group runs unauthenticated on a non-loopback address
-    (only with ``insecure``); raise SecretRequired when that was not asked for."""
-    if secret is not None or ipaddress.ip_address(host).is_loopback:
-        return False
-    if not insecure:
-        raise SecretRequired(
-            f"this worker binds {host}, which other hosts can reach, and has no secret: anyone who can reach it "
-            f"could join the group, change its membership or feed it state. Give every worker the same secret "
-            f"(secret=... or FTCOMM_SECRET=...), or, on a network you fully trust, opt out with insecure=True "
-            f"(FTCOMM_INSECURE=1); see docs/SECURITY.md")
-    log.warning("INSECURE: this group runs without a secret on %s; any host that can reach it can join it or "
-                "disturb it (insecure=True). Set a secret; see docs/SECURITY.md", host)
-    return True
-
-
-def check_addresses(bind_host: str, peers: list[str]) -> str:
-    """The IPv4 address to bind, or, before anything starts, AddressError for a bind address
-    that cannot work: a name that does not resolve, IPv6, a wildcard, an address no
-    interface of this machine holds, a loopback address with peers on other hosts."""
-    try:
-        address = netif.resolve(bind_host)
-    except OSError:
-        raise AddressError(f"bind host {bind_host!r} does not resolve to an IPv4 address") from None
-    if ":" in address:
-        raise AddressError(f"bind address {address} is IPv6: ftcomm's planes speak IPv4; bind to an IPv4 address "
-                           f"of this host")
-    if netif.is_wildcard(address):
-        raise AddressError(f"bind address {address} is a wildcard: every worker tells the others to reach it "
-                           f"at its bind address, so bind to an address of this host they can reach "
-                           f"(bind='HOST:PORT' or FTCOMM_BIND), or leave bind unset to use this host's address")
-    if not netif.is_loopback(address):
-        if netif.interface_of(address) is None:
-            raise AddressError(f"bind address {address} is not an address of this machine (no interface holds it)")
-        return address
-    for peer in peers:
-        host = parse_address(peer)[0]
-        try:
-            remote = not netif.is_loopback(host) and netif.interface_of(host) is None
-        except OSError:  # a name that does not resolve now: gossip reports it when it tries
-            continue
-        if remote:
-            raise AddressError(f"this worker is bound to the loopback address {address}, but peer {peer} is on "
-                               f"another host: a loopback address is reachable from this machine only. Bind to an "
-                               f"address of this host that {host} can reach (bind='HOST:PORT' or FTCOMM_BIND), or "
-                               f"leave bind unset to use this host's address")
-    return address
-
-
-def _first_difference(mine: list, theirs: list) -> str:
-    """How two :meth:`TrainingState.describe` lists differ, in words."""
-    for a, b in zip(mine, theirs):
-        if a != b:
-            if a[0] == b[0]:
-                return f"{a[0]} is {a[1]}{a[2]} here but {b[1]}{b[2]} there"
-            return f"{a[0]} ({a[1]}{a[2]}) here is {b[0]} ({b[1]}{b[2]}) there"
-    if len(mine) != len(theirs):
-        extra = (mine if len(mine) > len(theirs) else theirs)[min(len(mine), len(theirs))]
-        return f"{len(mine)} tensors here and {len(theirs)} there (first unmatched: {extra[0]})"
-    return "their parameter lists differ"
 
 
 def _parameters(model_or_params: Any) -> list[torch.Tensor]:

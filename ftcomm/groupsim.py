@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 
 from .engine import (AGREEING, FORMING, JOINING, LEAVING, RECONCILING, RUNNING, Announce, Engine, Fetch, Form,
-                     Publish, PublishProposal, Rejoined, Sync)
+                     Publish, PublishProposal, Rejoined, Sync, reconcile_source)
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
@@ -481,8 +481,9 @@ class GroupSimulation:
         gathered.setdefault(w.engine.id, (w.step, w.digest))
         if w.abort is None and self._connected(w, view) and all(m in gathered for m in view.members):
             pairs = [gathered[m] for m in view.members]
-            top = max(p[0] for p in pairs)
-            w.step, w.digest = next(p for p in pairs if p[0] == top)
+            source = reconcile_source(pairs)
+            if source is not None:
+                w.step, w.digest = pairs[source]
             w.engine.reconciled()
             w.ops, w.contributed, w.fresh_view = 0, None, True
             w.ready_at = w.op_began = self.sim.now
@@ -502,14 +503,6 @@ class GroupSimulation:
                 entry[1] = True
         w.comm = None
 
-    def _admissible_joiner(self, w: Worker) -> bool:
-        view = w.engine.view
-        for status in self._statuses(w).values():
-            if status.id not in view.members and status.alive and status.phase == "joining" and \
-                    status.config == CONFIG:
-                return True
-        return False
-
     def _running(self, w: Worker) -> None:
         now = self.sim.now
         view = w.engine.view
@@ -520,7 +513,7 @@ class GroupSimulation:
                 return
             if now >= w.ready_at:
                 w.contributed = now
-                self.steps.setdefault((key, w.ops + 1), {})[w.engine.id] = (now, self._admissible_joiner(w))
+                self.steps.setdefault((key, w.ops + 1), {})[w.engine.id] = (now, w.engine.admits_joiner(self._statuses(w)))
             return
         contributions = self.steps.get((key, w.ops + 1), {})
         members = self._members(view)

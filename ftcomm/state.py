@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import torch
@@ -10,6 +10,29 @@ import xxhash
 
 from . import plain
 from .errors import StateError
+
+
+class Participant(Protocol):
+    """A registered object that follows the group's steps (:class:`ftcomm.ElasticSampler`,
+    :class:`ftcomm.LinearLRScaling`). Every hook is optional: the group calls those an
+    object defines, on the training thread, in this order of a step's life."""
+
+    def bind_group(self, group: Any) -> None:
+        """``register_state`` registered it with ``group`` (rank, world size and steps)."""
+
+    def view_changed(self, rank: int, world: int, step: int) -> dict:
+        """A view formed and the state is reconciled (identical everywhere, so every member
+        decides alike); returns what it set, for the view change's ``policy``."""
+
+    def check_step(self) -> None:
+        """A gradient step begins; raise when the step cannot be valid (no batch drawn)."""
+
+    def batch_valid(self) -> bool:
+        """This member's batch is the one planned for the committed position and current
+        world: a step that some member's invalid batch fed is not committed."""
+
+    def step_ended(self, committed: bool) -> None:
+        """The step was committed (its samples consumed) or discarded (to be redone)."""
 
 
 class TrainingState:

@@ -6,7 +6,7 @@ import dataclasses
 import pathlib
 
 from ftcomm.gossip.config import GossipConfig
-from ftcomm.group import GroupOptions
+from ftcomm.options import GroupOptions
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 

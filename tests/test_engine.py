@@ -139,3 +139,62 @@ def test_damage_decides_abort_defer_or_nothing():
     assert e.damage("metadata", "c", moved, 0) == core.Damage("c proposes view 2", None)
     assert e.damage("metadata", "x", status("x", cv=2), 0).fault == "superseded"
     assert e.damage("metadata", "c", status("c", cv=1, proposal=(view.id, view.digest)), 0) is None
+
+
+def test_a_joiner_that_saw_the_group_but_reaches_none_of_its_members_founds_nothing():
+    e = engine("j", joined_at=5.0)
+    unreachable = {"a": status("a", cv=2, alive=False), "j": status("j", JOINING, joined_at=5.0)}
+    for t in range(20):  # well past the settle interval
+        assert e.agree(t * 0.05, unreachable) == []
+    assert e.seen_view == 2 and e.proposal is None and e.state == core.JOINING
+    # Without that sight it founds a group of its own, as the first worker of a job does.
+    fresh = engine("j", joined_at=5.0)
+    actions, _ = agree_until_form(fresh, {"j": status("j", JOINING, joined_at=5.0)})
+    assert isinstance(actions[-1], Form) and actions[-1].view.members == ("j",)
+
+
+def test_the_newest_state_wins_reconciliation_from_its_lowest_rank():
+    assert core.reconcile_source([(5, 11), (5, 11), (5, 11)]) is None
+    assert core.reconcile_source([(5, 11), (7, 12), (7, 12)]) == 1
+    assert core.reconcile_source([(7, 13), (5, 11), (7, 12)]) == 0
+
+
+def test_a_step_commits_only_when_every_batch_counted():
+    assert core.step_verdict(3.0, 0.0, 3, batches_checked=True) == (True, False)
+    assert core.step_verdict(2.0, 1.0, 3, batches_checked=True) == (False, True)  # one batch off the plan
+    assert core.step_verdict(2.0, 0.0, 3, batches_checked=False) == (True, False)  # no sampler: average of two
+    assert core.step_verdict(0.0, 0.0, 3, batches_checked=False) == (False, False)  # every member just got state
+
+
+def test_view_changes_are_named_by_what_happened():
+    assert core.classify([("left", "b"), ("suspect", "c")], 4) == "leave"
+    assert core.classify([("suspect", "b"), ("crash", "b")], 4) == "crash"
+    assert core.classify([("suspect", "b"), ("suspect", "c")], 4) == "partition"
+    assert core.classify([("suspect", "b")], 4) == "hang"
+    assert core.classify([("dead", "b")], 4) == "crash"
+    assert core.classify([], 4) == "backend"
+    before = ("a", "b", "c", "d")
+    assert core.reason_for("hang", before, ("a", "b", "c"), {"d": "left"}) == "leave"
+    assert core.reason_for("backend", before, ("a", "b", "c"), {"d": "dead"}) == "crash"
+    assert core.reason_for("backend", before, ("a", "b"), {"c": "suspect", "d": "suspect"}) == "partition"
+    assert core.reason_for("crash", before, before + ("e",), {}) == "join"
+    assert core.reason_for("init", (), ("a",), {}) == "init"
+
+
+def test_a_joiner_is_admitted_only_with_room_and_the_same_settings():
+    e = running(engine(max_workers=4))
+    joiner = status("j", JOINING, joined_at=9.0)
+    assert e.admits_joiner({"a": status("a", cv=1), "j": joiner})
+    assert not e.admits_joiner({"j": Status(**{**joiner.__dict__, "config": "other"})})
+    assert not e.admits_joiner({"j": Status(**{**joiner.__dict__, "alive": False})})
+    full = running(engine(max_workers=3))
+    assert not full.admits_joiner({"j": joiner})
+
+
+def test_a_worker_with_other_settings_yields_to_the_group():
+    e = engine("j", joined_at=5.0)
+    theirs = Status("a", True, False, ACTIVE, 1, None, 0.0, "other", settings=("gloo", 2, None, "quorum"))
+    conflict = core.settings_conflict(e, ("gloo", 1, None, "quorum"), {"a": theirs})
+    assert conflict is not None and "min_workers=1 but the group uses min_workers=2" in conflict
+    later = Status(**{**theirs.__dict__, "phase": JOINING, "joined_at": 9.0})
+    assert core.settings_conflict(e, ("gloo", 1, None, "quorum"), {"a": later}) is None  # it yields to this one

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ftcomm
+from ftcomm import engine as core
 from ftcomm.backends.base import AbortSignal, Handle
 
 pytestmark = pytest.mark.timeout(120)
@@ -275,6 +276,40 @@ def test_a_member_leaving_after_the_last_step_lets_a_slower_member_commit_it(del
         # either way the survivor carries on alone in a new view
         run_steps([survivor], models[1:], optimizers[1:], 1)
         assert survivor.world_size == 1 and survivor.events[-1].reason == "leave"
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_gossip_news_is_judged_on_the_waiting_thread_never_on_the_gossip_thread(monkeypatch):
+    """The gossip thread only posts news and wakes the waiter; the engine runs on one thread."""
+    judged_on: list[str] = []
+    real_damage = core.Engine.damage
+
+    def damage(self, *args, **kwargs):
+        judged_on.append(threading.current_thread().name)
+        return real_damage(self, *args, **kwargs)
+    monkeypatch.setattr(core.Engine, "damage", damage)
+    groups = start_groups(3)
+    try:
+        models, optimizers = linear_models(groups)
+        run_steps(groups, models, optimizers, 1)
+        waiting = threading.Event()
+
+        def barrier_then_size(i: int, g: ftcomm.FaultTolerantGroup):
+            def fn():
+                waiting.set()
+                g.barrier()
+                return g.world_size
+            return g.execute(fn)
+
+        leaver = threading.Thread(target=lambda: (waiting.wait(10), time.sleep(0.2), groups[2].shutdown()))
+        leaver.start()
+        sizes = in_threads(groups[:2], barrier_then_size)
+        leaver.join()
+        assert judged_on and not [name for name in judged_on if name.startswith("ftcomm-gossip")], judged_on
+        assert sizes == [2, 2]  # the third never entered the barrier: it was aborted and retried without it
+        assert all(g.events[-1].reason == "leave" for g in groups[:2])
     finally:
         for g in groups:
             g.shutdown()

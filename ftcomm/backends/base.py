@@ -16,7 +16,7 @@ import atexit
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from ..errors import CollectiveAborted, FtcommTimeout
 
@@ -58,9 +58,15 @@ def _wait_for_lingering() -> None:
 
 
 class AbortSignal:
-    """Fired (with a reason) by the membership layer; wakes every waiting collective at once."""
+    """Fired (with a reason) when the view breaks; wakes every waiting collective at once.
 
-    def __init__(self) -> None:
+    ``on_wait``: the owner's news handler, run by the waiting thread on each wake-up (and
+    at least every ``POLL_MAX_S`` while it polls): other threads only post news and
+    :meth:`nudge`; the handler, on the thread that waits, decides whether to fire.
+    """
+
+    def __init__(self, on_wait: Callable[[], None] | None = None) -> None:
+        self._on_wait = on_wait
         self._lock = threading.Lock()
         self._reason: str | None = None
         self.fired_at: float | None = None  # time.monotonic() of the first fire
@@ -80,6 +86,13 @@ class AbortSignal:
         for event in waiters:
             event.set()
 
+    def nudge(self) -> None:
+        """Wake the waiting threads without firing: news arrived for ``on_wait``."""
+        with self._lock:
+            waiters = list(self._waiters)
+        for event in waiters:
+            event.set()
+
     def wait(self, wake: threading.Event, is_done: Callable[[], bool], timeout: float | None, what: str,
              poll: bool = False) -> None:
         """Block until ``is_done()``; raise if the signal fires first or time runs out.
@@ -93,7 +106,12 @@ class AbortSignal:
         with self._lock:
             self._waiters.add(wake)
         try:
-            while self._reason is None and not is_done():
+            while True:
+                if self._on_wait is not None:
+                    wake.clear()  # news posted from here on wakes the next wait
+                    self._on_wait()
+                if self._reason is not None or is_done():
+                    break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
@@ -175,3 +193,34 @@ class Handle:
         """The result; raises CollectiveAborted, CommunicatorError or FtcommTimeout (see module)."""
         abort.wait(threading.Event(), lambda: self.completed, timeout, self.what, poll=True)
         return self._finish()
+
+
+class Communicator(Protocol):
+    """What a backend provides for one view (:class:`~ftcomm.backends.gloo.GlooCommunicator`,
+    :class:`~ftcomm.backends.nccl.NcclCommunicator`). Every collective returns a
+    :class:`Handle` at once; nothing blocks outside ``Handle.wait``."""
+
+    name: str
+    rank: int
+    size: int
+    device: Any  # where its tensors live
+
+    @classmethod
+    def form(cls, store: Any, rank: int, size: int, view_id: int, abort: AbortSignal, timeout: float,
+             host: str | None = None) -> "Communicator":
+        """Form the communicator of view ``view_id`` through ``store``; abandoned when
+        ``abort`` fires, FtcommTimeout after ``timeout`` seconds."""
+
+    def allreduce(self, tensors: list[Any], op: str = "sum") -> Handle: ...
+
+    def broadcast(self, tensor: Any, src: int) -> Handle: ...
+
+    def allgather(self, tensor: Any) -> Handle: ...
+
+    def barrier(self) -> Handle: ...
+
+    def abandon(self) -> None:
+        """Drop it without waiting for anything (a peer may be dead or hung)."""
+
+    def close(self) -> None:
+        """Release it after the group's last collective completed everywhere."""

@@ -1,0 +1,220 @@
+"""A group's options and the checks that run before a worker joins anyone: settings,
+worker counts, the secret, the bind address (no torch, no sockets beyond name lookup)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import netif
+from .errors import AddressError, SecretRequired
+from .gossip import FaultFilter, GossipConfig
+from .gossip.runtime import parse_address
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """Options of a fault-tolerant group (``ftcomm.init(**options)``); see docs/CONFIGURATION.md."""
+
+    settle_interval: float = 0.05
+    """A candidate view must stay unchanged this long before it is proposed. Longer batches
+    simultaneous changes into one re-formation; shorter re-forms sooner."""
+
+    init_timeout: float = 120.0
+    """``init`` raises FtcommTimeout when no view with ``min_workers`` members forms in time."""
+
+    formation_timeout: float = 10.0
+    """Bound on forming one communicator (rendezvous and Gloo connect); a formation that
+    times out is abandoned and the view agreed again."""
+
+    quorum_timeout: float = 300.0
+    """How long a worker cut off from the majority waits for the partition to heal before
+    ``QuorumLost``. Long enough to ride out a switch reboot; short enough to free the node."""
+
+    max_retries: int = 5
+    """Consecutive re-formations ``execute`` tolerates before ``RetryLimitExceeded``."""
+
+    bucket_mb: float = 25.0
+    """Size of the flat gradient buckets of ``wait_gradients_ready`` (one allreduce each;
+    the first bucket is at most 1 MB so communication starts early, as in DDP). Larger
+    buckets mean fewer collectives; smaller ones start overlapping sooner."""
+
+    overlap: bool = True
+    """Reduce each bucket during backward as soon as its gradients are ready (hooks on the
+    parameters, installed at the first ``wait_gradients_ready``). Gradient accumulation
+    then needs ``with ft.no_sync():`` around all but the last backward. False: reduce
+    everything inside ``wait_gradients_ready``."""
+
+    partition_policy: str = "quorum"
+    """``quorum`` (safe): only a side holding a majority of the previous view (ties: its
+    oldest member) continues. ``availability``: every side continues; sides may diverge
+    and are not merged back automatically."""
+
+    leave_grace: float = 2.0
+    """A member that leaves gracefully after completing the group operation (gradient step
+    or collective) this worker is still in has already sent its share of it: the operation
+    is let finish (up to this many seconds) before the view is re-formed, instead of being
+    aborted. Crashes and hangs abort at once."""
+
+    step_publish_interval: float = 2.0
+    """Minimum seconds between gossip updates of the committed step (shown by ``ftcomm
+    members``); every update is a broadcast to the whole group."""
+
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    """The membership protocol's configuration (a GossipConfig, or a dict of its fields)."""
+
+    fault_filter: FaultFilter | None = None
+    """Testing API: drop, delay or partition this worker's gossip traffic."""
+
+    handle_signals: bool = True
+    """Install a SIGTERM handler and an excepthook that leave the group gracefully (main
+    thread only); ``shutdown`` also runs at interpreter exit. On SIGTERM a handler installed
+    before runs first, then the worker exits with status 143 and leaves on the way out."""
+
+    def __post_init__(self) -> None:
+        """Refuse a value no worker could run with, naming the option and what it accepts:
+        TypeError for a wrong type, ValueError for a value out of range."""
+        def number(name: str, zero_allowed: bool, unit: str = "seconds") -> None:
+            value = getattr(self, name)
+            accepted = f"{'>= 0' if zero_allowed else '> 0'} and finite ({unit})"
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number {accepted}, got {value!r}")
+            if not ((0 <= value if zero_allowed else 0 < value) and value < float("inf")):
+                raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+        for name in ("init_timeout", "formation_timeout", "quorum_timeout"):
+            number(name, zero_allowed=False)
+        for name in ("settle_interval", "leave_grace", "step_publish_interval"):
+            number(name, zero_allowed=True)
+        number("bucket_mb", zero_allowed=False, unit="MB")
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
+            raise TypeError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries}")
+        for name in ("overlap", "handle_signals"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.partition_policy not in ("quorum", "availability"):
+            raise ValueError(f"partition_policy must be 'quorum' or 'availability', got {self.partition_policy!r}")
+        if not isinstance(self.gossip, GossipConfig):
+            raise TypeError(f"gossip must be a GossipConfig (ftcomm.init also takes a dict of its fields), "
+                            f"got {type(self.gossip).__name__}")
+        if self.fault_filter is not None and not isinstance(self.fault_filter, FaultFilter):
+            raise TypeError(f"fault_filter must be None or a FaultFilter, got {type(self.fault_filter).__name__}")
+
+
+@dataclass(frozen=True)
+class ViewChange:
+    """One re-formation: why, who changed, and how long each phase took (seconds)."""
+
+    view_id: int
+    members: tuple[str, ...]
+    reason: str  # init | crash | hang | leave | join | partition | rejoin | backend
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    detect_s: float  # how long the failed collective was blocked before the fault was noticed
+    agree_s: float
+    form_s: float
+    reconcile_s: float
+    time: float  # time.time() when the group was ready again
+    abort_latency_s: float | None = None  # from the abort signal firing to the training thread noticing
+    step: int | None = None  # committed step once the state was reconciled in this view
+    state_digest: int | None = None  # digest of the registered state then (equal on every member)
+    policy: dict | None = None  # what the batch-size / learning-rate policies set for this view
+
+    @property
+    def total_s(self) -> float:
+        return self.detect_s + self.agree_s + self.form_s + self.reconcile_s
+
+
+def check_worker_counts(min_workers: int, max_workers: int | None) -> None:
+    """TypeError or ValueError, naming the argument, unless ``min_workers`` is an int >= 1
+    and ``max_workers`` is None or an int >= ``min_workers`` (bools are not counts)."""
+    if isinstance(min_workers, bool) or not isinstance(min_workers, int):
+        raise TypeError(f"min_workers must be an int >= 1, got {min_workers!r}")
+    if min_workers < 1:
+        raise ValueError(f"min_workers must be an int >= 1, got {min_workers}")
+    if max_workers is None:
+        return
+    if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+        raise TypeError(f"max_workers must be None or an int >= min_workers ({min_workers}), got {max_workers!r}")
+    if max_workers < min_workers:
+        raise ValueError(f"max_workers must be None or an int >= min_workers ({min_workers}), got {max_workers}")
+
+
+def member_cap(config: GossipConfig, max_workers: int | None) -> GossipConfig:
+    """``config`` with its member table capped at twice ``max_workers`` plus 16 (standbys,
+    and dead or left members not yet forgotten), unless ``max_members`` was set."""
+    default = GossipConfig().max_members
+    if max_workers is None or config.max_members != default:
+        return config
+    return config.with_overrides(max_members=min(default, 2 * max_workers + 16))
+
+
+def check_secret(secret: Any) -> bytes | None:
+    """The secret as bytes (None: no secret); an empty or non-string secret is an error."""
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, bytes):
+        raise TypeError(f"secret must be a string or bytes, not {type(secret).__name__}")
+    if not secret:
+        raise ValueError("secret is empty, which would leave the group unauthenticated: give every worker the "
+                         "same non-empty secret (secret= or $FTCOMM_SECRET; e.g. from "
+                         "`python -c 'import secrets; print(secrets.token_hex(16))'`), or leave it unset on a "
+                         "loopback-only group")
+    return secret
+
+
+def check_protection(host: str, secret: bytes | None, insecure: bool) -> bool:
+    """Protected mode: True when the group runs unauthenticated on a non-loopback address
+    (only with ``insecure``); raise SecretRequired when that was not asked for."""
+    if secret is not None or ipaddress.ip_address(host).is_loopback:
+        return False
+    if not insecure:
+        raise SecretRequired(
+            f"this worker binds {host}, which other hosts can reach, and has no secret: anyone who can reach it "
+            f"could join the group, change its membership or feed it state. Give every worker the same secret "
+            f"(secret=... or FTCOMM_SECRET=...), or, on a network you fully trust, opt out with insecure=True "
+            f"(FTCOMM_INSECURE=1); see docs/SECURITY.md")
+    log.warning("INSECURE: this group runs without a secret on %s; any host that can reach it can join it or "
+                "disturb it (insecure=True). Set a secret; see docs/SECURITY.md", host)
+    return True
+
+
+def check_addresses(bind_host: str, peers: list[str]) -> str:
+    """The IPv4 address to bind, or, before anything starts, AddressError for a bind address
+    that cannot work: a name that does not resolve, IPv6, a wildcard, an address no
+    interface of this machine holds, a loopback address with peers on other hosts."""
+    try:
+        address = netif.resolve(bind_host)
+    except OSError:
+        raise AddressError(f"bind host {bind_host!r} does not resolve to an IPv4 address") from None
+    if ":" in address:
+        raise AddressError(f"bind address {address} is IPv6: ftcomm's planes speak IPv4; bind to an IPv4 address "
+                           f"of this host")
+    if netif.is_wildcard(address):
+        raise AddressError(f"bind address {address} is a wildcard: every worker tells the others to reach it "
+                           f"at its bind address, so bind to an address of this host they can reach "
+                           f"(bind='HOST:PORT' or FTCOMM_BIND), or leave bind unset to use this host's address")
+    if not netif.is_loopback(address):
+        if netif.interface_of(address) is None:
+            raise AddressError(f"bind address {address} is not an address of this machine (no interface holds it)")
+        return address
+    for peer in peers:
+        host = parse_address(peer)[0]
+        try:
+            remote = not netif.is_loopback(host) and netif.interface_of(host) is None
+        except OSError:  # a name that does not resolve now: gossip reports it when it tries
+            continue
+        if remote:
+            raise AddressError(f"this worker is bound to the loopback address {address}, but peer {peer} is on "
+                               f"another host: a loopback address is reachable from this machine only. Bind to an "
+                               f"address of this host that {host} can reach (bind='HOST:PORT' or FTCOMM_BIND), or "
+                               f"leave bind unset to use this host's address")
+    return address

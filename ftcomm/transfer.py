@@ -1,0 +1,126 @@
+"""Reconciling the registered training state across a newly formed view.
+
+Every member gathers (step, state digest, model signature); when they differ the newest
+state wins (:func:`ftcomm.engine.reconcile_source` picks its rank) and is broadcast as raw
+tensor bytes with a msgpack manifest, never a pickle. With a secret the source signs
+view, manifest and bytes (keyed BLAKE2b) and the others verify before loading anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import msgpack
+import torch
+
+from .backends.base import AbortSignal, Communicator
+from .engine import reconcile_source
+from .errors import CommunicatorError, ConfigMismatch, StateError
+from .state import TrainingState, tensor_bytes
+from .view import View
+
+STATE_TAG_BYTES = 32
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+def reconcile(comm: Communicator, abort: AbortSignal, state: TrainingState, step: int, view: View,
+              secret: bytes | None) -> tuple[int, bool, int]:
+    """Make every member's state identical. Returns (step, whether this member loaded
+    another's state, the digest every member now holds). Raises ConfigMismatch when the
+    members registered different models, CommunicatorError for a transfer that fails
+    verification, MembershipChanged when the view breaks meanwhile."""
+    mine = torch.tensor([step, state.digest(step), state.signature()], dtype=torch.int64, device=comm.device)
+    gathered = [tuple(t.tolist()) for t in comm.allgather(mine).wait(abort)]
+    if len({g[2] for g in gathered}) > 1:
+        raise_model_mismatch(comm, abort, state, view, gathered)
+    source = reconcile_source([g[:2] for g in gathered])
+    if source is None:
+        return step, False, int(mine[1])
+    load = gathered[comm.rank][:2] != gathered[source][:2]
+    received = broadcast_state(comm, abort, state, step, view, secret, source, load)
+    if received is None:
+        return step, False, int(mine[1])
+    return received, True, state.digest(received)
+
+
+def broadcast_state(comm: Communicator, abort: AbortSignal, state: TrainingState, step: int, view: View,
+                    secret: bytes | None, source: int, load: bool) -> int | None:
+    """Broadcast rank ``source``'s state to every member (each takes part); a member with
+    ``load`` replaces its state with it and gets the step it holds (None otherwise)."""
+    if comm.rank == source:
+        manifest, data = state.pack(step, comm.device)
+        header = state_tag(secret, view, manifest, data) + manifest
+        sizes = torch.tensor([len(header), data.numel()], dtype=torch.int64, device=comm.device)
+    else:
+        sizes = torch.zeros(2, dtype=torch.int64, device=comm.device)
+    comm.broadcast(sizes, source).wait(abort)
+    header_len, data_len = (int(x) for x in sizes.tolist())
+    if comm.rank != source and not (STATE_TAG_BYTES < header_len <= MAX_MANIFEST_BYTES
+                                    and 0 <= data_len <= state.transfer_limit()):
+        raise CommunicatorError(f"rank {source} announced a state of {header_len} + {data_len} bytes, beyond "
+                                f"what this worker's model can hold; discarded")
+    if comm.rank == source:
+        head = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(comm.device)
+    else:
+        head = torch.empty(header_len, dtype=torch.uint8, device=comm.device)
+        data = torch.empty(data_len, dtype=torch.uint8, device=comm.device)
+    comm.broadcast(head, source).wait(abort)
+    comm.broadcast(data, source).wait(abort)
+    if not load:
+        return None
+    header = head.cpu().numpy().tobytes()
+    tag, manifest = header[:STATE_TAG_BYTES], header[STATE_TAG_BYTES:]
+    if not hmac.compare_digest(tag, state_tag(secret, view, manifest, data)):
+        raise CommunicatorError(f"the state sent by rank {source} in view {view.id} failed authentication; "
+                                f"discarded")
+    try:
+        return state.unpack(manifest, data)
+    except StateError as exc:
+        raise CommunicatorError(f"the state sent by rank {source} in view {view.id} is malformed ({exc}); "
+                                f"discarded") from None
+
+
+def state_tag(secret: bytes | None, view: View, manifest: bytes, data: torch.Tensor) -> bytes:
+    """Keyed BLAKE2b of a state transfer in ``view`` with the group's secret (zeros without
+    one); the view is covered, so a transfer replayed in a later view fails."""
+    if secret is None:
+        return bytes(STATE_TAG_BYTES)
+    mac = hashlib.blake2b(key=hashlib.sha256(b"ftcomm-state\0" + secret).digest(), digest_size=STATE_TAG_BYTES)
+    mac.update(f"{view.id}/{view.digest}\0".encode())
+    mac.update(len(manifest).to_bytes(8, "little"))
+    mac.update(manifest)
+    mac.update(tensor_bytes(data.cpu()))
+    return mac.digest()
+
+
+def raise_model_mismatch(comm: Communicator, abort: AbortSignal, state: TrainingState, view: View,
+                         gathered: list[tuple[int, int, int]]) -> None:
+    """Every member raises ConfigMismatch saying how the models differ (one more allgather)."""
+    mine_list = state.describe()
+    mine = msgpack.packb(mine_list)
+    lengths = comm.allgather(torch.tensor([len(mine)], dtype=torch.int64, device=comm.device)).wait(abort)
+    longest = max(int(t.item()) for t in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=comm.device)
+    padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    theirs = comm.allgather(padded).wait(abort)
+    for rank, (blob, length) in enumerate(zip(theirs, lengths)):
+        if gathered[rank][2] == gathered[comm.rank][2]:
+            continue
+        other = msgpack.unpackb(blob.cpu().numpy().tobytes()[:int(length.item())], raw=False)
+        raise ConfigMismatch(f"the registered model of member {view.members[rank]} (rank {rank}) differs from "
+                             f"this worker's: {first_difference(mine_list, other)}; start every worker with the "
+                             f"same model")
+
+
+def first_difference(mine: list, theirs: list) -> str:
+    """How two :meth:`TrainingState.describe` lists differ, in words."""
+    for a, b in zip(mine, theirs):
+        if a != b:
+            if a[0] == b[0]:
+                return f"{a[0]} is {a[1]}{a[2]} here but {b[1]}{b[2]} there"
+            return f"{a[0]} ({a[1]}{a[2]}) here is {b[0]} ({b[1]}{b[2]}) there"
+    if len(mine) != len(theirs):
+        extra = (mine if len(mine) > len(theirs) else theirs)[min(len(mine), len(theirs))]
+        return f"{len(mine)} tensors here and {len(theirs)} there (first unmatched: {extra[0]})"
+    return "their parameter lists differ"
+
