@@ -122,7 +122,7 @@ class Engine:
     floor: int = 0  # lowest view id to propose or adopt: views below it failed to form here
     lost: View | None = None  # the view it had when it learned it was left out of a newer one
     entered_view: View | None = None  # the newest view it entered (formed or tried to form)
-    seen_view: int = 0  # the newest view of this group another member showed here
+    seen_view: int = 0  # the newest view of this group shown by a member not known to be gone (as of the last look)
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
     _last: Candidate | None = None
     _settled_since: float = 0.0
@@ -216,8 +216,8 @@ class Engine:
         if self.state == AGREEING and self.view is not None and superseded(own, statuses, self.entered_view):
             return self._rejoin("a newer view exists without this worker")
         if self.state == JOINING:
-            self.seen_view = max([self.seen_view] + [
-                s.last_view for s in statuses.values() if s.id != self.id and s.config == self.config])
+            self.seen_view = max([s.last_view for s in statuses.values()
+                                  if s.id != self.id and s.config == self.config and not (s.left or s.dead)], default=0)
             if self._group_exists(statuses):
                 return self._adopt(now, statuses)
             if self._group_seen():
@@ -276,9 +276,11 @@ class Engine:
 
     def _group_seen(self) -> bool:
         """A joiner that never had a view, while no member of the group is live and reachable
-        from here (a partition, or the member it joined through is suspect), but some member
-        showed a view of it: it waits to be admitted. A joiner founds a group only before any
-        exists; another would commit the job's steps a second time from step 0."""
+        from here, but a member not known to be gone shows a view of it (the member it joined
+        through is suspect, across a partition; the others are not confirmed yet): it waits to
+        be admitted. A group whose members all died or left no longer holds it back (a job
+        restarted from scratch); one that lives on would see a second group commit its steps
+        again from step 0."""
         return self.lost is None and self.seen_view > 0
 
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:

@@ -46,6 +46,9 @@ from .view import Status, View, encode_status
 
 log = logging.getLogger(__name__)
 
+INBOX_LIMIT = 4096
+"""Gossip news held for the training thread; beyond it, the next look re-reads every record."""
+
 class FaultTolerantGroup:
     """A data-parallel group that survives crashes, hangs, leaves, joins and partitions."""
 
@@ -83,6 +86,7 @@ class FaultTolerantGroup:
         self._inbox: collections.deque = collections.deque()  # (time posted, GossipEvent) from the gossip thread
         self._draining = threading.Lock()
         self._news_since = 0.0  # news posted before this is not judged: see _enter
+        self._inbox_overflowed = False
         self._ops = 0  # group operations (collectives, gradient steps) completed in the current view
         self._op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
         self._contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
@@ -401,6 +405,11 @@ class FaultTolerantGroup:
                 self._abort.fire(f"{member} is no longer alive")
             elif member != self.id and status.proposal != (view.id, view.digest):
                 self._abort.fire(f"{member} no longer proposes view {view.id}")
+        for status in statuses.values():
+            damage = self._engine.damage("metadata", status.id, status, self._ops)
+            if damage is not None and damage.fault == "superseded":
+                self._faults.append((self._news_since, damage.fault, status.id))
+                self._abort.fire(damage.reason)
         return view
 
     def _form(self, view: View) -> None:
@@ -466,7 +475,10 @@ class FaultTolerantGroup:
     def _on_gossip(self, event: GossipEvent) -> None:
         """Runs on the gossip thread, and only posts: the thread that waits on the view's
         collectives (or agrees on the next view) is woken and judges the news itself."""
-        self._inbox.append((time.monotonic(), event))
+        if len(self._inbox) < INBOX_LIMIT:
+            self._inbox.append((time.monotonic(), event))
+        else:  # nobody has looked for a long while: the next look reads the members' records
+            self._inbox_overflowed = True
         self._changed.set()
         self._abort.nudge()
 
@@ -478,6 +490,11 @@ class FaultTolerantGroup:
         if not self._draining.acquire(blocking=False):
             return  # another thread of this worker is judging the same news
         try:
+            if self._inbox_overflowed:  # news was dropped: judge every member's present record instead
+                self._inbox_overflowed = False
+                now = time.monotonic()
+                self._inbox.extend((now, GossipEvent(m.state if m.state in ("suspect", "dead", "left") else "metadata",
+                                                     m, time.time(), m.id)) for m in self._gossip.members())
             while self._inbox:
                 posted, event = self._inbox.popleft()
                 if posted < self._news_since:
@@ -492,11 +509,11 @@ class FaultTolerantGroup:
                 if damage.defer:
                     self._deferred_aborts.append((self._abort, damage.reason, posted + self.options.leave_grace))
                 else:
-                    self._abort.fire(damage.reason)
+                    self._abort.fire(damage.reason, at=posted)
             now = time.monotonic()
             for abort, reason, deadline in self._deferred_aborts:
                 if now >= deadline:
-                    abort.fire(reason)
+                    abort.fire(reason, at=deadline)
         finally:
             self._draining.release()
 

@@ -81,6 +81,7 @@ class Status:
     done_ops: tuple[int, int] | None = None  # leaving: (view id, group operations it completed in that view)
     insecure: bool = False  # started without a secret on a reachable address (shown by ``ftcomm members``)
     view_digest: str | None = None  # digest of its current view (leaving: of the view it names)
+    dead: bool = False  # gossip state is dead (confirmed failed; suspect is neither alive nor dead)
 
     @property
     def last_view(self) -> int:
@@ -115,6 +116,8 @@ class Status:
             extra["done_ops"] = (ops[0], ops[1])
         if meta.get("insecure") is True:
             extra["insecure"] = True
+        if gossip_state == "dead":
+            extra["dead"] = True
         if isinstance(meta.get("cd"), str) and len(meta["cd"]) <= 64:
             extra["view_digest"] = meta["cd"]
         return dataclasses.replace(status, **extra) if extra else status

@@ -147,6 +147,10 @@ def test_a_joiner_that_saw_the_group_but_reaches_none_of_its_members_founds_noth
     for t in range(20):  # well past the settle interval
         assert e.agree(t * 0.05, unreachable) == []
     assert e.seen_view == 2 and e.proposal is None and e.state == core.JOINING
+    # Once that member is known dead (an old job's last worker, say), nothing holds it back.
+    gone = {**unreachable, "a": Status(**{**unreachable["a"].__dict__, "dead": True})}
+    actions, _ = agree_until_form(e, gone, start=1.0)
+    assert isinstance(actions[-1], Form) and actions[-1].view.members == ("j",)
     # Without that sight it founds a group of its own, as the first worker of a job does.
     fresh = engine("j", joined_at=5.0)
     actions, _ = agree_until_form(fresh, {"j": status("j", JOINING, joined_at=5.0)})

@@ -392,3 +392,17 @@ def test_gpu_group_of_three_on_nccl_survives_a_crash_with_equal_digests():
             assert w.process.wait(timeout=60) == 0
     finally:
         cluster.close()
+
+
+def test_polling_a_forming_communicator_judges_gossip_news_at_once():
+    """The gossip thread only posts news and nudges; a thread that polls NCCL itself (init,
+    a lazy connect at enqueue) must judge that news, not wait for its deadline."""
+    class InProgress:
+        def async_error(self, comm) -> int:
+            return nccl.IN_PROGRESS
+
+    inbox: list[str] = []
+    abort = AbortSignal(lambda: inbox and abort.fire(inbox.pop()))
+    threading.Timer(0.05, lambda: (inbox.append("a peer is dead"), abort.nudge())).start()
+    with pytest.raises(CollectiveAborted, match="a peer is dead"):
+        nccl._poll_ready(InProgress(), None, abort, time.monotonic() + 30.0, "initialising the communicator")

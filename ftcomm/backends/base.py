@@ -77,14 +77,23 @@ class AbortSignal:
     def reason(self) -> str | None:
         return self._reason
 
-    def fire(self, reason: str) -> None:
+    def fire(self, reason: str, at: float | None = None) -> None:
+        """Fire (the first reason wins). ``at``: when the news that fires it arrived
+        (``time.monotonic()``), if earlier than now: the abort latency counts from there."""
         with self._lock:
             if self._reason is None:
                 self._reason = reason
-                self.fired_at = time.monotonic()
+                self.fired_at = time.monotonic() if at is None else at
             waiters = list(self._waiters)
         for event in waiters:
             event.set()
+
+    def check(self) -> str | None:
+        """The reason, after judging the news posted so far (for a thread that polls a
+        backend itself instead of waiting in :meth:`wait`)."""
+        if self._on_wait is not None and self._reason is None:
+            self._on_wait()
+        return self._reason
 
     def nudge(self) -> None:
         """Wake the waiting threads without firing: news arrived for ``on_wait``."""

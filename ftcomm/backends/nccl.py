@@ -458,7 +458,7 @@ def _poll_ready(lib: Library, comm: ctypes.c_void_p, abort: AbortSignal | None, 
             return
         if state != IN_PROGRESS:
             raise CommunicatorError(f"{what} failed: {lib.describe(state, comm)}")
-        if abort is not None and abort.reason is not None:
+        if abort is not None and abort.check() is not None:
             raise CollectiveAborted(f"{what} abandoned: {abort.reason}")
         if time.monotonic() > deadline:
             raise FtcommTimeout(f"{what} did not complete in time")
