@@ -46,6 +46,10 @@ from .view import Status, View, encode_status
 
 log = logging.getLogger(__name__)
 
+CRASH_SETTLE_S = 0.15
+"""After a broken connection, how long a member's port that still accepts is tried again
+before the member is taken for alive (see :func:`ftcomm.rendezvous.refused`)."""
+
 INBOX_LIMIT = 4096
 """Gossip news held for the training thread; beyond it, the next look re-reads every record."""
 
@@ -611,28 +615,38 @@ class FaultTolerantGroup:
 
     def _classify(self, exc: BaseException) -> str:
         """Why the view broke: crash, hang, leave, partition, superseded or backend."""
+        self._drain()  # news posted after the abort was noticed still counts
         if isinstance(exc, CommunicatorError) and self._view is not None:
-            self._probe_crashed(self._view.members)
+            # A connection of the view broke: the member behind it may still be closing its
+            # other sockets (its gossip port can accept for a few milliseconds more).
+            self._probe_crashed(self._view.members, settle=CRASH_SETTLE_S)
         elif self._view is not None:
             # Gossip may suspect a crashed member before any collective touched it (the
             # training thread was computing): a refused connection still names it a crash.
             suspects = {member for _, kind, member in self._faults if kind == "suspect"}
             if suspects:
                 self._probe_crashed([m for m in self._view.members if m in suspects], timeout=0.05)
-        return core.classify([(kind, member) for _, kind, member in self._faults],
-                             self._view.size if self._view is not None else None)
+        reason = core.classify([(kind, member) for _, kind, member in self._faults],
+                               self._view.size if self._view is not None else None)
+        log.debug("view broke (%s: %s); faults %s: %s", type(exc).__name__, exc,
+                  [(kind, member) for _, kind, member in self._faults], reason)
+        return reason
 
-    def _probe_crashed(self, members: Iterable[str], timeout: float = 0.25) -> None:
+    def _probe_crashed(self, members: Iterable[str], timeout: float = 0.25, settle: float = 0.0) -> None:
         """Crash fast path: members whose host refuses a connection are declared dead now.
         A refusal comes back within a round trip; ``timeout`` bounds the wait for a host
-        that does not answer at all (lost or partitioned)."""
+        that does not answer at all (lost or partitioned). ``settle``: when nobody refuses
+        at first, the ports that accepted are tried again for this long."""
         others = [m for m in members if m != self.id]
         by_id = {m.id: m for m in self._gossip.members()}
         targets = [(m, (by_id[m].host, by_id[m].port)) for m in others if m in by_id and by_id[m].state != "dead"]
-        for (member, _), gone in zip(targets, refused_many([a for _, a in targets], timeout)):
-            if gone:
-                self._faults.append((time.monotonic(), "crash", member))
-                self._gossip.declare_dead(member)
+        gone = [m for (m, _), refused in zip(targets, refused_many([a for _, a in targets], timeout)) if refused]
+        if not gone and settle > 0:
+            gone = [m for (m, _), refused in zip(targets, refused_many([a for _, a in targets], timeout, settle))
+                    if refused]
+        for member in gone:
+            self._faults.append((time.monotonic(), "crash", member))
+            self._gossip.declare_dead(member)
 
     def _raise_stuck(self) -> None:
         if self._view is None or self._engine.state == core.JOINING:

@@ -106,29 +106,38 @@ class Framing:
         return xxhash.xxh3_64_digest(header + answers + body)
 
 
-def refused(host: str, port: int, timeout: float = 0.25) -> bool:
+def refused(host: str, port: int, timeout: float = 0.25, settle: float = 0.0) -> bool:
     """True when the host actively refuses a TCP connection: no process owns the port.
 
     A crashed process's port is refused by its host's kernel at once; a paused or
-    partitioned process's port is not (the connect succeeds or times out).
+    partitioned process's port is not (the connect succeeds or times out). ``settle``: a
+    port that still accepts is tried again, at growing intervals, for this long: a killed
+    process's sockets close one by one, so a peer that saw one of its connections reset
+    may find another port still open for a few milliseconds.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect((host, port))
-        except ConnectionRefusedError:
-            return True
-        except OSError as exc:
-            return exc.errno == errno.ECONNREFUSED
-    return False
+    deadline = time.monotonic() + settle
+    delay = 0.01
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            try:
+                s.connect((host, port))
+            except ConnectionRefusedError:
+                return True
+            except OSError as exc:
+                return exc.errno == errno.ECONNREFUSED  # no answer: lost or partitioned, not refused
+        if time.monotonic() + delay > deadline:
+            return False
+        time.sleep(delay)
+        delay *= 2
 
 
-def refused_many(addresses: list[tuple[str, int]], timeout: float = 0.25) -> list[bool]:
+def refused_many(addresses: list[tuple[str, int]], timeout: float = 0.25, settle: float = 0.0) -> list[bool]:
     """:func:`refused` for several addresses at once."""
     if not addresses:
         return []
     with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
-        return list(pool.map(lambda a: refused(a[0], a[1], timeout), addresses))
+        return list(pool.map(lambda a: refused(a[0], a[1], timeout, settle), addresses))
 
 
 class StoreServer:

@@ -166,3 +166,19 @@ def test_adding_to_a_value_that_is_not_a_number_is_answered_with_an_error(store)
     with pytest.raises(CommunicatorError, match="not an integer"):  # an answer, not "no authenticated answer"
         client.add("k", 1)
     assert store.drops["error"] == 0
+
+
+def test_a_port_closed_moments_after_a_broken_connection_still_reads_as_refused():
+    """A killed process closes its sockets one by one: a peer whose connection to it was
+    reset may find its gossip port still accepting for a few milliseconds."""
+    import socket
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    try:
+        assert not rendezvous.refused("127.0.0.1", port, 0.5)  # open: alive
+        threading.Timer(0.03, listener.close).start()
+        assert rendezvous.refused("127.0.0.1", port, 0.5, settle=2.0)
+    finally:
+        listener.close()
