@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import subprocess
 import sys
 import time
 
@@ -55,6 +56,14 @@ def _trainer(seed_address: str | None, steps: int) -> ChildProcess:
     return ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def _exit_code(worker: ChildProcess, timeout: float = 60.0) -> int | str:
+    """The status a finished worker exits with (it leaves the group and exits by itself)."""
+    try:
+        return worker.process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "still running"
+
+
 def train_demo(steps: int = 450, out=print) -> int:
     """4 local workers train an MLP; one is killed, one is stopped, one joins; print the timeline."""
     started = time.time()
@@ -103,8 +112,11 @@ def train_demo(steps: int = 450, out=print) -> int:
             out(f"  {names[w.id]:8} step {d['step']:4d}  world {d['world']}  loss {d['loss']:.4f}  "
                 f"accuracy {d['accuracy']:.4f}  digest {d['digest']:x}")
         same = len({d["digest"] for d in done}) == 1
-        out(f"\nall state digests equal: {'yes' if same else 'NO'}; finished in {time.time() - started:.1f} s")
-        return 0 if same else 1
+        codes = [_exit_code(w) for w in finishers]
+        clean = all(code == 0 for code in codes)
+        out(f"\nall state digests equal: {'yes' if same else 'NO'}; every worker exited with status 0: "
+            f"{'yes' if clean else 'NO ' + str(codes)}; finished in {time.time() - started:.1f} s")
+        return 0 if same and clean else 1
     finally:
         for w in workers:
             w.close(timeout=10)  # resumes a stopped worker first

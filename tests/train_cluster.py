@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pathlib
 import secrets
+import subprocess
 import sys
 import time
 
@@ -124,3 +125,15 @@ def assert_invariants(workers: list[ChildProcess], done: list[dict], abort_bound
         for e in events:
             if e.get("abort_latency_s") is not None:
                 assert e["abort_latency_s"] <= abort_bound, f"abort took {e['abort_latency_s']} s"
+    assert_clean_exits(workers)
+
+
+def assert_clean_exits(workers: list[ChildProcess], timeout: float = 60.0) -> None:
+    """Every worker that finished exits by itself with status 0: a launcher or Kubernetes
+    counts any other status (SIGABRT from a backend thread at exit, say) as a failure."""
+    for w in workers:
+        try:
+            code = w.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"worker {w.process.pid} did not exit within {timeout:g} s of finishing") from None
+        assert code == 0, f"worker {w.process.pid} exited with {code} after finishing: {''.join(w.stderr_tail)[-2000:]}"
