@@ -60,6 +60,8 @@ MAX_KEYS = 65536
 MAX_STORED_BYTES = 64 << 20
 MAX_WAITERS = 4096
 MAX_WAIT_MS = 1 << 31  # about 25 days: a longer wait is clamped to this
+CANCEL_POLL_S = 0.05
+"""How soon a :meth:`StoreClient.cancel` ends the request in flight."""
 REPLAY_CACHE = 1 << 16
 
 
@@ -322,7 +324,9 @@ class StoreClient(dist.Store):
     :class:`~ftcomm.errors.CommunicatorError` when no authenticated answer arrives in time
     (the server is gone, partitioned, or uses another secret), or when it reports an error.
     Thread-safe; one request at a time. Keys are prefixed with ``prefix`` (torch's
-    ``PrefixStore`` cannot wrap a store written in Python).
+    ``PrefixStore`` cannot wrap a store written in Python). :meth:`cancel`, from any
+    thread, ends the request in flight and every later one with that error at once: a
+    communicator builder that was given up on stops waiting on the store.
     """
 
     def __init__(self, host: str, port: int, secret: bytes | None, timeout: float, prefix: str = "") -> None:
@@ -337,6 +341,11 @@ class StoreClient(dist.Store):
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._socket.connect(f"tcp://{host}:{port}")
         self._closed = False
+        self._cancelled: str | None = None
+
+    def cancel(self, reason: str) -> None:
+        """Fail the request in flight (within ``CANCEL_POLL_S``) and every later one."""
+        self._cancelled = reason
 
     def close(self) -> None:
         with self._lock:
@@ -386,10 +395,11 @@ class StoreClient(dist.Store):
             if self._closed:
                 raise CommunicatorError(f"the connection to the rendezvous store at {self.address} was closed")
             frame, nonce = self._framing.seal(body)
-            self._socket.send(frame)
-            while (left := deadline - time.monotonic()) > 0:
-                if not self._socket.poll(left * 1000):
-                    break
+            if self._cancelled is None:
+                self._socket.send(frame)
+            while (left := deadline - time.monotonic()) > 0 and self._cancelled is None:
+                if not self._socket.poll(min(left, CANCEL_POLL_S) * 1000):
+                    continue
                 reply = self._socket.recv()
                 try:
                     _, _, payload = self._framing.open(reply, answers=nonce)
@@ -400,6 +410,9 @@ class StoreClient(dist.Store):
                     raise CommunicatorError(f"the rendezvous store at {self.address} answered {request[0]} "
                                             f"{request[1] if len(request) > 1 else ''!r:.80}: {value}")
                 return value
+        if self._cancelled is not None:
+            raise CommunicatorError(f"{request[0]} on the rendezvous store at {self.address} cancelled: "
+                                    f"{self._cancelled}")
         raise CommunicatorError(f"no authenticated answer from the rendezvous store at {self.address} within "
                                 f"{waits + self._timeout:.1f} s (the worker is gone or uses another secret)")
 

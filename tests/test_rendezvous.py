@@ -182,3 +182,59 @@ def test_a_port_closed_moments_after_a_broken_connection_still_reads_as_refused(
         assert rendezvous.refused("127.0.0.1", port, 0.5, settle=2.0)
     finally:
         listener.close()
+
+
+def test_cancel_ends_a_blocked_read_at_once_and_every_later_request(store):
+    client = StoreClient("127.0.0.1", store.port, SECRET, 60.0)
+    failures: list[str] = []
+
+    def read() -> None:
+        try:
+            client.get("never-set")
+        except CommunicatorError as exc:
+            failures.append(str(exc))
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.2)
+    client.cancel("given up")
+    reader.join(20)  # the read alone would block for two minutes
+    assert not reader.is_alive()
+    assert failures and "cancelled: given up" in failures[0]
+    with pytest.raises(CommunicatorError, match="cancelled"):
+        client.check(["a"])
+    client.close()
+
+
+ABANDONED_FORMATION = """
+import sys, threading, time
+from ftcomm.backends.base import AbortSignal
+from ftcomm.backends.gloo import GlooCommunicator
+from ftcomm.errors import CollectiveAborted
+from ftcomm.rendezvous import Rendezvous
+from ftcomm.view import View
+
+r = Rendezvous("127.0.0.1", 60.0, b"k" * 32)
+abort = AbortSignal()
+threading.Timer(0.3, abort.fire, args=("a newer view",)).start()
+try:  # rank 0 of 2: rank 1 never comes, so the builder blocks on the store
+    GlooCommunicator.form(r.view_store(View(1, ("a", "b")), "127.0.0.1", r.port), 0, 2, 1, abort, 60.0,
+                          host="127.0.0.1")
+except CollectiveAborted:
+    pass
+else:
+    sys.exit("formed a group of two alone")
+builders = [t for t in threading.enumerate() if t.name.startswith("ftcomm-gloo-form")]
+deadline = time.monotonic() + 20
+while any(t.is_alive() for t in builders) and time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.exit(3 if any(t.is_alive() for t in builders) else 0)
+"""
+
+
+def test_an_abandoned_formation_stops_its_builder_and_the_process_exits_cleanly():
+    """A Gloo builder blocked on the store of a formation that was given up on ends at
+    once; a process exiting with such a builder alive would die with SIGABRT."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", ABANDONED_FORMATION], capture_output=True, text=True, timeout=55)
+    assert done.returncode == 0, done.stderr[-2000:]

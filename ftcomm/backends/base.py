@@ -27,34 +27,42 @@ POLL_MIN_S = 5e-5
 POLL_MAX_S = 1e-3
 """... and backs off to this: the latency with which a completion may go unnoticed."""
 EXIT_WAIT_S = 15.0
-"""How long interpreter exit waits, in all, for :func:`start_lingering` threads."""
-_LINGERING: list[threading.Thread] = []
+"""How long interpreter exit waits, at least, for :func:`start_lingering` threads."""
+_LINGERING: list[tuple[threading.Thread, Callable[[], None] | None, float]] = []
 
 
-def start_lingering(target: Callable[[], None], name: str) -> threading.Thread:
+def start_lingering(target: Callable[[], None], name: str, cancel: Callable[[], None] | None = None,
+                    bound: float = 0.0) -> threading.Thread:
     """Start a daemon thread that may block inside a backend call (a store read while a
     communicator forms, ``ncclCommAbort``), and that interpreter exit waits for.
 
     A thread still inside such a call when the interpreter finalizes dies with SIGABRT
     once the call returns (its peers closing their connections at exit make it return),
-    taking the process's exit status with it. These calls are bounded (store reads by
-    ``formation_timeout``, aborts by NCCL), so exit waits up to ``EXIT_WAIT_S`` in all.
+    taking the process's exit status with it. So at exit ``cancel`` (if given) is called
+    to make the blocked call give up (a store read fails at once), and exit waits for the
+    thread up to ``bound`` seconds (what the call may still take after cancelling: a
+    Gloo connection attempt) or ``EXIT_WAIT_S``, whichever is longer.
     Raises RuntimeError when the interpreter is already exiting.
     """
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
-    _LINGERING[:] = [t for t in _LINGERING if t.is_alive()] + [thread]
+    _LINGERING[:] = [entry for entry in _LINGERING if entry[0].is_alive()] + [(thread, cancel, bound)]
     return thread
 
 
 @atexit.register
 def _wait_for_lingering() -> None:
-    deadline = time.monotonic() + EXIT_WAIT_S
-    for thread in list(_LINGERING):
+    alive = [entry for entry in _LINGERING if entry[0].is_alive()]
+    for _, cancel, _ in alive:
+        if cancel is not None:
+            cancel()
+    wait = max([EXIT_WAIT_S] + [bound + 1.0 for _, _, bound in alive])
+    deadline = time.monotonic() + wait
+    for thread, _, _ in alive:
         thread.join(max(0.0, deadline - time.monotonic()))
-    stuck = [t.name for t in _LINGERING if t.is_alive()]
+    stuck = [thread.name for thread, _, _ in alive if thread.is_alive()]
     if stuck:
-        log.warning("exiting while %s still run (waited %g s)", ", ".join(stuck), EXIT_WAIT_S)
+        log.warning("exiting while %s still run (waited %g s)", ", ".join(stuck), wait)
 
 
 class AbortSignal:

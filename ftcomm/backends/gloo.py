@@ -98,11 +98,17 @@ class GlooCommunicator:
                 outcome["error"] = exc
             wake.set()
 
-        start_lingering(build, f"ftcomm-gloo-form-{view_id}")  # blocks in store reads until the others come
+        what = f"forming the gloo group of view {view_id}"
+        cancel = getattr(store, "cancel", None)  # ftcomm's stores can end a blocked read at once
+        start_lingering(build, f"ftcomm-gloo-form-{view_id}",  # blocks in store reads until the others come
+                        cancel=None if cancel is None else lambda: cancel(f"{what} was given up"), bound=timeout)
         try:
-            abort.wait(wake, lambda: bool(outcome), timeout, f"forming the gloo group of view {view_id}")
+            abort.wait(wake, lambda: bool(outcome), timeout, what)
         except BaseException:
-            # The builder may still finish; whatever it builds is never used nor destroyed.
+            # The builder ends soon (its store reads fail from now on; a connection attempt
+            # ends within ``timeout``); whatever it builds is never used nor destroyed.
+            if cancel is not None:
+                cancel(f"{what} was given up")
             bury(outcome)
             raise
         if "error" in outcome:

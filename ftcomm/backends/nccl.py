@@ -439,8 +439,16 @@ def _exchange_unique_id(lib: Library, store: Any, rank: int, view_id: int, abort
             outcome["error"] = exc
         wake.set()
 
-    start_lingering(fetch, f"ftcomm-nccl-uid-{view_id}")
-    abort.wait(wake, lambda: bool(outcome), timeout, f"reading the NCCL unique id of view {view_id}")
+    what = f"reading the NCCL unique id of view {view_id}"
+    cancel = getattr(store, "cancel", None)  # ftcomm's stores can end a blocked read at once
+    start_lingering(fetch, f"ftcomm-nccl-uid-{view_id}",
+                    cancel=None if cancel is None else lambda: cancel(f"{what} was given up"))
+    try:
+        abort.wait(wake, lambda: bool(outcome), timeout, what)
+    except BaseException:
+        if cancel is not None:
+            cancel(f"{what} was given up")
+        raise
     if "error" in outcome:
         raise CommunicatorError(f"reading the NCCL unique id of view {view_id} failed: "
                                 f"{str(outcome['error']).splitlines()[0][:200]}")
