@@ -23,7 +23,8 @@ def _members(args: argparse.Namespace) -> int:
     rows = [("ID", "ADDRESS", "STATE", "INC", "STEP", "METADATA")]
     for m in sorted(members, key=lambda m: m.id):
         meta = dict(m.metadata)
-        step = meta.pop("step", "-")
+        step = meta.pop("st", None)  # a training worker's committed step
+        step = meta.pop("step", "-") if step is None else step
         rest = " ".join(f"{k}={v}" for k, v in sorted(meta.items(), key=lambda kv: str(kv[0]))) or "-"
         rows.append((m.id, m.address, m.state, str(m.incarnation), str(step), rest))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]

@@ -27,6 +27,16 @@ def test_members_prints_a_table(member, capsys):
     assert row[:5] == [member.id, member.address, "alive", "0", "7"] and "status=active" in out[1]
 
 
+def test_members_shows_a_training_workers_committed_step(capsys):
+    node = GossipNode(config=GossipConfig(), secret="topsecret", metadata={"st": 42, "ph": "active"}).start()
+    try:
+        assert main(["members", "--peer", node.address, "--secret", "topsecret"]) == 0
+    finally:
+        node.stop()
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[4] == "42" and "ph=active" in row[5:]
+
+
 def test_members_json(member, capsys):
     assert main(["members", "--peer", member.address, "--secret", "topsecret", "--json"]) == 0
     (record,) = json.loads(capsys.readouterr().out)
