@@ -16,7 +16,8 @@ adds flash checkpoints every ``--checkpoint-every`` steps, restored when the who
 restarts. ``--ddp-rank``/``--ddp-world``/``--ddp-port`` run the same training under
 ``torch.nn.parallel.DistributedDataParallel`` instead (a fixed world, for comparison).
 
-Every line on stdout is a JSON object: ``ready``, one ``view`` per view change, a
+Every line on stdout is a JSON object: ``started`` (modules imported, model and
+optimizer built: ``ftcomm.init`` is next), ``ready`` (in the group), ``first_step`` (the first committed step of each view), one ``view`` per view change, a
 ``step`` every ``--report-every`` committed steps, ``batch`` for every committed step
 with ``--log-indices`` (this worker's sample indices), ``restored`` after a checkpoint
 restore, and ``done`` with the final loss, accuracy and state digest. With ``--control``, JSON commands on stdin drive the fault
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_ddp(args, x, y, model, optimizer)
     faults = FaultFilter() if args.control else None
     gossip = GossipConfig().with_overrides(**json.loads(args.gossip))
+    emit(ev="started", pid=os.getpid(), restarts=int(os.environ.get("FTCOMM_RESTARTS", "0")), t=time.time())
     init_started = time.time()
     ft = ftcomm.init(backend=args.backend, peers=args.peers, bind=args.bind, min_workers=args.min_workers,
                      max_workers=args.max_workers, gossip=gossip, fault_filter=faults,
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                          world=share.world, idx=sampler.indices(share) if share.count else [])
                 if awaiting_commit:
                     awaiting_commit = False
-                    emit(ev="first_step", view_id=ft.view.id, step=ft.step, since_init_s=time.time() - init_started,
+                    emit(ev="first_step", pid=os.getpid(), view_id=ft.view.id, step=ft.step, since_init_s=time.time() - init_started,
                          t=time.time())
                 if checkpoints is not None and args.checkpoint_every and ft.step % args.checkpoint_every == 0:
                     emit(ev="checkpoint", step=ft.step, pause_s=checkpoints.save(), t=time.time())

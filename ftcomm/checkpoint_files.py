@@ -192,8 +192,16 @@ def read_meta(path: pathlib.Path, step: int) -> Meta:
     Raises OSError when it cannot be read, ValueError when it is another version's
     format, StateError when it is malformed or corrupt. Nothing in it is executed.
     """
+    return decode_meta(read_raw_meta(path), step)
+
+
+def read_raw_meta(path: pathlib.Path) -> bytes:
     with open(open_regular(path), "rb") as f:
-        raw = f.read(MAX_META_BYTES + 1)
+        return f.read(MAX_META_BYTES + 1)
+
+
+def decode_meta(raw: bytes, step: int) -> Meta:
+    """The validated record in the bytes of a meta file; errors as :func:`read_meta`."""
     if len(raw) > MAX_META_BYTES:
         raise StateError(f"record larger than {MAX_META_BYTES} bytes")
     if len(raw) < 12 or raw[:4] != b"FTCK" or \
@@ -255,3 +263,47 @@ def steps_in(directory: pathlib.Path | None, pattern: re.Pattern = META_NAME) ->
 
 def file_name(step: int, suffix: str) -> str:
     return f"step-{step:012d}.{suffix}"
+
+
+def persist_newest(shm: pathlib.Path, directory: pathlib.Path, sync: bool = True) -> int | None:
+    """Copy the newest checkpoint in ``shm`` whose record validates and whose copied data
+    verifies to ``directory``, unless it is there already. For a launcher whose worker
+    died: what shared memory holds is persisted before anything else can lose it. The
+    data is written first and verified where it was written (a live writer may reuse the
+    shared-memory buffer meanwhile), then the record. Returns the step copied, or None.
+
+    ``shm`` must be private to this user (see :func:`private_directory`); raises
+    FtcommError when it is not, OSError when ``directory`` cannot be written.
+    """
+    if not shm.exists():
+        return None
+    private_directory(shm)
+    for step in steps_in(shm):
+        if (directory / file_name(step, "meta")).exists():
+            return None  # the newest good one is persisted already
+        data = directory / file_name(step, "data")
+        try:
+            raw = read_raw_meta(shm / file_name(step, "meta"))
+            meta = decode_meta(raw, step)
+            source = map_data(shm / file_name(step, "data"), meta.size)
+        except (OSError, ValueError, StateError) as exc:
+            log.warning("not persisting the checkpoint of step %d in %s: %s", step, shm, exc)
+            continue
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            with memoryview(source) as view:
+                write_atomic(data, view[:meta.size], sync)
+        finally:
+            source.close()
+        copy = map_data(data, meta.size)
+        try:
+            intact = checksums_of(copy, meta.tensors) == meta.checksums
+        finally:
+            copy.close()
+        if not intact:
+            data.unlink(missing_ok=True)
+            log.warning("not persisting the checkpoint of step %d in %s: data checksum mismatch", step, shm)
+            continue
+        write_atomic(directory / file_name(step, "meta"), raw, sync)
+        return step
+    return None

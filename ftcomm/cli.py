@@ -1,4 +1,4 @@
-"""The ``ftcomm`` command: ``members`` (live member table) and ``demo``."""
+"""The ``ftcomm`` command: ``run`` (launcher), ``members`` (live member table) and ``demo``."""
 
 from __future__ import annotations
 
@@ -41,6 +41,26 @@ def _demo(args: argparse.Namespace) -> int:
     return train_demo(steps=args.steps)
 
 
+def _run(args: argparse.Namespace) -> int:
+    from .launcher import LaunchConfig, Launcher
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if command and command[0].endswith(".py"):
+        command = [sys.executable, "-u", *command]
+    bind = args.bind or (parse_address(os.environ["FTCOMM_BIND"])[0] if os.environ.get("FTCOMM_BIND")
+                         else "127.0.0.1")
+    peers = args.peers if args.peers is not None else os.environ.get("FTCOMM_PEERS", "")
+    config = LaunchConfig(command=command, nproc=args.nproc_per_node, host=bind, port=args.port,
+                          peers=tuple(p.strip() for p in peers.split(",") if p.strip()),
+                          max_restarts=args.max_restarts, restart_backoff=args.restart_backoff,
+                          stop_timeout=args.stop_timeout, status_interval=args.status_interval,
+                          cluster=args.cluster, save_at_breakpoint=args.save_at_breakpoint,
+                          checkpoint_name=args.checkpoint_name, checkpoint_dir=args.checkpoint_dir)
+    return Launcher(config).run()
+
+
 def _address(text: str) -> str:
     """argparse type of ``--peer``: a well-formed ``HOST:PORT``."""
     try:
@@ -58,6 +78,17 @@ def _seconds(text: str) -> float:
         value = math.nan
     if not (0 < value < math.inf):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    """argparse type of a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 <= value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
     return value
 
 
@@ -85,6 +116,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftcomm", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"ftcomm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser(
+        "run", help="start this node's workers, restart crashed ones, stop them gracefully",
+        description="Start --nproc-per-node workers of COMMAND (a .py file runs with this Python) with "
+                    "FTCOMM_BIND, FTCOMM_PEERS, FTCOMM_SECRET and LOCAL_RANK set; restart a worker whose process "
+                    "fails; forward SIGTERM/SIGINT as a graceful leave. Exit status: 0 when every worker "
+                    "finished, 128+N when stopped by signal N, 1 when a worker ran out of restarts.")
+    run.add_argument("--nproc-per-node", type=_count(1), default=1, help="workers on this node (>= 1)")
+    run.add_argument("--bind", default=None, metavar="HOST",
+                     help="IPv4 address the workers bind (default: the host of $FTCOMM_BIND, else 127.0.0.1)")
+    run.add_argument("--port", type=_count(0), default=0,
+                     help="gossip port of the first worker, the others count up (default: free ports)")
+    run.add_argument("--peers", default=None, metavar="HOST:PORT,...",
+                     help="gossip addresses of workers on other nodes (default: $FTCOMM_PEERS)")
+    run.add_argument("--max-restarts", type=_count(0), default=3, help="restarts per worker (default 3)")
+    run.add_argument("--restart-backoff", type=_non_negative, default=1.0,
+                     help="seconds before the first restart of a worker, doubled each time (default 1)")
+    run.add_argument("--stop-timeout", type=_seconds, default=30.0,
+                     help="seconds workers get to leave after SIGTERM/SIGINT before they are killed (default 30)")
+    run.add_argument("--status-interval", type=_seconds, default=10.0,
+                     help="seconds between status lines when not on a terminal (default 10)")
+    run.add_argument("--cluster", type=_name, default=os.environ.get("FTCOMM_CLUSTER", "ftcomm"),
+                     help="cluster name (default: $FTCOMM_CLUSTER or ftcomm)")
+    run.add_argument("--save-at-breakpoint", action="store_true",
+                     help="when a worker dies, persist the newest flash checkpoint in shared memory to "
+                          "--checkpoint-dir before restarting it")
+    run.add_argument("--checkpoint-dir", default=None, help="where --save-at-breakpoint persists checkpoints")
+    run.add_argument("--checkpoint-name", default=None,
+                     help="the FlashCheckpointer name of the job (default: the cluster name)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
+    run.set_defaults(run=_run)
 
     members = commands.add_parser("members", help="print the member table of a running group")
     members.add_argument("--peer", required=True, type=_address, metavar="HOST:PORT",

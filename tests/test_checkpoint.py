@@ -505,3 +505,32 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_copied(name
         restorer.restore()
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
     restorer.close()
+
+
+def test_the_newest_checkpoint_in_shared_memory_is_persisted_at_a_breakpoint(tmp_path, name, group):
+    """What a launcher does when a worker dies: shared memory only, then persisted; a
+    corrupt newest copy is passed over for the newest one that verifies."""
+    model, _ = trained_state(group, 0)
+    checkpoints = FlashCheckpointer(group, None, keep=3, name=name)
+    digests = {}
+    for step in (4, 6):
+        group.step = step
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        checkpoints.save()
+        digests[step] = group.state.digest(step)
+    checkpoints.wait()
+    flip(checkpoints.shm / checkpoint_files.file_name(6, "data"), 10, 0xFF)
+    target = tmp_path / "persisted"
+    assert checkpoint_files.persist_newest(checkpoints.shm, target) == 4
+    assert steps_in(target) == [4]
+    assert checkpoint_files.persist_newest(checkpoints.shm, target) is None  # already there
+    assert not [p for p in os.listdir(target) if p.endswith(".tmp")]
+    checkpoints.close()
+    restorer = FlashCheckpointer(group, target, name=f"{name}-restore")
+    try:
+        assert restorer.restore() == 4 and group.state.digest(4) == digests[4]
+    finally:
+        restorer.close()
+        shutil.rmtree(restorer.shm, ignore_errors=True)
+    assert checkpoint_files.persist_newest(tmp_path / "no-such-shm", target) is None

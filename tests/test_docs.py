@@ -35,3 +35,15 @@ def test_size_dependent_values_in_the_docs_match_the_functions():
     assert _cells(row)[-3:] == [f"{cfg.min_suspicion_timeout(n):.1f} s" for n in (8, 100, 1000)]
     row = next(line for line in table.splitlines() if line.startswith("| retransmissions per broadcast"))
     assert _cells(row)[-3:] == [str(cfg.retransmit_limit(n)) for n in (8, 100, 1000)]
+
+
+def test_every_option_of_ftcomm_run_is_documented():
+    from ftcomm.cli import build_parser
+
+    parser = build_parser()
+    run = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
+    text = (DOCS / "CLI.md").read_text()
+    for action in run._actions:
+        for flag in action.option_strings:
+            if flag.startswith("--") and flag != "--help":
+                assert f"`{flag}" in text, f"{flag} is not in docs/CLI.md"

@@ -1,0 +1,369 @@
+"""``ftcomm run``: start one node's workers, restart those that crash, stop them gracefully.
+
+Each worker is the user's command with ftcomm's environment:
+
+- ``FTCOMM_BIND``: its own gossip address, ``HOST:PORT``, kept across its restarts;
+- ``FTCOMM_PEERS``: the node's other workers and ``--peers`` (workers on other nodes);
+- ``FTCOMM_SECRET``: the launcher's own, or, for a run confined to loopback without one,
+  a fresh random secret (nothing else on the machine can then join or disturb the group);
+- ``LOCAL_RANK`` / ``FTCOMM_LOCAL_RANK`` (0..N-1, for device selection) and
+  ``FTCOMM_RESTARTS`` (how often this worker was restarted).
+
+A worker that exits with status 0 has finished; once one has, the job is ending: no
+worker is restarted any more (it would start the training over), and the others have
+``stop_timeout`` seconds to finish too before they are stopped like on SIGTERM. Any
+other exit (a crash, a kill, an exception) restarts the worker *process*, after
+``restart_backoff`` seconds doubled on each restart of the same worker (at most 60 s),
+up to ``max_restarts`` times; the new process rejoins through gossip and receives the
+state from its peers, the others do not stop. SIGTERM or SIGINT to the launcher is
+forwarded to every worker as SIGTERM (a graceful leave); whatever still runs after
+``stop_timeout`` seconds is killed.
+
+Exit status: 0 when every worker finished, 128 + N when stopped by signal N, 1 otherwise
+(a worker failed more than ``max_restarts`` times).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import pathlib
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import TextIO
+
+from .gossip.runtime import parse_address
+from .options import check_protection
+
+MAX_BACKOFF_S = 60.0
+POLL_S = 0.05
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    """What ``ftcomm run`` was asked to do; see the module docstring."""
+
+    command: list[str]
+    nproc: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0  # the first worker's gossip port (the others count up); 0: free ports
+    peers: tuple[str, ...] = ()
+    max_restarts: int = 3
+    restart_backoff: float = 1.0
+    stop_timeout: float = 30.0
+    status_interval: float = 10.0  # seconds between status lines (on a terminal: the line is redrawn each second)
+    cluster: str = "ftcomm"
+    save_at_breakpoint: bool = False
+    checkpoint_name: str | None = None  # FlashCheckpointer's name (default: the cluster name)
+    checkpoint_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("no command to run: give the training script (and its arguments) after the options")
+        if self.nproc < 1:
+            raise ValueError(f"nproc must be at least 1, got {self.nproc}")
+        if self.max_restarts < 0 or not 0 <= self.restart_backoff < float("inf"):
+            raise ValueError("max_restarts and restart_backoff must be >= 0")
+        if not 0 < self.stop_timeout < float("inf") or not 0 < self.status_interval < float("inf"):
+            raise ValueError("stop_timeout and status_interval must be positive")
+        if not 0 <= self.port <= 65535 - self.nproc + 1:
+            raise ValueError(f"port {self.port}: the ports {self.port}..{self.port + self.nproc - 1} must be valid")
+        ipaddress.IPv4Address(self.host)  # ValueError names a bad address
+        for peer in self.peers:
+            parse_address(peer)
+        if self.save_at_breakpoint and not self.checkpoint_dir:
+            raise ValueError("--save-at-breakpoint needs --checkpoint-dir: where to persist the newest checkpoint")
+
+
+@dataclasses.dataclass
+class Worker:
+    """One local worker slot: a process, restarted in place."""
+
+    local_rank: int
+    port: int
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    restart_at: float | None = None  # a restart is due then
+    status: str = "starting"  # running, waiting (for a restart), finished, failed, stopped
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """Ports free for both TCP and UDP on ``host`` (gossip uses both on one port)."""
+    ports: list[int] = []
+    held: list[socket.socket] = []
+    try:
+        while len(ports) < count:
+            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(tcp)
+            tcp.bind((host, 0))
+            port = tcp.getsockname()[1]
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            held.append(udp)
+            try:
+                udp.bind((host, port))
+            except OSError:
+                continue
+            ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"status {code}"
+
+
+class Launcher:
+    """Runs :class:`LaunchConfig`; :meth:`run` returns the exit status."""
+
+    def __init__(self, config: LaunchConfig, environ: dict[str, str] | None = None,
+                 out: TextIO | None = None) -> None:
+        self.config = config
+        self.environ = dict(os.environ if environ is None else environ)
+        self.out = out if out is not None else sys.stderr
+        self._tty = hasattr(self.out, "isatty") and self.out.isatty()
+        ports = (list(range(config.port, config.port + config.nproc)) if config.port
+                 else free_ports(config.host, config.nproc))
+        self.workers = [Worker(i, p) for i, p in enumerate(ports)]
+        self.secret = self.environ.get("FTCOMM_SECRET")
+        if self.secret == "":
+            raise ValueError("$FTCOMM_SECRET is set but empty: set the group's secret, or unset it")
+        loopback = ipaddress.ip_address(config.host).is_loopback
+        if self.secret is None and loopback and not config.peers:
+            self.secret = secrets.token_hex(32)  # a run confined to this machine: its own secret
+        elif self.secret is None and not loopback and \
+                self.environ.get("FTCOMM_INSECURE", "").strip().lower() not in ("1", "true", "yes"):
+            check_protection(config.host, None, False)  # SecretRequired, saying how to set one or opt out
+        self._stop_signal: int | None = None
+        self._stop_deadline: float | None = None
+        self._ending_at: float | None = None  # when a worker finished: no more restarts
+        self._status = _StatusLine(self)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for worker in self.workers:
+                self._start(worker)
+            while any(w.status in ("running", "waiting", "starting") for w in self.workers):
+                self._step(time.monotonic())
+                time.sleep(POLL_S)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            for worker in self.workers:  # nothing outlives the launcher
+                if worker.process is not None and worker.process.poll() is None:
+                    _kill_group(worker.process, signal.SIGKILL)
+                    worker.process.wait()
+            self._status.finish()
+        return self._exit_status()
+
+    def _step(self, now: float) -> None:
+        if self._ending_at is not None and now > self._ending_at + self.config.stop_timeout \
+                and self._stop_deadline is None:
+            self._stop_deadline = now + self.config.stop_timeout
+            self.say(f"workers still run {self.config.stop_timeout:g} s after one finished: stopping them "
+                     f"(graceful leave, up to {self.config.stop_timeout:g} s)")
+            self._stop_all()
+        if self._stop_signal is not None and self._stop_deadline is None:
+            self._stop_deadline = now + self.config.stop_timeout
+            self.say(f"{signal.Signals(self._stop_signal).name}: stopping every worker (graceful leave, "
+                     f"up to {self.config.stop_timeout:g} s)")
+            self._stop_all()
+        if self._stop_deadline is not None and now > self._stop_deadline:
+            for worker in self.workers:
+                if worker.process is not None and worker.process.poll() is None:
+                    self.say(f"worker {worker.local_rank} (pid {worker.process.pid}) still runs: killed")
+                    _kill_group(worker.process, signal.SIGKILL)
+        for worker in self.workers:
+            if worker.status == "running" and worker.process.poll() is not None:
+                self._exited(worker, worker.process.returncode, now)
+            elif worker.status == "waiting" and worker.restart_at is not None and now >= worker.restart_at:
+                self._start(worker)
+        self._status.update(now)
+
+    def _stop_all(self) -> None:
+        for worker in self.workers:
+            if worker.status == "waiting":
+                worker.status = "stopped"
+            elif worker.process is not None and worker.process.poll() is None:
+                worker.process.send_signal(signal.SIGTERM)  # the worker's own handler leaves the group
+
+    def _exited(self, worker: Worker, code: int, now: float) -> None:
+        ran = now - worker.started_at
+        if code == 0:
+            worker.status = "finished"
+            if self._ending_at is None:
+                self._ending_at = now
+            self.say(f"worker {worker.local_rank} finished after {ran:.1f} s")
+            return
+        if self._stop_deadline is not None:
+            worker.status = "stopped"
+            self.say(f"worker {worker.local_rank} stopped ({describe_exit(code)})")
+            return
+        if self.config.save_at_breakpoint:
+            self._save_at_breakpoint()
+        if self._ending_at is not None:
+            worker.status = "failed"
+            self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
+                     f"not restarted: the job is ending")
+            return
+        if worker.restarts >= self.config.max_restarts:
+            worker.status = "failed"
+            self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
+                     f"no restarts left (--max-restarts {self.config.max_restarts})")
+            return
+        delay = min(MAX_BACKOFF_S, self.config.restart_backoff * 2 ** worker.restarts)
+        worker.status, worker.restart_at = "waiting", now + delay
+        self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
+                 f"restart {worker.restarts + 1} of {self.config.max_restarts} in {delay:g} s")
+
+    def _start(self, worker: Worker) -> None:
+        if worker.status == "waiting":
+            worker.restarts += 1
+        worker.restart_at = None
+        try:
+            worker.process = subprocess.Popen(self.config.command, env=self.worker_env(worker),
+                                              start_new_session=True)
+        except OSError as exc:  # no such program, not executable: restarting cannot help
+            worker.status = "failed"
+            self.say(f"worker {worker.local_rank} cannot start {self.config.command[0]!r}: {exc.strerror or exc}")
+            return
+        worker.started_at = time.monotonic()
+        worker.status = "running"
+        self.say(f"worker {worker.local_rank} started: pid {worker.process.pid}, "
+                 f"{self.config.host}:{worker.port}" + (f", restart {worker.restarts}" if worker.restarts else ""))
+
+    def worker_env(self, worker: Worker) -> dict[str, str]:
+        host = self.config.host
+        peers = [f"{host}:{w.port}" for w in self.workers if w is not worker] + list(self.config.peers)
+        env = dict(self.environ)
+        env.update({
+            "FTCOMM_BIND": f"{host}:{worker.port}",
+            "FTCOMM_PEERS": ",".join(peers),
+            "FTCOMM_CLUSTER": self.config.cluster,
+            "LOCAL_RANK": str(worker.local_rank),
+            "FTCOMM_LOCAL_RANK": str(worker.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.config.nproc),
+            "FTCOMM_RESTARTS": str(worker.restarts),
+            "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
+        })
+        if self.secret is not None:
+            env["FTCOMM_SECRET"] = self.secret
+        return env
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._stop_signal is None:
+            self._stop_signal = signum
+        elif self._stop_deadline is not None:  # asked twice: do not wait any longer
+            self._stop_deadline = 0.0
+
+    def _exit_status(self) -> int:
+        if self._stop_signal is not None:
+            return 128 + self._stop_signal
+        return 0 if all(w.status == "finished" for w in self.workers) else 1
+
+    def _save_at_breakpoint(self) -> None:
+        from .checkpoint_files import persist_newest  # torch-free
+
+        name = self.config.checkpoint_name or self.config.cluster
+        try:
+            step = persist_newest(pathlib.Path("/dev/shm") / f"ftcomm-{name}", pathlib.Path(self.config.checkpoint_dir))
+        except (OSError, ValueError) as exc:
+            self.say(f"saving at the breakpoint failed: {exc}")
+            return
+        if step is not None:
+            self.say(f"saved the newest checkpoint (step {step}) to {self.config.checkpoint_dir}")
+
+    def say(self, text: str) -> None:
+        self._status.clear()
+        print(f"[ftcomm run] {text}", file=self.out, flush=True)
+
+
+class _StatusLine:
+    """Members, committed step, steps/s and the current view, read from a local worker's
+    member table: redrawn in place each second on a terminal, a log line every
+    ``status_interval`` seconds otherwise."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self._next = time.monotonic() + (1.0 if launcher._tty else launcher.config.status_interval)
+        self._last: tuple[float, int] | None = None  # (time, step) of the previous reading
+        self._view: tuple[int, float] | None = None  # (view id, first seen)
+        self._drawn = False
+
+    def update(self, now: float) -> None:
+        if now < self._next:
+            return
+        interval = 1.0 if self.launcher._tty else self.launcher.config.status_interval
+        self._next = now + interval
+        line = self.read(now)
+        if line is None:
+            return
+        out = self.launcher.out
+        if self.launcher._tty:
+            print(f"\r\x1b[K[ftcomm run] {line}", end="", file=out, flush=True)
+            self._drawn = True
+        else:
+            print(f"[ftcomm run] {line}", file=out, flush=True)
+
+    def read(self, now: float) -> str | None:
+        from .gossip.runtime import GossipError, query_members
+
+        launcher = self.launcher
+        running = [w for w in launcher.workers if w.status == "running"]
+        for worker in running:
+            try:
+                members = query_members((launcher.config.host, worker.port), cluster=launcher.config.cluster,
+                                        secret=launcher.secret, timeout=0.3)
+                break
+            except GossipError:
+                continue
+        else:
+            return None
+        live = [m for m in members if m.state == "alive"]
+        steps = [int(m.metadata["st"]) for m in live if isinstance(m.metadata.get("st"), int)]
+        views = [int(m.metadata["cv"]) for m in live if isinstance(m.metadata.get("cv"), int)]
+        step = max(steps, default=0)
+        rate = ""
+        if self._last is not None and now > self._last[0] and step >= self._last[1]:
+            rate = f", {(step - self._last[1]) / (now - self._last[0]):.1f} steps/s"
+        self._last = (now, step)
+        view = max(views, default=0)
+        if self._view is None or self._view[0] != view:
+            self._view = (view, now)
+        local = sum(1 for w in launcher.workers if w.status == "running")
+        return (f"{len(live)} members ({local} local), step {step}{rate}, view {view} "
+                f"(for {now - self._view[1]:.0f} s)")
+
+    def clear(self) -> None:
+        if self._drawn:
+            print("\r\x1b[K", end="", file=self.launcher.out, flush=True)
+            self._drawn = False
+
+    def finish(self) -> None:
+        self.clear()
+
+
+def _kill_group(process: subprocess.Popen, sig: int) -> None:
+    """Signal the worker and whatever it started (it runs in its own session)."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            process.send_signal(sig)
+        except ProcessLookupError:
+            pass
+

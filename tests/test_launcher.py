@@ -1,0 +1,206 @@
+"""``ftcomm run``: environment, restarts, graceful stop, exit status; and a real training
+job whose worker is killed, restarted, and rejoins with the same state."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from ftcomm import cli
+from ftcomm.errors import SecretRequired
+from ftcomm.launcher import LaunchConfig, Launcher
+from tests.polling import wait_until
+from tests.train_cluster import EXAMPLE
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def launch(tmp_path, body: str, nproc: int = 1, **options) -> tuple[int, str]:
+    """Run a small Python worker ``body`` under the launcher; the exit status and its log."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys, time\n" + body)
+    out = io.StringIO()
+    config = LaunchConfig(command=[sys.executable, str(script)], nproc=nproc, **options)
+    return Launcher(config, environ={k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")},
+                    out=out).run(), out.getvalue()
+
+
+def test_each_worker_gets_its_address_the_others_a_secret_and_a_local_rank():
+    launcher = Launcher(LaunchConfig(command=["true"], nproc=3, peers=("10.0.0.9:7000",)), environ={}, out=io.StringIO())
+    envs = [launcher.worker_env(w) for w in launcher.workers]
+    binds = [e["FTCOMM_BIND"] for e in envs]
+    assert len(set(binds)) == 3 and all(b.startswith("127.0.0.1:") for b in binds)
+    for i, env in enumerate(envs):
+        peers = env["FTCOMM_PEERS"].split(",")
+        assert env["FTCOMM_BIND"] not in peers and set(peers) == set(binds) - {env["FTCOMM_BIND"]} | {"10.0.0.9:7000"}
+        assert env["LOCAL_RANK"] == env["FTCOMM_LOCAL_RANK"] == str(i) and env["LOCAL_WORLD_SIZE"] == "3"
+    # peers on other hosts: no secret is made up (the workers must share one)
+    assert "FTCOMM_SECRET" not in envs[0]
+    alone = Launcher(LaunchConfig(command=["true"], nproc=2), environ={}, out=io.StringIO())
+    made = {alone.worker_env(w)["FTCOMM_SECRET"] for w in alone.workers}
+    assert len(made) == 1 and len(next(iter(made))) == 64  # one fresh secret for a run confined to loopback
+    given = Launcher(LaunchConfig(command=["true"], nproc=2), environ={"FTCOMM_SECRET": "s3"}, out=io.StringIO())
+    assert given.worker_env(given.workers[0])["FTCOMM_SECRET"] == "s3"
+    fixed = Launcher(LaunchConfig(command=["true"], nproc=2, port=41000), environ={}, out=io.StringIO())
+    assert [w.port for w in fixed.workers] == [41000, 41001]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"command": []}, "no command"),
+    ({"nproc": 0}, "nproc"),
+    ({"host": "not-an-address"}, "not-an-address"),
+    ({"peers": ("nohost",)}, "nohost"),
+    ({"save_at_breakpoint": True}, "checkpoint-dir"),
+    ({"port": 65535, "nproc": 2}, "ports"),
+    ({"restart_backoff": -1.0}, ">= 0"),
+])
+def test_bad_options_are_refused_with_a_clear_error(options, message):
+    with pytest.raises(ValueError, match=message):
+        LaunchConfig(**{"command": ["true"], **options})
+
+
+def test_a_non_loopback_node_without_a_secret_is_refused_unless_insecure_is_asked_for():
+    config = LaunchConfig(command=["true"], host="10.0.0.1", port=7000)
+    with pytest.raises(SecretRequired, match="FTCOMM_SECRET"):
+        Launcher(config, environ={}, out=io.StringIO())
+    Launcher(config, environ={"FTCOMM_INSECURE": "1"}, out=io.StringIO())
+    with pytest.raises(ValueError, match="empty"):
+        Launcher(LaunchConfig(command=["true"]), environ={"FTCOMM_SECRET": ""}, out=io.StringIO())
+
+
+def test_a_failing_worker_is_restarted_with_backoff_until_it_finishes(tmp_path):
+    code, log = launch(tmp_path, "sys.exit(0 if int(os.environ['FTCOMM_RESTARTS']) >= 2 else 3)\n",
+                       restart_backoff=0.05)
+    assert code == 0, log
+    assert "restart 1 of 3 in 0.05 s" in log and "restart 2 of 3 in 0.1 s" in log and "finished" in log
+
+
+def test_a_worker_out_of_restarts_fails_the_job(tmp_path):
+    code, log = launch(tmp_path, "os.kill(os.getpid(), 9)\n", max_restarts=1, restart_backoff=0.0)
+    assert code == 1
+    assert len(re.findall(r"worker \d started", log)) == 2 and "signal SIGKILL" in log and "no restarts left" in log
+
+
+def test_once_a_worker_finished_no_worker_is_restarted_and_stragglers_are_stopped(tmp_path):
+    body = ("import signal\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+            f"marker = {str(tmp_path / 'finished')!r}\n"
+            "if os.environ['LOCAL_RANK'] == '0': open(marker, 'w').close(); sys.exit(0)\n"
+            "if os.environ['LOCAL_RANK'] == '1':\n"
+            "    while not os.path.exists(marker): time.sleep(0.01)\n"
+            "    time.sleep(0.3); sys.exit(5)\n"
+            "time.sleep(60)\n")
+    started = time.monotonic()
+    code, log = launch(tmp_path, body, nproc=3, restart_backoff=0.0, stop_timeout=1.0)
+    assert code == 1 and time.monotonic() - started < 30
+    assert "not restarted: the job is ending" in log and "stopping them" in log
+    assert len(re.findall(r"worker \d started", log)) == 3
+
+
+def test_a_program_that_cannot_start_fails_at_once(tmp_path):
+    out = io.StringIO()
+    code = Launcher(LaunchConfig(command=[str(tmp_path / "missing")]), environ={}, out=out).run()
+    assert code == 1 and "cannot start" in out.getvalue()
+
+
+def test_sigterm_to_the_launcher_is_a_graceful_leave_for_every_worker(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "signal.signal(signal.SIGTERM, lambda *a: (os.write(1, f'left {os.environ[\"LOCAL_RANK\"]}\\n'.encode()),"
+                      " sys.exit(0)))\n"
+                      "os.write(1, b'up\\n')\n"
+                      "time.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "2", str(script)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
+    wait_until(lambda: lines.count("up\n") == 2, 60, "both workers up")
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(60) == 128 + signal.SIGTERM
+    reader.join(10)
+    assert sorted(lines) == ["left 0\n", "left 1\n", "up\n", "up\n"]
+    assert "SIGTERM: stopping every worker" in launcher.stderr.read()
+
+
+def test_the_command_line_refuses_bad_arguments_with_status_2(capsys):
+    assert cli.main(["run", "--nproc-per-node", "0", "x.py"]) == 2
+    assert cli.main(["run", "--restart-backoff", "-1", "x.py"]) == 2
+    assert cli.main(["run"]) == 2
+    assert "no command" in capsys.readouterr().err
+
+
+def test_a_killed_worker_is_restarted_rejoins_and_ends_with_the_others_state(tmp_path):
+    """A real job through the launcher: kill -9 one of three workers mid-training; it is
+    restarted, receives the state from its peers, and every worker ends with one digest."""
+    command = [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "3", "--restart-backoff", "0.2",
+               "--stop-timeout", "120", str(EXAMPLE), "--steps", "600", "--step-time", "0.03",
+               "--report-every", "1000000"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    events: list[dict] = []
+    log: list[str] = []
+    readers = [threading.Thread(target=lambda: events.extend(json.loads(line) for line in launcher.stdout
+                                                             if line.startswith("{")), daemon=True),
+               threading.Thread(target=lambda: log.extend(launcher.stderr), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        wait_until(lambda: sum(e["ev"] == "first_step" for e in list(events)) >= 3, 120, "three workers training")
+        victim = next(e for e in events if e["ev"] == "ready")
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_until(lambda: sum(e["ev"] == "ready" for e in list(events)) >= 4 or launcher.poll() is not None,
+                   120, "the restarted worker in the group")
+        code = launcher.wait(300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    for reader in readers:
+        reader.join(10)
+    text = "".join(log)
+    assert code == 0, text[-3000:]
+    assert "restart 1 of 3" in text and "signal SIGKILL" in text
+    done = [e for e in events if e["ev"] == "done"]
+    assert len(done) == 3, text[-3000:]
+    assert len({e["digest"] for e in done}) == 1 and len({e["step"] for e in done}) == 1
+    assert victim["id"] not in {e["id"] for e in done}  # the restarted process is a new member
+
+
+def test_save_at_breakpoint_persists_shared_memory_when_a_worker_dies(tmp_path):
+    import shutil
+    import uuid
+
+    import torch
+
+    from ftcomm.checkpoint import FlashCheckpointer
+    from ftcomm.checkpoint_files import steps_in
+    from tests.test_group_threads import start_groups
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    (solo,) = start_groups(1)
+    try:
+        solo.register_state(model=torch.nn.Linear(4, 2))
+        checkpoints = FlashCheckpointer(solo, None, name=name)  # shared memory only
+        solo.step = 12
+        checkpoints.save()
+        checkpoints.wait()
+        out = io.StringIO()
+        config = LaunchConfig(command=[sys.executable, "-c", "raise SystemExit(3)"], max_restarts=0,
+                              save_at_breakpoint=True, checkpoint_name=name, checkpoint_dir=str(tmp_path / "kept"))
+        assert Launcher(config, environ={}, out=out).run() == 1
+        assert "saved the newest checkpoint (step 12)" in out.getvalue()
+        assert steps_in(tmp_path / "kept") == [12]
+        checkpoints.close()
+    finally:
+        solo.shutdown()
+        shutil.rmtree(f"/dev/shm/ftcomm-{name}", ignore_errors=True)
