@@ -25,7 +25,7 @@ from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigM
 from . import netif
 from .backends import BACKENDS
 from .gossip import GossipConfig
-from .gossip.runtime import parse_address
+from .gossip.addresses import parse_address, parse_seed
 from .view import View
 
 if TYPE_CHECKING:
@@ -74,8 +74,9 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
          secret: str | None = None, insecure: bool | None = None, **options: Any) -> FaultTolerantGroup:
     """Join (or start) a fault-tolerant group and return once its first view is formed.
 
-    ``peers``: gossip addresses (``"host:port"``) of any existing or starting members;
-    default ``$FTCOMM_PEERS`` (comma-separated); empty starts a new group. ``bind``:
+    ``peers``: gossip addresses (``"host:port"``) of any existing or starting members, or
+    ``"dns://NAME:PORT"`` for every IPv4 address NAME resolves to (a Kubernetes headless
+    Service); default ``$FTCOMM_PEERS`` (comma-separated); empty starts a new group. ``bind``:
     default ``$FTCOMM_BIND``, else an automatic port on this host's address when a secret
     is set or ``insecure``, else on 127.0.0.1 (a local group). ``cluster`` and ``secret``
     default to ``$FTCOMM_CLUSTER`` and ``$FTCOMM_SECRET``. Protected mode: a worker bound
@@ -123,7 +124,7 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     elif not isinstance(insecure, bool):
         raise TypeError(f"insecure must be True or False, got {insecure!r}")
     if bind is None:
-        local = all(_loopback(parse_address(p)[0]) for p in peers)
+        local = all(_loopback(parse_seed(p)[0]) for p in peers)
         bind = _default_bind() if secret is not None or insecure or not local else "127.0.0.1:0"
     known = {f.name for f in dataclasses.fields(GroupOptions)}
     unknown = sorted(set(options) - known)
@@ -161,8 +162,9 @@ def _check_address(address: str, name: str) -> None:
 
 
 def _peer_list(peers: Any, name: str) -> list[str]:
-    """``peers`` as a list of ``"host:port"`` strings: a comma-separated string or an
-    iterable of strings, each checked for its form; TypeError or ValueError naming it."""
+    """``peers`` as a list of ``"HOST:PORT"`` or ``"dns://NAME:PORT"`` strings: a
+    comma-separated string or an iterable of strings, each checked for its form;
+    TypeError or ValueError naming it."""
     if isinstance(peers, str):
         peers = [p.strip() for p in peers.split(",") if p.strip()]
     elif isinstance(peers, (bytes, bytearray)) or not isinstance(peers, Iterable):
@@ -172,6 +174,9 @@ def _peer_list(peers: Any, name: str) -> list[str]:
     for peer in peers:
         if not isinstance(peer, str):
             raise TypeError(f"{name} must hold 'HOST:PORT' strings, got {peer!r} ({type(peer).__name__})")
-        _check_address(peer, name)
+        try:
+            parse_seed(peer)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{name}: {exc}") from None
         checked.append(peer.strip())
     return checked

@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--port", type=_count(0), default=0,
                      help="gossip port of the first worker, the others count up (default: free ports)")
     run.add_argument("--peers", default=None, metavar="HOST:PORT,...",
-                     help="gossip addresses of workers on other nodes (default: $FTCOMM_PEERS)")
+                     help="gossip addresses of workers on other nodes, or dns://NAME:PORT (default: $FTCOMM_PEERS)")
     run.add_argument("--max-restarts", type=_count(0), default=3, help="restarts per worker (default 3)")
     run.add_argument("--restart-backoff", type=_non_negative, default=1.0,
                      help="seconds before the first restart of a worker, doubled each time (default 1)")

@@ -37,7 +37,7 @@ import sys
 import time
 from typing import TextIO
 
-from .gossip.runtime import parse_address
+from .gossip.addresses import parse_seed
 from .options import check_protection
 
 MAX_BACKOFF_S = 60.0
@@ -75,7 +75,7 @@ class LaunchConfig:
             raise ValueError(f"port {self.port}: the ports {self.port}..{self.port + self.nproc - 1} must be valid")
         ipaddress.IPv4Address(self.host)  # ValueError names a bad address
         for peer in self.peers:
-            parse_address(peer)
+            parse_seed(peer)
         if self.save_at_breakpoint and not self.checkpoint_dir:
             raise ValueError("--save-at-breakpoint needs --checkpoint-dir: where to persist the newest checkpoint")
 

@@ -11,7 +11,7 @@ from typing import Any
 from . import netif
 from .errors import AddressError, SecretRequired
 from .gossip import FaultFilter, GossipConfig
-from .gossip.runtime import parse_address
+from .gossip.addresses import parse_seed
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def check_addresses(bind_host: str, peers: list[str]) -> str:
             raise AddressError(f"bind address {address} is not an address of this machine (no interface holds it)")
         return address
     for peer in peers:
-        host = parse_address(peer)[0]
+        host = parse_seed(peer)[0]
         try:
             remote = not netif.is_loopback(host) and netif.interface_of(host) is None
         except OSError:  # a name that does not resolve now: gossip reports it when it tries

@@ -145,6 +145,8 @@ def test_init_turns_a_gossip_dict_into_a_gossip_config_and_refuses_an_unknown_fi
     ({"peers": [("10.0.0.4", 7946)]}, TypeError, r"peers must hold 'HOST:PORT' strings"),
     ({"peers": ["10.0.0.4:99999"]}, ValueError, r"peers: bad address '10.0.0.4:99999'.*0 <= PORT <= 65535"),
     ({"peers": "10.0.0.4:7946,10.0.0.5"}, ValueError, r"peers: bad address '10.0.0.5': no port"),
+    ({"peers": "dns://workers.default.svc"}, ValueError, r"peers: bad address 'workers.default.svc': no port"),
+    ({"peers": ["dns://workers:0"]}, ValueError, r"peers: bad seed 'dns://workers:0'.*gossip port"),
     ({"bind": "127.0.0.1:99999"}, ValueError, r"bind: bad address '127.0.0.1:99999'.*0 <= PORT <= 65535"),
     ({"bind": ":0"}, ValueError, r"bind: bad address ':0': empty host"),
     ({"bind": ("127.0.0.1", 0)}, TypeError, r"bind must be a 'HOST:PORT' string"),

@@ -150,6 +150,11 @@ class GossipConfig:
     join_retry_interval: float = 0.25
     """Pause between rounds of join attempts while no seed has answered."""
 
+    dns_refresh_interval: float = 30.0
+    """Period of looking ``dns://`` seeds up again while the member runs, and of sending a
+    join request to each address found that is not a known live member (so that members
+    cut off from each other when they started find each other). 0 disables it."""
+
     request_timeout: float = 2.0
     """Deadline of one TCP request (push/pull, members query)."""
 

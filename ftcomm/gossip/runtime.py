@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from ..errors import GossipError, JoinError
+from .addresses import Resolver, is_dns, parse_address, parse_seed, resolve, system_resolver
 from .config import GossipConfig
 from .faults import FaultFilter
 from .protocol import MemberEvent, MemberInfo, Protocol
@@ -93,39 +94,6 @@ def _member(info: MemberInfo) -> Member:
                   info.confirmed)
 
 
-def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
-    """``"host:port"`` or ``(host, port)`` to ``(host, port)``, checking the form only (no lookup).
-
-    The host must be non-empty and the port a decimal number with 0 <= port <= 65535 (0:
-    an automatic port); a member id ``host:port/nonce`` gives its address. Raises
-    ValueError naming the address and the accepted form for a malformed one, TypeError
-    for something that is neither a string nor a ``(host, port)`` pair.
-    """
-    accepted = "expected HOST:PORT with a non-empty HOST and 0 <= PORT <= 65535"
-    if isinstance(address, str):
-        host, colon, port = address.split("/", 1)[0].strip().rpartition(":")
-        if not colon:
-            raise ValueError(f"bad address {address!r}: no port; {accepted}")
-    elif isinstance(address, tuple) and len(address) == 2:
-        host, port = address
-        if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, (int, str)):
-            raise TypeError(f"bad address {address!r}: expected a (host, port) pair of a str and an int")
-    else:
-        raise TypeError(f"bad address {address!r}: expected a 'HOST:PORT' string or a (host, port) pair, "
-                        f"not {type(address).__name__}")
-    host = host.strip()
-    if not host:
-        raise ValueError(f"bad address {address!r}: empty host; {accepted}")
-    if isinstance(port, str):
-        digits = port.strip()
-        if not (digits.isascii() and digits.isdigit()):
-            raise ValueError(f"bad address {address!r}: port {port!r} is not a number; {accepted}")
-        port = int(digits)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"bad address {address!r}: port {port} is out of range; {accepted}")
-    return host, port
-
-
 class GossipNode:
     """A member of the gossip cluster, running in a background thread.
 
@@ -137,8 +105,11 @@ class GossipNode:
 
     def __init__(self, bind: str | tuple[str, int] = ("127.0.0.1", 0), *, cluster: str = "ftcomm",
                  secret: str | bytes | None = None, config: GossipConfig | None = None,
-                 metadata: dict | None = None, fault_filter: FaultFilter | None = None) -> None:
+                 metadata: dict | None = None, fault_filter: FaultFilter | None = None,
+                 resolver: Resolver = system_resolver) -> None:
         self.config = config or GossipConfig()
+        self._resolver = resolver
+        self._seeds: list[str | tuple[str, int]] = []
         self.cluster = cluster
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._bind = parse_address(bind)
@@ -173,10 +144,21 @@ class GossipNode:
         return f"{self.host}:{self.port}"
 
     def start(self, seeds: Iterable[str | tuple[str, int]] = ()) -> GossipNode:
-        """Bind, start the thread, and join through ``seeds`` (none: start a new cluster)."""
+        """Bind, start the thread, and join through ``seeds`` (none: start a new cluster).
+
+        A seed is ``HOST:PORT`` or ``dns://NAME:PORT`` (every IPv4 address NAME resolves
+        to; see :mod:`ftcomm.gossip.addresses`). DNS seeds are looked up on every join
+        attempt; once they list this member's own address and no other, it starts a new
+        cluster (the first of a job's workers), and while it runs they are looked up
+        every ``dns_refresh_interval`` seconds.
+        """
         if self._thread is not None:
             raise GossipError("this GossipNode was already started")
-        seed_addresses = [parse_address(s) for s in seeds]
+        seeds = list(seeds)
+        for seed in seeds:
+            parse_seed(seed)  # ValueError naming a malformed one, before anything starts
+        self._seeds = seeds
+        dns = any(is_dns(s) for s in seeds)
         self._bind_sockets()
         ready = threading.Event()
         failure: list[BaseException] = []
@@ -187,9 +169,8 @@ class GossipNode:
         if failure:
             self._thread.join()
             raise failure[0]
-        seed_addresses = [s for s in seed_addresses if s != (self.host, self.port)]
-        if seed_addresses:
-            future = asyncio.run_coroutine_threadsafe(self._join(seed_addresses), self._loop)
+        if dns or [a for a in resolve(seeds) if a != (self.host, self.port)]:
+            future = asyncio.run_coroutine_threadsafe(self._join(), self._loop)
             try:
                 joined = future.result(self.config.join_timeout + self.config.request_timeout + 5)
             except BaseException:
@@ -197,11 +178,14 @@ class GossipNode:
                 raise
             if not joined:
                 self.stop()
+                tried = ", ".join(f"{h}:{p}" for h, p in resolve(seeds, self._resolver)) or "no address"
                 raise JoinError(
-                    f"no seed answered within {self.config.join_timeout:.1f} s "
-                    f"(tried {', '.join(f'{h}:{p}' for h, p in seed_addresses)}): check the addresses, "
-                    f"that a member runs there, that cluster name and secret match, and (with a secret) "
-                    f"that the hosts' clocks agree within freshness_window={self.config.freshness_window:g} s")
+                    f"no seed answered within {self.config.join_timeout:.1f} s (seeds {', '.join(map(str, seeds))}; "
+                    f"tried {tried}): check the addresses, that a member runs there, that cluster name and "
+                    f"secret match, and (with a secret) that the hosts' clocks agree within "
+                    f"freshness_window={self.config.freshness_window:g} s")
+        if dns and self.config.dns_refresh_interval > 0:
+            self._loop.call_soon_threadsafe(lambda: self._spawn(self._rediscover()))
         return self
 
     def leave(self) -> None:
@@ -550,16 +534,42 @@ class GossipNode:
         self._flush()
         return merged
 
-    async def _join(self, seeds: list[tuple[str, int]]) -> bool:
+    async def _resolve_seeds(self) -> list[tuple[str, int]]:
+        """The seeds' addresses now (DNS looked up off the loop), this member's own included."""
+        return await self._loop.run_in_executor(None, resolve, self._seeds, self._resolver)
+
+    async def _join(self) -> bool:
         deadline = time.monotonic() + self.config.join_timeout
+        own = (self.host, self.port)
+        dns = any(is_dns(s) for s in self._seeds)
         while True:
+            addresses = await self._resolve_seeds()
+            others = [a for a in addresses if a != own]
+            if dns and own in addresses and not others:
+                return True  # the name lists this member alone: it is the first
             results = await asyncio.gather(
-                *(self._push_pull(seed, self._protocol.join_request(self._now())) for seed in seeds))
+                *(self._push_pull(seed, self._protocol.join_request(self._now())) for seed in others))
             if any(results):
                 return True
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(self.config.join_retry_interval)
+
+    async def _rediscover(self) -> None:
+        """Every ``dns_refresh_interval``: a join request to each address the DNS seeds list
+        that is not a live member known here."""
+        while True:
+            await asyncio.sleep(self.config.dns_refresh_interval)
+            try:
+                addresses = await self._resolve_seeds()
+            except Exception as exc:  # noqa: BLE001 - a resolver failure must not end the loop
+                self._contain("rediscover", exc)
+                continue
+            known = {(m.host, m.port) for m in self._protocol.members() if m.state in ("alive", "suspect")}
+            for address in addresses:
+                if address != (self.host, self.port) and address not in known:
+                    self._protocol.stats["rediscovered"] += 1
+                    self._spawn(self._push_pull(address, self._protocol.join_request(self._now())))
 
 
 def query_members(peer: str | tuple[str, int], *, cluster: str = "ftcomm", secret: str | bytes | None = None,
