@@ -17,7 +17,9 @@ setup(
         "xxhash>=3.0",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "nvidia-nccl-cu12>=2.18"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "nvidia-nccl-cu12>=2.18",
+                 "kubernetes>=29", "pyyaml>=6"],
+        "kubernetes": ["kubernetes>=29", "pyyaml>=6"],
         "nccl": ["nvidia-nccl-cu12>=2.18"],
         "nccl-cu13": ["nvidia-nccl-cu13>=2.27"],
     },
