@@ -20,7 +20,7 @@ Every line on stdout is a JSON object: ``started`` (modules imported, model and
 optimizer built: ``ftcomm.init`` is next), ``ready`` (in the group), ``first_step`` (the first committed step of each view), one ``view`` per view change, a
 ``step`` every ``--report-every`` committed steps, ``batch`` for every committed step
 with ``--log-indices`` (this worker's sample indices), ``restored`` after a checkpoint
-restore, and ``done`` with the final loss, accuracy and state digest. With ``--control``, JSON commands on stdin drive the fault
+restore, ``straggler`` when a member becomes or stops being a straggler, and ``done`` with the final loss, accuracy and state digest. With ``--control``, JSON commands on stdin drive the fault
 filter of the gossip layer (``partition``, ``heal``), stop training at a given step
 (``stop_at``), change the extra seconds per step (``step_time``), report progress
 (``status``) or make the training loop raise an uncaught exception (``fail``), for tests
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=control.loop, args=(ft,), daemon=True).start()
 
     loader = make_loader(args, x, y, sampler)
-    reported = 0
+    reported = stragglers_seen = 0
     awaiting_commit = True  # report the first committed step after each view change
     loss = torch.zeros(())
     while ft.step < args.steps and not (control and control.should_stop(ft.step)):
@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                 emit(ev="view", t=time.time(), **dataclasses.asdict(ft.events[reported]))
                 reported += 1
                 awaiting_commit = True
+            for report in ft.stragglers[stragglers_seen:]:
+                emit(ev="straggler", **dataclasses.asdict(report))
+            stragglers_seen = len(ft.stragglers)
             if ft.step % args.report_every == 0:
                 emit(ev="step", step=ft.step, rank=ft.rank, world=ft.world_size, epoch=sampler.epoch,
                      loss=round(loss.item(), 4), t=time.time())

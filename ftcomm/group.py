@@ -39,6 +39,7 @@ from .options import (GroupOptions, ViewChange, check_addresses, check_protectio
                       check_worker_counts, member_cap)
 from .rendezvous import Rendezvous, refused_many
 from .state import TrainingState
+from .stragglers import ComputeTimes, StragglerReport, StragglerWatch
 from . import engine as core
 from . import transfer
 from .engine import Announce, Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
@@ -71,6 +72,9 @@ class FaultTolerantGroup:
         self.state = TrainingState()
         self.step = 0
         self.events: list[ViewChange] = []
+        self.stragglers: list[StragglerReport] = []  # as judged here (changes only: a few per minute at most)
+        self._compute = ComputeTimes(opts.straggler_window)
+        self._straggler_watch = StragglerWatch(opts.straggler_factor)
         self._comm: Communicator | None = None  # the backend's communicator of the current view
         self._abort = AbortSignal(self._drain)
         self._changed = threading.Event()
@@ -196,6 +200,7 @@ class FaultTolerantGroup:
             # Gradients computed on state that was just replaced are not valid: contribute none.
             handles, tail = buckets.finish(valid=not self._state_replaced)
             self._waiting_since = self._contributed_at = time.monotonic()
+            self._compute.add(self._contributed_at - self._op_began)
             for h in handles:
                 h.wait(self._abort)
             self._confirm_after_stall()
@@ -544,7 +549,7 @@ class FaultTolerantGroup:
         return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, self._config,
                              self.step, self._rendezvous.port, engine.floor, self._settings_tuple, done_ops,
                              self.insecure,
-                             named.digest if named is not None else None)
+                             named.digest if named is not None else None, self._compute.median())
 
     def _publish(self) -> None:
         self._last_step_publish = time.monotonic()
@@ -584,6 +589,23 @@ class FaultTolerantGroup:
         self.step += 1
         if time.monotonic() - self._last_step_publish >= self.options.step_publish_interval:
             self._publish()
+            self._judge_stragglers()
+
+    def _judge_stragglers(self) -> None:
+        """Compare the view members' published compute times (see ftcomm.stragglers)."""
+        if self._straggler_watch.factor <= 0 or self._view is None:
+            return
+        statuses, _ = self._statuses()
+        times = {m: s.compute_s for m in self._view.members
+                 if (s := statuses.get(m)) is not None and s.compute_s is not None}
+        for report in self._straggler_watch.judge(times, time.time()):
+            self.stragglers.append(report)
+            if report.slow:
+                log.warning("%s is a straggler: %.3f s of compute per step against %.3f s for the others "
+                            "(straggler_factor %g)", report.member, report.compute_s, report.others_s,
+                            self._straggler_watch.factor)
+            else:
+                log.info("%s is no longer a straggler", report.member)
 
     def _confirm_after_stall(self) -> None:
         """An operation that completed while (or after) this worker was cut off may have

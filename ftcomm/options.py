@@ -64,6 +64,18 @@ class GroupOptions:
     """Minimum seconds between gossip updates of the committed step (shown by ``ftcomm
     members``); every update is a broadcast to the whole group."""
 
+    straggler_factor: float = 2.0
+    """A member whose median compute time (forward, backward, data: from the end of its
+    previous gradient step until it hands over its gradients) is more than this many
+    times the median of the other members' is reported as a straggler: a warning in the
+    log and a :class:`~ftcomm.stragglers.StragglerReport` in ``group.stragglers``. Every
+    member judges the figures published in gossip, each time it publishes its step (every
+    ``step_publish_interval``), and reports a change after 3 judgments in a row. 0 turns
+    it off. Reported only; the member stays in the group."""
+
+    straggler_window: int = 20
+    """Gradient steps over which a member's median compute time is taken."""
+
     gossip: GossipConfig = field(default_factory=GossipConfig)
     """The membership protocol's configuration (a GossipConfig, or a dict of its fields)."""
 
@@ -91,6 +103,11 @@ class GroupOptions:
         for name in ("settle_interval", "leave_grace", "step_publish_interval"):
             number(name, zero_allowed=True)
         number("bucket_mb", zero_allowed=False, unit="MB")
+        number("straggler_factor", zero_allowed=True, unit="a ratio; 0 turns reports off")
+        if isinstance(self.straggler_window, bool) or not isinstance(self.straggler_window, int):
+            raise TypeError(f"straggler_window must be an int >= 1, got {self.straggler_window!r}")
+        if self.straggler_window < 1:
+            raise ValueError(f"straggler_window must be an int >= 1, got {self.straggler_window}")
         if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
             raise TypeError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
         if self.max_retries < 0:

@@ -82,6 +82,7 @@ class Status:
     insecure: bool = False  # started without a secret on a reachable address (shown by ``ftcomm members``)
     view_digest: str | None = None  # digest of its current view (leaving: of the view it names)
     dead: bool = False  # gossip state is dead (confirmed failed; suspect is neither alive nor dead)
+    compute_s: float | None = None  # median compute time of its recent gradient steps (see ftcomm.stragglers)
 
     @property
     def last_view(self) -> int:
@@ -120,7 +121,13 @@ class Status:
             extra["dead"] = True
         if isinstance(meta.get("cd"), str) and len(meta["cd"]) <= 64:
             extra["view_digest"] = meta["cd"]
+        if _is_int(meta.get("ct")) and 0 <= meta["ct"] <= MAX_COMPUTE_MS:
+            extra["compute_s"] = meta["ct"] / 1000
         return dataclasses.replace(status, **extra) if extra else status
+
+
+MAX_COMPUTE_MS = 1 << 30
+"""A published compute time above this (about 12 days) is not a figure any member measured."""
 
 
 def _is_int(value: object) -> bool:
@@ -130,9 +137,11 @@ def _is_int(value: object) -> bool:
 def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | None, joined_at: float,
                   config: str, step: int, rendezvous_port: int, floor: int = 0, settings: tuple | list = (),
                   done_ops: tuple[int, int] | None = None, insecure: bool = False,
-                  view_digest: str | None = None) -> dict:
+                  view_digest: str | None = None, compute_s: float | None = None) -> dict:
     """The metadata record :meth:`Status.from_metadata` decodes."""
     meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
+    if compute_s is not None:
+        meta["ct"] = min(MAX_COMPUTE_MS, max(0, round(compute_s * 1000)))
     if floor:
         meta["fl"] = floor
     if proposal is not None:

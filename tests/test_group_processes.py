@@ -154,6 +154,30 @@ def test_mismatched_settings_are_refused_with_a_clear_error(cluster):
     assert "max_workers=8 but the group uses max_workers=4" in text
 
 
+def test_a_slow_worker_is_reported_as_a_straggler_by_everyone_and_nothing_is_lost(cluster):
+    # One OpenMP thread per worker, as `ftcomm run` sets with several workers per node:
+    # with torch's default, the spinning threads of one worker slow the others' compute down.
+    workers = cluster.start(3, ["--min-workers", "1"], env={"OMP_NUM_THREADS": "1"})
+    cluster.wait_view(workers, 3, timeout=60)
+    views_before = [sum(e["ev"] == "view" for e in w.snapshot()) for w in workers]
+    slow = workers[2]
+
+    def report(w, flagged: bool) -> dict:
+        return w.wait_for(lambda e: e["ev"] == "straggler" and e["member"] == slow.id and e["slow"] is flagged,
+                          90, "a straggler report" if flagged else "a recovery report")
+    slow.request(cmd="step_time", seconds=0.15)
+    for w in workers:  # every member judges the same published figures, itself included
+        flagged = report(w, True)
+        assert flagged["compute_s"] > 2 * flagged["others_s"]
+    slow.request(cmd="step_time", seconds=0.01)
+    for w in workers:
+        report(w, False)
+    done = cluster.finish(workers)
+    assert {e["member"] for w in workers for e in w.snapshot() if e["ev"] == "straggler"} == {slow.id}
+    assert [sum(e["ev"] == "view" for e in w.snapshot()) for w in workers] == views_before  # reported, not excluded
+    assert_invariants(workers, done)
+
+
 def test_random_churn_among_four_to_six_workers(cluster):
     """Kills, pauses, graceful leaves and joins at random for a while; no hang, one state."""
     duration = float(__import__("os").environ.get("FTCOMM_CHURN_SECONDS", "60"))
