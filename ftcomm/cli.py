@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import time
 
 from . import __version__
 from .errors import FtcommError
@@ -14,23 +15,66 @@ from .gossip.runtime import parse_address
 
 
 def _members(args: argparse.Namespace) -> int:
+    from .errors import GossipError
     from .gossip.runtime import query_members
 
-    members = query_members(args.peer, cluster=args.cluster, secret=args.secret, timeout=args.timeout)
+    def query():
+        return query_members(args.peer, cluster=args.cluster, secret=args.secret, timeout=args.timeout)
+
     if args.json:
-        print(json.dumps([m.__dict__ for m in members]))
+        print(json.dumps([m.__dict__ for m in query()]))
         return 0
-    rows = [("ID", "ADDRESS", "STATE", "INC", "STEP", "METADATA")]
+    if args.watch is None:
+        print(_member_table(query()))
+        return 0
+    previous: tuple[float, dict[str, int]] | None = None
+    while True:  # until interrupted (exit status 130)
+        try:
+            members = query()
+        except GossipError as exc:
+            text, members = f"ftcomm: {exc} (retrying every {args.watch:g} s)", None
+        now = time.monotonic()
+        if members is not None:
+            text = _member_table(members, previous, now)
+            previous = (now, {m.id: m.metadata.get("st") for m in members if type(m.metadata.get("st")) is int})
+        if sys.stdout.isatty():
+            print("\x1b[H\x1b[2J", end="")  # redraw in place
+        print(f"{time.strftime('%H:%M:%S')}  {args.peer}\n{text}", flush=True)
+        time.sleep(args.watch)
+
+
+def _member_table(members: list, previous: tuple[float, dict[str, int]] | None = None,
+                  now: float | None = None) -> str:
+    """One row per member: id, address, state, incarnation, step, compute time per step
+    (``*``: a straggler by the default ``straggler_factor``), steps per second since
+    ``previous`` (a reading at another time), and the other metadata fields."""
+    from .options import GroupOptions
+    from .stragglers import slow_members
+
+    compute = {m.id: m.metadata["ct"] / 1000 for m in members
+               if m.state == "alive" and type(m.metadata.get("ct")) is int}
+    slow = slow_members(compute, GroupOptions.straggler_factor)
+    header = ["ID", "ADDRESS", "STATE", "INC", "STEP", "COMPUTE"] + (["STEPS/S"] if previous else []) + ["METADATA"]
+    rows = [header]
     for m in sorted(members, key=lambda m: m.id):
         meta = dict(m.metadata)
         step = meta.pop("st", None)  # a training worker's committed step
         step = meta.pop("step", "-") if step is None else step
-        rest = " ".join(f"{k}={v}" for k, v in sorted(meta.items(), key=lambda kv: str(kv[0]))) or "-"
-        rows.append((m.id, m.address, m.state, str(m.incarnation), str(step), rest))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[5])
-    return 0
+        ct = meta.pop("ct", None)
+        cells = [m.id, m.address, m.state, str(m.incarnation), str(step),
+                 f"{ct}ms" + ("*" if m.id in slow else "") if type(ct) is int else "-"]
+        if previous:
+            before = previous[1].get(m.id)
+            rate = (step - before) / (now - previous[0]) if type(step) is int and before is not None and \
+                now > previous[0] else None
+            cells.append(f"{rate:.1f}" if rate is not None else "-")
+        cells.append(" ".join(f"{k}={v}" for k, v in sorted(meta.items(), key=lambda kv: str(kv[0]))) or "-")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows]
+    if slow:
+        lines.append(f"* straggler: compute time per step above {GroupOptions.straggler_factor:g}x the others' median")
+    return "\n".join(lines)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -157,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="cluster name (default: $FTCOMM_CLUSTER or ftcomm)")
     members.add_argument("--timeout", type=_seconds, default=2.0, help="seconds to wait for an answer (> 0)")
     members.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    members.add_argument("--watch", type=_seconds, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                         help="redraw the table every SECONDS (default 2) with steps/s, until interrupted")
     members.set_defaults(run=_members)
 
     demo = commands.add_parser("demo", help="run a local demonstration")

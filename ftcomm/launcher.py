@@ -7,7 +7,9 @@ Each worker is the user's command with ftcomm's environment:
 - ``FTCOMM_SECRET``: the launcher's own, or, for a run confined to loopback without one,
   a fresh random secret (nothing else on the machine can then join or disturb the group);
 - ``LOCAL_RANK`` / ``FTCOMM_LOCAL_RANK`` (0..N-1, for device selection) and
-  ``FTCOMM_RESTARTS`` (how often this worker was restarted).
+  ``FTCOMM_RESTARTS`` (how often this worker was restarted);
+- ``OMP_NUM_THREADS=1`` with several workers per node, unless set (as torchrun does:
+  several processes each running one OpenMP thread per core slow each other down).
 
 A worker that exits with status 0 has finished; once one has, the job is ending: no
 worker is restarted any more (it would start the training over), and the others have
@@ -260,6 +262,8 @@ class Launcher:
             "FTCOMM_RESTARTS": str(worker.restarts),
             "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
         })
+        if self.config.nproc > 1:  # as torchrun: workers sharing a node's cores do not each spawn one per core
+            env.setdefault("OMP_NUM_THREADS", "1")
         if self.secret is not None:
             env["FTCOMM_SECRET"] = self.secret
         return env

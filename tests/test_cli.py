@@ -74,3 +74,21 @@ def test_the_gossip_layer_and_members_command_run_without_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_members_watch_redraws_with_steps_per_second_until_interrupted(member):
+    import signal
+    import threading
+    import time
+
+    watch = subprocess.Popen([sys.executable, "-m", "ftcomm", "members", "--peer", member.address, "--secret",
+                              "topsecret", "--watch", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True).start()
+    deadline = time.monotonic() + 30
+    while sum("STEPS/S" in line for line in list(lines)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    watch.send_signal(signal.SIGINT)
+    assert watch.wait(10) == 130
+    assert sum("STEPS/S" in line for line in lines) >= 2 and any(member.id in line for line in lines)

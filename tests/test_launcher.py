@@ -43,6 +43,11 @@ def test_each_worker_gets_its_address_the_others_a_secret_and_a_local_rank():
         peers = env["FTCOMM_PEERS"].split(",")
         assert env["FTCOMM_BIND"] not in peers and set(peers) == set(binds) - {env["FTCOMM_BIND"]} | {"10.0.0.9:7000"}
         assert env["LOCAL_RANK"] == env["FTCOMM_LOCAL_RANK"] == str(i) and env["LOCAL_WORLD_SIZE"] == "3"
+    assert all(env["OMP_NUM_THREADS"] == "1" for env in envs)
+    single = Launcher(LaunchConfig(command=["true"]), environ={}, out=io.StringIO())
+    assert "OMP_NUM_THREADS" not in single.worker_env(single.workers[0])
+    chosen = Launcher(LaunchConfig(command=["true"], nproc=2), environ={"OMP_NUM_THREADS": "4"}, out=io.StringIO())
+    assert chosen.worker_env(chosen.workers[0])["OMP_NUM_THREADS"] == "4"
     # peers on other hosts: no secret is made up (the workers must share one)
     assert "FTCOMM_SECRET" not in envs[0]
     alone = Launcher(LaunchConfig(command=["true"], nproc=2), environ={}, out=io.StringIO())
