@@ -108,6 +108,7 @@ class FaultTolerantGroup:
         self._rendezvous = Rendezvous(host, opts.formation_timeout, self._secret)
         self.id = ""
         gossip = None
+        self._metrics = None
         try:
             gossip = self._gossip = GossipNode((host, port), cluster=cluster, secret=self._secret,
                                                config=member_cap(opts.gossip, max_workers),
@@ -115,11 +116,16 @@ class FaultTolerantGroup:
             self._gossip.subscribe(self._on_gossip)
             self._gossip.start(peers)
             self.id = self._engine.id = self._gossip.id
+            if opts.metrics_port is not None:
+                from .metrics import MetricsServer
+                self._metrics = MetricsServer(self, host, opts.metrics_port)
             self._install_exit_hooks()
             self._recover("init", time.monotonic(), opts.init_timeout)
         except BaseException:
             if gossip is not None:
                 gossip.stop()
+            if self._metrics is not None:
+                self._metrics.close()
             self._rendezvous.close()
             raise
 
@@ -144,6 +150,11 @@ class FaultTolerantGroup:
     @property
     def gossip(self) -> GossipNode:
         return self._gossip
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the Prometheus endpoint (``GroupOptions.metrics_port``), or None."""
+        return self._metrics.port if self._metrics is not None else None
 
     def register_state(self, model: Any = None, optimizer: Any = None, sampler: Any = None, **extras: Any) -> None:
         """Register what must be identical on every worker (``state_dict`` objects or plain values).
@@ -279,6 +290,8 @@ class FaultTolerantGroup:
             self._comm.abandon()
             self._comm = None
         self._rendezvous.close()
+        if self._metrics is not None:
+            self._metrics.close()
         self._engine.closed()
 
     # ------------------------------------------------------------------ lifecycle phases

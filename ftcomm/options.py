@@ -76,6 +76,11 @@ class GroupOptions:
     straggler_window: int = 20
     """Gradient steps over which a member's median compute time is taken."""
 
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this TCP port of the bind address (0: a free port, see
+    ``group.metrics_port``); None: no endpoint. Needs ``pip install 'ftcomm[metrics]'``.
+    The endpoint is read-only and not authenticated; see :mod:`ftcomm.metrics`."""
+
     gossip: GossipConfig = field(default_factory=GossipConfig)
     """The membership protocol's configuration (a GossipConfig, or a dict of its fields)."""
 
@@ -104,6 +109,10 @@ class GroupOptions:
             number(name, zero_allowed=True)
         number("bucket_mb", zero_allowed=False, unit="MB")
         number("straggler_factor", zero_allowed=True, unit="a ratio; 0 turns reports off")
+        port = self.metrics_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise (TypeError if not isinstance(port, int) or isinstance(port, bool) else ValueError)(
+                f"metrics_port must be None or an int with 0 <= port <= 65535, got {port!r}")
         if isinstance(self.straggler_window, bool) or not isinstance(self.straggler_window, int):
             raise TypeError(f"straggler_window must be an int >= 1, got {self.straggler_window!r}")
         if self.straggler_window < 1:
