@@ -160,8 +160,9 @@ def run_ftcomm(steps: int, step_time: float, churn: bool, extra: list[str] = (),
             w.close()
 
 
-def check_exactly_once(logs: list[list[dict]], steps: int) -> dict:
-    """Prove from the workers' logs that each epoch's samples were consumed exactly once.
+def check_exactly_once(logs: list[list[dict]], steps: int, samples: int = SAMPLES, seed: int = SEED) -> dict:
+    """Prove from the workers' logs that each epoch's samples were consumed exactly once
+    (a dataset of ``samples`` with the sampler's ``seed``).
 
     Each ``batch`` record is one worker's share of a committed step. Per step, all
     records agree on the step's place (epoch, start, size) in the epoch's permutation;
@@ -196,7 +197,7 @@ def check_exactly_once(logs: list[list[dict]], steps: int) -> dict:
     complete = 0
     for (step, world), lists in shares.items():
         epoch, start, size = next(iter(places[step]))
-        allowed = set(epoch_permutation(SAMPLES, SEED, epoch)[start:start + size].tolist())
+        allowed = set(epoch_permutation(samples, seed, epoch)[start:start + size].tolist())
         seen = [i for idx in lists for i in idx]
         if len(seen) != len(set(seen)) or not set(seen) <= allowed:
             problems.append(f"step {step} (world {world}): shares overlap or leave the step's range")
@@ -214,7 +215,7 @@ def check_exactly_once(logs: list[list[dict]], steps: int) -> dict:
             problems.append(f"step {step} starts at {(epoch, start)}, expected {expected}")
             break
         epochs_done[epoch] += size
-        expected = (epoch + 1, 0) if start + size >= SAMPLES else (epoch, start + size)
+        expected = (epoch + 1, 0) if start + size >= samples else (epoch, start + size)
     return {"ok": not problems, "problems": problems[:10], "steps_checked": steps, "orphan_commits": orphans,
             "complete_steps": complete, "samples_per_epoch": dict(epochs_done)}
 

@@ -1,0 +1,225 @@
+"""Elastic training on Ray actors (extra ``[ray]``): Ray places, restarts and adds the
+workers; ftcomm gives them their group and collectives. No Ray collective group, and
+the driver is in no data path: it only starts actors and hands each one the gossip
+addresses of the others.
+
+    from ftcomm.ray import ElasticRayJob, cache
+
+    def train(config):
+        ft = ftcomm.init()                     # peers, bind address and secret come from the job
+        x, y = ftcomm.ray.fetch(config["data"])  # the dataset, from Ray's object store
+        ...
+        return result
+
+    job = ElasticRayJob(train, num_workers=(2, 4), config={"data": cache(x, y)})
+    results = job.run()
+
+Each worker is an actor of one process with ``cpus_per_worker`` CPUs (and
+``gpus_per_worker`` GPUs). When its process dies (``ray.kill``, a crash), Ray restarts
+the actor, up to ``max_restarts`` times; the job then runs the training function in it
+again, and the new member joins the running group and receives the state. Every
+``scale_interval`` seconds, while the group has fewer than the maximum number of
+workers and the cluster has room for another, the job adds one. :meth:`ElasticRayJob.run`
+returns once a worker's training function has returned and every other worker has
+finished or failed for good: the values returned, one per worker that finished.
+
+:func:`cache` puts a dataset's arrays into Ray's object store once; :func:`fetch` in a
+worker maps them back as tensors without a copy from storage, so a worker that joins or
+is restarted reads its data from memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+try:
+    import ray
+except ImportError as exc:  # pragma: no cover - depends on the extra
+    raise ImportError("ftcomm.ray needs Ray: pip install 'ftcomm[ray]'") from exc
+
+log = logging.getLogger(__name__)
+
+
+def cache(*arrays: Any) -> list:
+    """Put each array (a numpy array or a CPU tensor) into Ray's object store once; the
+    references go in the job's config, and workers :func:`fetch` them."""
+    return [ray.put(np.asarray(a.numpy() if hasattr(a, "numpy") else a)) for a in arrays]
+
+
+def fetch(refs: list) -> list:
+    """The cached arrays as CPU tensors mapped from the object store, not copied (the
+    memory is read-only: copy a tensor before writing to it)."""
+    import warnings
+
+    import torch
+
+    tensors = []
+    for array in ray.get(list(refs)):
+        with warnings.catch_warnings():  # torch warns that writing to read-only memory is undefined
+            warnings.simplefilter("ignore", UserWarning)
+            tensors.append(torch.from_numpy(array))
+    return tensors
+
+
+def _free_port(host: str) -> int:
+    """A port free for TCP and UDP on ``host`` (gossip binds both)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+            tcp.bind((host, 0))
+            port = tcp.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+                try:
+                    udp.bind((host, port))
+                except OSError:
+                    continue
+                return port
+
+
+class _Worker:
+    """One training process (a Ray actor)."""
+
+    def prepare(self) -> str:
+        """Pick this worker's gossip address on its node; returns ``HOST:PORT``."""
+        host = ray.util.get_node_ip_address()
+        self.address = f"{host}:{_free_port(host)}"
+        return self.address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, fn: Callable[[Any], Any], peers: list[str], env: dict[str, str], config: Any) -> Any:
+        os.environ.update(env)
+        os.environ["FTCOMM_BIND"] = self.address
+        os.environ["FTCOMM_PEERS"] = ",".join(p for p in peers if p != self.address)
+        return fn(config)
+
+
+@dataclasses.dataclass
+class _Slot:
+    actor: Any
+    address: str | None = None
+    run: Any = None  # the ObjectRef of its training function's result
+    starts: int = 0
+
+
+class ElasticRayJob:
+    """Runs ``train_fn(config)`` on ``num_workers`` Ray actors; see the module docstring.
+
+    ``num_workers``: ``(min, max)`` or a fixed number. ``min`` workers must fit in the
+    cluster before training starts (waited for up to ``start_timeout`` seconds).
+    ``secret``: the group's secret (default: a fresh one per job, given to every
+    worker). ``env``: more environment variables for the workers.
+    """
+
+    def __init__(self, train_fn: Callable[[Any], Any], num_workers: int | tuple[int, int] = (1, 4), *,
+                 config: Any = None, cpus_per_worker: float = 1, gpus_per_worker: float = 0,
+                 max_restarts: int = 3, scale_interval: float = 5.0, start_timeout: float = 120.0,
+                 secret: str | None = None, cluster: str = "ftcomm-ray", env: dict[str, str] | None = None) -> None:
+        low, high = (num_workers, num_workers) if isinstance(num_workers, int) else num_workers
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+            raise ValueError(f"num_workers must be an int >= 1 or (min, max) with 1 <= min <= max, got {num_workers!r}")
+        if max_restarts < 0 or scale_interval <= 0 or start_timeout <= 0:
+            raise ValueError("max_restarts must be >= 0, scale_interval and start_timeout > 0")
+        self.train_fn, self.config = train_fn, config
+        self.min_workers, self.max_workers = low, high
+        self.cpus, self.gpus = cpus_per_worker, gpus_per_worker
+        self.max_restarts, self.scale_interval, self.start_timeout = max_restarts, scale_interval, start_timeout
+        self.env = {"FTCOMM_SECRET": secret or secrets.token_hex(32), "FTCOMM_CLUSTER": cluster,
+                    "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.slots: list[_Slot] = []
+        self.restarts = 0  # training functions started again in a restarted actor
+        self.failed = 0  # workers given up on (no restarts left)
+        # Two threads: ``pid`` and ``prepare`` answer while ``run`` trains.
+        self._actor_class = ray.remote(max_restarts=max_restarts, max_task_retries=0, max_concurrency=2)(_Worker)
+
+    # ------------------------------------------------------------------ running
+    def run(self, timeout: float | None = None) -> list:
+        """Train; the values returned by the workers whose training function returned."""
+        if not ray.is_initialized():
+            ray.init()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: list = []
+        try:
+            self._start_initial()
+            next_scale = time.monotonic() + self.scale_interval
+            while any(s.run is not None for s in self.slots):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the job did not finish within {timeout:g} s")
+                running = [s.run for s in self.slots if s.run is not None]
+                done, _ = ray.wait(running, num_returns=1, timeout=0.5)
+                for ref in done:
+                    slot = next(s for s in self.slots if s.run is ref)
+                    self._finished(slot, results)
+                if not results and time.monotonic() >= next_scale:
+                    next_scale = time.monotonic() + self.scale_interval
+                    self._scale_up()
+        finally:
+            for slot in self.slots:
+                ray.kill(slot.actor, no_restart=True)
+        return results
+
+    def _start_initial(self) -> None:
+        waited_until = time.monotonic() + self.start_timeout
+        while len(self.slots) < self.min_workers:
+            if not self._fits():
+                if time.monotonic() > waited_until:
+                    raise TimeoutError(f"the cluster has no room for {self.min_workers} workers of "
+                                       f"{self.cpus} CPU and {self.gpus} GPU within {self.start_timeout:g} s")
+                time.sleep(0.5)
+                continue
+            self._add()
+        while len(self.slots) < self.max_workers and self._fits():
+            self._add()
+
+    def _fits(self) -> bool:
+        free = ray.available_resources()
+        return free.get("CPU", 0) >= self.cpus and free.get("GPU", 0) >= self.gpus
+
+    def _scale_up(self) -> None:
+        if len(self.slots) < self.max_workers and self._fits():
+            log.info("adding a worker (%d of at most %d)", len(self.slots) + 1, self.max_workers)
+            self._add()
+
+    def _add(self) -> None:
+        options = {"num_cpus": self.cpus}
+        if self.gpus:
+            options["num_gpus"] = self.gpus
+        slot = _Slot(self._actor_class.options(**options).remote())
+        self.slots.append(slot)
+        self._launch(slot)
+
+    def _launch(self, slot: _Slot) -> None:
+        """Start the training function in ``slot``'s actor, with every other worker as a peer."""
+        slot.address = ray.get(slot.actor.prepare.remote())
+        peers = [s.address for s in self.slots if s is not slot and s.address]
+        slot.run = slot.actor.run.remote(self.train_fn, peers, self.env, self.config)
+        slot.starts += 1
+
+    def _finished(self, slot: _Slot, results: list) -> None:
+        ref, slot.run = slot.run, None
+        try:
+            results.append(ray.get(ref))
+            return
+        except ray.exceptions.RayActorError as exc:  # its process died
+            reason: BaseException = exc
+        except ray.exceptions.RayTaskError as exc:  # the training function raised
+            reason = exc
+        if results or slot.starts > self.max_restarts:
+            self.failed += 1
+            log.warning("worker at %s failed for good: %s", slot.address, str(reason).splitlines()[0][:200])
+            return
+        log.warning("worker at %s failed (%s); running it again", slot.address, type(reason).__name__)
+        try:
+            self._launch(slot)  # the actor was restarted by Ray (or the function raised: run it again)
+            self.restarts += 1
+        except ray.exceptions.RayActorError:
+            self.failed += 1
+            log.warning("worker at %s could not be restarted", slot.address)
