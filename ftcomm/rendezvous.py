@@ -344,14 +344,29 @@ class StoreClient(dist.Store):
         self._cancelled: str | None = None
 
     def cancel(self, reason: str) -> None:
-        """Fail the request in flight (within ``CANCEL_POLL_S``) and every later one."""
+        """Fail the request in flight (within ``CANCEL_POLL_S``) and every later one, and
+        close the connection (at once when no request is in flight, else when it ends):
+        an abandoned formation's client is kept alive by its builder, and its socket must
+        not outlive it (a process has 1023 of them)."""
         self._cancelled = reason
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_locked()
+            finally:
+                self._lock.release()
+
+    def _cancelled_error(self, what: str) -> CommunicatorError:
+        self._close_locked()
+        return CommunicatorError(f"{what} on the rendezvous store at {self.address} cancelled: {self._cancelled}")
+
+    def _close_locked(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._socket.close()
 
     def close(self) -> None:
         with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._socket.close()
+            self._close_locked()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
@@ -392,11 +407,12 @@ class StoreClient(dist.Store):
         body = msgpack.packb(request, use_bin_type=True)
         deadline = time.monotonic() + waits + self._timeout
         with self._lock:
+            if self._cancelled is not None:
+                raise self._cancelled_error(request[0])
             if self._closed:
                 raise CommunicatorError(f"the connection to the rendezvous store at {self.address} was closed")
             frame, nonce = self._framing.seal(body)
-            if self._cancelled is None:
-                self._socket.send(frame)
+            self._socket.send(frame)
             while (left := deadline - time.monotonic()) > 0 and self._cancelled is None:
                 if not self._socket.poll(min(left, CANCEL_POLL_S) * 1000):
                     continue
@@ -410,9 +426,8 @@ class StoreClient(dist.Store):
                     raise CommunicatorError(f"the rendezvous store at {self.address} answered {request[0]} "
                                             f"{request[1] if len(request) > 1 else ''!r:.80}: {value}")
                 return value
-        if self._cancelled is not None:
-            raise CommunicatorError(f"{request[0]} on the rendezvous store at {self.address} cancelled: "
-                                    f"{self._cancelled}")
+            if self._cancelled is not None:
+                raise self._cancelled_error(request[0])
         raise CommunicatorError(f"no authenticated answer from the rendezvous store at {self.address} within "
                                 f"{waits + self._timeout:.1f} s (the worker is gone or uses another secret)")
 

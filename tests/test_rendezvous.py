@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 
@@ -238,3 +239,38 @@ def test_an_abandoned_formation_stops_its_builder_and_the_process_exits_cleanly(
     import sys
     done = subprocess.run([sys.executable, "-c", ABANDONED_FORMATION], capture_output=True, text=True, timeout=55)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_abandoned_formations_leave_no_sockets_or_threads_behind():
+    """Every formation given up on used to leave its store connection and a Gloo device
+    (a listener, a thread, descriptors) behind: a long job ran out of descriptors."""
+    from ftcomm.backends.base import AbortSignal
+    from ftcomm.backends.gloo import GlooCommunicator
+    from ftcomm.errors import CollectiveAborted
+
+    r = Rendezvous("127.0.0.1", 30.0, SECRET)
+
+    def abandon(view_id: int) -> None:
+        abort = AbortSignal()
+        timer = threading.Timer(0.05, abort.fire, args=("a newer view",))
+        timer.start()
+        with pytest.raises(CollectiveAborted):
+            GlooCommunicator.form(r.view_store(View(view_id, ("a", "b")), "127.0.0.1", r.port), 0, 2, view_id,
+                                  abort, 30.0, host="127.0.0.1")
+        timer.join()
+
+    def settled() -> tuple[int, int]:
+        deadline = time.monotonic() + 10
+        while any(t.name.startswith("ftcomm-gloo-form") for t in threading.enumerate()) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(os.listdir("/proc/self/fd")), threading.active_count()
+    try:
+        abandon(1)  # the first one creates the shared device
+        fds, threads = settled()
+        for view_id in range(2, 22):
+            abandon(view_id)
+        more_fds, more_threads = settled()
+        assert more_fds - fds <= 8 and more_threads - threads <= 2, (fds, more_fds, threads, more_threads)
+    finally:
+        r.close()

@@ -183,9 +183,24 @@ class GlooCommunicator:
         self.group = None
 
 
+_DEVICES: dict[str, Any] = {}
+_DEVICES_LOCK = threading.Lock()
+
+
 def device(host: str | None) -> Any:
-    """The Gloo transport device for a group bound to ``host``: listening on that address
-    alone. A wildcard or absent host falls back to Gloo's default (the host name's address)."""
+    """The Gloo transport device for groups bound to ``host``: listening on that address
+    alone. A wildcard or absent host falls back to Gloo's default (the host name's address).
+
+    One device per address, shared by every group of the process: a device holds a
+    listener, a thread and a few descriptors, and groups of abandoned views are never
+    destroyed (see :func:`bury`), so a device per group leaked them at every re-formation.
+    """
     if host is None or netif.is_wildcard(host):
-        return dist.ProcessGroupGloo.create_default_device()
-    return dist.ProcessGroupGloo.create_device(hostname=netif.resolve(host))
+        key, make = "", dist.ProcessGroupGloo.create_default_device
+    else:
+        address = netif.resolve(host)
+        key, make = address, lambda: dist.ProcessGroupGloo.create_device(hostname=address)
+    with _DEVICES_LOCK:
+        if key not in _DEVICES:
+            _DEVICES[key] = make()
+        return _DEVICES[key]
