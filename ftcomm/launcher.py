@@ -17,9 +17,11 @@ worker is restarted any more (it would start the training over), and the others 
 other exit (a crash, a kill, an exception) restarts the worker *process*, after
 ``restart_backoff`` seconds doubled on each restart of the same worker (at most 60 s),
 up to ``max_restarts`` times; the new process rejoins through gossip and receives the
-state from its peers, the others do not stop. SIGTERM or SIGINT to the launcher is
-forwarded to every worker as SIGTERM (a graceful leave); whatever still runs after
-``stop_timeout`` seconds is killed.
+state from its peers, the others do not stop. SIGTERM, SIGINT, SIGHUP or SIGQUIT to
+the launcher is forwarded to every worker as SIGTERM (a graceful leave); whatever still
+runs after ``stop_timeout`` seconds, or at a second signal, is killed with what it
+started. A worker's leftover processes are killed when it exits, and a worker receives
+SIGTERM from the kernel if the launcher dies (Linux's parent-death signal).
 
 Exit status: 0 when every worker finished, 128 + N when stopped by signal N, 1 otherwise
 (a worker failed more than ``max_restarts`` times).
@@ -27,6 +29,7 @@ Exit status: 0 when every worker finished, 128 + N when stopped by signal N, 1 o
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import ipaddress
 import os
@@ -36,14 +39,18 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import TextIO
 
+from .errors import AddressError, FtcommError
 from .gossip.addresses import parse_seed
-from .options import check_protection
+from .options import check_addresses, check_protection
 
 MAX_BACKOFF_S = 60.0
 POLL_S = 0.05
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+PR_SET_PDEATHSIG = 1
 
 
 @dataclasses.dataclass
@@ -92,6 +99,7 @@ class Worker:
     restarts: int = 0
     started_at: float = 0.0
     restart_at: float | None = None  # a restart is due then
+    saving: threading.Thread | None = None  # persisting a checkpoint at its breakpoint: the restart waits
     status: str = "starting"  # running, waiting (for a restart), finished, failed, stopped
 
 
@@ -103,7 +111,10 @@ def free_ports(host: str, count: int) -> list[int]:
         while len(ports) < count:
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             held.append(tcp)
-            tcp.bind((host, 0))
+            try:
+                tcp.bind((host, 0))
+            except OSError as exc:
+                raise AddressError(f"cannot bind {host}: {exc.strerror or exc}") from None
             port = tcp.getsockname()[1]
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             held.append(udp)
@@ -136,6 +147,7 @@ class Launcher:
         self.environ = dict(os.environ if environ is None else environ)
         self.out = out if out is not None else sys.stderr
         self._tty = hasattr(self.out, "isatty") and self.out.isatty()
+        check_addresses(config.host, list(config.peers))  # AddressError: the workers could not start either
         ports = (list(range(config.port, config.port + config.nproc)) if config.port
                  else free_ports(config.host, config.nproc))
         self.workers = [Worker(i, p) for i, p in enumerate(ports)]
@@ -149,13 +161,14 @@ class Launcher:
                 self.environ.get("FTCOMM_INSECURE", "").strip().lower() not in ("1", "true", "yes"):
             check_protection(config.host, None, False)  # SecretRequired, saying how to set one or opt out
         self._stop_signal: int | None = None
+        self._signals = 0  # stop signals received: a second one kills at once
         self._stop_deadline: float | None = None
         self._ending_at: float | None = None  # when a worker finished: no more restarts
         self._status = _StatusLine(self)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
             for worker in self.workers:
                 self._start(worker)
@@ -163,12 +176,14 @@ class Launcher:
                 self._step(time.monotonic())
                 time.sleep(POLL_S)
         finally:
+            for worker in self.workers:  # nothing outlives the launcher (its handlers still hold)
+                if worker.process is not None:
+                    _kill_group(worker.process, signal.SIGKILL)  # what a worker started, too
+                    worker.process.wait()
+                if worker.saving is not None:
+                    worker.saving.join()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            for worker in self.workers:  # nothing outlives the launcher
-                if worker.process is not None and worker.process.poll() is None:
-                    _kill_group(worker.process, signal.SIGKILL)
-                    worker.process.wait()
             self._status.finish()
         return self._exit_status()
 
@@ -179,12 +194,14 @@ class Launcher:
             self.say(f"workers still run {self.config.stop_timeout:g} s after one finished: stopping them "
                      f"(graceful leave, up to {self.config.stop_timeout:g} s)")
             self._stop_all()
+        if self._signals >= 2:  # asked twice: do not wait any longer
+            self._stop_deadline = min(self._stop_deadline or now, now)
         if self._stop_signal is not None and self._stop_deadline is None:
             self._stop_deadline = now + self.config.stop_timeout
             self.say(f"{signal.Signals(self._stop_signal).name}: stopping every worker (graceful leave, "
                      f"up to {self.config.stop_timeout:g} s)")
             self._stop_all()
-        if self._stop_deadline is not None and now > self._stop_deadline:
+        if self._stop_deadline is not None and now >= self._stop_deadline:
             for worker in self.workers:
                 if worker.process is not None and worker.process.poll() is None:
                     self.say(f"worker {worker.local_rank} (pid {worker.process.pid}) still runs: killed")
@@ -192,7 +209,11 @@ class Launcher:
         for worker in self.workers:
             if worker.status == "running" and worker.process.poll() is not None:
                 self._exited(worker, worker.process.returncode, now)
-            elif worker.status == "waiting" and worker.restart_at is not None and now >= worker.restart_at:
+            elif worker.status == "waiting" and self._ending_at is not None:
+                worker.status = "failed"
+                self.say(f"worker {worker.local_rank} is not restarted: the job is ending")
+            elif worker.status == "waiting" and worker.restart_at is not None and now >= worker.restart_at and \
+                    (worker.saving is None or not worker.saving.is_alive()):
                 self._start(worker)
         self._status.update(now)
 
@@ -205,6 +226,7 @@ class Launcher:
 
     def _exited(self, worker: Worker, code: int, now: float) -> None:
         ran = now - worker.started_at
+        _kill_group(worker.process, signal.SIGKILL)  # whatever it started and left behind
         if code == 0:
             worker.status = "finished"
             if self._ending_at is None:
@@ -215,8 +237,9 @@ class Launcher:
             worker.status = "stopped"
             self.say(f"worker {worker.local_rank} stopped ({describe_exit(code)})")
             return
-        if self.config.save_at_breakpoint:
-            self._save_at_breakpoint()
+        if self.config.save_at_breakpoint:  # in the background; the restart waits for it
+            worker.saving = threading.Thread(target=self._save_at_breakpoint, name="ftcomm-run-save")
+            worker.saving.start()
         if self._ending_at is not None:
             worker.status = "failed"
             self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
@@ -227,7 +250,7 @@ class Launcher:
             self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
                      f"no restarts left (--max-restarts {self.config.max_restarts})")
             return
-        delay = min(MAX_BACKOFF_S, self.config.restart_backoff * 2 ** worker.restarts)
+        delay = min(MAX_BACKOFF_S, self.config.restart_backoff * 2 ** min(worker.restarts, 16))
         worker.status, worker.restart_at = "waiting", now + delay
         self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
                  f"restart {worker.restarts + 1} of {self.config.max_restarts} in {delay:g} s")
@@ -238,7 +261,7 @@ class Launcher:
         worker.restart_at = None
         try:
             worker.process = subprocess.Popen(self.config.command, env=self.worker_env(worker),
-                                              start_new_session=True)
+                                              start_new_session=True, preexec_fn=_leave_with_parent)
         except OSError as exc:  # no such program, not executable: restarting cannot help
             worker.status = "failed"
             self.say(f"worker {worker.local_rank} cannot start {self.config.command[0]!r}: {exc.strerror or exc}")
@@ -269,10 +292,9 @@ class Launcher:
         return env
 
     def _on_signal(self, signum: int, frame) -> None:
+        self._signals += 1
         if self._stop_signal is None:
             self._stop_signal = signum
-        elif self._stop_deadline is not None:  # asked twice: do not wait any longer
-            self._stop_deadline = 0.0
 
     def _exit_status(self) -> int:
         if self._stop_signal is not None:
@@ -285,15 +307,18 @@ class Launcher:
         name = self.config.checkpoint_name or self.config.cluster
         try:
             step = persist_newest(pathlib.Path("/dev/shm") / f"ftcomm-{name}", pathlib.Path(self.config.checkpoint_dir))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, FtcommError) as exc:  # the workers go on: only the copy is lost
             self.say(f"saving at the breakpoint failed: {exc}")
             return
         if step is not None:
             self.say(f"saved the newest checkpoint (step {step}) to {self.config.checkpoint_dir}")
 
     def say(self, text: str) -> None:
-        self._status.clear()
-        print(f"[ftcomm run] {text}", file=self.out, flush=True)
+        try:
+            self._status.clear()
+            print(f"[ftcomm run] {text}", file=self.out, flush=True)
+        except (OSError, ValueError):  # stderr closed (a pipe whose reader is gone): the workers go on
+            pass
 
 
 class _StatusLine:
@@ -317,17 +342,20 @@ class _StatusLine:
         if line is None:
             return
         out = self.launcher.out
-        if self.launcher._tty:
-            print(f"\r\x1b[K[ftcomm run] {line}", end="", file=out, flush=True)
-            self._drawn = True
-        else:
-            print(f"[ftcomm run] {line}", file=out, flush=True)
+        try:
+            if self.launcher._tty:
+                print(f"\r\x1b[K[ftcomm run] {line}", end="", file=out, flush=True)
+                self._drawn = True
+            else:
+                print(f"[ftcomm run] {line}", file=out, flush=True)
+        except (OSError, ValueError):
+            pass
 
     def read(self, now: float) -> str | None:
         from .gossip.runtime import GossipError, query_members
 
         launcher = self.launcher
-        running = [w for w in launcher.workers if w.status == "running"]
+        running = [w for w in launcher.workers if w.status == "running"][:2]  # a bounded wait per update
         for worker in running:
             try:
                 members = query_members((launcher.config.host, worker.port), cluster=launcher.config.cluster,
@@ -371,3 +399,19 @@ def _kill_group(process: subprocess.Popen, sig: int) -> None:
         except ProcessLookupError:
             pass
 
+
+def _prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _prctl()  # looked up here: the child between fork and exec only calls it
+
+
+def _leave_with_parent() -> None:
+    """In the worker before exec: SIGTERM (a graceful leave) when the launcher dies, however
+    it dies (kill -9 included), so that no worker outlives it."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)

@@ -35,20 +35,21 @@ def launch(tmp_path, body: str, nproc: int = 1, **options) -> tuple[int, str]:
 
 
 def test_each_worker_gets_its_address_the_others_a_secret_and_a_local_rank():
-    launcher = Launcher(LaunchConfig(command=["true"], nproc=3, peers=("10.0.0.9:7000",)), environ={}, out=io.StringIO())
+    launcher = Launcher(LaunchConfig(command=["true"], nproc=3, peers=("127.0.0.1:7000",)), environ={},
+                        out=io.StringIO())
     envs = [launcher.worker_env(w) for w in launcher.workers]
     binds = [e["FTCOMM_BIND"] for e in envs]
     assert len(set(binds)) == 3 and all(b.startswith("127.0.0.1:") for b in binds)
     for i, env in enumerate(envs):
         peers = env["FTCOMM_PEERS"].split(",")
-        assert env["FTCOMM_BIND"] not in peers and set(peers) == set(binds) - {env["FTCOMM_BIND"]} | {"10.0.0.9:7000"}
+        assert env["FTCOMM_BIND"] not in peers and set(peers) == set(binds) - {env["FTCOMM_BIND"]} | {"127.0.0.1:7000"}
         assert env["LOCAL_RANK"] == env["FTCOMM_LOCAL_RANK"] == str(i) and env["LOCAL_WORLD_SIZE"] == "3"
     assert all(env["OMP_NUM_THREADS"] == "1" for env in envs)
     single = Launcher(LaunchConfig(command=["true"]), environ={}, out=io.StringIO())
     assert "OMP_NUM_THREADS" not in single.worker_env(single.workers[0])
     chosen = Launcher(LaunchConfig(command=["true"], nproc=2), environ={"OMP_NUM_THREADS": "4"}, out=io.StringIO())
     assert chosen.worker_env(chosen.workers[0])["OMP_NUM_THREADS"] == "4"
-    # peers on other hosts: no secret is made up (the workers must share one)
+    # peers given (other launchers): no secret is made up (the workers must share one)
     assert "FTCOMM_SECRET" not in envs[0]
     alone = Launcher(LaunchConfig(command=["true"], nproc=2), environ={}, out=io.StringIO())
     made = {alone.worker_env(w)["FTCOMM_SECRET"] for w in alone.workers}
@@ -74,7 +75,12 @@ def test_bad_options_are_refused_with_a_clear_error(options, message):
 
 
 def test_a_non_loopback_node_without_a_secret_is_refused_unless_insecure_is_asked_for():
-    config = LaunchConfig(command=["true"], host="10.0.0.1", port=7000)
+    from ftcomm import _default_bind
+
+    host = _default_bind().rsplit(":", 1)[0]
+    if host == "127.0.0.1":
+        pytest.fail("this machine has no non-loopback IPv4 address to test protected mode with")
+    config = LaunchConfig(command=["true"], host=host, port=7000)
     with pytest.raises(SecretRequired, match="FTCOMM_SECRET"):
         Launcher(config, environ={}, out=io.StringIO())
     Launcher(config, environ={"FTCOMM_INSECURE": "1"}, out=io.StringIO())
@@ -209,3 +215,101 @@ def test_save_at_breakpoint_persists_shared_memory_when_a_worker_dies(tmp_path):
     finally:
         solo.shutdown()
         shutil.rmtree(f"/dev/shm/ftcomm-{name}", ignore_errors=True)
+
+
+def test_a_worker_waiting_for_its_restart_is_not_restarted_once_another_finished(tmp_path):
+    body = ("if os.environ['LOCAL_RANK'] == '0': sys.exit(7)\n"
+            "time.sleep(0.5); sys.exit(0)\n")
+    code, log = launch(tmp_path, body, nproc=2, restart_backoff=5.0)
+    assert code == 1 and "worker 0 is not restarted: the job is ending" in log
+    assert len(re.findall(r"worker \d started", log)) == 2
+
+
+def test_the_restart_backoff_stops_growing(tmp_path):
+    launcher = Launcher(LaunchConfig(command=["true"], max_restarts=10_000, restart_backoff=1.0), environ={},
+                        out=io.StringIO())
+    worker = launcher.workers[0]
+    worker.restarts, worker.process = 1024, subprocess.Popen(["true"])
+    worker.process.wait()
+    launcher._exited(worker, 1, time.monotonic())  # 2**1024 seconds would overflow a float
+    assert worker.status == "waiting" and worker.restart_at - time.monotonic() <= 60
+
+
+def test_what_a_worker_started_does_not_outlive_it(tmp_path):
+    marker = tmp_path / "child.pid"
+    body = (f"import subprocess\n"
+            f"if os.environ['FTCOMM_RESTARTS'] == '0':\n"
+            f"    child = subprocess.Popen(['sleep', '1000'])\n"
+            f"    open({str(marker)!r}, 'w').write(str(child.pid))\n"
+            f"    sys.exit(3)\n")
+    code, log = launch(tmp_path, body, restart_backoff=0.0)
+    assert code == 0, log
+    child = int(marker.read_text())
+    wait_until(lambda: not os.path.exists(f"/proc/{child}") or
+               open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 10, "the orphan gone")
+
+
+def test_a_second_sigterm_kills_workers_that_ignore_the_first(tmp_path):
+    script = tmp_path / "stubborn.py"
+    script.write_text("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "os.write(1, b'up\\n')\ntime.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "ftcomm", "run", "--stop-timeout", "60", str(script)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert launcher.stdout.readline() == "up\n"
+    launcher.send_signal(signal.SIGTERM)
+    while "stopping every worker" not in launcher.stderr.readline():  # the first one was seen
+        pass
+    launcher.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert launcher.wait(30) == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 30  # not the 60 s stop timeout
+
+
+def test_workers_leave_when_the_launcher_is_killed(tmp_path):
+    """kill -9 of the launcher: its workers get SIGTERM (a graceful leave) and exit."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+                      "os.write(1, (str(os.getpid()) + '\\n').encode())\ntime.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "2", str(script)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pids = [int(launcher.stdout.readline()) for _ in range(2)]
+    launcher.kill()
+    launcher.wait(10)
+
+    def gone(pid: int) -> bool:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        return state == "Z"
+    wait_until(lambda: all(gone(p) for p in pids), 15, "the workers gone")
+
+
+def test_addresses_that_cannot_work_are_refused_before_anything_starts():
+    from ftcomm.errors import AddressError
+
+    with pytest.raises(AddressError, match="not an address of this machine"):
+        Launcher(LaunchConfig(command=["true"], host="203.0.113.9", port=7000), environ={"FTCOMM_SECRET": "s"},
+                 out=io.StringIO())
+    with pytest.raises(AddressError, match="loopback"):
+        Launcher(LaunchConfig(command=["true"], peers=("10.1.2.3:7000",)), environ={"FTCOMM_SECRET": "s"},
+                 out=io.StringIO())
+
+
+def test_a_shared_memory_directory_that_is_not_private_does_not_stop_the_job(tmp_path):
+    import shutil
+    import uuid
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    planted = f"/dev/shm/ftcomm-{name}"
+    os.mkdir(planted)
+    os.chmod(planted, 0o777)  # writable by others: refused as a checkpoint source
+    try:
+        code, log = launch(tmp_path, "sys.exit(0 if os.environ['FTCOMM_RESTARTS'] == '1' else 3)\n",
+                           restart_backoff=0.0, save_at_breakpoint=True, checkpoint_name=name,
+                           checkpoint_dir=str(tmp_path / "kept"))
+    finally:
+        shutil.rmtree(planted, ignore_errors=True)
+    assert code == 0, log
+    assert "saving at the breakpoint failed" in log and "restart 1 of 3" in log
