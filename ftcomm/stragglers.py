@@ -92,7 +92,8 @@ class StragglerWatch:
             if self._streak[member] < self.patience:
                 continue
             del self._streak[member]
-            others = statistics.median(t for m, t in times.items() if m != member)
+            rest = [t for m, t in times.items() if m != member]
+            others = statistics.median(rest) if rest else float("nan")  # it is the only one left with a figure
             if member in flagged:
                 self.slow.add(member)
                 reports.append(StragglerReport(member, True, times[member], others, at))

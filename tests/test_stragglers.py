@@ -43,6 +43,13 @@ def test_reports_are_changes_after_three_judgments_in_a_row():
     assert gone.member == "c" and not gone.slow and math.isnan(gone.compute_s)
 
 
+def test_a_straggler_left_alone_with_a_figure_is_cleared_without_error():
+    watch = StragglerWatch(2.0, patience=1)
+    watch.judge({"a": 0.1, "c": 0.5}, at=1.0)
+    (cleared,) = watch.judge({"c": 0.5}, at=2.0)  # its only peer left, or has no figure yet
+    assert cleared.member == "c" and not cleared.slow and math.isnan(cleared.others_s)
+
+
 def test_the_compute_time_is_a_median_over_a_window():
     times = ComputeTimes(3)
     assert times.median() is None
