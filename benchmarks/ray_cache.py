@@ -125,7 +125,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ray_cache.json"))
     args = parser.parse_args()
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
     rows = args.mb * (1 << 20) // (4 * 64)
     data = np.random.default_rng(0).standard_normal((rows, 64), dtype=np.float32)

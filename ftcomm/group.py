@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -53,6 +54,14 @@ before the member is taken for alive (see :func:`ftcomm.rendezvous.refused`)."""
 
 INBOX_LIMIT = 4096
 """Gossip news held for the training thread; beyond it, the next look re-reads every record."""
+
+_RUNNING: "weakref.WeakSet[FaultTolerantGroup]" = weakref.WeakSet()
+
+
+def running_groups() -> list["FaultTolerantGroup"]:
+    """The groups of this process that were formed and not shut down."""
+    return [g for g in list(_RUNNING) if not g._closed]
+
 
 class FaultTolerantGroup:
     """A data-parallel group that survives crashes, hangs, leaves, joins and partitions."""
@@ -121,6 +130,7 @@ class FaultTolerantGroup:
                 self._metrics = MetricsServer(self, host, opts.metrics_port)
             self._install_exit_hooks()
             self._recover("init", time.monotonic(), opts.init_timeout)
+            _RUNNING.add(self)
         except BaseException:
             if gossip is not None:
                 gossip.stop()
@@ -602,7 +612,10 @@ class FaultTolerantGroup:
         self.step += 1
         if time.monotonic() - self._last_step_publish >= self.options.step_publish_interval:
             self._publish()
-            self._judge_stragglers()
+            try:
+                self._judge_stragglers()
+            except Exception:  # noqa: BLE001 - a report must never fail a committed step
+                log.exception("judging stragglers failed")
 
     def _judge_stragglers(self) -> None:
         """Compare the view members' published compute times (see ftcomm.stragglers)."""

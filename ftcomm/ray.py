@@ -99,7 +99,16 @@ class _Worker:
         os.environ.update(env)
         os.environ["FTCOMM_BIND"] = self.address
         os.environ["FTCOMM_PEERS"] = ",".join(p for p in peers if p != self.address)
-        return fn(config)
+        from ftcomm.group import running_groups
+
+        try:
+            return fn(config)
+        except BaseException:
+            # The group the function formed would stay behind as a live member that never
+            # steps again, holding the others up: leave it (the others re-form at once).
+            for group in running_groups():
+                group.shutdown()
+            raise
 
 
 @dataclasses.dataclass
@@ -136,15 +145,18 @@ class ElasticRayJob:
                     "PYTHONUNBUFFERED": "1", **(env or {})}
         self.slots: list[_Slot] = []
         self.restarts = 0  # training functions started again in a restarted actor
-        self.failed = 0  # workers given up on (no restarts left)
+        self.failed = 0  # workers given up on (no restarts left, or the job was ending)
+        self.errors: list[str] = []  # why each of them failed
         # Two threads: ``pid`` and ``prepare`` answer while ``run`` trains.
         self._actor_class = ray.remote(max_restarts=max_restarts, max_task_retries=0, max_concurrency=2)(_Worker)
 
     # ------------------------------------------------------------------ running
     def run(self, timeout: float | None = None) -> list:
-        """Train; the values returned by the workers whose training function returned."""
+        """Train; the values returned by the workers whose training function returned.
+        Raises RuntimeError when every worker failed."""
         if not ray.is_initialized():
             ray.init()
+        self.slots, self.restarts, self.failed, self.errors = [], 0, 0, []
         deadline = None if timeout is None else time.monotonic() + timeout
         results: list = []
         try:
@@ -162,8 +174,11 @@ class ElasticRayJob:
                     next_scale = time.monotonic() + self.scale_interval
                     self._scale_up()
         finally:
-            for slot in self.slots:
-                ray.kill(slot.actor, no_restart=True)
+            if ray.is_initialized():
+                for slot in self.slots:
+                    ray.kill(slot.actor, no_restart=True)
+        if not results:
+            raise RuntimeError(f"every worker failed: {'; '.join(self.errors) or 'no worker could be started'}")
         return results
 
     def _start_initial(self) -> None:
@@ -197,8 +212,17 @@ class ElasticRayJob:
         self._launch(slot)
 
     def _launch(self, slot: _Slot) -> None:
-        """Start the training function in ``slot``'s actor, with every other worker as a peer."""
-        slot.address = ray.get(slot.actor.prepare.remote())
+        """Start the training function in ``slot``'s actor, with every other worker as a peer.
+        An actor that Ray is restarting is waited for (up to ``start_timeout``)."""
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                slot.address = ray.get(slot.actor.prepare.remote(), timeout=self.start_timeout)
+                break
+            except ray.exceptions.ActorUnavailableError:  # being restarted
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         peers = [s.address for s in self.slots if s is not slot and s.address]
         slot.run = slot.actor.run.remote(self.train_fn, peers, self.env, self.config)
         slot.starts += 1
@@ -210,16 +234,20 @@ class ElasticRayJob:
             return
         except ray.exceptions.RayActorError as exc:  # its process died
             reason: BaseException = exc
-        except ray.exceptions.RayTaskError as exc:  # the training function raised
+        except ray.exceptions.RayTaskError as exc:  # the training function raised (its group was left)
             reason = exc
+        lines = [line for line in str(reason).splitlines() if line.strip()]
+        why = lines[-1][:300] if lines else type(reason).__name__  # the exception, after Ray's traceback
         if results or slot.starts > self.max_restarts:
             self.failed += 1
-            log.warning("worker at %s failed for good: %s", slot.address, str(reason).splitlines()[0][:200])
+            self.errors.append(why)
+            log.warning("worker at %s failed for good: %s", slot.address, why)
             return
         log.warning("worker at %s failed (%s); running it again", slot.address, type(reason).__name__)
         try:
-            self._launch(slot)  # the actor was restarted by Ray (or the function raised: run it again)
+            self._launch(slot)  # the actor was restarted by Ray
             self.restarts += 1
-        except ray.exceptions.RayActorError:
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             self.failed += 1
-            log.warning("worker at %s could not be restarted", slot.address)
+            self.errors.append(f"could not be restarted: {type(exc).__name__}")
+            log.warning("worker at %s could not be restarted (%s)", slot.address, type(exc).__name__)

@@ -42,6 +42,7 @@ def train(config: dict) -> dict:
                 if ft.step >= config["steps"]:
                     break
     result = {"id": ft.id, "pid": os.getpid(), "step": ft.step, "digest": ft.state.digest(ft.step),
-              "views": [(e.view_id, len(e.members), e.reason) for e in ft.events]}
+              "views": [(e.view_id, list(e.members), e.reason) for e in ft.events]}
     ft.shutdown()
     return result
+

@@ -26,7 +26,7 @@ SAMPLES = 512
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
@@ -54,18 +54,19 @@ def run_in_background(job: ElasticRayJob) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
-def wait_for_steps(log_dir, steps: int, timeout: float = 120) -> None:
+def wait_for_steps(log_dir, steps: int, world: int = 1, timeout: float = 120) -> None:
+    """Until a step >= ``steps`` was committed by a view of at least ``world`` workers."""
     deadline = time.monotonic() + timeout
-    while max((r["step"] for log in logged(log_dir) for r in log), default=0) < steps:
-        assert time.monotonic() < deadline, f"no step {steps} within {timeout} s"
+    while not any(r["step"] >= steps and r["world"] >= world for log in logged(log_dir) for r in log):
+        assert time.monotonic() < deadline, f"no step {steps} in a world of {world} within {timeout} s"
         time.sleep(0.2)
 
 
-def assert_one_state_and_exactly_once(results: list[dict], log_dir) -> None:
-    assert len({r["digest"] for r in results}) == 1 and {r["step"] for r in results} == {STEPS}
-    once = check_exactly_once(logged(log_dir), STEPS, samples=SAMPLES, seed=1)
+def assert_one_state_and_exactly_once(results: list[dict], log_dir, steps: int = STEPS) -> None:
+    assert len({r["digest"] for r in results}) == 1 and {r["step"] for r in results} == {steps}
+    once = check_exactly_once(logged(log_dir), steps, samples=SAMPLES, seed=1)
     assert once["ok"], once["problems"]
-    assert sum(once["samples_per_epoch"].values()) == STEPS * 64
+    assert sum(once["samples_per_epoch"].values()) == steps * 64
 
 
 def test_the_object_store_cache_round_trips(cluster):
@@ -75,11 +76,12 @@ def test_the_object_store_cache_round_trips(cluster):
 
 
 def test_a_killed_actor_is_restarted_by_ray_and_rejoins(cluster, tmp_path):
-    config = {"data": cache(*dataset()), "global_batch": 64, "steps": STEPS, "log_dir": str(tmp_path),
+    steps = 3 * STEPS  # the restarted worker must start (import torch) before the others end
+    config = {"data": cache(*dataset()), "global_batch": 64, "steps": steps, "log_dir": str(tmp_path),
               "step_time": 0.03}
     job = ElasticRayJob(train, num_workers=3, config=config, max_restarts=2)
     thread, out = run_in_background(job)
-    wait_for_steps(tmp_path, 30)
+    wait_for_steps(tmp_path, 30, world=3)  # every worker is in the group
     pids = {ray.get(slot.actor.pid.remote()) for slot in job.slots}
     victim = job.slots[1]
     old_pid = ray.get(victim.actor.pid.remote())
@@ -87,19 +89,22 @@ def test_a_killed_actor_is_restarted_by_ray_and_rejoins(cluster, tmp_path):
     thread.join(240)
     assert "error" not in out, out.get("error")
     results = out["results"]
-    assert job.restarts == 1 and job.failed == 0 and len(results) == 3
+    assert job.restarts == 1 and job.failed == 0 and len(results) == 3, job.errors
     assert old_pid not in {r["pid"] for r in results}  # a new process took its place
     pids.discard(old_pid)
     restarted = [r for r in results if r["pid"] not in pids]
     survivors = [r for r in results if r["pid"] in pids]
     assert len(restarted) == 1 and len(survivors) == 2, results
-    # The survivors went on in a view of 2 (the killed process's connections broke), and
-    # the restarted worker joined them in a view of 3.
-    for r in survivors:
-        assert any(size == 2 and reason in ("crash", "hang", "leave") for _, size, reason in r["views"]), r
-        assert r["views"][-1][1:] == (3, "join"), r
-    assert restarted[0]["views"][-1][1] == 3, restarted
-    assert_one_state_and_exactly_once(results, tmp_path)
+    # The survivors' group lost the killed member (whatever the re-formation was named: the
+    # restarted worker may already be in the view that drops it) and ends with the three
+    # processes that finished.
+    finishers = {r["id"] for r in results}
+    killed = {m for r in survivors for _, members, _ in r["views"] for m in members} - finishers
+    assert len(killed) == 1, results  # the member the killed process was
+    for r in results:
+        assert not killed & set(r["views"][-1][1]), r
+    assert any(restarted[0]["id"] in members for r in survivors for _, members, _ in r["views"]), results
+    assert_one_state_and_exactly_once(results, tmp_path, steps)
 
 
 def test_actors_are_added_when_resources_appear(cluster, tmp_path):
@@ -111,14 +116,16 @@ def test_actors_are_added_when_resources_appear(cluster, tmp_path):
     ray.get(placeholder.ready.remote())  # holds one of the 3 CPUs: the job starts with 2 workers
     config = {"data": cache(*dataset()), "global_batch": 64, "steps": STEPS, "log_dir": str(tmp_path),
               "step_time": 0.03}
+    config["steps"] = steps = 3 * STEPS  # the added worker must start (import torch) before the end
     job = ElasticRayJob(train, num_workers=(2, 3), config=config, scale_interval=0.5)
     thread, out = run_in_background(job)
-    wait_for_steps(tmp_path, 30)
+    wait_for_steps(tmp_path, 30, world=2)
     assert len(job.slots) == 2
     ray.kill(placeholder)  # a CPU appears
+    wait_for_steps(tmp_path, 1, world=3)
     thread.join(240)
     assert "error" not in out, out.get("error")
     results = out["results"]
     assert len(job.slots) == 3 and len(results) == 3
-    assert any(reason == "join" and size == 3 for r in results for _, size, reason in r["views"])
-    assert_one_state_and_exactly_once(results, tmp_path)
+    assert any(reason == "join" and len(members) == 3 for r in results for _, members, reason in r["views"])
+    assert_one_state_and_exactly_once(results, tmp_path, steps)
