@@ -148,8 +148,11 @@ class Launcher:
         self.out = out if out is not None else sys.stderr
         self._tty = hasattr(self.out, "isatty") and self.out.isatty()
         check_addresses(config.host, list(config.peers))  # AddressError: the workers could not start either
-        ports = (list(range(config.port, config.port + config.nproc)) if config.port
-                 else free_ports(config.host, config.nproc))
+        port = config.port
+        dns_ports = [parse_seed(p)[1] for p in config.peers if parse_seed(p)[2]]
+        if not port and dns_ports:  # a worker can start the group only if the name lists its own address
+            port = dns_ports[0]
+        ports = list(range(port, port + config.nproc)) if port else free_ports(config.host, config.nproc)
         self.workers = [Worker(i, p) for i, p in enumerate(ports)]
         self.secret = self.environ.get("FTCOMM_SECRET")
         if self.secret == "":

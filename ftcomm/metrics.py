@@ -89,7 +89,10 @@ class MetricsServer:
             raise ImportError("metrics_port needs prometheus-client: pip install 'ftcomm[metrics]'") from None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(GroupCollector(group))
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise OSError(exc.errno, f"metrics_port {port} on {host}: {exc.strerror or exc}") from None
         self.port = self._server.server_port
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 

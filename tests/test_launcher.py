@@ -58,6 +58,10 @@ def test_each_worker_gets_its_address_the_others_a_secret_and_a_local_rank():
     assert given.worker_env(given.workers[0])["FTCOMM_SECRET"] == "s3"
     fixed = Launcher(LaunchConfig(command=["true"], nproc=2, port=41000), environ={}, out=io.StringIO())
     assert [w.port for w in fixed.workers] == [41000, 41001]
+    # with DNS peers, worker 0 binds the name's port: the first pod must find itself listed
+    named = Launcher(LaunchConfig(command=["true"], nproc=2, peers=("dns://localhost:41500",)),
+                     environ={"FTCOMM_SECRET": "s"}, out=io.StringIO())
+    assert [w.port for w in named.workers] == [41500, 41501]
 
 
 @pytest.mark.parametrize("options, message", [
