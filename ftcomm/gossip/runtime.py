@@ -393,6 +393,7 @@ class GossipNode:
         self._router.close(linger=0)
         self._udp.close()
         self._zmq.term()
+        await self._loop.shutdown_default_executor()  # the DNS lookups' thread, if any
         self._loop.stop()
 
     def _spawn(self, coroutine) -> None:
@@ -536,6 +537,8 @@ class GossipNode:
 
     async def _resolve_seeds(self) -> list[tuple[str, int]]:
         """The seeds' addresses now (DNS looked up off the loop), this member's own included."""
+        if not any(is_dns(s) for s in self._seeds):
+            return resolve(self._seeds)  # no lookup: no thread
         return await self._loop.run_in_executor(None, resolve, self._seeds, self._resolver)
 
     async def _join(self) -> bool:
