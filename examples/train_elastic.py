@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-every", type=int, default=50)
     parser.add_argument("--control", action="store_true", help="read fault-injection commands on stdin")
     parser.add_argument("--gossip", default="{}", help="GossipConfig overrides as JSON")
+    parser.add_argument("--options", default="{}",
+                        help='other GroupOptions as JSON, e.g. \'{"straggler_policy": "exclude"}\'')
     parser.add_argument("--hidden", type=int, default=128, help="hidden width (3150: about 10M parameters)")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     args = parser.parse_args(argv)
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     init_started = time.time()
     ft = ftcomm.init(backend=args.backend, peers=args.peers, bind=args.bind, min_workers=args.min_workers,
                      max_workers=args.max_workers, gossip=gossip, fault_filter=faults,
-                     **({"settle_interval": args.settle_interval} if args.settle_interval is not None else {}))
+                     **({"settle_interval": args.settle_interval} if args.settle_interval is not None else {}),
+                     **json.loads(args.options))
     sampler = make_sampler(args, len(x))
     extras = {}
     if args.worker_batch is not None:

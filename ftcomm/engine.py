@@ -13,6 +13,7 @@ States and transitions (anything else raises :class:`IllegalTransition`)::
     AGREEING ---agreed----> FORMING ---failed---> AGREEING (had a view) | JOINING
     RUNNING ----broken----> AGREEING              RECONCILING ---broken---> AGREEING
     AGREEING | RUNNING ---superseded---> JOINING  (a newer view exists without it)
+    RUNNING ----bench-----> JOINING               (a straggler stands aside, then rejoins)
     any state but CLOSED ---leave---> LEAVING ---closed---> CLOSED
 
 The published phase (``joining`` / ``active`` / ``leaving``) follows from the state and
@@ -40,6 +41,7 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (RUNNING, "broken"): AGREEING,
     (AGREEING, "superseded"): JOINING,
     (RUNNING, "superseded"): JOINING,
+    (RUNNING, "bench"): JOINING,
     (LEAVING, "closed"): CLOSED,
     **{(state, "leave"): LEAVING for state in (JOINING, AGREEING, FORMING, RECONCILING, RUNNING)},
 }
@@ -129,6 +131,8 @@ class Engine:
     _lagging: dict = field(default_factory=dict)  # member -> (key, lagging since, last sync)
     _fetching: dict = field(default_factory=dict)  # (member, key) -> when asked
     _final_sync: float = float("-inf")  # see _fetch_final_records
+    benched: int | None = None  # standing aside from this view as a straggler (see bench)
+    _bench_ends: float = 0.0
 
     # ------------------------------------------------------------------ transitions
     def _move(self, what: str) -> str:
@@ -195,11 +199,21 @@ class Engine:
     def closed(self) -> None:
         self._move("closed")
 
-    def _rejoin(self, why: str) -> list[Action]:
-        self._move("superseded")
+    def _rejoin(self, why: str, transition: str = "superseded") -> list[Action]:
+        self._move(transition)
         self.lost = self.view
         self.view, self.proposal, self._last = None, None, None
         return [Rejoined(why), Publish()]
+
+    def bench(self, now: float, seconds: float) -> list[Action]:
+        """This member is a straggler and stands aside (``straggler_policy="exclude"``): it
+        leaves its view (its record says from which one, so the others re-form without it
+        and count it as gone for the quorum), proposes and adopts nothing for ``seconds``,
+        then asks to join again like any member that lost its view."""
+        view = self.view
+        actions = self._rejoin(f"standing aside as a straggler for {seconds:g} s", "bench")
+        self.benched, self._bench_ends = view.id, now + seconds
+        return actions
 
     # ------------------------------------------------------------------ agreement
     def agree(self, now: float, statuses: dict[str, Status]) -> list[Action]:
@@ -210,6 +224,11 @@ class Engine:
         """
         if self.state not in (JOINING, AGREEING):
             raise IllegalTransition(f"{self.id}: agree in state {self.state}")
+        if self.benched is not None:
+            if now < self._bench_ends:
+                return []
+            self.benched = None  # back: a joiner that lost its view
+            return [Publish()]
         own = statuses.get(self.id)
         if own is None:
             return []
@@ -375,8 +394,8 @@ class Engine:
         view = self.view
         if view is None or (self.max_workers is not None and view.size >= self.max_workers):
             return False
-        return any(s.alive and s.phase == PHASE_JOINING and s.config == self.config and s.id not in view.members
-                   for s in statuses.values())
+        return any(s.alive and s.phase == PHASE_JOINING and s.benched is None and s.config == self.config
+                   and s.id not in view.members for s in statuses.values())
 
     # ------------------------------------------------------------------ what breaks a view
     def damage(self, kind: str, member: str, status: Status | None, ops_done: int) -> "Damage | None":
@@ -456,13 +475,16 @@ def classify(faults: list[tuple[str, str]], view_size: int | None) -> str:
 
 def reason_for(noticed: str, before: tuple[str, ...], after: tuple[str, ...], gossip_states: dict[str, str]) -> str:
     """Name a re-formation from ``before`` to ``after`` by what happened to the members it
-    dropped (their gossip states; one not known reads as dead)."""
+    dropped (their gossip states, or ``benched`` for a straggler standing aside; one not
+    known reads as dead)."""
     removed = [m for m in before if m not in after]
     if not removed:
         return "join" if noticed != "init" and len(after) > len(before) else noticed
     kinds = [gossip_states.get(m, "dead") for m in removed]
     if all(k == "left" for k in kinds):
         return "leave"
+    if all(k in ("benched", "left") for k in kinds):
+        return "straggler"
     if len(removed) > 1 and 2 * len(removed) >= len(before):
         return "partition"
     if "suspect" in kinds or noticed == "hang":

@@ -84,6 +84,8 @@ class FaultTolerantGroup:
         self.stragglers: list[StragglerReport] = []  # as judged here (changes only: a few per minute at most)
         self._compute = ComputeTimes(opts.straggler_window)
         self._straggler_watch = StragglerWatch(opts.straggler_factor)
+        self._bench_due = False  # this worker judged itself a straggler: it stands aside at the next boundary
+        self._benches = 0  # how often it stood aside (each time longer)
         self._comm: Communicator | None = None  # the backend's communicator of the current view
         self._abort = AbortSignal(self._drain)
         self._changed = threading.Event()
@@ -311,7 +313,6 @@ class FaultTolerantGroup:
         fired_at, gave_up_at = self._abort.fired_at, self._abort.noticed_at
         abort_latency = round(gave_up_at - fired_at, 4) if fired_at is not None and gave_up_at is not None else None
         previous = self._view
-        self._rejoined = False
         if self._buckets is not None and self._buckets.touched:
             self._buckets.discard()
             self._step_lost = True
@@ -357,7 +358,8 @@ class FaultTolerantGroup:
         done = time.monotonic()
         before = previous.members if previous else ()
         reason = "rejoin" if self._rejoined else core.reason_for(
-            reason, before, view.members, {m.id: m.state for m in self._gossip.members()})
+            reason, before, view.members, self._gossip_states())
+        self._rejoined = False
         change = ViewChange(view.id, view.members, reason,
                             tuple(m for m in view.members if m not in before),
                             tuple(m for m in before if m not in view.members),
@@ -565,6 +567,12 @@ class FaultTolerantGroup:
                     addresses[m.id] = (m.host, status.rendezvous_port)
         return statuses, addresses
 
+    def _gossip_states(self) -> dict[str, str]:
+        """Each member's gossip state, ``benched`` for a straggler standing aside."""
+        statuses, _ = self._statuses()
+        return {m.id: "benched" if m.id in statuses and statuses[m.id].benched is not None else m.state
+                for m in self._gossip.members()}
+
     def _status_record(self) -> dict:
         engine = self._engine
         named = engine.published_view()
@@ -572,7 +580,8 @@ class FaultTolerantGroup:
         return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, self._config,
                              self.step, self._rendezvous.port, engine.floor, self._settings_tuple, done_ops,
                              self.insecure,
-                             named.digest if named is not None else None, self._compute.median())
+                             named.digest if named is not None else None, self._compute.median(),
+                             engine.benched)
 
     def _publish(self) -> None:
         self._last_step_publish = time.monotonic()
@@ -588,6 +597,8 @@ class FaultTolerantGroup:
         if self._join_pending:
             self._join_pending = False
             self._recover("join", time.monotonic())
+        if self._bench_due:
+            self._stand_aside()
         self._drain()
         if self._abort.reason is not None:
             raise MembershipChanged(self._abort.reason)
@@ -630,8 +641,27 @@ class FaultTolerantGroup:
                 log.warning("%s is a straggler: %.3f s of compute per step against %.3f s for the others "
                             "(straggler_factor %g)", report.member, report.compute_s, report.others_s,
                             self._straggler_watch.factor)
+                if (report.member == self.id and self.options.straggler_policy == "exclude"
+                        and self._view.size - 1 >= self.min_workers):
+                    self._bench_due = True
             else:
                 log.info("%s is no longer a straggler", report.member)
+
+    def _stand_aside(self) -> None:
+        """``straggler_policy="exclude"``: leave the view at this step boundary, stand aside
+        for the cooldown (the others go on without this worker), then rejoin and be judged
+        afresh (see Engine.bench)."""
+        self._bench_due = False
+        seconds = self.options.straggler_cooldown * 2 ** min(self._benches, 3)
+        self._benches += 1
+        log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')", seconds)
+        if self._comm is not None:
+            self._comm.abandon()
+            self._comm = None
+        self._perform(self._engine.bench(time.monotonic(), seconds), {})
+        self._compute.clear()
+        self._straggler_watch = StragglerWatch(self.options.straggler_factor)
+        self._recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
 
     def _confirm_after_stall(self) -> None:
         """An operation that completed while (or after) this worker was cut off may have
@@ -724,7 +754,7 @@ class FaultTolerantGroup:
     def _may_overlap(self) -> bool:
         """Backward may start reducing: nothing has to happen before this step's collectives."""
         self._drain()
-        return (self._comm is not None and self._broken is None and not self._join_pending
+        return (self._comm is not None and self._broken is None and not self._join_pending and not self._bench_due
                 and not self._needs_reconcile and self._abort.reason is None and not self._closed)
 
     def _install_exit_hooks(self) -> None:

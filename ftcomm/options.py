@@ -71,7 +71,19 @@ class GroupOptions:
     log and a :class:`~ftcomm.stragglers.StragglerReport` in ``group.stragglers``. Every
     member judges the figures published in gossip, each time it publishes its step (every
     ``step_publish_interval``), and reports a change after 3 judgments in a row. 0 turns
-    it off. Reported only; the member stays in the group."""
+    it off. What follows is ``straggler_policy``'s."""
+
+    straggler_policy: str = "warn"
+    """``warn``: a straggler is reported and stays in the group (every step waits for it).
+    ``exclude``: a member that judges itself a straggler stands aside at its next step
+    boundary: the others re-form without it at once (one step is discarded, no sample is
+    lost) and go on at their own pace; after ``straggler_cooldown`` seconds it asks to
+    join again, is admitted at a step boundary, receives the state and is judged afresh.
+    It never stands aside when that would leave fewer than ``min_workers``."""
+
+    straggler_cooldown: float = 30.0
+    """How long an excluded straggler stands aside before it rejoins; doubled each time the
+    same worker is excluded again, up to 8 times this."""
 
     straggler_window: int = 20
     """Gradient steps over which a member's median compute time is taken."""
@@ -103,7 +115,7 @@ class GroupOptions:
             if not ((0 <= value if zero_allowed else 0 < value) and value < float("inf")):
                 raise ValueError(f"{name} must be {accepted}, got {value!r}")
 
-        for name in ("init_timeout", "formation_timeout", "quorum_timeout"):
+        for name in ("init_timeout", "formation_timeout", "quorum_timeout", "straggler_cooldown"):
             number(name, zero_allowed=False)
         for name in ("settle_interval", "leave_grace", "step_publish_interval"):
             number(name, zero_allowed=True)
@@ -124,6 +136,8 @@ class GroupOptions:
         for name in ("overlap", "handle_signals"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.straggler_policy not in ("warn", "exclude"):
+            raise ValueError(f"straggler_policy must be 'warn' or 'exclude', got {self.straggler_policy!r}")
         if self.partition_policy not in ("quorum", "availability"):
             raise ValueError(f"partition_policy must be 'quorum' or 'availability', got {self.partition_policy!r}")
         if not isinstance(self.gossip, GossipConfig):
@@ -139,7 +153,7 @@ class ViewChange:
 
     view_id: int
     members: tuple[str, ...]
-    reason: str  # init | crash | hang | leave | join | partition | rejoin | backend
+    reason: str  # init | crash | hang | leave | join | partition | rejoin | straggler | backend
     added: tuple[str, ...]
     removed: tuple[str, ...]
     detect_s: float  # how long the failed collective was blocked before the fault was noticed

@@ -7,8 +7,9 @@ view is agreed when every member of the candidate publishes the same proposal.
 
 The rule (see docs/ARCHITECTURE.md):
 
-1. Candidate: the previous view's members that are alive and not leaving, in their
-   previous order, then joiners ordered by (join time, id), up to ``max_workers``.
+1. Candidate: the previous view's members that are alive, not leaving and not standing
+   aside as stragglers, in their previous order, then joiners ordered by (join time,
+   id), up to ``max_workers``.
    With no previous view (a fresh group) the candidate is the joiners alone.
 2. Quorum: the candidate holds a strict majority of the previous view's members that
    are not confirmed gone (left gracefully, from that view or an older one); a tie goes
@@ -83,6 +84,7 @@ class Status:
     view_digest: str | None = None  # digest of its current view (leaving: of the view it names)
     dead: bool = False  # gossip state is dead (confirmed failed; suspect is neither alive nor dead)
     compute_s: float | None = None  # median compute time of its recent gradient steps (see ftcomm.stragglers)
+    benched: int | None = None  # a straggler standing aside (straggler_policy "exclude"): the view it stepped out of
 
     @property
     def last_view(self) -> int:
@@ -123,6 +125,8 @@ class Status:
             extra["view_digest"] = meta["cd"]
         if _is_int(meta.get("ct")) and 0 <= meta["ct"] <= MAX_COMPUTE_MS:
             extra["compute_s"] = meta["ct"] / 1000
+        if _is_int(meta.get("bn")) and 0 < meta["bn"] <= MAX_VIEW_ID:
+            extra["benched"] = meta["bn"]
         return dataclasses.replace(status, **extra) if extra else status
 
 
@@ -137,7 +141,8 @@ def _is_int(value: object) -> bool:
 def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | None, joined_at: float,
                   config: str, step: int, rendezvous_port: int, floor: int = 0, settings: tuple | list = (),
                   done_ops: tuple[int, int] | None = None, insecure: bool = False,
-                  view_digest: str | None = None, compute_s: float | None = None) -> dict:
+                  view_digest: str | None = None, compute_s: float | None = None,
+                  benched: int | None = None) -> dict:
     """The metadata record :meth:`Status.from_metadata` decodes."""
     meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
     if compute_s is not None:
@@ -154,6 +159,8 @@ def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | Non
         meta["insecure"] = True
     if view_digest is not None:
         meta["cd"] = view_digest
+    if benched is not None:
+        meta["bn"] = benched
     return meta
 
 
@@ -176,13 +183,16 @@ def gone_from(previous: View | None, statuses: dict[str, Status]) -> set[str]:
     """Members confirmed gone for the quorum over ``previous``: they left gracefully, their
     final record arrived, and they did not leave a newer view (a member that left a newer
     view proves that view exists; its departure says nothing about the majority of
-    ``previous``)."""
+    ``previous``). A straggler standing aside from ``previous`` (or an older view) counts
+    as gone too: it proposes nothing while it stands aside, and comes back as a member
+    that lost its view, which only joins the group it finds."""
     limit = previous.id if previous is not None else 0
     # Only a member whose final record arrived (phase leaving, naming the view it leaves)
     # counts: with an older record, or none naming a view (it had lost its view), it may
     # have left a newer view this member never saw.
     return {s.id for s in statuses.values()
-            if s.left and s.phase == LEAVING and s.done_ops is not None and s.done_ops[0] <= limit}
+            if (s.left and s.phase == LEAVING and s.done_ops is not None and s.done_ops[0] <= limit)
+            or (s.benched is not None and s.benched <= limit)}
 
 
 @dataclass(frozen=True)
@@ -200,7 +210,8 @@ class Candidate:
 def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], config: str,
               max_workers: int | None) -> Candidate:
     """The view this member proposes, computed only from ``previous`` and gossip."""
-    usable = {s.id: s for s in statuses.values() if s.alive and s.phase != LEAVING and s.config == config}
+    usable = {s.id: s for s in statuses.values()
+              if s.alive and s.phase != LEAVING and s.benched is None and s.config == config}
     if previous is not None:
         survivors = [m for m in previous.members if m in usable]
     else:

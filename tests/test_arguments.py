@@ -209,3 +209,12 @@ def test_cli_help_and_version_exit_0(capsys):
     assert main(["--version"]) == 0
     assert ftcomm.__version__ in capsys.readouterr().out
     assert main(["members", "--help"]) == 0
+
+
+def test_a_bad_straggler_policy_or_cooldown_is_refused():
+    from ftcomm.options import GroupOptions
+
+    with pytest.raises(ValueError, match="straggler_policy must be 'warn' or 'exclude'"):
+        GroupOptions(straggler_policy="kick")
+    with pytest.raises(ValueError, match="straggler_cooldown"):
+        GroupOptions(straggler_cooldown=0)

@@ -202,3 +202,42 @@ def test_a_worker_with_other_settings_yields_to_the_group():
     assert conflict is not None and "min_workers=1 but the group uses min_workers=2" in conflict
     later = Status(**{**theirs.__dict__, "phase": JOINING, "joined_at": 9.0})
     assert core.settings_conflict(e, ("gloo", 1, None, "quorum"), {"a": later}) is None  # it yields to this one
+
+
+def test_a_straggler_stands_aside_the_others_re_form_without_it_and_it_rejoins_after_the_cooldown():
+    import dataclasses
+
+    from ftcomm.view import candidate, encode_status, gone_from
+
+    straggler, peer = running(engine("c")), running(engine("a"))
+    view = straggler.view
+    actions = straggler.bench(now=10.0, seconds=5.0)
+    assert actions[0] == Rejoined("standing aside as a straggler for 5 s") and Publish() in actions
+    assert (straggler.state, straggler.view, straggler.benched, straggler.phase) == (core.JOINING, None, 1, JOINING)
+    record = encode_status(straggler.phase, straggler.current_view, straggler.proposal, 0.0, CFG, 7, 4000,
+                           benched=straggler.benched)
+    aside = Status.from_metadata("c", "alive", record)
+    assert aside.benched == 1 and aside.proposal is None
+    # The others: its withdrawn proposal breaks their view; it is neither a candidate nor
+    # admitted as a joiner, and it counts as gone for the quorum (a view of 1 of 2 may form).
+    assert peer.damage("metadata", "c", aside, 0) is not None
+    statuses = {"a": status("a", cv=1), "b": status("b", cv=1), "c": aside}
+    assert gone_from(view, statuses) == {"c"}
+    cand = candidate("a", view, statuses, CFG, None)
+    assert cand.members == ("a", "b") and cand.quorum
+    assert candidate("a", View(1, ("c", "a")), {"a": status("a", cv=1), "c": aside}, CFG, None).quorum
+    assert not peer.admits_joiner(statuses)
+    # It proposes and adopts nothing while it stands aside ...
+    assert straggler.agree(12.0, {"a": status("a", cv=2, proposal=(2, "d")), "c": aside}) == []
+    # ... and afterwards publishes itself as an ordinary joiner, whom the group admits.
+    assert straggler.agree(15.0, {"c": aside}) == [Publish()] and straggler.benched is None
+    back = dataclasses.replace(aside, benched=None)
+    without = running(engine("a"), ("a", "b"))  # the view the others formed without it
+    assert not without.admits_joiner({**statuses, "c": aside}) and without.admits_joiner({**statuses, "c": back})
+    with pytest.raises(core.IllegalTransition):
+        engine().bench(0.0, 1.0)  # only a running member stands aside
+
+
+def test_a_re_formation_without_a_benched_straggler_is_named_for_it():
+    assert core.reason_for("backend", ("a", "b", "c"), ("a", "b"), {"a": "alive", "b": "alive", "c": "benched"}) \
+        == "straggler"

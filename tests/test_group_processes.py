@@ -178,6 +178,30 @@ def test_a_slow_worker_is_reported_as_a_straggler_by_everyone_and_nothing_is_los
     assert_invariants(workers, done)
 
 
+def test_an_excluded_straggler_stands_aside_and_rejoins_once_fast_again_with_every_sample_once(cluster):
+    from benchmarks.convergence import check_exactly_once
+
+    options = '{"straggler_policy": "exclude", "straggler_cooldown": 3}'
+    workers = cluster.start(3, ["--min-workers", "1", "--log-indices", "--options", options],
+                            env={"OMP_NUM_THREADS": "1"})
+    first = max(v["view_id"] for v in cluster.wait_view(workers, 3, timeout=60))
+    slow, others = workers[2], workers[:2]
+    slow.request(cmd="step_time", seconds=0.15)
+    aside = cluster.wait_view(others, 2, timeout=90, after=first)
+    assert {v["reason"] for v in aside} == {"straggler"} and all(slow.id not in v["members"] for v in aside)
+    slow.request(cmd="step_time", seconds=0.01)  # read by the next step it trains, once back
+    back = cluster.wait_view([slow], 3, timeout=60, after=first)[0]
+    assert back["reason"] == "rejoin" and back["view_id"] > aside[0]["view_id"]
+    cluster.wait_view(others, 3, timeout=30, after=aside[0]["view_id"])
+    done = cluster.finish(workers)
+    assert_invariants(workers, done)
+    reports = [e for e in slow.snapshot() if e["ev"] == "straggler" and e["member"] == slow.id and e["slow"]]
+    assert reports, "the straggler judged itself"
+    logs = [[e for e in w.snapshot() if e["ev"] == "batch"] for w in workers]
+    once = check_exactly_once(logs, done[0]["step"], samples=8192, seed=0)
+    assert once["ok"], once["problems"]
+
+
 def test_random_churn_among_four_to_six_workers(cluster):
     """Kills, pauses, graceful leaves and joins at random for a while; no hang, one state."""
     duration = float(__import__("os").environ.get("FTCOMM_CHURN_SECONDS", "60"))
