@@ -8,7 +8,7 @@ read-only figures, and is not authenticated.
 Metrics (all with the prefix ``ftcomm_``):
 
 - ``view_changes_total{reason}``: views formed since start, by reason (init, crash,
-  hang, leave, join, partition, rejoin, backend);
+  hang, leave, join, partition, rejoin, straggler, backend);
 - ``view_change_seconds{phase}``: a summary of the time of each phase (detect, agree,
   form, reconcile) over those view changes;
 - ``view_id``, ``world_size``, ``rank``: the current view;
