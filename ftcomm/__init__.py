@@ -81,7 +81,8 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     is set or ``insecure``, else on 127.0.0.1 (a local group). ``cluster`` and ``secret``
     default to ``$FTCOMM_CLUSTER`` and ``$FTCOMM_SECRET``. Protected mode: a worker bound
     to an address other hosts can reach needs a secret, or ``insecure=True`` (default
-    ``$FTCOMM_INSECURE``: ``1`` opts out), else :class:`SecretRequired`. ``options``
+    ``$FTCOMM_INSECURE``: ``1`` opts out), else :class:`SecretRequired`; ``network_check``
+    defaults to ``$FTCOMM_NETWORK_CHECK``. ``options``
     are :class:`GroupOptions` fields (``init_timeout``, ``max_retries``, ...); a
     ``gossip`` entry may be a :class:`GossipConfig` or a dict of its fields.
     Raises :class:`FtcommTimeout` when no view with ``min_workers`` members forms within
@@ -130,6 +131,8 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    if "network_check" not in options and _env_flag("FTCOMM_NETWORK_CHECK"):
+        options["network_check"] = True
     if isinstance(options.get("gossip"), dict):
         options["gossip"] = GossipConfig().with_overrides(**options["gossip"])
     group_options = GroupOptions(**options)  # checks every option before anything starts

@@ -101,7 +101,8 @@ def _run(args: argparse.Namespace) -> int:
                           max_restarts=args.max_restarts, restart_backoff=args.restart_backoff,
                           stop_timeout=args.stop_timeout, status_interval=args.status_interval,
                           cluster=args.cluster, save_at_breakpoint=args.save_at_breakpoint,
-                          checkpoint_name=args.checkpoint_name, checkpoint_dir=args.checkpoint_dir)
+                          checkpoint_name=args.checkpoint_name, checkpoint_dir=args.checkpoint_dir,
+                          network_check=args.network_check)
     return Launcher(config).run()
 
 
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint-dir", default=None, help="where --save-at-breakpoint persists checkpoints")
     run.add_argument("--checkpoint-name", default=None,
                      help="the FlashCheckpointer name of the job (default: the cluster name)")
+    run.add_argument("--network-check", action="store_true",
+                     help="before training, the workers that start the group measure the latency and bandwidth "
+                          "between every pair of them and name slow members and links (printed here)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     run.set_defaults(run=_run)
 

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -42,7 +43,8 @@ from .rendezvous import Rendezvous, refused_many
 from .state import TrainingState
 from .stragglers import ComputeTimes, StragglerReport, StragglerWatch
 from . import engine as core
-from . import transfer
+from . import netcheck, transfer
+from .netcheck import NetworkReport
 from .engine import Announce, Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
 from .view import Status, View, encode_status
 
@@ -84,6 +86,8 @@ class FaultTolerantGroup:
         self.stragglers: list[StragglerReport] = []  # as judged here (changes only: a few per minute at most)
         self._compute = ComputeTimes(opts.straggler_window)
         self._straggler_watch = StragglerWatch(opts.straggler_factor)
+        self.network_report: NetworkReport | None = None  # GroupOptions.network_check
+        self._network_check_due = False
         self._bench_due = False  # this worker judged itself a straggler: it stands aside at the next boundary
         self._benches = 0  # how often it stood aside (each time longer)
         self._comm: Communicator | None = None  # the backend's communicator of the current view
@@ -132,6 +136,8 @@ class FaultTolerantGroup:
                 self._metrics = MetricsServer(self, host, opts.metrics_port)
             self._install_exit_hooks()
             self._recover("init", time.monotonic(), opts.init_timeout)
+            if self._network_check_due:
+                self._check_network()
             _RUNNING.add(self)
         except BaseException:
             if gossip is not None:
@@ -458,10 +464,53 @@ class FaultTolerantGroup:
                                   host=self._rendezvous.host)
         self._comm = comm
         check = int(view.digest, 16) >> 1
-        probe = torch.tensor([check, -check], dtype=torch.int64, device=comm.device)
+        # The third element: this member founds the group (it had no view) and wants the
+        # network check; the minimum says whether every member does.
+        founding = int(self.options.network_check and self._engine.view is None)
+        probe = torch.tensor([check, -check, founding], dtype=torch.int64, device=comm.device)
         comm.allreduce([probe], "min").wait(self._abort, timeout)
-        if probe.tolist() != [check, -check]:
+        verified = probe.tolist()
+        if verified[:2] != [check, -check]:
             raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
+        self._network_check_due = verified[2] == 1
+
+    def _check_network(self) -> None:
+        """The founding members measure every link between them (``GroupOptions.network_check``).
+        A fault during the check abandons it (logged); the view is re-formed before its first
+        collective."""
+        view, comm, timeout = self._view, self._comm, self.options.formation_timeout
+
+        def form_pair(lo: int, hi: int) -> Communicator:
+            a, b = view.members[lo], view.members[hi]
+            _, addresses = self._statuses()
+            if a not in addresses:
+                raise CommunicatorError(f"{a} is not reachable through gossip")
+            store = self._rendezvous.pair_store(view, a, b, *addresses[a])
+            return self._backend.form(store, 0 if self.id == a else 1, 2, view.id, self._abort, timeout,
+                                      host=self._rendezvous.host)
+
+        def gather(rows: torch.Tensor) -> list[torch.Tensor]:
+            return [r.cpu() for r in comm.allgather(rows.to(comm.device)).wait(self._abort, timeout)]
+        try:
+            report = netcheck.measure(view, self.id, form_pair, gather, self._abort,
+                                      int(self.options.network_check_mb * 2**20), timeout,
+                                      self.options.network_check_factor)
+        except (MembershipChanged, FtcommTimeout, CommunicatorError) as exc:
+            # Members may have stopped at different points (an allgather some started): the
+            # view's communicator is re-formed before its next collective.
+            log.warning("network check abandoned: %s", exc)
+            self._broken = "backend"
+            return
+        self.network_report = report
+        slow = report.slow_members or report.slow_links
+        for line in report.summary():
+            log.log(logging.WARNING if slow else logging.INFO, "%s", line)
+        path = os.environ.get("FTCOMM_NETWORK_REPORT")
+        if path:
+            try:
+                netcheck.write_report(report, path)
+            except OSError as exc:
+                log.warning("cannot write the network report to %s: %s", path, exc)
 
     def _reconcile(self, stamp: bool = True) -> bool:
         """Make every member's registered state identical; True if this worker received state.

@@ -32,9 +32,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import ipaddress
+import json
 import os
 import pathlib
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -70,6 +72,7 @@ class LaunchConfig:
     save_at_breakpoint: bool = False
     checkpoint_name: str | None = None  # FlashCheckpointer's name (default: the cluster name)
     checkpoint_dir: str | None = None
+    network_check: bool = False  # the workers measure their links when they found the group; shown here
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -168,6 +171,11 @@ class Launcher:
         self._stop_deadline: float | None = None
         self._ending_at: float | None = None  # when a worker finished: no more restarts
         self._status = _StatusLine(self)
+        self._report_dir: str | None = None  # where the workers write the network check's report
+        if config.network_check:
+            import tempfile
+
+            self._report_dir = tempfile.mkdtemp(prefix="ftcomm-run-")  # private (0700)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -188,6 +196,8 @@ class Launcher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._status.finish()
+            if self._report_dir is not None:
+                shutil.rmtree(self._report_dir, ignore_errors=True)
         return self._exit_status()
 
     def _step(self, now: float) -> None:
@@ -218,7 +228,26 @@ class Launcher:
             elif worker.status == "waiting" and worker.restart_at is not None and now >= worker.restart_at and \
                     (worker.saving is None or not worker.saving.is_alive()):
                 self._start(worker)
+        if self._report_dir is not None:
+            self._show_network_report()
         self._status.update(now)
+
+    def _show_network_report(self) -> None:
+        """Print the network check's report once a worker wrote it (every member holds the same)."""
+        path = pathlib.Path(self._report_dir, "network.json")
+        if not path.exists():
+            return
+        from .netcheck import NetworkReport
+
+        try:
+            report = NetworkReport.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            self.say(f"the network check's report is unreadable: {exc}")
+        else:
+            for line in report.summary():
+                self.say(line)
+        shutil.rmtree(self._report_dir, ignore_errors=True)
+        self._report_dir = None
 
     def _stop_all(self) -> None:
         for worker in self.workers:
@@ -292,6 +321,9 @@ class Launcher:
             env.setdefault("OMP_NUM_THREADS", "1")
         if self.secret is not None:
             env["FTCOMM_SECRET"] = self.secret
+        if self._report_dir is not None:
+            env["FTCOMM_NETWORK_CHECK"] = "1"
+            env["FTCOMM_NETWORK_REPORT"] = os.path.join(self._report_dir, "network.json")
         return env
 
     def _on_signal(self, signum: int, frame) -> None:

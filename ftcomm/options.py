@@ -88,6 +88,23 @@ class GroupOptions:
     straggler_window: int = 20
     """Gradient steps over which a member's median compute time is taken."""
 
+    network_check: bool = False
+    """When a group is founded (its first view's members all start together), measure the
+    latency and bandwidth of every pair of members over the backend before ``init``
+    returns, and name slow members and links (see :mod:`ftcomm.netcheck`): the report is
+    ``group.network_report``, logged (WARNING when something is slow) and written as JSON
+    to ``$FTCOMM_NETWORK_REPORT`` when set. Costs ``members - 1`` rounds of a pair
+    formation and a few allreduces each. Default ``$FTCOMM_NETWORK_CHECK`` (``ftcomm run
+    --network-check`` sets it). A worker that joins a running group never runs it."""
+
+    network_check_mb: float = 8.0
+    """Size of the bandwidth probe of the network check (three allreduces of it per pair,
+    the fastest counts)."""
+
+    network_check_factor: float = 2.0
+    """A member whose links are this many times worse (bandwidth or latency) than the
+    others', or a link this many times worse than the median, is named slow."""
+
     metrics_port: int | None = None
     """Serve Prometheus metrics on this TCP port of the bind address (0: a free port, see
     ``group.metrics_port``); None: no endpoint. Needs ``pip install 'ftcomm[metrics]'``.
@@ -120,6 +137,11 @@ class GroupOptions:
         for name in ("settle_interval", "leave_grace", "step_publish_interval"):
             number(name, zero_allowed=True)
         number("bucket_mb", zero_allowed=False, unit="MB")
+        number("network_check_mb", zero_allowed=False, unit="MB")
+        number("network_check_factor", zero_allowed=False, unit="a ratio")
+        if self.network_check_factor <= 1:
+            raise ValueError(f"network_check_factor must be > 1 (at 1 or less every link would be slow), "
+                             f"got {self.network_check_factor!r}")
         number("straggler_factor", zero_allowed=True, unit="a ratio; 0 turns reports off")
         port = self.metrics_port
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
@@ -133,7 +155,7 @@ class GroupOptions:
             raise TypeError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries}")
-        for name in ("overlap", "handle_signals"):
+        for name in ("overlap", "handle_signals", "network_check"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.straggler_policy not in ("warn", "exclude"):

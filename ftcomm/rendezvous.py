@@ -480,6 +480,11 @@ class Rendezvous:
         """
         return self._connect(host, port, prefix=f"view/{view.id}/{view.digest}")
 
+    def pair_store(self, view: View, a: str, b: str, host: str, port: int) -> Any:
+        """The store through which members ``a`` and ``b`` of ``view`` form a two-rank
+        communicator of their own (the network check), served by ``a``."""
+        return self._connect(host, port, prefix=f"pair/{view.id}/{view.digest}/{a}/{b}")
+
     def close(self) -> None:
         """Stop serving (the listener closes) and drop the connections to other stores."""
         server, self._server = self._server, None

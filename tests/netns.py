@@ -178,6 +178,12 @@ class Lab:
         """Host ``i``'s cable: down, its packets vanish (a lost node); up, it is back."""
         _ip("link", "set", f"ft{self.run}v{i}", "up" if up else "down")
 
+    def limit_host_link(self, i: int, mbit: int) -> None:
+        """Host ``i``'s cable carries at most ``mbit`` Mbit/s towards it (a token bucket on
+        the bridge's end: a slow or degraded link); gone with the host's link."""
+        subprocess.run(["tc", "qdisc", "add", "dev", f"ft{self.run}v{i}", "root", "tbf", "rate", f"{mbit}mbit",
+                        "burst", "64kb", "latency", "500ms"], check=True, capture_output=True, timeout=30)
+
     def set_bridge_link(self, up: bool) -> None:
         """The link between the two bridges: down, the two sides cannot reach each other."""
         _ip("link", "set", f"ft{self.run}x0", "up" if up else "down")

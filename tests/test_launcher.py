@@ -317,3 +317,16 @@ def test_a_shared_memory_directory_that_is_not_private_does_not_stop_the_job(tmp
         shutil.rmtree(planted, ignore_errors=True)
     assert code == 0, log
     assert "saving at the breakpoint failed" in log and "restart 1 of 3" in log
+
+
+def test_network_check_runs_in_the_founding_workers_and_the_launcher_prints_the_report(tmp_path):
+    body = ("import ftcomm\n"
+            "ft = ftcomm.init(min_workers=3, settle_interval=0.5, network_check_mb=1)\n"
+            "assert ft.network_report is not None and len(ft.network_report.links) == 3\n"
+            "ft.shutdown()\n")
+    code, out = launch(tmp_path, body, nproc=3, network_check=True)
+    assert code == 0, out
+    assert re.search(r"network check of 3 members, 3 links in [\d.]+ s: median latency", out), out
+    assert out.count("network check of") == 1  # printed once, though every worker wrote it
+    off = Launcher(LaunchConfig(command=["true"], nproc=2), environ={}, out=io.StringIO())
+    assert "FTCOMM_NETWORK_CHECK" not in off.worker_env(off.workers[0])

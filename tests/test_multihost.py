@@ -10,6 +10,7 @@ the data plane must follow ``bind``.
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import subprocess
 
@@ -106,6 +107,32 @@ def test_a_partition_three_to_two_stops_the_minority_and_heals_to_one_group():
         assert {v["reason"] for v in healed[3:]} <= {"rejoin", "join"}  # back in, state reconciled below
         assert_invariants(workers, cluster.finish(workers, timeout=120))
         exits_cleanly(workers)
+
+
+@needs_netns
+def test_the_network_check_names_the_host_behind_a_slow_link(tmp_path):
+    """Four hosts start a group together with the network check on; host 2's link carries
+    50 Mbit/s (the others' run at memory speed): every member names host 2, and nothing else."""
+    with netns.Lab(4) as lab:
+        lab.limit_host_link(2, 50)
+        cluster = TrainCluster(lab)
+        try:
+            addresses = [f"{lab.address(i)}:{cluster.PORT}" for i in range(4)]
+            options = '{"network_check": true, "network_check_mb": 1}'
+            workers = []
+            for i in range(4):
+                env = {"FTCOMM_NETWORK_REPORT": str(tmp_path / f"report{i}.json")}
+                cluster.seed_address = ",".join(a for a in addresses if a != addresses[i])
+                workers += cluster.start(1, ["--min-workers", "4", "--options", options], wait=False,
+                                         env=env, hosts=[i])
+            for w in workers:
+                w.wait_ready(120)
+            reports = [json.loads((tmp_path / f"report{i}.json").read_text()) for i in range(4)]
+            assert all(r["slow_members"] == [workers[2].id] for r in reports), reports[0]
+            assert all(r["slow_links"] == [] and len(r["links"]) == 6 for r in reports)
+            assert_invariants(workers, cluster.finish(workers, timeout=120))
+        finally:
+            cluster.close()
 
 
 def test_a_loopback_bind_with_peers_on_other_hosts_fails_fast_with_the_reason():
