@@ -89,3 +89,32 @@ def test_gloo_reduces_each_tensor_of_a_call_on_its_own_and_averages_integers_as_
         with pytest.raises(ValueError, match="root 2 is not a rank"):
             c.broadcast(torch.zeros(1), 2)
         c.close()
+
+
+def test_a_process_that_gave_up_a_formation_whose_peer_never_came_exits_0_at_once():
+    """The builder of an abandoned formation blocks in a store read for the missing rank; at
+    exit it is cancelled (the read fails at once) instead of running on into interpreter
+    finalization, where it died with SIGABRT ('terminate called without an active exception')."""
+    import subprocess
+    import sys
+
+    child = r"""
+import threading
+from ftcomm.backends.base import AbortSignal
+from ftcomm.backends.gloo import GlooCommunicator
+from ftcomm.rendezvous import Rendezvous
+from ftcomm.view import View
+from ftcomm.errors import CollectiveAborted
+rendezvous = Rendezvous("127.0.0.1", 600.0)
+store = rendezvous.view_store(View(1, ("a", "b")), "127.0.0.1", rendezvous.port)
+abort = AbortSignal()
+threading.Timer(0.5, abort.fire, args=("the peer is gone",)).start()
+try:
+    GlooCommunicator.form(store, 0, 2, 1, abort, 600.0, host="127.0.0.1")  # rank 1 never comes
+except CollectiveAborted:
+    print("abandoned", flush=True)
+"""
+    # Without the cancel, exit would wait out the builder's 600 s read: far past this bound.
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0 and "abandoned" in done.stdout, done.stderr[-2000:]
+    assert "still run" not in done.stderr
