@@ -46,6 +46,7 @@ def worker(role: str, port: int, million: int, repeats: int) -> dict:
     import torch
 
     import ftcomm
+    from ftcomm import transfer
 
     torch.manual_seed(0 if role == "seed" else 1)
     model = make_model(million)
@@ -81,7 +82,8 @@ def worker(role: str, port: int, million: int, repeats: int) -> dict:
     for _ in range(repeats):
         ft.barrier()
         started = time.perf_counter()
-        ft._transfer_state(source, load=role != "seed")
+        transfer.broadcast_state(ft._life.comm, ft._life.abort, ft.state, ft.step, ft.view, ft._secret, source,
+                                 load=role != "seed")
         ft.barrier()
         raw.append(time.perf_counter() - started)
         ft.barrier()
