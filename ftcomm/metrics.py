@@ -57,12 +57,12 @@ class GroupCollector:
                                   ("ftcomm_rank", group.rank if view else -1, "This worker's rank"),
                                   ("ftcomm_committed_steps", group.step, "The committed training step")):
             yield GaugeMetricFamily(name, text, value=value)
-        compute = group._compute.median()
+        compute = group._stragglers.compute.median()
         if compute is not None:
             yield GaugeMetricFamily("ftcomm_compute_seconds", "Median compute time per gradient step",
                                     value=compute)
         yield GaugeMetricFamily("ftcomm_stragglers", "Members judged stragglers now",
-                                value=len(group._straggler_watch.slow))
+                                value=len(group._stragglers.watch.slow))
         reports = CounterMetricFamily("ftcomm_straggler_reports", "Straggler reports, by kind", labels=["slow"])
         kinds = collections.Counter(r.slow for r in list(group.stragglers))
         for slow in (True, False):

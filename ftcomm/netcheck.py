@@ -184,9 +184,38 @@ def measure(view: Any, me: str, form_pair: Callable[[int, int], Any], gather: Ca
     return judge(tuple(view.members), links, factor, time.monotonic() - started)
 
 
-def write_report(report: NetworkReport, path: str) -> None:
-    """Write the report as JSON to ``path`` atomically (the launcher reads it)."""
+def run(life: Any, probe_bytes: int, factor: float) -> NetworkReport:
+    """The check over a :class:`~ftcomm.lifecycle.Lifecycle`'s current view: pairs form
+    through the lower rank's rendezvous store; raises as :func:`measure` does."""
+    view, comm, timeout = life.view, life.comm, life.options.formation_timeout
+    me = life.engine.id
+
+    def form_pair(lo: int, hi: int) -> Any:
+        a, b = view.members[lo], view.members[hi]
+        _, addresses = life.statuses()
+        if a not in addresses:
+            from .errors import CommunicatorError
+            raise CommunicatorError(f"{a} is not reachable through gossip")
+        return life.form_communicator(life.rendezvous.pair_store(view, a, b, *addresses[a]),
+                                      0 if me == a else 1, 2, view.id)
+
+    def gather(rows: Any) -> list:
+        return [r.cpu() for r in comm.allgather(rows.to(comm.device)).wait(life.abort, timeout)]
+    return measure(view, me, form_pair, gather, life.abort, probe_bytes, timeout, factor)
+
+
+def publish(report: NetworkReport, path: str | None) -> None:
+    """Log the report (WARNING when something is slow) and, with ``path``, write it there
+    as JSON, atomically (``ftcomm run`` reads it)."""
+    slow = report.slow_members or report.slow_links
+    for line in report.summary():
+        log.log(logging.WARNING if slow else logging.INFO, "%s", line)
+    if not path:
+        return
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report.to_json(), f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(report.to_json(), f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write the network report to %s: %s", path, exc)

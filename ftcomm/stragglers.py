@@ -12,14 +12,17 @@ by at least ``MIN_EXCESS_S`` (so that noise in very short steps flags nobody), i
 (Processes that share CPU cores slow each other down in bursts: on a 2-core machine a
 fast member's compute time rose 3x for a few seconds while another member was slow.)
 
-Pure functions and small value objects: no threads, clocks or torch.
+Pure functions and small objects: no threads, clocks, sockets or torch.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import statistics
+
+log = logging.getLogger(__name__)
 
 MIN_EXCESS_S = 0.005
 PATIENCE = 3
@@ -101,3 +104,47 @@ class StragglerWatch:
                 self.slow.discard(member)
                 reports.append(StragglerReport(member, False, times[member], others, at))
         return reports
+
+
+class Stragglers:
+    """One worker's straggler bookkeeping: its own compute times (published), its judgments
+    of the view's members (``reports``: the changes), and, with ``policy="exclude"``,
+    whether it must stand aside itself (``bench_due``) and for how long (:meth:`bench`)."""
+
+    def __init__(self, factor: float, window: int, policy: str = "warn", cooldown: float = 30.0) -> None:
+        self.compute = ComputeTimes(window)
+        self.watch = StragglerWatch(factor)
+        self.reports: list[StragglerReport] = []
+        self.policy = policy
+        self.cooldown = cooldown
+        self.bench_due = False
+        self._benches = 0
+
+    def judge(self, me: str, members: tuple[str, ...], compute: dict[str, float], min_workers: int,
+              at: float) -> list[StragglerReport]:
+        """Judge the view's ``members`` by their published ``compute`` times; the new reports.
+        This worker is due to stand aside when it finds itself a straggler under the
+        ``exclude`` policy and the view keeps ``min_workers`` without it."""
+        if self.watch.factor <= 0:
+            return []
+        new = self.watch.judge({m: compute[m] for m in members if m in compute}, at)
+        self.reports += new
+        for report in new:
+            if not report.slow:
+                log.info("%s is no longer a straggler", report.member)
+                continue
+            log.warning("%s is a straggler: %.3f s of compute per step against %.3f s for the others "
+                        "(straggler_factor %g)", report.member, report.compute_s, report.others_s, self.watch.factor)
+            if report.member == me and self.policy == "exclude" and len(members) - 1 >= min_workers:
+                self.bench_due = True
+        return new
+
+    def bench(self) -> float:
+        """Stand aside now: for how long (the cooldown, doubled at each further time, at most
+        8 times it). The judgments start afresh."""
+        seconds = self.cooldown * 2 ** min(self._benches, 3)
+        self._benches += 1
+        self.bench_due = False
+        self.compute.clear()
+        self.watch = StragglerWatch(self.watch.factor, self.watch.patience)
+        return seconds

@@ -198,7 +198,7 @@ def _observe_completions_late(group: ftcomm.FaultTolerantGroup, delay: float,
                               operations: tuple[str, ...] = ("allreduce",)) -> None:
     """This member's training thread learns that its ``operations`` completed ``delay`` seconds
     late, as a descheduled worker would: the collective itself is done at the usual time."""
-    comm = group._comm
+    comm = group._life.comm
 
     def late(real):
         def call(*args, **kwargs):
@@ -238,7 +238,7 @@ def test_a_member_leaving_right_after_a_collective_does_not_abort_it_on_a_slower
         results = in_threads(groups, collective_then_leave)
         assert len({repr(r) for r in results}) == 1, results
         for survivor in groups[1:]:
-            assert "left after completing" in survivor._abort.reason
+            assert "left after completing" in survivor._life.abort.reason
     finally:
         for g in groups:
             g.shutdown()
@@ -270,7 +270,7 @@ def test_a_member_leaving_after_the_last_step_lets_a_slower_member_commit_it(del
         if committed:
             assert survivor.step == leaver.step
             assert survivor.state.digest(survivor.step) == leaver.state.digest(leaver.step)
-            assert "left after completing" in survivor._abort.reason
+            assert "left after completing" in survivor._life.abort.reason
         else:
             assert survivor.step == leaver.step - 1
         # either way the survivor carries on alone in a new view

@@ -1,0 +1,378 @@
+"""One worker's view lifecycle: the engine core's actions performed with real I/O.
+
+:class:`Lifecycle` drives :class:`~ftcomm.engine.Engine` (the pure state machine) with the
+gossip node, the rendezvous store and the backend's communicators, as
+:mod:`ftcomm.groupsim` drives it with simulated ones. Whenever the current view can no
+longer be used, :meth:`Lifecycle.recover` runs the phases in order::
+
+    detect -> agree -> form (+ verify) -> reconcile -> run
+
+*Detect* is the abort signal firing: gossip news judged on the waiting thread
+(:mod:`ftcomm.news`), or the backend failing a collective (then the crash fast path
+probes the view's members and declares dead those whose host refuses a connection).
+Every action the core returns is carried out in one place, :meth:`Lifecycle.perform`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from . import engine as core
+from .backends.base import AbortSignal, Communicator
+from .engine import Announce, Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
+from .errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
+                     MembershipChanged, QuorumLost)
+from .gossip import GossipNode
+from .news import GossipNews
+from .options import GroupOptions, ViewChange
+from .rendezvous import Rendezvous, refused_many
+from .stragglers import ComputeTimes
+from .view import Status, View, encode_status
+
+log = logging.getLogger(__name__)
+
+CRASH_SETTLE_S = 0.15
+"""After a broken connection, how long a member's port that still accepts is tried again
+before the member is taken for alive (see :func:`ftcomm.rendezvous.refused`)."""
+
+
+class Lifecycle:
+    """The views, communicators and status record of one worker (see the module docstring).
+
+    ``step``: the worker's committed step (published in its record); ``compute``: its
+    recent compute times (published too).
+    """
+
+    def __init__(self, engine: Engine, backend: type, rendezvous: Rendezvous, options: GroupOptions,
+                 settings: tuple, insecure: bool, compute: ComputeTimes, step: Callable[[], int]) -> None:
+        self.engine = engine
+        self.options = options
+        self._backend = backend
+        self.rendezvous = rendezvous
+        self._settings = settings
+        self._insecure = insecure
+        self._compute = compute
+        self._step = step
+        self.gossip: GossipNode | None = None  # attached once started (it publishes our first record)
+        self.news = GossipNews(engine, lambda: self.gossip, lambda: self.ops, options.leave_grace)
+        self.comm: Communicator | None = None  # the backend's communicator of the current view
+        self.events: list[ViewChange] = []
+        self.broken: str | None = None  # the view failed (why): recover before the next collective
+        self.needs_reconcile = False  # the registered state must be reconciled before the next collective
+        self.founding = False  # every member of the view founded the group and wants the network check
+        self.rejoined = False
+        self.ops = 0  # group operations (collectives, gradient steps) completed in the current view
+        self.op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
+        self.contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
+        self._last_publish = 0.0
+
+    @property
+    def view(self) -> View | None:
+        """The current view: formed and verified."""
+        return self.engine.view
+
+    @property
+    def abort(self) -> AbortSignal:
+        return self.news.abort
+
+    # ------------------------------------------------------------------ the loop
+    def recover(self, reason: str, detected_at: float, timeout: float | None,
+                reconcile: Callable[[], None]) -> ViewChange:
+        """Agree on a new view, form and verify its communicator, ``reconcile`` the state
+        (raises MembershipChanged when the view breaks meanwhile); the view change."""
+        noticed = time.monotonic()
+        fired_at, gave_up_at = self.abort.fired_at, self.abort.noticed_at
+        abort_latency = round(gave_up_at - fired_at, 4) if fired_at is not None and gave_up_at is not None else None
+        previous = self.view
+        self.abandon()
+        if self.engine.state in (core.RUNNING, core.RECONCILING):
+            self.perform(self.engine.broken())
+        deadline = noticed + (timeout if timeout is not None else self.options.quorum_timeout)
+        while True:
+            started = time.monotonic()
+            view = self.agree(deadline)
+            agreed_at = time.monotonic()
+            try:
+                self.form(view)
+            except (MembershipChanged, FtcommTimeout) as exc:
+                log.info("forming view %d failed (%s); agreeing again", view.id, exc)
+                # This worker stays in the view (or phase) it had. Withdrawing the proposal
+                # aborts the other members' attempts at once; the retry gets a new view id.
+                self.perform(self.engine.form_failed())
+                self.abandon()
+                self.probe_crashed(view.members)
+                continue
+            self.perform(self.engine.formed())
+            self.ops = 0  # before anything can publish a leave naming this view
+            formed_at = time.monotonic()
+            try:
+                reconcile()
+            except MembershipChanged as exc:
+                log.info("reconciling view %d failed (%s); agreeing again", view.id, exc)
+                reason = self.classify(exc)
+                self.perform(self.engine.broken())
+                self.abandon()
+                continue
+            self.engine.reconciled()
+            break
+        done = time.monotonic()
+        before = previous.members if previous else ()
+        reason = "rejoin" if self.rejoined else core.reason_for(reason, before, view.members, self.gossip_states())
+        self.rejoined = False
+        change = ViewChange(view.id, view.members, reason, tuple(m for m in view.members if m not in before),
+                            tuple(m for m in before if m not in view.members), round(noticed - detected_at, 4),
+                            round(agreed_at - started, 4), round(formed_at - agreed_at, 4), round(done - formed_at, 4),
+                            time.time(), abort_latency)
+        self.events.append(change)
+        self.news.faults.clear()
+        self.broken = None
+        self.op_began = time.monotonic()
+        log.info("view %d: %d members (%s), rank %d; detect %.3f agree %.3f form %.3f reconcile %.3f s",
+                 view.id, view.size, reason, view.rank_of(self.engine.id), change.detect_s, change.agree_s,
+                 change.form_s, change.reconcile_s)
+        return change
+
+    def agree(self, deadline: float) -> View:
+        """Wait until a view containing this worker is agreed (the engine decides)."""
+        engine = self.engine
+        last_debug = 0.0
+        while True:
+            now = time.monotonic()
+            if now > deadline:
+                self.raise_stuck()
+            self.news.changed.clear()
+            self.news.judge()
+            statuses, addresses = self.statuses()
+            conflict = core.settings_conflict(engine, self._settings, statuses)
+            if conflict is not None:
+                raise ConfigMismatch(conflict)
+            actions = engine.agree(now, statuses)
+            if actions and isinstance(actions[-1], Form):  # agreed: publish what comes before, then form
+                self.perform(actions[:-1], addresses)
+                return self.enter(actions[-1].view)
+            self.perform(actions, addresses)
+            if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
+                last_debug = now
+                log.debug("%s: proposals %s", engine.state.lower(),
+                          {s.id: (s.alive, s.phase, s.current_view, s.proposal) for s in statuses.values()})
+            if not any(isinstance(a, Fetch) for a in actions):  # a fetched proposal is looked at at once
+                self.news.changed.wait(0.02)
+
+    def perform(self, actions: list, addresses: dict[str, tuple[str, int]] | None = None) -> None:
+        """Carry out the engine's actions (all but Form, which :meth:`recover` performs)."""
+        for action in actions:
+            if isinstance(action, Publish):
+                self.publish()
+            elif isinstance(action, PublishProposal):
+                self.rendezvous.publish_proposal(action.view_id, action.digest, action.members)
+            elif isinstance(action, Fetch):
+                members = None
+                if addresses and action.member in addresses:
+                    members = self.rendezvous.fetch_proposal(*addresses[action.member], *action.key)
+                self.engine.fetched_proposal(action.key, members)
+            elif isinstance(action, Announce):
+                self.gossip.announce(action.members)
+            elif isinstance(action, Sync):
+                self.gossip.sync(action.member)
+            elif isinstance(action, Rejoined):
+                log.warning("rejoining the group as a new member: %s", action.why)
+                self.rejoined = True
+                self.engine.joined_at = time.time()
+                self.needs_reconcile = True
+            else:
+                raise core.IllegalTransition(f"the driver cannot perform {action!r} here")
+
+    def enter(self, view: View) -> View:
+        """Start forming ``view``: from now on gossip about its members fires the abort signal."""
+        abort = self.news.renew()
+        statuses, _ = self.statuses()
+        for member in view.members:
+            status = statuses.get(member)
+            if member != self.engine.id and (status is None or not status.alive):
+                abort.fire(f"{member} is no longer alive")
+            elif member != self.engine.id and status.proposal != (view.id, view.digest):
+                abort.fire(f"{member} no longer proposes view {view.id}")
+        for status in statuses.values():
+            damage = self.engine.damage("metadata", status.id, status, self.ops)
+            if damage is not None and damage.fault == "superseded":
+                self.news.fault(damage.fault, status.id, self.news.since)
+                abort.fire(damage.reason)
+        return view
+
+    def form(self, view: View) -> None:
+        """Form the communicator through rank 0's store and verify it with a tiny allreduce,
+        which also tells whether every member founds the group and wants the network check."""
+        _, addresses = self.statuses()
+        rank0 = view.members[0]
+        if rank0 not in addresses:
+            raise CommunicatorError(f"rank 0 ({rank0}) of view {view.id} is not reachable through gossip")
+        timeout = self.options.formation_timeout
+        self.comm = comm = self.form_communicator(self.rendezvous.view_store(view, *addresses[rank0]),
+                                                  view.rank_of(self.engine.id), view.size, view.id)
+        check = int(view.digest, 16) >> 1
+        founding = int(self.options.network_check and self.engine.view is None)
+        probe = torch.tensor([check, -check, founding], dtype=torch.int64, device=comm.device)
+        comm.allreduce([probe], "min").wait(self.abort, timeout)
+        verified = probe.tolist()
+        if verified[:2] != [check, -check]:
+            raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
+        self.founding = verified[2] == 1
+
+    def form_communicator(self, store, rank: int, size: int, view_id: int) -> Communicator:
+        return self._backend.form(store, rank, size, view_id, self.abort, self.options.formation_timeout,
+                                  host=self.rendezvous.host)
+
+    def abandon(self) -> None:
+        if self.comm is not None:
+            self.comm.abandon()
+            self.comm = None
+
+    def stand_aside(self, seconds: float) -> None:
+        """A straggler leaves its view for ``seconds`` (see Engine.bench); recover next."""
+        self.abandon()
+        self.perform(self.engine.bench(time.monotonic(), seconds))
+
+    def leave(self) -> None:
+        """Leave the group gracefully: the record says so, then the departure notice."""
+        self.engine.leave()
+        self.abort.fire("this worker is shutting down")
+        try:
+            self.publish()
+            self.gossip.leave()
+        except FtcommError as exc:  # its gossip is gone already
+            log.debug("leaving: %s", exc)
+        self.abandon()
+        self.engine.closed()
+
+    # ------------------------------------------------------------------ operations
+    def contributed(self) -> float:
+        """This worker handed its share of the operation in flight over: its compute time."""
+        self.contributed_at = time.monotonic()
+        return self.contributed_at - self.op_began
+
+    def operation_done(self) -> None:
+        self.ops += 1
+        self.op_began = time.monotonic()
+        self.news.operation_ended()
+
+    def confirm_after_stall(self) -> None:
+        """An operation that completed while (or after) this worker was cut off may have
+        completed only here: the others, seeing this worker hang, may have abandoned the view
+        and moved on (their abandoned communicators still finish the exchange). Whenever that
+        is possible (this process was stalled, or it had to refute a suspicion, since the
+        operation began; or the operation took longer than a probe interval after this
+        worker's share was handed over), it learns what the others did meanwhile (a direct
+        state exchange with a view member) before counting the operation; if the view moved
+        on (the others withdraw their proposal the moment they break it), the operation is
+        discarded like any aborted one and reconciling brings this worker up to date."""
+        gossip, view = self.gossip, self.view
+        late = time.monotonic() - self.contributed_at > gossip.config.probe_interval
+        if not (late or gossip.last_stall >= self.op_began or gossip.last_refuted >= self.op_began) or view is None:
+            return
+        reachable = [m for m in view.members if m != self.engine.id and
+                     (info := gossip.member(m)) is not None and info.state in ("alive", "suspect")]
+        answered = not reachable  # everyone else left or died: the abort signal alone decides
+        for member in reachable[:2]:
+            if gossip.exchange(member):
+                answered = True
+                break
+        self.news.judge()  # what the exchange brought
+        if self.abort.reason is not None or not answered:
+            # Without an answer nothing shows the view is intact: discarding is the safe side.
+            raise CollectiveAborted(f"an operation completed after this worker may have been cut off, and "
+                                    f"{self.abort.reason or 'no member of the view answered'}")
+
+    # ------------------------------------------------------------------ what broke
+    def classify(self, exc: BaseException) -> str:
+        """Why the view broke: crash, hang, leave, partition, superseded or backend."""
+        self.news.judge()  # news posted after the abort was noticed still counts
+        view = self.view
+        if isinstance(exc, CommunicatorError) and view is not None:
+            # A connection of the view broke: the member behind it may still be closing its
+            # other sockets (its gossip port can accept for a few milliseconds more).
+            self.probe_crashed(view.members, settle=CRASH_SETTLE_S)
+        elif view is not None:
+            # Gossip may suspect a crashed member before any collective touched it (the
+            # training thread was computing): a refused connection still names it a crash.
+            suspects = {member for _, kind, member in self.news.faults if kind == "suspect"}
+            if suspects:
+                self.probe_crashed([m for m in view.members if m in suspects], timeout=0.05)
+        faults = [(kind, member) for _, kind, member in self.news.faults]
+        reason = core.classify(faults, view.size if view is not None else None)
+        log.debug("view broke (%s: %s); faults %s: %s", type(exc).__name__, exc, faults, reason)
+        return reason
+
+    def probe_crashed(self, members: Iterable[str], timeout: float = 0.25, settle: float = 0.0) -> None:
+        """Crash fast path: members whose host refuses a connection are declared dead now.
+        A refusal comes back within a round trip; ``timeout`` bounds the wait for a host
+        that does not answer at all (lost or partitioned). ``settle``: when nobody refuses
+        at first, the ports that accepted are tried again for this long."""
+        others = [m for m in members if m != self.engine.id]
+        by_id = {m.id: m for m in self.gossip.members()}
+        targets = [(m, (by_id[m].host, by_id[m].port)) for m in others if m in by_id and by_id[m].state != "dead"]
+        gone = [m for (m, _), refused in zip(targets, refused_many([a for _, a in targets], timeout)) if refused]
+        if not gone and settle > 0:
+            gone = [m for (m, _), refused in zip(targets, refused_many([a for _, a in targets], timeout, settle))
+                    if refused]
+        for member in gone:
+            self.news.fault("crash", member)
+            self.gossip.declare_dead(member)
+
+    def raise_stuck(self) -> None:
+        view = self.view
+        if view is None or self.engine.state == core.JOINING:
+            raise FtcommTimeout(
+                f"no view with at least min_workers={self.engine.min_workers} members could be agreed "
+                f"(this worker sees {len(self.gossip.live_members())} live members; group full or "
+                f"peers unreachable?)")
+        raise QuorumLost(f"cannot reach a majority of view {view.id} ({view.size} members) "
+                         f"within {self.options.quorum_timeout:g} s: this worker is on the minority side "
+                         f"of a partition or the others are gone")
+
+    # ------------------------------------------------------------------ status records
+    def statuses(self) -> tuple[dict[str, Status], dict[str, tuple[str, int]]]:
+        """Every member's status record, and rendezvous address, from gossip. A member that
+        has never answered this worker directly is left out (unless it is in the current
+        view): an alive record alone may be forged, and a phantom in a candidate view would
+        hold up agreement."""
+        statuses, addresses = {}, {}
+        known = set(self.view.members) if self.view is not None else set()
+        for m in self.gossip.members():
+            if not m.confirmed and m.id != self.engine.id and m.id not in known:
+                continue
+            status = Status.from_metadata(m.id, m.state, m.metadata)
+            if status is not None:
+                statuses[m.id] = status
+                if status.rendezvous_port is not None:
+                    addresses[m.id] = (m.host, status.rendezvous_port)
+        return statuses, addresses
+
+    def gossip_states(self) -> dict[str, str]:
+        """Each member's gossip state, ``benched`` for a straggler standing aside."""
+        statuses, _ = self.statuses()
+        return {m.id: "benched" if m.id in statuses and statuses[m.id].benched is not None else m.state
+                for m in self.gossip.members()}
+
+    def status_record(self) -> dict:
+        engine = self.engine
+        named = engine.published_view()
+        done_ops = (named.id, self.ops) if named is not None and engine.state == core.LEAVING else None
+        return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, engine.config,
+                             self._step(), self.rendezvous.port, engine.floor, self._settings, done_ops,
+                             self._insecure, named.digest if named is not None else None, self._compute.median(),
+                             engine.benched)
+
+    def publish(self) -> None:
+        self._last_publish = time.monotonic()
+        self.gossip.set_metadata(self.status_record())
+
+    def publish_step(self) -> bool:
+        """Publish the record with the committed step, at most every ``step_publish_interval``."""
+        if time.monotonic() - self._last_publish < self.options.step_publish_interval:
+            return False
+        self.publish()
+        return True

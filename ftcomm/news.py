@@ -1,0 +1,104 @@
+"""Gossip news for the thread that waits on the view: the gossip thread only posts it.
+
+The gossip thread calls :meth:`GossipNews.post` for every membership event and returns at
+once: it wakes whoever waits (the agreement loop, or a collective through its abort
+signal's ``nudge``). The waiting thread judges what was posted with :meth:`judge` (the
+engine core's :meth:`~ftcomm.engine.Engine.damage`): it fires the view's abort signal the
+moment the view is damaged, or holds the abort until the operation in flight ends when a
+member left right after completing it (``leave_grace``). No decision is taken on the
+gossip thread, and no lock is held across a judgment that another thread could need.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable
+
+from .backends.base import AbortSignal
+from .engine import Engine
+from .gossip import GossipEvent, GossipNode
+from .view import Status
+
+INBOX_LIMIT = 4096
+"""News held for the waiting thread; beyond it, the next look re-reads every record."""
+FAULT_LIMIT = 4096
+
+
+class GossipNews:
+    """The inbox, the faults seen in the current view, and aborts held for a graceful leave."""
+
+    def __init__(self, engine: Engine, gossip: Callable[[], GossipNode], ops: Callable[[], int],
+                 leave_grace: float) -> None:
+        self._engine = engine
+        self._gossip = gossip  # the node is created after this inbox (it subscribes to it)
+        self._ops = ops  # group operations completed in the current view (see Engine.damage)
+        self._leave_grace = leave_grace
+        self._inbox: collections.deque = collections.deque()  # (time posted, GossipEvent)
+        self._overflowed = False
+        self._judging = threading.Lock()
+        self.changed = threading.Event()  # set by every post: the agreement loop waits on it
+        self.abort = AbortSignal(self.judge)  # the signal of the view being formed or run
+        self.since = 0.0  # news posted before this is not judged: see renew
+        self.faults: list[tuple[float, str, str]] = []  # (time, kind, member) since the last view
+        self._deferred: list[tuple[AbortSignal, str, float]] = []  # (signal, reason, fire by)
+
+    def post(self, event: GossipEvent) -> None:
+        """On the gossip thread: keep the news and wake the waiting thread; nothing else."""
+        if len(self._inbox) < INBOX_LIMIT:
+            self._inbox.append((time.monotonic(), event))
+        else:  # nobody has looked for a long while: the next look reads the members' records
+            self._overflowed = True
+        self.changed.set()
+        self.abort.nudge()
+
+    def renew(self) -> AbortSignal:
+        """A view is entered: a fresh abort signal, and news posted before now is not judged
+        against it (the members' records read from now on are at least as new)."""
+        self.since = time.monotonic()
+        self.abort = AbortSignal(self.judge)
+        return self.abort
+
+    def fault(self, kind: str, member: str, at: float | None = None) -> None:
+        if len(self.faults) < FAULT_LIMIT:
+            self.faults.append((time.monotonic() if at is None else at, kind, member))
+
+    def judge(self) -> None:
+        """Judge the news posted since the last look (see the module docstring). Runs on the
+        waiting thread; a second thread of this worker looking meanwhile returns at once."""
+        if not self._judging.acquire(blocking=False):
+            return
+        try:
+            if self._overflowed:  # news was dropped: judge every member's present record instead
+                self._overflowed = False
+                now = time.monotonic()
+                self._inbox.extend((now, GossipEvent(m.state if m.state in ("suspect", "dead", "left") else "metadata",
+                                                     m, time.time(), m.id)) for m in self._gossip().members())
+            while self._inbox:
+                posted, event = self._inbox.popleft()
+                if posted < self.since:
+                    continue  # about an earlier view
+                member = event.member
+                status = Status.from_metadata(member.id, member.state, member.metadata)
+                damage = self._engine.damage(event.kind, member.id, status, self._ops())
+                if damage is None:
+                    continue
+                if damage.fault is not None:
+                    self.fault(damage.fault, member.id, posted)
+                if damage.defer:
+                    self._deferred.append((self.abort, damage.reason, posted + self._leave_grace))
+                else:
+                    self.abort.fire(damage.reason, at=posted)
+            now = time.monotonic()
+            for abort, reason, deadline in self._deferred:
+                if now >= deadline:
+                    abort.fire(reason, at=deadline)
+        finally:
+            self._judging.release()
+
+    def operation_ended(self) -> None:
+        """The operation in flight ended: aborts held for it fire now."""
+        while self._deferred:
+            abort, reason, _ = self._deferred.pop()
+            abort.fire(reason)
