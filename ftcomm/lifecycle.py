@@ -237,16 +237,39 @@ class Lifecycle:
         self.perform(self.engine.bench(time.monotonic(), seconds))
 
     def leave(self) -> None:
-        """Leave the group gracefully: the record says so, then the departure notice."""
+        """Leave the group gracefully: the record says so, then the departure notice.
+
+        The departure does not end the process at once: a member of the view may still be
+        inside the operation this worker completed last (it lets it finish, ``leave_grace``),
+        and this process's exit would close the connections it still reads from. Until
+        every other member of the view moved on (left, died, or no longer proposes the
+        view: it re-formed), at most until ``leave_grace`` seconds after that operation
+        ended (by then every member that was in it finished it or gave up on it), the
+        gossip node stays up and the communicator is not dropped."""
+        view = self.view
+        linger = max(0.0, self.options.leave_grace - (time.monotonic() - self.op_began))
         self.engine.leave()
         self.abort.fire("this worker is shutting down")
         try:
             self.publish()
-            self.gossip.leave()
+            self.gossip.leave(until=lambda: self._others_moved_on(view), timeout=linger)
         except FtcommError as exc:  # its gossip is gone already
             log.debug("leaving: %s", exc)
         self.abandon()
         self.engine.closed()
+
+    def _others_moved_on(self, view: View | None) -> bool:
+        """No other live member still runs ``view`` (asked directly: news about a member that
+        left may no longer reach it by gossip)."""
+        if view is None:
+            return True
+        key = (view.id, view.digest)
+        statuses, _ = self.statuses()
+        running = [m for m in view.members if m != self.engine.id and m in statuses
+                   and statuses[m].alive and statuses[m].proposal == key]
+        for member in running[:1]:
+            self.gossip.exchange(member, timeout=0.1)
+        return not running
 
     # ------------------------------------------------------------------ operations
     def contributed(self) -> float:

@@ -58,7 +58,8 @@ class GroupOptions:
     """A member that leaves gracefully after completing the group operation (gradient step
     or collective) this worker is still in has already sent its share of it: the operation
     is let finish (up to this many seconds) before the view is re-formed, instead of being
-    aborted. Crashes and hangs abort at once."""
+    aborted. Crashes and hangs abort at once. A leaving worker, for its part, stays
+    reachable until the others moved on, at most this long after its last operation."""
 
     step_publish_interval: float = 2.0
     """Minimum seconds between gossip updates of the committed step (shown by ``ftcomm

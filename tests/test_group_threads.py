@@ -281,6 +281,35 @@ def test_a_member_leaving_after_the_last_step_lets_a_slower_member_commit_it(del
             g.shutdown()
 
 
+def test_a_leaver_stays_reachable_until_the_slower_member_finished_the_step_it_left_after():
+    """The leaver's process exit would close the connections a slower member still reads the
+    last step from: its shutdown returns only once that member finished the step and moved on
+    (here: re-formed without it), well before ``leave_grace`` runs out."""
+    groups = start_groups(2, overlap=False, leave_grace=30.0)
+    try:
+        models, optimizers = linear_models(groups)
+        run_steps(groups, models, optimizers, 2)
+        _observe_completions_late(groups[1], 0.8)
+        finished: dict[int, float] = {}
+
+        def last_step(i: int, g: ftcomm.FaultTolerantGroup) -> bool:
+            models[i](torch.ones(8, 4) * (i + 1)).pow(2).sum().backward()
+            ok = g.wait_gradients_ready(models[i])
+            finished[i] = time.monotonic()
+            if i == 0:
+                g.shutdown()
+                finished["left"] = time.monotonic()
+            else:
+                g.execute(g.barrier)  # the survivor's next collective: it re-forms alone
+            return ok
+        assert in_threads(groups, last_step) == [True, True]
+        assert finished[1] <= finished["left"], "the leaver left while the other was still in the step"
+        assert groups[1].world_size == 1 and groups[1].events[-1].reason == "leave"
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
 def test_gossip_news_is_judged_on_the_waiting_thread_never_on_the_gossip_thread(monkeypatch):
     """The gossip thread only posts news and wakes the waiter; the engine runs on one thread."""
     judged_on: list[str] = []

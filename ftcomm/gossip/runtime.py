@@ -188,12 +188,17 @@ class GossipNode:
             self._loop.call_soon_threadsafe(lambda: self._spawn(self._rediscover()))
         return self
 
-    def leave(self) -> None:
-        """Announce a graceful departure (members see *left*, not *dead*), then stop."""
+    def leave(self, until: Callable[[], bool] | None = None, timeout: float = 0.0) -> None:
+        """Announce a graceful departure (members see *left*, not *dead*), then stop:
+        after ``leave_propagate_time`` (the loop keeps forwarding the notice meanwhile), or,
+        with ``until``, once it returns True, at most ``timeout`` seconds later."""
         if self._loop is None or self._stopped.is_set():
             return
         self._call(lambda p: p.leave(self._now()))
-        time.sleep(self.config.leave_propagate_time)  # the loop keeps forwarding the notice meanwhile
+        deadline = time.monotonic() + max(timeout, self.config.leave_propagate_time)
+        time.sleep(self.config.leave_propagate_time)
+        while until is not None and time.monotonic() < deadline and not until():
+            time.sleep(0.02)
         self.stop()
 
     def stop(self) -> None:
