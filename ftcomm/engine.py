@@ -261,8 +261,7 @@ class Engine:
             return self._fetch_final_records(previous, statuses, now)
         if cand != self._last:
             self._last, self._settled_since = cand, now
-            return []
-        if now - self._settled_since < self.settle_interval:
+        if now - self._settled_since < (0.0 if certain(cand, previous, statuses) else self.settle_interval):
             return []
         actions: list[Action] = []
         key = (cand.view_id, cand.digest)
@@ -435,6 +434,17 @@ class Damage:
 
 
 # ---------------------------------------------------------------------- pure decisions
+def certain(cand: Candidate, previous: View | None, statuses: dict[str, Status]) -> bool:
+    """The candidate only drops members of the previous view that are known gone for good
+    (confirmed dead, as by a refused connection, or left): no further news can change it,
+    so it is proposed without the settle interval (which batches changes still arriving,
+    such as joiners or suspicions)."""
+    if previous is None or not set(cand.members) <= set(previous.members):
+        return False
+    dropped = [m for m in previous.members if m not in cand.members]
+    return bool(dropped) and all(m in statuses and (statuses[m].dead or statuses[m].left) for m in dropped)
+
+
 def reconcile_source(states: list[tuple[int, int]]) -> int | None:
     """The rank whose state every member of a new view takes, from each rank's (step, state
     digest): the lowest rank holding the newest step. None when all hold the same state."""

@@ -241,3 +241,25 @@ def test_a_straggler_stands_aside_the_others_re_form_without_it_and_it_rejoins_a
 def test_a_re_formation_without_a_benched_straggler_is_named_for_it():
     assert core.reason_for("backend", ("a", "b", "c"), ("a", "b"), {"a": "alive", "b": "alive", "c": "benched"}) \
         == "straggler"
+
+
+def test_a_view_that_only_drops_members_confirmed_gone_is_proposed_without_settling():
+    import dataclasses
+
+    def proposes(e: Engine, statuses: dict, now: float) -> bool:
+        return any(isinstance(a, PublishProposal) for a in e.agree(now, statuses))
+
+    for gone, settles in [({"dead": True, "alive": False}, False), ({"left": True, "alive": False}, False),
+                          ({"alive": False}, True)]:  # suspect: more news may follow, it settles
+        e = running(engine("a"))
+        e.broken()
+        statuses = {"a": status("a", cv=1), "b": status("b", cv=1), "c": dataclasses.replace(status("c", cv=1), **gone)}
+        assert proposes(e, statuses, 10.0) is not settles
+        if settles:
+            assert proposes(e, statuses, 10.0 + e.settle_interval)
+    # a joiner among the changes: settles too
+    e = running(engine("a"))
+    e.broken()
+    statuses = {"a": status("a", cv=1), "b": status("b", cv=1), "c": dataclasses.replace(status("c", cv=1), dead=True),
+                "d": status("d", JOINING, joined_at=5.0)}
+    assert not proposes(e, statuses, 20.0)
