@@ -210,8 +210,7 @@ class FaultTolerantGroup:
             self._recover(life.broken or life.classify(exc), self._waiting_since)
             self._end_step(False)
             return False
-        life.ops += 1
-        life.op_began = time.monotonic()
+        life.completed()
         contributors = float(tail[0])
         commit, admit = core.step_verdict(contributors, float(tail[1]), life.comm.size,
                                           bool(self._participants("batch_valid")))

@@ -15,7 +15,9 @@ Every action the core returns is carried out in one place, :meth:`Lifecycle.perf
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 import time
 from typing import Callable, Iterable
 
@@ -34,6 +36,11 @@ from .stragglers import ComputeTimes
 from .view import Status, View, encode_status
 
 log = logging.getLogger(__name__)
+
+STALL_FACTOR = 4.0
+"""A collective waiting this many times its recent median wait (and ``stall_probe_after``)
+has the members it waits on probed at once."""
+STALL_WINDOW = 20
 
 CRASH_SETTLE_S = 0.15
 """After a broken connection, how long a member's port that still accepts is tried again
@@ -58,7 +65,7 @@ class Lifecycle:
         self._compute = compute
         self._step = step
         self.gossip: GossipNode | None = None  # attached once started (it publishes our first record)
-        self.news = GossipNews(engine, lambda: self.gossip, lambda: self.ops, options.leave_grace)
+        self.news = GossipNews(engine, lambda: self.gossip, lambda: self.ops, options.leave_grace, self._watch_stall)
         self.comm: Communicator | None = None  # the backend's communicator of the current view
         self.events: list[ViewChange] = []
         self.broken: str | None = None  # the view failed (why): recover before the next collective
@@ -69,6 +76,8 @@ class Lifecycle:
         self.op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
         self.contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
         self._last_publish = 0.0
+        self._waits: collections.deque[float] = collections.deque(maxlen=STALL_WINDOW)  # recent collectives' waits
+        self._stall_probed = 0.0  # when the members were last probed on demand
 
     @property
     def view(self) -> View | None:
@@ -277,10 +286,31 @@ class Lifecycle:
         self.contributed_at = time.monotonic()
         return self.contributed_at - self.op_began
 
-    def operation_done(self) -> None:
+    def completed(self) -> None:
+        """The operation in flight completed here."""
         self.ops += 1
         self.op_began = time.monotonic()
+        self._waits.append(self.op_began - self.contributed_at)
+
+    def operation_done(self) -> None:
+        """The operation in flight completed, and aborts held for it fire now."""
+        self.completed()
         self.news.operation_ended()
+
+    def _watch_stall(self) -> None:
+        """Hang detection on demand (``stall_probe_after``): while a collective waits far
+        longer than usual, probe the view's other members at once, at most once per probe
+        interval; the regular suspicion then fires the abort signal."""
+        after = self.options.stall_probe_after
+        if after <= 0 or self.contributed_at <= self.op_began or self.view is None:
+            return  # off, or not waiting on an operation
+        now = time.monotonic()
+        typical = STALL_FACTOR * statistics.median(self._waits) if self._waits else 0.0
+        if now - self.contributed_at < max(after, typical) or \
+                now - self._stall_probed < self.gossip.config.probe_interval:
+            return
+        self._stall_probed = now
+        self.gossip.probe_now([m for m in self.view.members if m != self.engine.id])
 
     def confirm_after_stall(self) -> None:
         """An operation that completed while (or after) this worker was cut off may have

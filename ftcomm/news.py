@@ -30,16 +30,17 @@ class GossipNews:
     """The inbox, the faults seen in the current view, and aborts held for a graceful leave."""
 
     def __init__(self, engine: Engine, gossip: Callable[[], GossipNode], ops: Callable[[], int],
-                 leave_grace: float) -> None:
+                 leave_grace: float, on_look: Callable[[], None] | None = None) -> None:
         self._engine = engine
         self._gossip = gossip  # the node is created after this inbox (it subscribes to it)
         self._ops = ops  # group operations completed in the current view (see Engine.damage)
         self._leave_grace = leave_grace
+        self._on_look = on_look  # also run on each look by a waiting thread (see look)
         self._inbox: collections.deque = collections.deque()  # (time posted, GossipEvent)
         self._overflowed = False
         self._judging = threading.Lock()
         self.changed = threading.Event()  # set by every post: the agreement loop waits on it
-        self.abort = AbortSignal(self.judge)  # the signal of the view being formed or run
+        self.abort = AbortSignal(self.look)  # the signal of the view being formed or run
         self.since = 0.0  # news posted before this is not judged: see renew
         self.faults: list[tuple[float, str, str]] = []  # (time, kind, member) since the last view
         self._deferred: list[tuple[AbortSignal, str, float]] = []  # (signal, reason, fire by)
@@ -57,8 +58,14 @@ class GossipNews:
         """A view is entered: a fresh abort signal, and news posted before now is not judged
         against it (the members' records read from now on are at least as new)."""
         self.since = time.monotonic()
-        self.abort = AbortSignal(self.judge)
+        self.abort = AbortSignal(self.look)
         return self.abort
+
+    def look(self) -> None:
+        """What a waiting thread runs on each wake-up: judge the news, then ``on_look``."""
+        self.judge()
+        if self._on_look is not None:
+            self._on_look()
 
     def fault(self, kind: str, member: str, at: float | None = None) -> None:
         if len(self.faults) < FAULT_LIMIT:

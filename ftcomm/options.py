@@ -61,6 +61,15 @@ class GroupOptions:
     aborted. Crashes and hangs abort at once. A leaving worker, for its part, stays
     reachable until the others moved on, at most this long after its last operation."""
 
+    stall_probe_after: float = 0.1
+    """A collective still waiting this long after this worker handed over its share, and 4
+    times longer than the median wait of its recent collectives, probes the view's other
+    members at once (directly and through helpers) instead of waiting for the regular probe
+    round: a stopped process or a lost node is suspected ``probe_timeout`` later and the
+    wait aborted. Lower finds hangs sooner at the price of probes during long waits; a
+    member whose process answers probes is never suspected by it (slow compute is a
+    straggler, not a hang). 0 turns it off."""
+
     step_publish_interval: float = 2.0
     """Minimum seconds between gossip updates of the committed step (shown by ``ftcomm
     members``); every update is a broadcast to the whole group."""
@@ -135,7 +144,7 @@ class GroupOptions:
 
         for name in ("init_timeout", "formation_timeout", "quorum_timeout", "straggler_cooldown"):
             number(name, zero_allowed=False)
-        for name in ("settle_interval", "leave_grace", "step_publish_interval"):
+        for name in ("settle_interval", "leave_grace", "step_publish_interval", "stall_probe_after"):
             number(name, zero_allowed=True)
         number("bucket_mb", zero_allowed=False, unit="MB")
         number("network_check_mb", zero_allowed=False, unit="MB")

@@ -342,3 +342,40 @@ def test_gossip_news_is_judged_on_the_waiting_thread_never_on_the_gossip_thread(
     finally:
         for g in groups:
             g.shutdown()
+
+
+def test_a_collective_waiting_far_longer_than_usual_probes_its_members_and_a_silent_one_is_excluded():
+    """Hang detection on demand: member 2 goes silent (its packets vanish, its training thread
+    stops calling collectives). Regular probes run only every 5 s here; the others' allreduce
+    waits beyond ``stall_probe_after``, probes the view's members at once, suspects member 2
+    and re-forms without it."""
+    from ftcomm.gossip import FaultFilter
+
+    silent = FaultFilter()
+    filters = [None, None, silent]
+    ports = [free_port() for _ in range(3)]
+    groups: list = [None] * 3
+
+    def start(i: int) -> None:
+        groups[i] = ftcomm.init(peers=[f"127.0.0.1:{ports[0]}"] if i else [], bind=f"127.0.0.1:{ports[i]}",
+                                min_workers=2, handle_signals=False, init_timeout=30, settle_interval=0.5,
+                                fault_filter=filters[i], gossip={"probe_interval": 5.0})
+    threads = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    try:
+        assert all(g is not None and g.world_size == 3 for g in groups)
+        for _ in range(5):  # the usual wait of a collective
+            in_threads(groups, lambda i, g: g.execute(lambda: g.allreduce(torch.ones(2))))
+        silent.drop_rate = 1.0
+        results = in_threads(groups[:2], lambda i, g: g.execute(lambda: g.allreduce(torch.ones(2))).tolist())
+        assert results == [[2.0, 2.0], [2.0, 2.0]]
+        assert all(g.world_size == 2 and g.events[-1].reason == "hang" for g in groups[:2])
+        assert sum(g.gossip.stats()["urgent_probes"] for g in groups[:2]) > 0
+    finally:
+        silent.clear()
+        for g in groups:
+            if g is not None:
+                g.shutdown()

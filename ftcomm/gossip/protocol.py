@@ -123,6 +123,7 @@ class Protocol:
         self._suspicions: dict[str, Suspicion] = {}
         self._relays: dict[int, _Relay] = {}
         self._probe: _Probe | None = None
+        self._urgent: dict[int, _Probe] = {}  # seq -> probe started by probe_now
         self._confirmations: dict[int, tuple[str, tuple[str, int], float]] = {}  # seq -> (id, address, deadline)
         self._seq = self._rng.getrandbits(32)  # unpredictable: an ack must answer a ping that was seen
         self._now = 0.0
@@ -307,8 +308,10 @@ class Protocol:
             elif kind == PING_REQ:
                 self._on_ping_req(message, source, sender, now)
             elif kind == NACK:
-                if self._probe is not None and self._probe.seq == message[1]:
-                    self._probe.nacks += 1
+                probe = self._probe if self._probe is not None and self._probe.seq == message[1] \
+                    else self._urgent.get(message[1])
+                if probe is not None:
+                    probe.nacks += 1
             elif kind == ALIVE:
                 self._on_alive(message[1], message[2], message[3], message[4], message[5], sender, now)
             elif kind == SUSPECT:
@@ -362,6 +365,10 @@ class Protocol:
         cfg = self.config
         if self._relays:
             self._expire_relays(now)
+        for seq in [seq for seq, p in self._urgent.items() if now >= p.ack_deadline]:
+            urgent = self._urgent.pop(seq)
+            if now - urgent.ack_deadline <= self.config.probe_interval:  # else this member was paused
+                self._judge_probe(urgent, now)
         probe = self._probe
         if probe and not probe.acked and not probe.indirect_sent and now >= probe.ack_deadline:
             self._send_indirect_probes(probe)
@@ -411,6 +418,8 @@ class Protocol:
             deadline = min(deadline, suspicion.deadline)
         for relay in self._relays.values():
             deadline = min(deadline, relay.deadline)
+        for urgent in self._urgent.values():
+            deadline = min(deadline, urgent.ack_deadline)
         return deadline
 
     def take_datagrams(self) -> list[Datagram]:
@@ -463,8 +472,35 @@ class Protocol:
             self._send(self._table.get(helper_id).address, helper_id, [request])
         probe.expected_nacks = len(helpers)
 
+    def probe_now(self, member_ids: list[str], now: float) -> int:
+        """Probe these members at once, directly and through ``indirect_checks`` helpers in
+        the same moment (the driver asks when a collective has waited on them far longer than
+        usual). A member that answers neither within ``probe_timeout`` is suspected, as after
+        a regular probe; Lifeguard's suspicion timeout and refutation still decide whether it
+        is declared dead. One such probe per member at a time; returns how many started."""
+        self._now = now
+        if self.leaving or not self.started:
+            return 0
+        busy = {p.target for p in self._urgent.values()}
+        started = 0
+        for member_id in member_ids:
+            m = self._table.get(member_id)
+            if m is None or member_id == self.id or member_id in busy or m.state not in (ALIVE_STATE, SUSPECT_STATE):
+                continue
+            seq = self._next_seq()
+            probe = _Probe(member_id, m.address, seq, now + self._awareness.scale(self.config.probe_timeout))
+            self._send(m.address, member_id, [wire.encode([PING, seq, member_id])])
+            self._send_indirect_probes(probe)
+            self._urgent[seq] = probe
+            started += 1
+        self.stats["urgent_probes"] += started
+        return started
+
     def _finish_probe(self, probe: _Probe, now: float) -> None:
         self._probe = None
+        self._judge_probe(probe, now)
+
+    def _judge_probe(self, probe: _Probe, now: float) -> None:
         if probe.acked:
             return
         if probe.expected_nacks:
@@ -487,8 +523,8 @@ class Protocol:
         self._send(source, sender, [wire.encode([ACK, message[1]])], notice)
 
     def _on_ack(self, seq: int, sender: str, now: float) -> None:
-        probe = self._probe
-        if probe is not None and probe.seq == seq:
+        probe = self._probe if self._probe is not None and self._probe.seq == seq else self._urgent.get(seq)
+        if probe is not None:
             if not probe.acked:
                 probe.acked = True
                 self._awareness.apply(-1)

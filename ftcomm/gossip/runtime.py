@@ -275,6 +275,11 @@ class GossipNode:
         except (asyncio.TimeoutError, TimeoutError, concurrent.futures.TimeoutError):
             return False
 
+    def probe_now(self, member_ids: list[str]) -> None:
+        """Probe these members at once (non-blocking); see :meth:`Protocol.probe_now`."""
+        ids = list(member_ids)
+        self._call(lambda p: p.probe_now(ids, self._now()))
+
     def announce(self, member_ids: list[str]) -> None:
         """Send this member's record directly to these members; see :meth:`Protocol.announce`."""
         ids = list(member_ids)

@@ -223,3 +223,29 @@ def test_declared_dead_on_evidence_spreads_and_a_live_member_refutes_it():
     assert all(net.first(i, 3, "dead") is not None for i in (1, 2))
     net.run(3.0)  # member 3 is alive: it hears of its death and rejoins
     assert all(net.nodes[i].member(member_id(3)).state == "alive" for i in range(3))
+
+
+def test_probe_now_suspects_a_silent_member_within_the_probe_timeout_and_spares_a_live_one():
+    net = MiniNet(5)
+    net.run(1.0)
+    net.down.add(4)  # stopped: answers nothing, refuses nothing
+    started = net.now
+    assert net.nodes[0].probe_now([member_id(1), member_id(4), member_id(0)], net.now) == 2  # not itself
+    assert net.nodes[0].probe_now([member_id(4)], net.now) == 0  # one at a time per member
+    net._deliver()
+    assert any(t[1] == 0 and PING_REQ in t[3] and t[0] == started for t in net.trace), "helpers asked at once"
+    net.run(CFG.probe_timeout + 0.02)
+    suspected = net.first(0, 4, "suspect")
+    assert suspected is not None and suspected.time - started <= CFG.probe_timeout + 0.02
+    assert "suspect" not in net.kinds(0, 1)
+    assert net.nodes[0].stats["urgent_probes"] == 2
+
+
+def test_an_urgent_probe_is_not_held_against_its_target_when_the_prober_itself_was_paused():
+    net = MiniNet(3)
+    net.run(1.0)
+    net.nodes[0].probe_now([member_id(1)], net.now)
+    net.nodes[0].take_datagrams()  # the ping is lost with the pause
+    net.now += 3 * CFG.probe_interval  # member 0's process did not run meanwhile
+    net.nodes[0].tick(net.now)
+    assert "suspect" not in [e.kind for e in net.nodes[0].take_events() if e.member.id == member_id(1)]
