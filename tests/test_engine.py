@@ -241,3 +241,65 @@ def test_a_straggler_stands_aside_the_others_re_form_without_it_and_it_rejoins_a
 def test_a_re_formation_without_a_benched_straggler_is_named_for_it():
     assert core.reason_for("backend", ("a", "b", "c"), ("a", "b"), {"a": "alive", "b": "alive", "c": "benched"}) \
         == "straggler"
+
+
+def _record(e: Engine, alive: bool = True) -> Status:
+    """The status record ``e`` publishes, as its peers decode it."""
+    from ftcomm.view import encode_status
+
+    named = e.published_view()
+    return Status.from_metadata(e.id, "alive" if alive else "dead", encode_status(
+        e.phase, e.current_view, e.proposal, e.joined_at, CFG, 0, 4000, e.floor,
+        view_digest=named.digest if named is not None else None, benched=e.benched))
+
+
+@pytest.mark.xfail(strict=True, reason="a straggler back from the bench lends its vote to the minority side of "
+                                       "the view it stood aside from (two groups commit)")
+@pytest.mark.parametrize("members, stragglers", [(("c", "d", "a", "b"), ("d",)),
+                                                 (("c", "d", "e", "a", "b"), ("d", "e"))])
+def test_a_straggler_back_from_the_bench_lends_no_vote_to_the_view_it_stood_aside_from(members, stragglers):
+    from ftcomm.view import candidate
+
+    # c is rank 0: it wins a tie
+    group = {m: engine(m, joined_at=float(i)) for i, m in enumerate(members)}
+    now = 0.0
+    while not all(e.state == core.FORMING for e in group.values()):
+        records = {m: _record(e) for m, e in group.items()}
+        for e in group.values():
+            if e.state == core.JOINING:
+                e.agree(now, records)
+        now += 0.01
+        assert now < 2.0
+    for e in group.values():
+        e.formed()
+        e.reconciled()
+    c = group["c"]
+    view = c.view
+    for s in stragglers:
+        group[s].bench(now=10.0, seconds=5.0)
+    # A partition cuts {a, b} from the others before the view without the stragglers forms.
+    # a and b saw them stand aside (gone for the quorum): 2 of the 3 others is a majority.
+    seen_by_ab = {"a": _record(group["a"]), "b": _record(group["b"]), "c": _record(c, alive=False),
+                  **{s: _record(group[s]) for s in stragglers}}
+    majority = candidate("a", view, seen_by_ab, CFG, None)
+    assert majority.members == ("a", "b") and majority.quorum
+    # c and the stragglers: a and b are dead to them. Once the cooldown is over, nothing may form here.
+    c.broken()
+    stored: dict = {}  # the proposals on each member's rendezvous store
+    formed = {}
+    now = 10.0
+    while now < 20.0:
+        records = {"a": _record(group["a"], alive=False), "b": _record(group["b"], alive=False),
+                   **{m: _record(group[m]) for m in ("c", *stragglers)}}
+        for e in (group[m] for m in ("c", *stragglers)):
+            if e.id in formed:
+                continue
+            for action in e.agree(now, records):
+                if isinstance(action, PublishProposal):
+                    stored[(e.id, action.view_id, action.digest)] = action.members
+                elif isinstance(action, Fetch):
+                    e.fetched_proposal(action.key, stored.get((action.member, *action.key)))
+                elif isinstance(action, Form):
+                    formed[e.id] = action.view
+        now += 0.01
+    assert formed == {}, f"the minority side formed {formed} while a and b formed a view of their own"
