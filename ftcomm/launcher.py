@@ -174,6 +174,7 @@ class Launcher:
         self._stop_deadline: float | None = None
         self._ending_at: float | None = None  # when a worker finished: no more restarts
         self._status = _StatusLine(self)
+        self._saving = threading.Lock()  # one breakpoint save at a time: the workers share the checkpoint
         self._report_dir: str | None = None  # where the workers write the network check's report
         if config.network_check:
             import tempfile
@@ -347,7 +348,9 @@ class Launcher:
 
         name = self.config.checkpoint_name or self.config.cluster
         try:
-            step = persist_newest(pathlib.Path("/dev/shm") / f"ftcomm-{name}", pathlib.Path(self.config.checkpoint_dir))
+            with self._saving:  # workers failing together: the later copies find it persisted
+                step = persist_newest(pathlib.Path("/dev/shm") / f"ftcomm-{name}",
+                                      pathlib.Path(self.config.checkpoint_dir))
         except (OSError, ValueError, FtcommError) as exc:  # the workers go on: only the copy is lost
             self.say(f"saving at the breakpoint failed: {exc}")
             return

@@ -388,3 +388,29 @@ def test_a_worker_whose_launcher_died_before_it_asked_for_the_parent_death_signa
         if child is not None:
             with __import__("contextlib").suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
+
+
+def test_workers_failing_together_persist_the_node_s_checkpoint_one_at_a_time(tmp_path, monkeypatch):
+    """Every worker of a node failing at once (an out-of-memory kill, a driver error) must
+    not copy the same shared-memory checkpoint to the same directory several times at once
+    (gigabytes each): the copies run one after the other, and the later ones find it done."""
+    from ftcomm import checkpoint_files
+
+    lock, copying, overlaps = threading.Lock(), [0], []
+    another = threading.Event()
+
+    def persist_newest(shm, directory, sync=True):
+        with lock:
+            copying[0] += 1
+            if copying[0] > 1:
+                overlaps.append(copying[0])
+                another.set()
+        another.wait(2.0)  # long enough for a concurrent copy to start, bounded
+        with lock:
+            copying[0] -= 1
+        return None
+    monkeypatch.setattr(checkpoint_files, "persist_newest", persist_newest)
+    code, log = launch(tmp_path, "sys.exit(3)\n", nproc=3, max_restarts=0, save_at_breakpoint=True,
+                       checkpoint_dir=str(tmp_path / "kept"))
+    assert code == 1 and log.count("no restarts left") == 3
+    assert overlaps == []
