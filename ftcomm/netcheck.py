@@ -62,6 +62,9 @@ class NetworkReport:
 
     def summary(self) -> list[str]:
         """Lines for a log or a terminal."""
+        if not self.links:
+            return [f"network check of {len(self.members)} member{'s' if len(self.members) != 1 else ''}: "
+                    f"no link to measure"]
         lat = statistics.median(l.latency_s for l in self.links) if self.links else math.nan
         bw = statistics.median(l.bandwidth for l in self.links) if self.links else math.nan
         lines = [f"network check of {len(self.members)} members, {len(self.links)} links in {self.seconds:.2f} s: "

@@ -57,6 +57,10 @@ def test_a_uniform_network_and_small_differences_name_nothing():
     assert tiny.slow_links == () and tiny.slow_members == ()
 
 
+def test_a_group_of_one_has_no_link_and_says_so():
+    assert judge(("a",), [], 2.0).summary() == ["network check of 1 member: no link to measure"]
+
+
 def test_two_members_are_measured_but_not_judged():
     report = judge(("a", "b"), [Link("a", "b", 1.0, 1.0)], 2.0)
     assert report.slow_members == () and report.slow_links == () and len(report.links) == 1
