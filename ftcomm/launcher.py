@@ -158,6 +158,9 @@ class Launcher:
         dns_ports = [parse_seed(p)[1] for p in config.peers if parse_seed(p)[2]]
         if not port and dns_ports:  # a worker can start the group only if the name lists its own address
             port = dns_ports[0]
+            if port + config.nproc - 1 > 65535:
+                raise ValueError(f"the dns:// peer's port {port} leaves no room for {config.nproc} workers' ports "
+                                 f"({port}..{port + config.nproc - 1}): give --port")
         ports = list(range(port, port + config.nproc)) if port else free_ports(config.host, config.nproc)
         self.workers = [Worker(i, p) for i, p in enumerate(ports)]
         self.secret = self.environ.get("FTCOMM_SECRET")

@@ -62,6 +62,9 @@ def test_each_worker_gets_its_address_the_others_a_secret_and_a_local_rank():
     named = Launcher(LaunchConfig(command=["true"], nproc=2, peers=("dns://localhost:41500",)),
                      environ={"FTCOMM_SECRET": "s"}, out=io.StringIO())
     assert [w.port for w in named.workers] == [41500, 41501]
+    with pytest.raises(ValueError, match="65535..65536"):
+        Launcher(LaunchConfig(command=["true"], nproc=2, peers=("dns://localhost:65535",)),
+                 environ={"FTCOMM_SECRET": "s"}, out=io.StringIO())
 
 
 @pytest.mark.parametrize("options, message", [
