@@ -20,8 +20,10 @@ up to ``max_restarts`` times; the new process rejoins through gossip and receive
 state from its peers, the others do not stop. SIGTERM, SIGINT, SIGHUP or SIGQUIT to
 the launcher is forwarded to every worker as SIGTERM (a graceful leave); whatever still
 runs after ``stop_timeout`` seconds, or at a second signal, is killed with what it
-started. A worker's leftover processes are killed when it exits, and a worker receives
-SIGTERM from the kernel if the launcher dies (Linux's parent-death signal).
+started. A worker's leftover processes are killed when it exits (its pid is not signalled
+again afterwards: it may belong to another process by then), and a worker receives
+SIGTERM from the kernel if the launcher dies (Linux's parent-death signal; a worker whose
+launcher died while it was being started does not start).
 
 Exit status: 0 when every worker finished, 128 + N when stopped by signal N, 1 otherwise
 (a worker failed more than ``max_restarts`` times).
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import ipaddress
 import json
 import os
@@ -155,6 +158,9 @@ class Launcher:
         dns_ports = [parse_seed(p)[1] for p in config.peers if parse_seed(p)[2]]
         if not port and dns_ports:  # a worker can start the group only if the name lists its own address
             port = dns_ports[0]
+            if port + config.nproc - 1 > 65535:
+                raise ValueError(f"the dns:// peer's port {port} leaves no room for {config.nproc} workers' ports "
+                                 f"({port}..{port + config.nproc - 1}): give --port")
         ports = list(range(port, port + config.nproc)) if port else free_ports(config.host, config.nproc)
         self.workers = [Worker(i, p) for i, p in enumerate(ports)]
         self.secret = self.environ.get("FTCOMM_SECRET")
@@ -171,6 +177,7 @@ class Launcher:
         self._stop_deadline: float | None = None
         self._ending_at: float | None = None  # when a worker finished: no more restarts
         self._status = _StatusLine(self)
+        self._saving = threading.Lock()  # one breakpoint save at a time: the workers share the checkpoint
         self._report_dir: str | None = None  # where the workers write the network check's report
         if config.network_check:
             import tempfile
@@ -188,7 +195,9 @@ class Launcher:
                 time.sleep(POLL_S)
         finally:
             for worker in self.workers:  # nothing outlives the launcher (its handlers still hold)
-                if worker.process is not None:
+                # A worker that exited had its group killed then (see _exited); its pid may
+                # since belong to an unrelated process group, which must not be signalled.
+                if worker.process is not None and worker.process.poll() is None:
                     _kill_group(worker.process, signal.SIGKILL)  # what a worker started, too
                     worker.process.wait()
                 if worker.saving is not None:
@@ -293,7 +302,8 @@ class Launcher:
         worker.restart_at = None
         try:
             worker.process = subprocess.Popen(self.config.command, env=self.worker_env(worker),
-                                              start_new_session=True, preexec_fn=_leave_with_parent)
+                                              start_new_session=True,
+                                              preexec_fn=functools.partial(_leave_with_parent, os.getpid()))
         except OSError as exc:  # no such program, not executable: restarting cannot help
             worker.status = "failed"
             self.say(f"worker {worker.local_rank} cannot start {self.config.command[0]!r}: {exc.strerror or exc}")
@@ -341,7 +351,9 @@ class Launcher:
 
         name = self.config.checkpoint_name or self.config.cluster
         try:
-            step = persist_newest(pathlib.Path("/dev/shm") / f"ftcomm-{name}", pathlib.Path(self.config.checkpoint_dir))
+            with self._saving:  # workers failing together: the later copies find it persisted
+                step = persist_newest(pathlib.Path("/dev/shm") / f"ftcomm-{name}",
+                                      pathlib.Path(self.config.checkpoint_dir))
         except (OSError, ValueError, FtcommError) as exc:  # the workers go on: only the copy is lost
             self.say(f"saving at the breakpoint failed: {exc}")
             return
@@ -445,8 +457,12 @@ def _prctl():
 _PRCTL = _prctl()  # looked up here: the child between fork and exec only calls it
 
 
-def _leave_with_parent() -> None:
-    """In the worker before exec: SIGTERM (a graceful leave) when the launcher dies, however
-    it dies (kill -9 included), so that no worker outlives it."""
+def _leave_with_parent(launcher: int) -> None:
+    """In the worker before exec: SIGTERM (a graceful leave) when the launcher (pid
+    ``launcher``) dies, however it dies (kill -9 included), so that no worker outlives it.
+    A launcher that died before the request was made sends nothing: the child, whose parent
+    is then another process, exits instead of starting the worker."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != launcher:
+            os._exit(128 + signal.SIGTERM)

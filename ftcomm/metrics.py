@@ -3,7 +3,8 @@
 Nothing is counted on the training path: every figure is read from the group when the
 endpoint is scraped (its view changes, committed step, compute time, stragglers, and its
 gossip counters). The endpoint listens on the worker's bind address, serves only these
-read-only figures, and is not authenticated.
+read-only figures, and is not authenticated: it serves at most ``MAX_CONNECTIONS``
+connections at once (more are closed) and closes one idle for ``IDLE_TIMEOUT_S``.
 
 Metrics (all with the prefix ``ftcomm_``):
 
@@ -23,11 +24,20 @@ from __future__ import annotations
 
 import collections
 import logging
+import socketserver
+import threading
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 log = logging.getLogger(__name__)
 
 PHASES = ("detect", "agree", "form", "reconcile")
+
+MAX_CONNECTIONS = 8
+"""Connections served at once; more are closed at once (each one served holds a thread)."""
+
+IDLE_TIMEOUT_S = 5.0
+"""A connection that sends nothing for this long is closed."""
 
 
 class GroupCollector:
@@ -51,10 +61,11 @@ class GroupCollector:
         for phase in PHASES:
             phases.add_metric([phase], len(events), sum(getattr(e, f"{phase}_s") for e in events))
         yield phases
-        view = group.view
+        view = group.view  # read once: the training thread may leave it meanwhile (a straggler standing aside)
+        rank = view.rank_of(group.id) if view is not None and group.id in view.members else -1
         for name, value, text in (("ftcomm_view_id", view.id if view else 0, "The current view's id"),
                                   ("ftcomm_world_size", view.size if view else 0, "Members of the current view"),
-                                  ("ftcomm_rank", group.rank if view else -1, "This worker's rank"),
+                                  ("ftcomm_rank", rank, "This worker's rank"),
                                   ("ftcomm_committed_steps", group.step, "The committed training step")):
             yield GaugeMetricFamily(name, text, value=value)
         compute = group._stragglers.compute.median()
@@ -79,20 +90,60 @@ class GroupCollector:
         yield gossip
 
 
+class _Handler(WSGIRequestHandler):
+    timeout = IDLE_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``MAX_CONNECTIONS`` of them: the endpoint is not
+    authenticated, and connections that send nothing must not exhaust the worker."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, _Handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # busy: closed at once
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("metrics request from %s failed", client_address, exc_info=True)  # idle, reset: not news
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class MetricsServer:
     """The HTTP endpoint; :meth:`close` stops it."""
 
     def __init__(self, group: Any, host: str, port: int) -> None:
         try:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CollectorRegistry, make_wsgi_app
         except ImportError:
             raise ImportError("metrics_port needs prometheus-client: pip install 'ftcomm[metrics]'") from None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(GroupCollector(group))
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server = _Server((host, port))
         except OSError as exc:
             raise OSError(exc.errno, f"metrics_port {port} on {host}: {exc.strerror or exc}") from None
+        self._server.set_app(make_wsgi_app(self.registry))
+        self._thread = threading.Thread(target=self._server.serve_forever, name="ftcomm-metrics", daemon=True)
+        self._thread.start()
         self.port = self._server.server_port
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 

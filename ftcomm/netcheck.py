@@ -62,6 +62,9 @@ class NetworkReport:
 
     def summary(self) -> list[str]:
         """Lines for a log or a terminal."""
+        if not self.links:
+            return [f"network check of {len(self.members)} member{'s' if len(self.members) != 1 else ''}: "
+                    f"no link to measure"]
         lat = statistics.median(l.latency_s for l in self.links) if self.links else math.nan
         bw = statistics.median(l.bandwidth for l in self.links) if self.links else math.nan
         lines = [f"network check of {len(self.members)} members, {len(self.links)} links in {self.seconds:.2f} s: "
@@ -147,20 +150,35 @@ def measure_pair(comm: Any, abort: Any, probe_bytes: int, timeout: float) -> tup
     return statistics.median(times), probe.numel() * 4 / best
 
 
+def round_bound(timeout: float) -> float:
+    """The longest a round of the check can take when each of its operations is bounded by
+    ``timeout``: forming the pair, the first use, the latency and the bandwidth rounds."""
+    return timeout * (LATENCY_ROUNDS + BANDWIDTH_ROUNDS + 2)
+
+
 def measure(view: Any, me: str, form_pair: Callable[[int, int], Any], gather: Callable[[Any], list],
-            abort: Any, probe_bytes: int, timeout: float, factor: float) -> NetworkReport:
+            abort: Any, probe_bytes: int, timeout: float, factor: float,
+            barrier: Callable[[float], None] | None = None) -> NetworkReport:
     """Run every round of the check as member ``me`` of ``view``.
 
     ``form_pair(lo, hi)``: a two-rank communicator of the view's ranks ``lo`` < ``hi``
     (this member is one of them); ``gather(tensor)``: an allgather over the view's
-    communicator. Raises what the backend raises (CollectiveAborted when the view breaks).
+    communicator; ``barrier(wait)``: a collective over the view's communicator that may
+    take up to ``wait`` seconds. With a barrier every member starts each round, and the
+    gather, together: a member whose partner is still measuring a slow link in the
+    previous round waits for it there (each operation of that round is bounded by
+    ``timeout``, the round by :func:`round_bound`) instead of in the pair's formation,
+    which gives up after ``timeout``. Raises what the backend raises (CollectiveAborted
+    when the view breaks).
     """
     import torch
 
     started = time.monotonic()
     rank, n = view.rank_of(me), view.size
     mine = torch.full((n, 2), math.nan, dtype=torch.float64)  # (latency, bandwidth) to each rank
-    for pairs in rounds(n):
+    for number, pairs in enumerate(rounds(n)):
+        if number and barrier is not None:
+            barrier(round_bound(timeout))
         pair = next((p for p in pairs if rank in p), None)
         if pair is None:
             continue  # sits out this round
@@ -174,6 +192,8 @@ def measure(view: Any, me: str, form_pair: Callable[[int, int], Any], gather: Ca
         comm.close()
         other = pair[1] if pair[0] == rank else pair[0]
         mine[other] = torch.tensor([latency, bandwidth], dtype=torch.float64)
+    if barrier is not None:
+        barrier(round_bound(timeout))  # the last round may be slow, too
     rows = gather(mine)
     links = []
     for lo, hi in (p for pairs in rounds(n) for p in pairs):

@@ -117,6 +117,8 @@ class _Slot:
     address: str | None = None
     run: Any = None  # the ObjectRef of its training function's result
     starts: int = 0
+    placing: Any = None  # an added worker's first ``prepare`` call, not answered yet
+    placing_since: float = 0.0
 
 
 class ElasticRayJob:
@@ -170,6 +172,7 @@ class ElasticRayJob:
                 for ref in done:
                     slot = next(s for s in self.slots if s.run is ref)
                     self._finished(slot, results)
+                self._check_placing(ending=bool(results))
                 if not results and time.monotonic() >= next_scale:
                     next_scale = time.monotonic() + self.scale_interval
                     self._scale_up()
@@ -192,22 +195,60 @@ class ElasticRayJob:
                 continue
             self._add()
         while len(self.slots) < self.max_workers and self._fits():
-            self._add()
+            try:
+                self._add()
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+                slot = self.slots.pop()  # the room seen was taken meanwhile: train with those placed
+                ray.kill(slot.actor, no_restart=True)
+                log.warning("a worker beyond the minimum could not be placed (%s): starting with %d",
+                            type(exc).__name__, len(self.slots))
+                break
 
     def _fits(self) -> bool:
         free = ray.available_resources()
         return free.get("CPU", 0) >= self.cpus and free.get("GPU", 0) >= self.gpus
 
     def _scale_up(self) -> None:
+        """Add a worker without waiting for Ray to place it: the room seen may be gone by
+        the time its actor is created (:meth:`_check_placing` follows it up)."""
+        if any(s.placing is not None for s in self.slots):
+            return  # one at a time
         if len(self.slots) < self.max_workers and self._fits():
             log.info("adding a worker (%d of at most %d)", len(self.slots) + 1, self.max_workers)
-            self._add()
+            slot = _Slot(self._new_actor())
+            slot.placing, slot.placing_since = slot.actor.prepare.remote(), time.monotonic()
+            self.slots.append(slot)
 
-    def _add(self) -> None:
+    def _check_placing(self, ending: bool) -> None:
+        """Start the training function in an added worker once Ray placed it; drop it when
+        it was not placed within ``start_timeout`` (or failed), or the job is ending."""
+        for slot in [s for s in self.slots if s.placing is not None]:
+            ready, _ = ray.wait([slot.placing], timeout=0)
+            waited = time.monotonic() - slot.placing_since
+            if not ready and waited <= self.start_timeout and not ending:
+                continue
+            ref, slot.placing = slot.placing, None
+            why = "the job is ending" if ending else f"not placed by Ray within {self.start_timeout:g} s"
+            if ready and not ending:
+                try:
+                    slot.address = ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    why = f"it failed to start: {type(exc).__name__}"
+                else:
+                    self._run_in(slot)
+                    continue
+            log.warning("the worker added (%d of at most %d) is dropped: %s", len(self.slots), self.max_workers, why)
+            ray.kill(slot.actor, no_restart=True)
+            self.slots.remove(slot)
+
+    def _new_actor(self) -> Any:
         options = {"num_cpus": self.cpus}
         if self.gpus:
             options["num_gpus"] = self.gpus
-        slot = _Slot(self._actor_class.options(**options).remote())
+        return self._actor_class.options(**options).remote()
+
+    def _add(self) -> None:
+        slot = _Slot(self._new_actor())
         self.slots.append(slot)
         self._launch(slot)
 
@@ -223,7 +264,11 @@ class ElasticRayJob:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        peers = [s.address for s in self.slots if s is not slot and s.address]
+        self._run_in(slot)
+
+    def _run_in(self, slot: _Slot) -> None:
+        """Start the training function in ``slot``'s prepared actor, with every other worker as a peer."""
+        peers = [s.address for s in self.slots if s is not slot and s.address and s.placing is None]
         slot.run = slot.actor.run.remote(self.train_fn, peers, self.env, self.config)
         slot.starts += 1
 

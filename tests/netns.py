@@ -184,6 +184,19 @@ class Lab:
         subprocess.run(["tc", "qdisc", "add", "dev", f"ft{self.run}v{i}", "root", "tbf", "rate", f"{mbit}mbit",
                         "burst", "64kb", "latency", "500ms"], check=True, capture_output=True, timeout=30)
 
+    def limit_host_tcp(self, i: int, mbit: int) -> None:
+        """TCP towards host ``i`` carries at most ``mbit`` Mbit/s, UDP (gossip's probes) goes at
+        full speed: a slow data plane whose member gossip still finds alive. Gone with the
+        host's link."""
+        dev = f"ft{self.run}v{i}"
+        for args in (["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
+                     ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit"],
+                     ["class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", f"{mbit}mbit",
+                      "ceil", f"{mbit}mbit"],
+                     ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
+                      "ip", "protocol", "17", "0xff", "flowid", "1:10"]):
+            subprocess.run(["tc", *args], check=True, capture_output=True, timeout=30)
+
     def set_bridge_link(self, up: bool) -> None:
         """The link between the two bridges: down, the two sides cannot reach each other."""
         _ip("link", "set", f"ft{self.run}x0", "up" if up else "down")

@@ -379,3 +379,41 @@ def test_a_collective_waiting_far_longer_than_usual_probes_its_members_and_a_sil
         for g in groups:
             if g is not None:
                 g.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="two members judging themselves stragglers in the same view both stand "
+                                       "aside: the others are left below min_workers until the cooldown ends")
+def test_stragglers_standing_aside_never_leave_fewer_than_min_workers():
+    """Four members, min_workers=3 (so one may stand aside), two of them slow alike: each
+    judges itself a straggler. Only one may stand aside; the fast two must go on training
+    (the cooldown outlasts the test, so a member that stood aside is not back in time)."""
+    from .polling import wait_until
+
+    groups = start_groups(4, straggler_policy="exclude", straggler_cooldown=120.0, step_publish_interval=0.1)
+    models, optimizers = linear_models(groups)
+    slow = {2, 3}
+    stop = threading.Event()
+
+    def loop(i: int, g: ftcomm.FaultTolerantGroup) -> None:
+        m, o = models[i], optimizers[i]
+        while not stop.is_set():
+            if i in slow:
+                time.sleep(0.05)  # compute: the others take a few milliseconds
+            m(torch.ones(8, 4)).pow(2).sum().backward()
+            if g.wait_gradients_ready(m):
+                o.step()
+            o.zero_grad()
+    threads = [threading.Thread(target=loop, args=(i, g), daemon=True) for i, g in enumerate(groups)]
+    for t in threads:
+        t.start()
+    try:
+        fast = groups[:2]
+        wait_until(lambda: all(any(r.member == groups[i].id and r.slow for r in groups[i].stragglers) for i in slow),
+                   60, "both slow members judging themselves stragglers")
+        since = max(g.step for g in groups)
+        wait_until(lambda: min(g.step for g in fast) >= since + 100, 60, "the fast members training on")
+        assert any(e.reason == "straggler" for e in fast[0].events) and fast[0].world_size == 3
+    finally:
+        stop.set()
+        for g in groups:
+            g.shutdown()

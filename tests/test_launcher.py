@@ -62,6 +62,9 @@ def test_each_worker_gets_its_address_the_others_a_secret_and_a_local_rank():
     named = Launcher(LaunchConfig(command=["true"], nproc=2, peers=("dns://localhost:41500",)),
                      environ={"FTCOMM_SECRET": "s"}, out=io.StringIO())
     assert [w.port for w in named.workers] == [41500, 41501]
+    with pytest.raises(ValueError, match="65535..65536"):
+        Launcher(LaunchConfig(command=["true"], nproc=2, peers=("dns://localhost:65535",)),
+                 environ={"FTCOMM_SECRET": "s"}, out=io.StringIO())
 
 
 @pytest.mark.parametrize("options, message", [
@@ -330,3 +333,87 @@ def test_network_check_runs_in_the_founding_workers_and_the_launcher_prints_the_
     assert out.count("network check of") == 1  # printed once, though every worker wrote it
     off = Launcher(LaunchConfig(command=["true"], nproc=2), environ={}, out=io.StringIO())
     assert "FTCOMM_NETWORK_CHECK" not in off.worker_env(off.workers[0])
+
+
+def test_the_process_group_of_a_worker_that_exited_is_not_signalled_again(tmp_path, monkeypatch):
+    """Once a worker exited and what it left behind was killed, its pid is free: the kernel
+    may give it to an unrelated process group, which the launcher must never signal (at
+    its end it kills the groups of the workers still running, only)."""
+    signalled: list[tuple[int, int]] = []
+    real = os.killpg
+
+    def killpg(pgid: int, sig: int) -> None:
+        signalled.append((pgid, sig))
+        real(pgid, sig)
+    monkeypatch.setattr(os, "killpg", killpg)
+    pid_file = tmp_path / "pids"
+    body = (f"open({str(pid_file)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+            "if os.environ['LOCAL_RANK'] == '1': time.sleep(0.5)\n")
+    code, log = launch(tmp_path, body, nproc=2)
+    assert code == 0, log
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert len(pids) == 2
+    for pid in pids:  # once, right after it was seen to exit
+        assert [s for s in signalled if s[0] == pid] == [(pid, signal.SIGKILL)], signalled
+
+
+def test_a_worker_whose_launcher_died_before_it_asked_for_the_parent_death_signal_does_not_run(tmp_path):
+    """The parent-death signal is asked for in the child between fork and exec: a launcher
+    killed just before that moment would leave the worker running for good."""
+    in_child, worker = tmp_path / "in_child", tmp_path / "worker.py"
+    worker.write_text("import time\ntime.sleep(60)\n")
+    launcher_code = (
+        "import os, sys, time\n"
+        "from ftcomm import cli, launcher\n"
+        "real = launcher._PRCTL\n"
+        "def slow(*args):  # in the child: the launcher is killed meanwhile\n"
+        f"    open({str(in_child)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(1.0)\n"
+        "    return real(*args)\n"
+        "launcher._PRCTL = slow\n"
+        f"sys.exit(cli.main(['run', {str(worker)!r}]))\n")
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], stderr=subprocess.DEVNULL)
+    child = None
+    try:
+        wait_until(lambda: in_child.exists() and in_child.read_text(), 30, "the worker's process forked")
+        child = int(in_child.read_text())
+        launcher.kill()
+        launcher.wait(10)
+
+        def gone() -> bool:
+            try:
+                return open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+            except OSError:
+                return True
+        wait_until(gone, 10, "the orphaned worker gone")
+    finally:
+        launcher.kill()
+        if child is not None:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
+def test_workers_failing_together_persist_the_node_s_checkpoint_one_at_a_time(tmp_path, monkeypatch):
+    """Every worker of a node failing at once (an out-of-memory kill, a driver error) must
+    not copy the same shared-memory checkpoint to the same directory several times at once
+    (gigabytes each): the copies run one after the other, and the later ones find it done."""
+    from ftcomm import checkpoint_files
+
+    lock, copying, overlaps = threading.Lock(), [0], []
+    another = threading.Event()
+
+    def persist_newest(shm, directory, sync=True):
+        with lock:
+            copying[0] += 1
+            if copying[0] > 1:
+                overlaps.append(copying[0])
+                another.set()
+        another.wait(2.0)  # long enough for a concurrent copy to start, bounded
+        with lock:
+            copying[0] -= 1
+        return None
+    monkeypatch.setattr(checkpoint_files, "persist_newest", persist_newest)
+    code, log = launch(tmp_path, "sys.exit(3)\n", nproc=3, max_restarts=0, save_at_breakpoint=True,
+                       checkpoint_dir=str(tmp_path / "kept"))
+    assert code == 1 and log.count("no restarts left") == 3
+    assert overlaps == []

@@ -55,3 +55,87 @@ def test_the_endpoint_serves_the_groups_figures():
 def test_a_bad_metrics_port_is_refused(port, error):
     with pytest.raises(error, match="metrics_port"):
         GroupOptions(metrics_port=port)
+
+
+def test_idle_connections_to_the_endpoint_hold_a_bounded_number_of_threads():
+    """The endpoint is unauthenticated: anyone who reaches it may open connections and send
+    nothing. The worker must not start a thread for each of them (thousands would exhaust
+    the process): the connections beyond what it serves are closed, and scrapes work again
+    once the idle ones are gone."""
+    import socket
+    import threading
+
+    from ftcomm.metrics import MAX_CONNECTIONS
+    from tests.polling import wait_until
+
+    def serving() -> int:
+        return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+    (group,) = start_groups(1, metrics_port=0)
+    idle = []
+    try:
+        for _ in range(MAX_CONNECTIONS * 4):
+            idle.append(socket.create_connection(("127.0.0.1", group.metrics_port), timeout=5))
+        closed = set()
+
+        def refused_beyond_the_limit() -> bool:
+            assert serving() <= MAX_CONNECTIONS
+            for s in idle:
+                if s not in closed:
+                    s.settimeout(0.01)
+                    try:
+                        if s.recv(1) == b"":
+                            closed.add(s)
+                    except (TimeoutError, OSError):
+                        pass
+            return len(closed) >= len(idle) - MAX_CONNECTIONS
+        wait_until(refused_beyond_the_limit, 10, "the connections beyond the limit closed")
+        assert serving() <= MAX_CONNECTIONS
+        for s in idle:
+            s.close()
+        idle.clear()
+        wait_until(lambda: _scrapes(group.metrics_port), 30, "a scrape after the idle connections closed")
+    finally:
+        for s in idle:
+            s.close()
+        group.shutdown()
+
+
+def _scrapes(port: int) -> bool:
+    try:
+        return scrape(port)[("ftcomm_world_size", ())] == 1
+    except OSError:
+        return False
+
+
+def test_a_scrape_reads_the_view_once_while_the_worker_leaves_it():
+    """The training thread may leave the view (a straggler standing aside) between two reads
+    of a scrape: the figures come from the view read first, and the scrape succeeds."""
+    from ftcomm.metrics import GroupCollector
+    from ftcomm.stragglers import ComputeTimes, StragglerWatch
+    from ftcomm.view import View
+
+    class Leaving:
+        id = "b"
+        events: list = []
+        step = 7
+        stragglers: list = []
+        _compute = ComputeTimes(3)
+        _straggler_watch = StragglerWatch(2.0)
+        _views = [View(4, ("a", "b"))]
+
+        @property
+        def view(self):
+            return self._views.pop() if self._views else None  # gone after the first read
+
+        @property
+        def rank(self):
+            return self.view.rank_of(self.id)
+
+        @property
+        def gossip(self):
+            raise RuntimeError("stopped")
+
+    figures = {family.name: family.samples[0].value for family in GroupCollector(Leaving()).collect()
+               if family.samples}
+    assert (figures["ftcomm_view_id"], figures["ftcomm_world_size"], figures["ftcomm_rank"]) == (4, 2, 1)

@@ -57,11 +57,61 @@ def test_a_uniform_network_and_small_differences_name_nothing():
     assert tiny.slow_links == () and tiny.slow_members == ()
 
 
+def test_a_group_of_one_has_no_link_and_says_so():
+    assert judge(("a",), [], 2.0).summary() == ["network check of 1 member: no link to measure"]
+
+
 def test_two_members_are_measured_but_not_judged():
     report = judge(("a", "b"), [Link("a", "b", 1.0, 1.0)], 2.0)
     assert report.slow_members == () and report.slow_links == () and len(report.links) == 1
     assert json.loads(json.dumps(report.to_json()))["links"][0]["a"] == "a"
     assert not math.isnan(float(report.summary()[0].split("latency ")[1].split()[0]))
+
+
+@pytest.mark.parametrize("n, rank", [(3, 0), (3, 2), (4, 1)])
+def test_every_round_and_the_gather_start_together_behind_a_barrier_that_outlasts_a_round(n, rank):
+    import torch
+
+    from ftcomm.netcheck import BANDWIDTH_ROUNDS, LATENCY_ROUNDS, measure
+    from ftcomm.view import View
+
+    events: list = []
+
+    class Done:
+        def wait(self, abort, timeout):
+            return None
+
+    class PairComm:
+        device = "cpu"
+
+        def allreduce(self, tensors):
+            return Done()
+
+        def close(self):
+            pass
+
+        def abandon(self):
+            pass
+
+    def form_pair(lo, hi):
+        events.append(("pair", lo, hi))
+        return PairComm()
+
+    def gather(rows):
+        events.append(("gather",))
+        return [torch.ones(n, 2, dtype=torch.float64)] * n
+
+    view = View(1, tuple(f"m{i}" for i in range(n)))
+    report = measure(view, f"m{rank}", form_pair, gather, None, 64, 10.0, 2.0,
+                     barrier=lambda wait: events.append(("barrier", wait)))
+    assert len(report.links) == n * (n - 1) // 2
+    expected = []
+    for number, pairs in enumerate(rounds(n)):
+        if number:
+            expected.append(("barrier", 10.0 * (LATENCY_ROUNDS + BANDWIDTH_ROUNDS + 2)))
+        expected += [("pair", *p) for p in pairs if rank in p]
+    expected += [("barrier", 10.0 * (LATENCY_ROUNDS + BANDWIDTH_ROUNDS + 2)), ("gather",)]
+    assert events == expected
 
 
 def test_founding_members_check_their_links_and_a_joiner_does_not(tmp_path, monkeypatch):

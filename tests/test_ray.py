@@ -129,3 +129,33 @@ def test_actors_are_added_when_resources_appear(cluster, tmp_path):
     assert len(job.slots) == 3 and len(results) == 3
     assert any(reason == "join" and len(members) == 3 for r in results for _, members, reason in r["views"])
     assert_one_state_and_exactly_once(results, tmp_path, steps)
+
+
+def _nap(config: dict) -> int:
+    time.sleep(config["seconds"])
+    return 1
+
+
+@pytest.mark.parametrize("at_start", [False, True])
+def test_a_worker_added_that_ray_cannot_place_does_not_fail_or_hold_up_the_job(cluster, at_start):
+    """Room for another worker seemed to be there (when the job starts, or later), but its
+    actor is never placed (another job took the CPU meanwhile): the job drops it after
+    start_timeout and goes on."""
+    class Lying(ElasticRayJob):
+        started = False
+
+        def _start_initial(self) -> None:
+            self.started = at_start
+            super()._start_initial()
+            self.started = True
+
+        def _fits(self) -> bool:
+            return True if self.started else super()._fits()  # all 3 CPUs are taken by the job's workers
+
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < 3:  # the actors of an earlier test are gone
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)
+    job = Lying(_nap, num_workers=(3, 4), config={"seconds": 10}, scale_interval=0.2, start_timeout=3)
+    assert job.run(timeout=120) == [1, 1, 1]
+    assert job.failed == 0 and len(job.slots) >= 3
