@@ -131,7 +131,8 @@ class Engine:
     _lagging: dict = field(default_factory=dict)  # member -> (key, lagging since, last sync)
     _fetching: dict = field(default_factory=dict)  # (member, key) -> when asked
     _final_sync: float = float("-inf")  # see _fetch_final_records
-    benched: int | None = None  # standing aside from this view as a straggler (see bench)
+    benched: int | None = None  # the view it stood aside from as a straggler, until it forms a newer one (see bench)
+    aside: bool = False  # standing aside now
     _bench_ends: float = 0.0
 
     # ------------------------------------------------------------------ transitions
@@ -173,6 +174,7 @@ class Engine:
         """Every member formed and verified the communicator of the view being formed."""
         self._move("formed")
         self.view, self.forming = self.forming, None
+        self.benched = None
         self._lagging.clear()
         return [Publish()]
 
@@ -212,7 +214,7 @@ class Engine:
         then asks to join again like any member that lost its view."""
         view = self.view
         actions = self._rejoin(f"standing aside as a straggler for {seconds:g} s", "bench")
-        self.benched, self._bench_ends = view.id, now + seconds
+        self.benched, self.aside, self._bench_ends = view.id, True, now + seconds
         return actions
 
     # ------------------------------------------------------------------ agreement
@@ -224,10 +226,10 @@ class Engine:
         """
         if self.state not in (JOINING, AGREEING):
             raise IllegalTransition(f"{self.id}: agree in state {self.state}")
-        if self.benched is not None:
+        if self.aside:
             if now < self._bench_ends:
                 return []
-            self.benched = None  # back: a joiner that lost its view
+            self.aside = False  # back: a joiner that lost its view (its record still names the view it left)
             return [Publish()]
         own = statuses.get(self.id)
         if own is None:
@@ -393,7 +395,7 @@ class Engine:
         view = self.view
         if view is None or (self.max_workers is not None and view.size >= self.max_workers):
             return False
-        return any(s.alive and s.phase == PHASE_JOINING and s.benched is None and s.config == self.config
+        return any(s.alive and s.phase == PHASE_JOINING and not s.aside and s.config == self.config
                    and s.id not in view.members for s in statuses.values())
 
     # ------------------------------------------------------------------ what breaks a view

@@ -284,10 +284,16 @@ class FaultTolerantGroup:
             self._join_pending = False
             self._recover("join", time.monotonic())
         if self._stragglers.bench_due:
-            seconds = self._stragglers.bench()
-            log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')", seconds)
-            life.stand_aside(seconds)
-            self._recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
+            self._stragglers.bench_due = False
+            statuses, _ = life.statuses()
+            view = life.view
+            aside = sum(1 for m in view.members if m in statuses and statuses[m].benched == view.id)
+            if view.size - 1 - aside >= self.min_workers:  # the view may have shrunk since the judgment
+                seconds = self._stragglers.bench()
+                log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')",
+                            seconds)
+                life.stand_aside(seconds)
+                self._recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
         life.news.judge()
         if life.abort.reason is not None:
             raise MembershipChanged(life.abort.reason)
@@ -382,6 +388,7 @@ class FaultTolerantGroup:
         except (MembershipChanged, FtcommTimeout, CommunicatorError) as exc:
             log.warning("network check abandoned: %s", exc)
             self._life.broken = "backend"
+            self._life.perform(self._life.engine.broken())  # withdraw the proposal: the others stop waiting at once
             return
         netcheck.publish(self.network_report, os.environ.get("FTCOMM_NETWORK_REPORT"))
 

@@ -417,7 +417,7 @@ class Lifecycle:
         return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, engine.config,
                              self._step(), self.rendezvous.port, engine.floor, self._settings, done_ops,
                              self._insecure, named.digest if named is not None else None, self._compute.median(),
-                             engine.benched)
+                             engine.benched, engine.aside)
 
     def publish(self) -> None:
         self._last_publish = time.monotonic()

@@ -221,7 +221,11 @@ def run(life: Any, probe_bytes: int, factor: float) -> NetworkReport:
 
     def gather(rows: Any) -> list:
         return [r.cpu() for r in comm.allgather(rows.to(comm.device)).wait(life.abort, timeout)]
-    return measure(view, me, form_pair, gather, life.abort, probe_bytes, timeout, factor)
+
+    def barrier(wait: float) -> None:
+        import torch
+        comm.allreduce([torch.zeros(1, device=comm.device)]).wait(life.abort, wait)
+    return measure(view, me, form_pair, gather, life.abort, probe_bytes, timeout, factor, barrier)
 
 
 def publish(report: NetworkReport, path: str | None) -> None:

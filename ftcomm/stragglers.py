@@ -135,8 +135,11 @@ class Stragglers:
                 continue
             log.warning("%s is a straggler: %.3f s of compute per step against %.3f s for the others "
                         "(straggler_factor %g)", report.member, report.compute_s, report.others_s, self.watch.factor)
-            if report.member == me and self.policy == "exclude" and len(members) - 1 >= min_workers:
-                self.bench_due = True
+            if report.member == me and self.policy == "exclude":
+                # Every member judges the same published figures: of the stragglers in the
+                # view, only the slowest that min_workers leaves room for stand aside.
+                slowest = sorted((m for m in self.watch.slow if m in compute), key=lambda m: (-compute[m], m))
+                self.bench_due = me in slowest[:len(members) - min_workers]
         return new
 
     def bench(self) -> float:

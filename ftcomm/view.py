@@ -84,7 +84,8 @@ class Status:
     view_digest: str | None = None  # digest of its current view (leaving: of the view it names)
     dead: bool = False  # gossip state is dead (confirmed failed; suspect is neither alive nor dead)
     compute_s: float | None = None  # median compute time of its recent gradient steps (see ftcomm.stragglers)
-    benched: int | None = None  # a straggler standing aside (straggler_policy "exclude"): the view it stepped out of
+    benched: int | None = None  # a straggler (straggler_policy "exclude"): the view it stood aside from, until it forms a newer one
+    aside: bool = False  # standing aside now (its cooldown is not over)
 
     @property
     def last_view(self) -> int:
@@ -127,6 +128,7 @@ class Status:
             extra["compute_s"] = meta["ct"] / 1000
         if _is_int(meta.get("bn")) and 0 < meta["bn"] <= MAX_VIEW_ID:
             extra["benched"] = meta["bn"]
+            extra["aside"] = meta.get("ba") is True
         return dataclasses.replace(status, **extra) if extra else status
 
 
@@ -142,7 +144,7 @@ def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | Non
                   config: str, step: int, rendezvous_port: int, floor: int = 0, settings: tuple | list = (),
                   done_ops: tuple[int, int] | None = None, insecure: bool = False,
                   view_digest: str | None = None, compute_s: float | None = None,
-                  benched: int | None = None) -> dict:
+                  benched: int | None = None, aside: bool = False) -> dict:
     """The metadata record :meth:`Status.from_metadata` decodes."""
     meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
     if compute_s is not None:
@@ -161,6 +163,8 @@ def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | Non
         meta["cd"] = view_digest
     if benched is not None:
         meta["bn"] = benched
+        if aside:
+            meta["ba"] = True
     return meta
 
 
@@ -192,7 +196,7 @@ def gone_from(previous: View | None, statuses: dict[str, Status]) -> set[str]:
     # have left a newer view this member never saw.
     return {s.id for s in statuses.values()
             if (s.left and s.phase == LEAVING and s.done_ops is not None and s.done_ops[0] <= limit)
-            or (s.benched is not None and s.benched <= limit)}
+            or (s.benched is not None and s.benched == limit)}
 
 
 @dataclass(frozen=True)
@@ -211,7 +215,7 @@ def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], c
               max_workers: int | None) -> Candidate:
     """The view this member proposes, computed only from ``previous`` and gossip."""
     usable = {s.id: s for s in statuses.values()
-              if s.alive and s.phase != LEAVING and s.benched is None and s.config == config}
+              if s.alive and s.phase != LEAVING and not s.aside and s.config == config}
     if previous is not None:
         survivors = [m for m in previous.members if m in usable]
     else:

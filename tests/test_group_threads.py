@@ -381,8 +381,6 @@ def test_a_collective_waiting_far_longer_than_usual_probes_its_members_and_a_sil
                 g.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="two members judging themselves stragglers in the same view both stand "
-                                       "aside: the others are left below min_workers until the cooldown ends")
 def test_stragglers_standing_aside_never_leave_fewer_than_min_workers():
     """Four members, min_workers=3 (so one may stand aside), two of them slow alike: each
     judges itself a straggler. Only one may stand aside; the fast two must go on training

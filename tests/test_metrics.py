@@ -112,7 +112,7 @@ def test_a_scrape_reads_the_view_once_while_the_worker_leaves_it():
     """The training thread may leave the view (a straggler standing aside) between two reads
     of a scrape: the figures come from the view read first, and the scrape succeeds."""
     from ftcomm.metrics import GroupCollector
-    from ftcomm.stragglers import ComputeTimes, StragglerWatch
+    from ftcomm.stragglers import Stragglers
     from ftcomm.view import View
 
     class Leaving:
@@ -120,8 +120,7 @@ def test_a_scrape_reads_the_view_once_while_the_worker_leaves_it():
         events: list = []
         step = 7
         stragglers: list = []
-        _compute = ComputeTimes(3)
-        _straggler_watch = StragglerWatch(2.0)
+        _stragglers = Stragglers(2.0, 3)
         _views = [View(4, ("a", "b"))]
 
         @property

@@ -136,8 +136,6 @@ def test_the_network_check_names_the_host_behind_a_slow_link(tmp_path):
 
 
 @needs_netns
-@pytest.mark.xfail(strict=True, reason="a pair slower than formation_timeout makes the members waiting for it in "
-                                       "the next round give up: the check is abandoned and nobody gets a report")
 def test_the_network_check_waits_for_a_round_that_outlasts_the_formation_timeout(tmp_path):
     """Three hosts (one sits out each round); TCP towards host 1 carries 2 Mbit/s (gossip's
     UDP probes go at full speed: nobody is suspected), so each of its pairs' three 1 MB
