@@ -1,0 +1,229 @@
+"""One worker of ``benchmarks/peer_torchft.py``: the same training loop under ftcomm or torchft.
+
+    python benchmarks/peer_worker.py ftcomm [--peers HOST:PORT]
+    python benchmarks/peer_worker.py torchft --lighthouse http://127.0.0.1:PORT --replica-id replica_3 [--tuned]
+    python benchmarks/peer_worker.py lighthouse [--tuned]
+
+Both systems run the identical step on one torch thread: ``--step-time`` seconds of sleep
+(standing in for a heavier model's compute), the forward and backward pass of a small MLP
+(32-128-128-4, batch 64), the gradient average, and an SGD step when the step commits.
+Only the gradient average and the commit decision differ:
+
+- ftcomm: ``ftcomm.init`` (Gloo, on 127.0.0.1), ``wait_gradients_ready``;
+- torchft 0.2.0: a replica group of one process: ``torchft.Manager`` (its own TCPStore),
+  ``torchft.ProcessGroupGloo``, one ``Manager.allreduce`` of the gradients in a flat buffer,
+  and ``torchft.Optimizer`` (``zero_grad`` starts the step's quorum, ``step`` asks
+  ``should_commit``), against a lighthouse started by this script's ``lighthouse`` role.
+  ``--ddp`` averages through ``torchft.DistributedDataParallel`` instead; its communication
+  hook in 0.2.0 raises ``AssertionError`` when the allreduce fails (``_ManagedWork.wait``
+  returns False before the future chain is set, and the hook asserts on it), so a crashed
+  or stopped peer ends every survivor's training loop with that error.
+
+Every line on stdout is a JSON object: ``started`` (model built; ``init_t`` is the wall
+clock just before ``ftcomm.init`` or the torchft store, process group and Manager are
+created), ``ready``, one ``commit`` per committed step with its wall-clock time ``t``, the
+step and the world size it committed in (ftcomm: the view's size; torchft: the quorum's
+participants), and ``error`` when training raised. The worker stops at the next step
+boundary when stdin closes. The ``lighthouse`` role prints ``ready`` with its address
+and serves until stdin closes.
+
+The torchft settings, ``--tuned`` or not, are in :data:`TORCHFT_SETTINGS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+# torchft 0.2.0: its defaults, and every timeout at 1 s. The tuned quorum timeout is 2 s, not
+# 1 s: a quorum that follows a failure waits for the lighthouse to drop the failed replica
+# (its heartbeat_timeout, 1 s), and a quorum RPC that times out leaves the Manager broken for
+# good (every later start_quorum re-raises it), so it must exceed heartbeat_timeout.
+TORCHFT_SETTINGS = {
+    "default": {
+        "manager": {"timeout_s": 60, "quorum_timeout_s": 60, "connect_timeout_s": 60},
+        "process_group_gloo": {"timeout_s": 60},
+        "lighthouse": {"join_timeout_ms": 60000, "quorum_tick_ms": 100, "heartbeat_timeout_ms": 5000},
+    },
+    "tuned": {
+        "manager": {"timeout_s": 1, "quorum_timeout_s": 2, "connect_timeout_s": 1},
+        "process_group_gloo": {"timeout_s": 1},
+        "lighthouse": {"join_timeout_ms": 1000, "quorum_tick_ms": 10, "heartbeat_timeout_ms": 1000},
+    },
+}
+
+
+def emit(**fields) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def watch_stdin() -> threading.Event:
+    """An event set when stdin closes (the benchmark is done with this process)."""
+    closed = threading.Event()
+
+    def read() -> None:
+        for _ in sys.stdin:
+            pass
+        closed.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return closed
+
+
+def run_lighthouse(tuned: bool) -> int:
+    from torchft.coordination import LighthouseServer
+
+    options = TORCHFT_SETTINGS["tuned" if tuned else "default"]["lighthouse"]
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, **options)
+    port = server.address().rsplit(":", 1)[1]
+    closed = watch_stdin()
+    emit(ev="ready", id="lighthouse", address=f"http://127.0.0.1:{port}", pid=os.getpid(), t=time.time())
+    closed.wait()
+    server.shutdown()
+    return 0
+
+
+def make_workload(seed: int = 0):
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(4096, 32, generator=generator)
+    labels = torch.randint(0, 4, (4096,), generator=generator)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                                torch.nn.ReLU(), torch.nn.Linear(128, 4))
+    return inputs, labels, model
+
+
+def batch(inputs, labels, step: int, size: int = 64):
+    start = (step * size) % len(inputs)
+    return inputs[start:start + size], labels[start:start + size]
+
+
+def run_ftcomm(args, closed: threading.Event) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import ftcomm
+
+    inputs, labels, model = make_workload()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    init_t = time.time()
+    emit(ev="started", pid=os.getpid(), init_t=init_t, t=init_t)
+    ft = ftcomm.init(backend="gloo", peers=args.peers, bind="127.0.0.1:0", min_workers=1)
+    ft.register_state(model=model, optimizer=optimizer)
+    emit(ev="ready", id=ft.id, address=ft.gossip.address, pid=os.getpid(), t=time.time())
+    try:
+        while not closed.is_set():
+            optimizer.zero_grad()
+            time.sleep(args.step_time)
+            x, y = batch(inputs, labels, ft.step)
+            F.cross_entropy(model(x), y).backward()
+            if ft.wait_gradients_ready(model):
+                optimizer.step()
+                emit(ev="commit", step=ft.step, world=ft.world_size, view=ft.view.id, t=time.time())
+    finally:
+        ft.shutdown()
+
+
+def run_torchft(args, closed: threading.Event) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import torchft
+
+    settings = TORCHFT_SETTINGS["tuned" if args.tuned else "default"]
+    inputs, labels, model = make_workload()
+    init_t = time.time()
+    emit(ev="started", pid=os.getpid(), init_t=init_t, t=init_t)
+    # The replica group's store (a group of one process): the Manager connects to it as a
+    # client, and the quorum hands its address to the other replicas as the rendezvous of
+    # the cross-replica Gloo group when this replica has replica rank 0.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    process_group = torchft.ProcessGroupGloo(timeout=timedelta(seconds=settings["process_group_gloo"]["timeout_s"]))
+    inner_optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def state_dict():
+        return {"model": model.state_dict(), "optimizer": inner_optimizer.state_dict()}
+
+    def load_state_dict(state) -> None:
+        model.load_state_dict(state["model"])
+        inner_optimizer.load_state_dict(state["optimizer"])
+
+    manager = torchft.Manager(
+        pg=process_group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+        timeout=timedelta(seconds=settings["manager"]["timeout_s"]),
+        quorum_timeout=timedelta(seconds=settings["manager"]["quorum_timeout_s"]),
+        connect_timeout=timedelta(seconds=settings["manager"]["connect_timeout_s"]),
+        rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=args.lighthouse,
+        replica_id=args.replica_id, hostname="127.0.0.1")
+    forward = torchft.DistributedDataParallel(manager, model) if args.ddp else model
+    optimizer = torchft.Optimizer(manager, inner_optimizer)
+    emit(ev="ready", id=args.replica_id, address=args.lighthouse, pid=os.getpid(), t=time.time())
+    try:
+        while not closed.is_set():
+            optimizer.zero_grad()  # starts this step's quorum (asynchronous)
+            time.sleep(args.step_time)
+            x, y = batch(inputs, labels, manager.current_step())
+            F.cross_entropy(forward(x), y).backward()  # with --ddp, the allreduce runs in here
+            if not args.ddp:
+                average_gradients(manager, model)
+            manager.wait_quorum()  # a healing replica's step is set by its quorum: read it after
+            before = manager.current_step()
+            optimizer.step()  # should_commit, then the SGD step when it commits
+            if manager.current_step() > before:
+                emit(ev="commit", step=manager.current_step(), world=manager.num_participants(), t=time.time())
+    finally:
+        manager.shutdown(wait=False)
+
+
+def average_gradients(manager, model) -> None:
+    """One ``Manager.allreduce`` (average over the quorum's participants) of all gradients in a
+    flat buffer. ``wait()`` returns False on a failed collective and the Manager records the
+    error, so that ``should_commit`` refuses the step."""
+    import torch
+
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if manager.allreduce(flat).wait():
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("role", choices=["ftcomm", "torchft", "lighthouse"])
+    parser.add_argument("--peers", default=None, help="ftcomm: gossip address of a running worker")
+    parser.add_argument("--lighthouse", default=None, help="torchft: the lighthouse's address")
+    parser.add_argument("--replica-id", default="replica_0", help="torchft: this replica group's name")
+    parser.add_argument("--tuned", action="store_true", help="torchft: the 1 s timeouts of TORCHFT_SETTINGS")
+    parser.add_argument("--ddp", action="store_true",
+                        help="torchft: average through torchft.DistributedDataParallel instead of Manager.allreduce")
+    parser.add_argument("--step-time", type=float, default=0.005, help="extra seconds of work per step (sleep)")
+    args = parser.parse_args()
+    if args.role == "lighthouse":
+        return run_lighthouse(args.tuned)
+    closed = watch_stdin()
+    try:
+        (run_ftcomm if args.role == "ftcomm" else run_torchft)(args, closed)
+    except Exception as exc:  # reported to the benchmark, which records the run as failed
+        emit(ev="error", message=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-2000:], t=time.time())
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)  # torchft's server threads and abandoned Gloo groups must not hold the exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())
