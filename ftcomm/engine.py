@@ -420,7 +420,8 @@ class Engine:
             if status.proposal != (view.id, view.digest):  # it saw a change, or gave up forming
                 what = f"proposes view {status.proposal[0]}" if status.proposal else "withdrew its proposal"
                 return Damage(f"{member} {what}", None)
-        elif status.phase == ACTIVE and status.current_view > view.id:
+        elif status.phase == ACTIVE and (status.current_view > view.id or (
+                status.current_view == view.id and status.view_digest is not None and status.view_digest > view.digest)):
             return Damage(f"view {status.current_view} exists without this worker", "superseded")
         return None
 

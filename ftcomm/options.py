@@ -51,8 +51,9 @@ class GroupOptions:
 
     partition_policy: str = "quorum"
     """``quorum`` (safe): only a side holding a majority of the previous view (ties: its
-    oldest member) continues. ``availability``: every side continues; sides may diverge
-    and are not merged back automatically."""
+    oldest member) continues. ``availability``: every side continues; when the sides meet
+    again, the one whose view is older (at equal ids: whose view digest is lower) rejoins
+    the other and takes its state, losing the steps it committed meanwhile."""
 
     leave_grace: float = 2.0
     """A member that leaves gracefully after completing the group operation (gradient step

@@ -255,9 +255,20 @@ def superseded(own: Status, statuses: dict[str, Status], entered: View | None = 
     from its stale table.
     """
     for s in statuses.values():
-        if s.id == own.id or s.config != own.config or s.last_view <= own.current_view:
+        if s.id == own.id or s.config != own.config:
+            continue
+        if s.last_view < own.current_view or (s.last_view == own.current_view and not outranks(s, own)):
             continue
         if entered is not None and s.last_view == entered.id and s.view_digest == entered.digest:
             continue
         return True
     return False
+
+
+def outranks(other: Status, own: Status) -> bool:
+    """Two groups founded apart (each of its first members saw only itself, or sides of a
+    partition under the availability policy) can meet with views of the same id: the one
+    whose digest is higher goes on, the other yields and rejoins it (its progress is not
+    kept: reconciling takes the newest step), so that they do not both go on committing."""
+    return (other.last_view == own.current_view and other.view_digest is not None and own.view_digest is not None
+            and other.view_digest > own.view_digest)

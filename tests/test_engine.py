@@ -355,10 +355,12 @@ def test_the_last_two_members_a_straggler_cut_off_after_standing_aside_founds_no
     assert formed == [], f"the straggler founded {formed} while a goes on in a view of its own"
 
 
-@pytest.mark.xfail(strict=True, reason="two groups founded apart (each worker saw only itself in DNS) meet with "
-                                       "views of the same id: neither yields, both go on committing")
 def test_two_groups_founded_apart_notice_each_other_when_their_gossip_merges():
     a, b = running(engine("a"), ("a",)), running(engine("b"), ("b",))
     assert a.view.id == b.view.id == 1 and a.view != b.view
     seen_by_a, seen_by_b = _record(b), _record(a)
     assert a.damage("metadata", "b", seen_by_a, 0) is not None or b.damage("metadata", "a", seen_by_b, 0) is not None
+    # exactly one side yields: the one whose view digest is lower
+    loser, winner = sorted([a, b], key=lambda e: e.view.digest)
+    assert loser.damage("metadata", winner.id, _record(winner), 0).fault == "superseded"
+    assert winner.damage("metadata", loser.id, _record(loser), 0) is None
