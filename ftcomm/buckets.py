@@ -9,9 +9,11 @@ been launched — the same order on every worker, whatever order the hooks fire 
 ``finish`` then fills and launches whatever backward did not (unused parameters,
 a step where overlap was off) and returns the handles to wait on.
 
-The last bucket ends with two counters, ``[valid, join]``: after the allreduce they
-hold the number of workers whose gradients are valid and the number that saw a
-worker waiting to join (the pending-join flag of DESIGN §1.4).
+The last bucket ends with two counters and one flag per rank, ``[valid, join,
+aside_0 .. aside_{W-1}]``: after the allreduce they hold the number of workers whose
+gradients are valid, the number that saw a worker waiting to join (the pending-join
+flag of DESIGN §1.4), and which ranks ask to stand aside as stragglers, the same on
+every member.
 
 After a successful reduction each float32 gradient is handed back as a view of its
 bucket, so the next backward (when the optimizer zeroes instead of freeing) writes
@@ -31,7 +33,7 @@ from .backends.base import Handle
 from .errors import FtcommError
 
 FIRST_BUCKET_MB = 1.0  # as DDP: the gradients of the last layers go out without waiting for 25 MB
-_TAIL = 2  # [valid, join]
+_COUNTERS = 2  # [valid, join], then a flag per rank
 
 
 class GradientBuckets:
@@ -42,6 +44,7 @@ class GradientBuckets:
     step to ``finish`` (a re-formation or a join is due first).
     ``world_size()``: the size gradients are pre-scaled by.
     ``join()``: this worker's pending-join counter (1.0 when it sees a joiner waiting).
+    ``aside()``: this worker's rank, and whether it asks to stand aside (a straggler).
     ``data_valid()``: this worker's batch matches the data plan (asked when the last
     bucket launches); False counts its gradients as not valid, like ``finish(False)``.
     """
@@ -49,7 +52,8 @@ class GradientBuckets:
     def __init__(self, params: list[torch.Tensor], bucket_mb: float, overlap: bool,
                  launch: Callable[[torch.Tensor], Handle], may_overlap: Callable[[], bool],
                  world_size: Callable[[], int], join: Callable[[], float],
-                 data_valid: Callable[[], bool] = lambda: True) -> None:
+                 data_valid: Callable[[], bool] = lambda: True,
+                 aside: Callable[[], tuple[int, bool]] = lambda: (0, False)) -> None:
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise FtcommError("wait_gradients_ready needs every parameter on one device, got "
@@ -57,7 +61,7 @@ class GradientBuckets:
         self.params = params
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self._launch, self._may_overlap, self._world_size, self._join = launch, may_overlap, world_size, join
-        self._data_valid = data_valid
+        self._data_valid, self._aside = data_valid, aside
         self._groups = _group(list(reversed(params)), bucket_mb)
         self._slot: dict[int, tuple[int, int, int]] = {}
         for b, group in enumerate(self._groups):
@@ -65,8 +69,9 @@ class GradientBuckets:
             for p in group:
                 self._slot[id(p)] = (b, offset, p.numel())
                 offset += p.numel()
-        self._sizes = [sum(p.numel() for p in g) + (_TAIL if b == len(self._groups) - 1 else 0)
-                       for b, g in enumerate(self._groups)]
+        self._sizes = [sum(p.numel() for p in g) + (_COUNTERS if b == len(self._groups) - 1 else 0)
+                       for b, g in enumerate(self._groups)]  # the last: plus a flag per rank
+        self._world = 0  # the world size the buffers' tail was made for
         self._flats: list[torch.Tensor] = []
         self._lock = threading.Lock()  # hooks may run on autograd's device threads
         self._suspended = 0
@@ -111,6 +116,8 @@ class GradientBuckets:
             if not self._started:
                 self._started = True
                 self._overlapping = self._may_overlap()
+                if self._overlapping:
+                    self._fit_world()
                 self._scale = 1.0 / self._world_size() if self._overlapping else 1.0
             if not self._overlapping:
                 return
@@ -136,7 +143,12 @@ class GradientBuckets:
                 return
             flat = self._buffers()[b]
             if b == last:
-                flat[-_TAIL], flat[-1] = (1.0 if valid and self._data_valid() else 0.0), self._join()
+                tail = flat[-(_COUNTERS + self._world):]
+                tail.zero_()
+                tail[0], tail[1] = (1.0 if valid and self._data_valid() else 0.0), self._join()
+                rank, aside = self._aside()
+                if aside and 0 <= rank < self._world:
+                    tail[_COUNTERS + rank] = 1.0
             self._handles.append(self._launch(flat))
 
     def finish(self, valid: bool) -> tuple[list[Handle], torch.Tensor]:
@@ -158,6 +170,8 @@ class GradientBuckets:
                                   "or start the group with overlap=False")
             if not valid and self.touched:
                 raise FtcommError("a step already being reduced cannot be marked invalid")
+            if not self.touched:
+                self._fit_world()
             if not self._overlapping:
                 self._scale = 1.0 / self._world_size()
             flats = self._buffers()
@@ -172,7 +186,7 @@ class GradientBuckets:
                     view.zero_()
                 self._ready[b] += 1
             self._launch_ready(valid)
-            return list(self._handles), flats[-1][-_TAIL:]
+            return list(self._handles), flats[-1][-(_COUNTERS + self._world):]
 
     def hand_back(self, contributors: float) -> None:
         """Turn the sums into averages over ``contributors`` and give the gradients back."""
@@ -199,11 +213,15 @@ class GradientBuckets:
             self._detach_and_renew()
 
     def _detach_and_renew(self) -> None:
+        self._detach()
+        self._new_step()
+
+    def _detach(self) -> None:
+        """Gradients that are views of the buffers become tensors of their own; new buffers next."""
         for p in self.params:
             if p.grad is not None and self._is_bucket_view(p.grad):
                 p.grad = p.grad.detach().clone()
         self._flats = []
-        self._new_step()
 
     def remove(self) -> None:
         """Unregister the hooks (the parameter list changed)."""
@@ -212,9 +230,18 @@ class GradientBuckets:
         self._hooks = []
 
     # ------------------------------------------------------------------ helpers
+    def _fit_world(self) -> None:
+        """Before the first gradient of a step is copied: buffers whose tail has a flag per
+        rank of the current world (new buffers when it changed)."""
+        world = self._world_size()
+        if world != self._world:
+            self._detach()
+            self._world = world
+
     def _buffers(self) -> list[torch.Tensor]:
         if not self._flats:
-            self._flats = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in self._sizes]
+            sizes = self._sizes[:-1] + [self._sizes[-1] + self._world]
+            self._flats = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in sizes]
         return self._flats
 
     def _copy(self, param: torch.Tensor, view: torch.Tensor) -> None:

@@ -215,6 +215,9 @@ class FaultTolerantGroup:
         commit, admit = core.step_verdict(contributors, float(tail[1]), life.comm.size,
                                           bool(self._participants("batch_valid")))
         self._join_pending = self._join_pending or admit
+        asking = [rank for rank, flag in enumerate(tail[2:].tolist()) if flag > 0.5]
+        if asking:  # every member sees the same requests: the chosen stand aside at the next boundary
+            self._stragglers.bench_due = self.rank in Stragglers.chosen(asking, life.comm.size, self.min_workers)
         if commit:
             buckets.hand_back(contributors)
         else:
@@ -284,16 +287,10 @@ class FaultTolerantGroup:
             self._join_pending = False
             self._recover("join", time.monotonic())
         if self._stragglers.bench_due:
-            self._stragglers.bench_due = False
-            statuses, _ = life.statuses()
-            view = life.view
-            aside = sum(1 for m in view.members if m in statuses and statuses[m].benched == view.id)
-            if view.size - 1 - aside >= self.min_workers:  # the view may have shrunk since the judgment
-                seconds = self._stragglers.bench()
-                log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')",
-                            seconds)
-                life.stand_aside(seconds)
-                self._recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
+            seconds = self._stragglers.bench()
+            log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')", seconds)
+            life.stand_aside(seconds)
+            self._recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
         life.news.judge()
         if life.abort.reason is not None:
             raise MembershipChanged(life.abort.reason)
@@ -376,7 +373,7 @@ class FaultTolerantGroup:
         """Compare the view members' published compute times (see ftcomm.stragglers)."""
         statuses, _ = self._life.statuses()
         compute = {m: s.compute_s for m, s in statuses.items() if s.compute_s is not None}
-        self._stragglers.judge(self.id, self.view.members, compute, self.min_workers, time.time())
+        self._stragglers.judge(self.id, self.view.members, compute, time.time())
 
     def _check_network(self) -> None:
         """The founding members measure every link between them (``GroupOptions.network_check``).
@@ -404,7 +401,8 @@ class FaultTolerantGroup:
                 launch=lambda flat: life.comm.allreduce([flat], "sum"),
                 may_overlap=self._may_overlap, world_size=lambda: life.comm.size,
                 join=lambda: 1.0 if life.engine.admits_joiner(life.statuses()[0]) else 0.0,
-                data_valid=lambda: all(obj.batch_valid() for obj in self._participants("batch_valid")))
+                data_valid=lambda: all(obj.batch_valid() for obj in self._participants("batch_valid")),
+                aside=lambda: (self.rank, self._stragglers.asking))
         return buckets
 
     def _may_overlap(self) -> bool:

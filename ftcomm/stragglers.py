@@ -109,7 +109,9 @@ class StragglerWatch:
 class Stragglers:
     """One worker's straggler bookkeeping: its own compute times (published), its judgments
     of the view's members (``reports``: the changes), and, with ``policy="exclude"``,
-    whether it must stand aside itself (``bench_due``) and for how long (:meth:`bench`)."""
+    whether it asks to stand aside (``asking``: it judges itself a straggler), whether it
+    must (``bench_due``, set by the group once every member saw the same requests) and for
+    how long (:meth:`bench`)."""
 
     def __init__(self, factor: float, window: int, policy: str = "warn", cooldown: float = 30.0) -> None:
         self.compute = ComputeTimes(window)
@@ -117,14 +119,12 @@ class Stragglers:
         self.reports: list[StragglerReport] = []
         self.policy = policy
         self.cooldown = cooldown
+        self.asking = False
         self.bench_due = False
         self._benches = 0
 
-    def judge(self, me: str, members: tuple[str, ...], compute: dict[str, float], min_workers: int,
-              at: float) -> list[StragglerReport]:
-        """Judge the view's ``members`` by their published ``compute`` times; the new reports.
-        This worker is due to stand aside when it finds itself a straggler under the
-        ``exclude`` policy and the view keeps ``min_workers`` without it."""
+    def judge(self, me: str, members: tuple[str, ...], compute: dict[str, float], at: float) -> list[StragglerReport]:
+        """Judge the view's ``members`` by their published ``compute`` times; the new reports."""
         if self.watch.factor <= 0:
             return []
         new = self.watch.judge({m: compute[m] for m in members if m in compute}, at)
@@ -135,19 +135,22 @@ class Stragglers:
                 continue
             log.warning("%s is a straggler: %.3f s of compute per step against %.3f s for the others "
                         "(straggler_factor %g)", report.member, report.compute_s, report.others_s, self.watch.factor)
-            if report.member == me and self.policy == "exclude":
-                # Every member judges the same published figures: of the stragglers in the
-                # view, only the slowest that min_workers leaves room for stand aside.
-                slowest = sorted((m for m in self.watch.slow if m in compute), key=lambda m: (-compute[m], m))
-                self.bench_due = me in slowest[:len(members) - min_workers]
+        self.asking = self.policy == "exclude" and me in self.watch.slow
         return new
+
+    @staticmethod
+    def chosen(asking: list[int], world: int, min_workers: int) -> list[int]:
+        """Of the ranks asking to stand aside (every member sees the same, reduced with a
+        step), those that do: the highest ranks (the youngest members) first, as many as
+        ``min_workers`` leaves room for."""
+        return sorted(asking, reverse=True)[:max(0, world - min_workers)]
 
     def bench(self) -> float:
         """Stand aside now: for how long (the cooldown, doubled at each further time, at most
         8 times it). The judgments start afresh."""
         seconds = self.cooldown * 2 ** min(self._benches, 3)
         self._benches += 1
-        self.bench_due = False
+        self.bench_due = self.asking = False
         self.compute.clear()
         self.watch = StragglerWatch(self.watch.factor, self.watch.patience)
         return seconds

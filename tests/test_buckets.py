@@ -60,7 +60,7 @@ def test_buckets_go_out_during_backward_in_order_and_average_exactly():
         world.launched.clear()
         local = world.backward(m, step)
         tail = reduce(buckets)
-        assert tail.tolist() == [2.0, 0.0]  # both (identical) workers valid, no joiner
+        assert tail.tolist() == [2.0, 0.0, 0.0, 0.0]  # both (identical) workers valid, no joiner
         buckets.hand_back(float(tail[0]))
         assert all(during for _, during in world.launched), "every bucket started during backward"
         assert len(world.launched) == buckets.bucket_count
@@ -69,7 +69,7 @@ def test_buckets_go_out_during_backward_in_order_and_average_exactly():
         m.zero_grad(set_to_none=step % 2 == 0)  # both styles: freed grads, and grads kept as bucket views
     # the first bucket holds the last layer (backward produces it first); the last one ends with the tail
     assert world.launched[0][0] == params[-1].numel() + params[-2].numel()
-    assert world.launched[-1][0] == params[0].numel() + params[1].numel() + 2
+    assert world.launched[-1][0] == params[0].numel() + params[1].numel() + 2 + world.world  # a flag per rank
 
 
 def test_launch_order_is_bucket_order_whatever_order_the_hooks_fire_in():
@@ -106,7 +106,7 @@ def test_accumulating_without_no_sync_is_a_clear_error():
         buckets.finish(True)
     world.backward(m, 3)  # the next step starts clean
     tail = reduce(buckets)
-    assert tail.tolist() == [1.0, 0.0]
+    assert tail[:2].tolist() == [1.0, 0.0]
 
 
 def test_unused_parameters_are_reduced_as_zeros_in_finish():
@@ -137,7 +137,7 @@ def test_an_invalid_step_contributes_zeros_and_is_averaged_over_the_valid_worker
     buckets = world.buckets(list(m.parameters()))
     world.backward(m, 0)
     tail = reduce(buckets, valid=False)
-    assert tail.tolist() == [0.0, 0.0]
+    assert tail[:2].tolist() == [0.0, 0.0]
     assert all(float(f[:-2].abs().sum()) == 0.0 for f in buckets._flats[-1:])
 
 
@@ -173,3 +173,18 @@ def test_parameters_on_several_devices_are_refused():
     b = torch.nn.Parameter(torch.ones(2, device="meta"))
     with pytest.raises(FtcommError, match="one device"):
         world.buckets([a, b])
+
+
+def test_the_tail_carries_a_flag_per_rank_for_stragglers_asking_to_stand_aside_sized_to_the_world():
+    world, m = FakeWorld(world=3), model()
+    asks = {"rank": 1, "aside": True}
+    buckets = GradientBuckets(list(m.parameters()), 0.0002, True, world.launch, lambda: True, lambda: world.world,
+                              lambda: 0.0, aside=lambda: (asks["rank"], asks["aside"]))
+    world.backward(m, 0)
+    tail = reduce(buckets)
+    assert tail.tolist() == [3.0, 0.0, 0.0, 3.0, 0.0]  # every (identical) worker: valid, rank 1 asks
+    buckets.hand_back(3.0)
+    world.world, asks["rank"] = 2, 0  # a new view of 2: the tail follows its size
+    world.backward(m, 1)
+    assert reduce(buckets).tolist() == [2.0, 0.0, 2.0, 0.0]
+    assert all(p.grad is not None for p in m.parameters())
