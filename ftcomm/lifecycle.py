@@ -97,6 +97,7 @@ class Lifecycle:
         fired_at, gave_up_at = self.abort.fired_at, self.abort.noticed_at
         abort_latency = round(gave_up_at - fired_at, 4) if fired_at is not None and gave_up_at is not None else None
         previous = self.view
+        self.check_open()
         self.abandon()
         if self.engine.state in (core.RUNNING, core.RECONCILING):
             self.perform(self.engine.broken())
@@ -108,6 +109,7 @@ class Lifecycle:
             try:
                 self.form(view)
             except (MembershipChanged, FtcommTimeout) as exc:
+                self.check_open()
                 log.info("forming view %d failed (%s); agreeing again", view.id, exc)
                 # This worker stays in the view (or phase) it had. Withdrawing the proposal
                 # aborts the other members' attempts at once; the retry gets a new view id.
@@ -121,6 +123,7 @@ class Lifecycle:
             try:
                 reconcile()
             except MembershipChanged as exc:
+                self.check_open()
                 log.info("reconciling view %d failed (%s); agreeing again", view.id, exc)
                 reason = self.classify(exc)
                 self.perform(self.engine.broken())
@@ -150,6 +153,7 @@ class Lifecycle:
         engine = self.engine
         last_debug = 0.0
         while True:
+            self.check_open()
             now = time.monotonic()
             if now > deadline:
                 self.raise_stuck()
@@ -374,6 +378,12 @@ class Lifecycle:
         for member in gone:
             self.news.fault("crash", member)
             self.gossip.declare_dead(member)
+
+    def check_open(self) -> None:
+        """The worker left the group (``shutdown`` from another thread, or the exit hook)
+        while this thread recovers: nothing is left to recover."""
+        if self.engine.state in (core.LEAVING, core.CLOSED):
+            raise FtcommError("the group was shut down")
 
     def raise_stuck(self) -> None:
         view = self.view

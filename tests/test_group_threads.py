@@ -420,3 +420,30 @@ def test_stragglers_standing_aside_never_leave_fewer_than_min_workers():
         stop.set()
         for g in groups:
             g.shutdown()
+
+
+def test_shutdown_from_another_thread_while_the_training_thread_recovers_ends_it_with_a_clear_error():
+    """The training thread waits to agree on a view (its peer left) when another thread (an
+    exit hook, a supervisor) shuts the group down: it gets FtcommError, not an internal one."""
+    groups = start_groups(3)  # min_workers=2
+    try:
+        outcome: list = []
+
+        def train() -> None:
+            try:
+                groups[0].execute(groups[0].barrier)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at what came out
+                outcome.append(exc)
+        groups[1].shutdown()  # the view breaks; alone, group 0 cannot form one (min_workers=2)
+        groups[2].shutdown()
+        thread = threading.Thread(target=train, daemon=True)
+        thread.start()
+        time.sleep(0.5)  # it is now waiting in agreement (nothing can form)
+        groups[0].shutdown()
+        thread.join(30)
+        assert not thread.is_alive()
+        assert len(outcome) == 1 and type(outcome[0]) is ftcomm.FtcommError, outcome
+        assert "shut down" in str(outcome[0])
+    finally:
+        for g in groups:
+            g.shutdown()
