@@ -531,9 +531,10 @@ class Protocol:
             if sender == probe.target:  # not an ack relayed by a helper
                 self._confirm(sender, probe.address, now)
             return
-        confirmation = self._confirmations.pop(seq, None)
+        confirmation = self._confirmations.get(seq)
         if confirmation is not None:
-            if sender == confirmation[0]:
+            if sender == confirmation[0]:  # an ack from anyone else does not use up the ping
+                del self._confirmations[seq]
                 self._confirm(sender, confirmation[1], now)
             return
         relay = self._relays.pop(seq, None)
@@ -556,13 +557,16 @@ class Protocol:
         """
         if self._confirmations:
             self._confirmations = {seq: c for seq, c in self._confirmations.items() if c[2] > now}
-        deadline = now + self._awareness.scale(self.config.probe_interval)
         for member_id in self._table.next_to_confirm(self.config.confirmation_pings, CONFIRMATION_ATTEMPTS):
-            m = self._table.get(member_id)
-            seq = self._next_seq()
-            self._confirmations[seq] = (member_id, m.address, deadline)
-            self._send(m.address, member_id, [wire.encode([PING, seq, member_id])])
-            self.stats["confirmation_pings"] += 1
+            self._ping_to_confirm(self._table.get(member_id), now)
+
+    def _ping_to_confirm(self, m: MemberState, now: float, piggyback: bool = True) -> None:
+        """One confirmation ping. A newcomer gets one at once, besides the rounds' attempts (a
+        joiner is of use only once confirmed; admissions are bounded by ``join_rate``)."""
+        seq = self._next_seq()
+        self._confirmations[seq] = (m.id, m.address, now + self._awareness.scale(self.config.probe_interval))
+        self._send(m.address, m.id, [wire.encode([PING, seq, m.id])], piggyback=piggyback)
+        self.stats["confirmation_pings"] += 1
 
     def _confirm(self, member_id: str, pinged: tuple[str, int], now: float) -> None:
         """``member_id`` answered, with its own id, a ping this member sent to ``pinged``:
@@ -594,6 +598,8 @@ class Protocol:
                 self.stats["rejected." + refused] += 1
                 return
             self._emit("joined", m, now, source)
+            if not m.confirmed and self.started and not self.leaving:
+                self._ping_to_confirm(m, now, piggyback=False)  # news goes to the members that spread it
         else:
             if incarnation <= m.incarnation:
                 return
@@ -701,9 +707,10 @@ class Protocol:
 
     # ---------------------------------------------------------------- dissemination
     def _send(self, address: tuple[str, int], target: str | None, messages: list[bytes],
-              first: bytes | None = None) -> None:
+              first: bytes | None = None, piggyback: bool = True) -> None:
         budget = self.config.max_datagram_bytes - self._dgram.overhead - sum(len(m) + 1 for m in messages)
-        extra = self._broadcasts.take(budget, self.config.retransmit_limit(self.num_members()), first)
+        extra = self._broadcasts.take(budget, self.config.retransmit_limit(self.num_members()), first) \
+            if piggyback else []
         data = self._dgram.seal(messages + extra, now=self._wall())
         self._out.append(Datagram(address, data, target))
         self.stats["datagrams_sent"] += 1
