@@ -375,7 +375,7 @@ class Engine:
         view = self.view
         if view is None or (self.max_workers is not None and view.size >= self.max_workers):
             return False
-        return any(s.alive and s.phase == PHASE_JOINING and s.config == self.config and s.id not in view.members
+        return any(s.alive and s.phase == PHASE_JOINING and s.config == self.config and s.id not in view.member_set
                    for s in statuses.values())
 
     # ------------------------------------------------------------------ what breaks a view
@@ -389,14 +389,14 @@ class Engine:
         view = self.forming or self.view
         if view is None or member == self.id or self.state in (JOINING, LEAVING, CLOSED):
             return None
-        if member in view.members and kind in ("suspect", "dead", "left"):
+        if member in view.member_set and kind in ("suspect", "dead", "left"):
             if (kind == "left" and status is not None and status.done_ops is not None and self.forming is None
                     and self.state == RUNNING and status.done_ops[0] == view.id and status.done_ops[1] > ops_done):
                 return Damage(f"{member} left after completing the operation in flight", kind, defer=True)
             return Damage(f"{member} is {kind}", kind)
         if status is None or status.config != self.config or not status.alive:
             return None
-        if member in view.members:
+        if member in view.member_set:
             if status.proposal != (view.id, view.digest):  # it saw a change, or gave up forming
                 what = f"proposes view {status.proposal[0]}" if status.proposal else "withdrew its proposal"
                 return Damage(f"{member} {what}", None)

@@ -62,6 +62,7 @@ CONFIG = "simcfg"
 TICK = 0.02  # the driver looks at the membership this often (FaultTolerantGroup waits 20 ms)
 FORM_LATENCY = 0.01
 CRASH_ERROR_DELAY = 0.005
+_UNDECODED = object()
 
 
 class InvariantViolation(AssertionError):
@@ -94,9 +95,11 @@ class Worker:
     joined: bool = False  # its gossip join completed (ftcomm.init agrees only after that)
     op_began: float = 0.0  # when the operation in flight began
     resumed_at: float = float("-inf")  # when it last came back from a hang
-    confirming: float | None = None
-    statuses: dict | None = None  # cached membership view (see GroupSimulation._statuses)
-    dirty: bool = True  # waiting for a state exchange until then (see _confirm_after_stall)
+    confirming: float | None = None  # waiting for a state exchange until then (see _confirm_after_stall)
+    statuses: dict | None = None  # the status records as last read (see GroupSimulation._statuses)
+    news: dict | None = None  # member -> its news began with its joining, since the last read (None: read all)
+    table_size: int = 0  # members in the gossip table at the last read
+    read_view: View | None = None  # its view at the last read (whose members count although unconfirmed)
 
 
 @dataclass
@@ -157,6 +160,11 @@ class GroupSimulation:
         self.settled_at: float | None = None
         self.history: dict[int, tuple] = {}  # step -> (first contents committed for it, by which view's members)
         self._healthy_cache: tuple = (None, float("inf"), False)
+        self._decoded: dict[tuple[str, str, bytes], Status | None] = {}  # see _status
+        self._view_workers: dict[tuple[int, str], list[Worker]] = {}  # see _members
+        self._crashed_cache: tuple = (None, [])  # see _crash_error
+        self._completed: dict[tuple, tuple[float, bool]] = {}  # see _completion
+        self._down_cache: tuple = (None, False)  # see _connected
         self.rolled_back = 0
         self.newest: View | None = None  # the newest view formed by anyone
         self.quorum_survived = True
@@ -313,9 +321,14 @@ class GroupSimulation:
         w = self.workers.get(index)
         if w is None or w.crashed or w.gone:
             return
-        w.dirty = True
+        if w.news is not None:
+            if event.kind == "joined":  # (again, if it was forgotten: it moved to the end of the table)
+                w.news.pop(event.member.id, None)
+                w.news[event.member.id] = True
+            else:
+                w.news.setdefault(event.member.id, False)
         member = event.member
-        status = Status.from_metadata(member.id, member.state, decode_metadata(member.metadata))
+        status = self._status(member.id, member.state, member.metadata)
         damage = w.engine.damage(event.kind, member.id, status, w.ops)
         if damage is None:
             return
@@ -326,25 +339,68 @@ class GroupSimulation:
             w.abort = damage.reason
 
     def _statuses(self, w: Worker) -> dict[str, Status]:
-        """What FaultTolerantGroup._statuses returns, recomputed only after a membership
-        event at this member (or its own record changed)."""
-        if w.statuses is not None and not w.dirty:
+        """What FaultTolerantGroup._statuses returns, read again only after a membership
+        event at this member (or its own record changed): the members with news are read
+        again, or the whole table when that cannot keep its order."""
+        if w.statuses is not None and w.news is not None and not w.news:
             return w.statuses
-        w.dirty = False
-        w.statuses = self._read_statuses(w)
+        protocol = self.sim.nodes[w.node].protocol
+        if w.statuses is None or w.news is None or not self._read_news(w, protocol):
+            w.statuses = self._read_statuses(w)
+        w.news, w.table_size, w.read_view = {}, protocol.table_size(), w.engine.view
         return w.statuses
+
+    def _read_news(self, w: Worker, protocol) -> bool:
+        """Update ``w.statuses`` for the members with news; False when only reading the whole
+        table gives the same result: a member was forgotten (no event says so), or one enters
+        the list anywhere but at its end (the table's order is the list's). A member's address
+        never changes here, so neither does its confirmation without an event."""
+        news = w.news
+        if w.engine.view is not w.read_view or protocol.table_size() != w.table_size + sum(news.values()):
+            return False
+        statuses, own = w.statuses, w.engine.id
+        known = w.engine.view.member_set if w.engine.view is not None else ()
+        for member_id, joined in news.items():
+            info = protocol.member(member_id)
+            status = None
+            if info.confirmed or member_id == own or member_id in known:
+                status = self._status(member_id, info.state, info.metadata)
+            if status is None:
+                statuses.pop(member_id, None)
+            elif member_id in statuses:
+                if joined:  # forgotten and learned again: now at the end of the table
+                    return False
+                statuses[member_id] = status
+            elif joined:  # new members come last, in the order they joined
+                statuses[member_id] = status
+            else:
+                return False
+        return True
 
     def _read_statuses(self, w: Worker) -> dict[str, Status]:
         protocol = self.sim.nodes[w.node].protocol
-        known = set(w.engine.view.members) if w.engine.view is not None else set()
+        own = w.engine.id
+        known = w.engine.view.member_set if w.engine.view is not None else ()
+        decoded = self._decoded
         out = {}
-        for m in protocol.members():
-            if not m.confirmed and m.id != w.engine.id and m.id not in known:
+        for member_id, state, metadata, confirmed in protocol.member_states():
+            if not confirmed and member_id != own and member_id not in known:
                 continue
-            status = Status.from_metadata(m.id, m.state, decode_metadata(m.metadata))
+            status = decoded.get((member_id, state, metadata), _UNDECODED)
+            if status is _UNDECODED:
+                status = self._status(member_id, state, metadata)
             if status is not None:
-                out[m.id] = status
+                out[member_id] = status
         return out
+
+    def _status(self, member_id: str, state: str, metadata: bytes) -> Status | None:
+        """A member's decoded record: a pure function of what gossip holds, decoded once per
+        simulation (every member decodes the same records)."""
+        key = (member_id, state, metadata)
+        status = self._decoded.get(key, _UNDECODED)
+        if status is _UNDECODED:
+            status = self._decoded[key] = Status.from_metadata(member_id, state, decode_metadata(metadata))
+        return status
 
     def _publish(self, w: Worker) -> None:
         e = w.engine
@@ -355,7 +411,8 @@ class GroupSimulation:
         node = self.sim.nodes[w.node]
         node.protocol.set_metadata(encode_metadata(record), self.sim.now)
         self.sim._after(node)
-        w.dirty = True
+        if w.news is not None:
+            w.news.setdefault(w.engine.id, False)
 
     # ------------------------------------------------------------------ the driver
     def _tick(self) -> None:
@@ -439,15 +496,27 @@ class GroupSimulation:
 
     def _connected(self, w: Worker, view: View) -> bool:
         """Every member of ``view`` runs and ``w`` can reach it (as forming and reconciling need)."""
-        return all(not x.crashed and not x.hung and not self._cut_off(w, x) for x in self._members(view))
+        key = (self.sim.now, view.id, view.digest)
+        if self._down_cache[0] != key:  # once per tick and view: a member crashed or hung
+            self._down_cache = (key, any(x.crashed or x.hung for x in self._members(view)))
+        if self._down_cache[1]:
+            return False
+        return self.sim._partition is None or not any(self._cut_off(w, x) for x in self._members(view))
 
     def _members(self, view: View) -> list[Worker]:
-        return [self.by_id[m] for m in view.members]
+        key = (view.id, view.digest)
+        members = self._view_workers.get(key)
+        if members is None:
+            members = self._view_workers[key] = [self.by_id[m] for m in view.members]
+        return members
 
     def _crash_error(self, w: Worker, view: View) -> bool:
         """A crashed member's peers get a connection error: abort, and declare it dead."""
-        crashed = [x for x in self._members(view) if x.crashed and self.sim.now - x.crashed_at >= CRASH_ERROR_DELAY
-                   and not self._cut_off(w, x)]
+        key = (self.sim.now, view.id, view.digest)
+        if self._crashed_cache[0] != key:  # once per tick and view
+            self._crashed_cache = (key, [x for x in self._members(view)
+                                         if x.crashed and self.sim.now - x.crashed_at >= CRASH_ERROR_DELAY])
+        crashed = [x for x in self._crashed_cache[1] if not self._cut_off(w, x)]
         if not crashed:
             return False
         node = self.sim.nodes[w.node]
@@ -518,7 +587,8 @@ class GroupSimulation:
         contributions = self.steps.get((key, w.ops + 1), {})
         members = self._members(view)
         if len(contributions) == view.size:
-            done_at = max(t for t, _ in contributions.values()) + 0.002 * w.slow
+            last, join = self._completion((key, w.ops + 1), contributions)
+            done_at = last + 0.002 * w.slow
             # every member must stay up and reachable until this member has observed it
             healthy = self._healthy(w, view, members, done_at)
             if healthy and now >= done_at:
@@ -538,7 +608,7 @@ class GroupSimulation:
                 if w.abort is not None and w.deferred is None and self._must_confirm(w):
                     self._break(w)  # discarded: the view moved on while it was stopped
                     return
-                self._commit(w, view, any(j for _, j in contributions.values()))
+                self._commit(w, view, join)
                 return
         if w.deferred is not None and now >= w.deferred[1]:
             w.abort = w.deferred[0]
@@ -546,6 +616,15 @@ class GroupSimulation:
         self._crash_error(w, view)
         if w.abort is not None and w.deferred is None:
             self._break(w)
+
+    def _completion(self, step: tuple, contributions: dict) -> tuple[float, bool]:
+        """When the last member contributed to a complete step, and whether any saw a joiner
+        waiting (once per step: every member of the view asks)."""
+        done = self._completed.get(step)
+        if done is None:
+            done = self._completed[step] = (max(t for t, _ in contributions.values()),
+                                            any(j for _, j in contributions.values()))
+        return done
 
     def _must_confirm(self, w: Worker) -> bool:
         """FaultTolerantGroup._must_confirm: stalled, suspected, or waited long."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 JOINING, ACTIVE, LEAVING = "joining", "active", "leaving"
 MAX_VIEW_ID = 2**31  # far beyond any group's lifetime; larger ids in a record are refused
@@ -45,9 +46,14 @@ class View:
     def size(self) -> int:
         return len(self.members)
 
-    @property
+    @cached_property
     def digest(self) -> str:
         return view_digest(self.id, self.members)
+
+    @cached_property
+    def member_set(self) -> frozenset[str]:
+        """The members, for membership tests (a view may hold a thousand)."""
+        return frozenset(self.members)
 
     def rank_of(self, member_id: str) -> int:
         return self.members.index(member_id)
@@ -192,7 +198,7 @@ class Candidate:
     quorum: bool
     standby: tuple[str, ...]  # eligible joiners beyond max_workers
 
-    @property
+    @cached_property
     def digest(self) -> str:
         return view_digest(self.view_id, self.members)
 
@@ -205,7 +211,8 @@ def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], c
         survivors = [m for m in previous.members if m in usable]
     else:
         survivors = []
-    joiners = sorted((s for s in usable.values() if s.phase == JOINING and s.id not in survivors),
+    kept = set(survivors)
+    joiners = sorted((s for s in usable.values() if s.phase == JOINING and s.id not in kept),
                      key=lambda s: (s.joined_at, s.id))
     ordered = survivors + [s.id for s in joiners]
     limit = len(ordered) if max_workers is None else max_workers

@@ -25,6 +25,25 @@ def test_five_hundred_random_seeds_keep_every_invariant():
     assert {"crash", "hang", "node_loss", "leave"} <= set(summary["recovery_to_next_commit"])
 
 
+def test_a_worker_reading_only_its_news_reads_what_the_whole_table_says(monkeypatch):
+    """Each look re-reads only the members a worker has news of since its last one (a table
+    of a thousand members is read a thousand times a tick otherwise); the records, and their
+    order, are those a read of the whole table gives."""
+    looks = []
+    statuses = GroupSimulation._statuses
+
+    def checked(self, w):
+        fresh = w.statuses is None or w.news is None or bool(w.news)
+        out = statuses(self, w)
+        if fresh:
+            assert list(out.items()) == list(self._read_statuses(w).items())
+            looks.append(w.engine.id)
+        return out
+    monkeypatch.setattr(GroupSimulation, "_statuses", checked)
+    assert all(o.ok for o in run_seeds(list(range(12))))
+    assert len(looks) > 1000
+
+
 def partition_then_winner_leaves(seed: int = 13, gap: float = 0.3) -> groupsim.Outcome:
     """A 2|2 partition of four heals; right after, the winning side's rank 0 leaves."""
     return GroupSimulation(seed, n=4, faults=[(3.0, "partition", {"length": 2.0, "pick": 0.0, "split": 0.5}),
