@@ -435,7 +435,7 @@ class FaultTolerantGroup:
             status = statuses.get(member)
             if member != self.id and (status is None or not status.alive):
                 self._abort.fire(f"{member} is no longer alive")
-            elif member != self.id and status.proposal != (view.id, view.digest):
+            elif member != self.id and status.proposal != (view.id, view.digest) and member not in self._engine.vouched:
                 self._abort.fire(f"{member} no longer proposes view {view.id}")
         for status in statuses.values():
             damage = self._engine.damage("metadata", status.id, status, self._ops)
@@ -572,7 +572,8 @@ class FaultTolerantGroup:
         return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, self._config,
                              self.step, self._rendezvous.port, engine.floor, self._settings_tuple, done_ops,
                              self.insecure,
-                             named.digest if named is not None else None, self._compute.median())
+                             named.digest if named is not None else None, self._compute.median(),
+                             agreed=engine.witnessed)
 
     def _publish(self) -> None:
         self._last_step_publish = time.monotonic()

@@ -51,8 +51,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .engine import (AGREEING, FORMING, JOINING, LEAVING, RECONCILING, RUNNING, Announce, Engine, Fetch, Form,
-                     Publish, PublishProposal, Rejoined, Sync, reconcile_source)
+from .engine import (AGREEING, ANNOUNCE_LIMIT, FORMING, JOINING, LEAVING, RECONCILING, RUNNING, Announce, Engine,
+                     Fetch, Form, Publish, PublishProposal, Rejoined, Sync, reconcile_source)
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
@@ -119,12 +119,15 @@ class Outcome:
 
 
 class GroupSimulation:
-    """One seeded run. ``faults``: list of (time, kind, args) or None to draw them."""
+    """One seeded run. ``faults``: list of (time, kind, args) or None to draw them;
+    ``announce_limit``: the engines' (a small one makes small groups agree as large ones do)."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
                  loss: float | None = None, leave_grace: float = 2.0,
-                 formation_timeout: float = 10.0, gossip: GossipConfig | None = None) -> None:
+                 formation_timeout: float = 10.0, gossip: GossipConfig | None = None,
+                 announce_limit: int = ANNOUNCE_LIMIT) -> None:
         self.seed = seed
+        self.announce_limit = announce_limit
         self.rng = random.Random(seed)
         self.n = n if n is not None else self.rng.randint(3, 7)
         self.loss = loss if loss is not None else self.rng.choice([0.0, 0.0, 0.01, 0.03])
@@ -176,7 +179,8 @@ class GroupSimulation:
     def _start_worker(self, node: int, now: float) -> Worker:
         member = self.sim.member_id(node)
         engine = Engine(member, CONFIG, min_workers=1, settle_interval=0.05,
-                        chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6)
+                        chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6,
+                        announce_limit=self.announce_limit)
         w = Worker(node, engine, step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
         self.workers[node] = w
         self.by_id[member] = w
@@ -407,7 +411,8 @@ class GroupSimulation:
         named = e.published_view()
         done_ops = (named.id, w.ops) if named is not None and e.state == LEAVING else None
         record = encode_status(e.phase, e.current_view, e.proposal, e.joined_at, CONFIG, w.step, 1, e.floor,
-                               done_ops=done_ops, view_digest=named.digest if named is not None else None)
+                               done_ops=done_ops, view_digest=named.digest if named is not None else None,
+                               agreed=e.witnessed)
         node = self.sim.nodes[w.node]
         node.protocol.set_metadata(encode_metadata(record), self.sim.now)
         self.sim._after(node)

@@ -89,6 +89,7 @@ class Status:
     view_digest: str | None = None  # digest of its current view (leaving: of the view it names)
     dead: bool = False  # gossip state is dead (confirmed failed; suspect is neither alive nor dead)
     compute_s: float | None = None  # median compute time of its recent gradient steps (see ftcomm.stragglers)
+    agreed: tuple[int, str] | None = None  # as rank 0 of this proposal, it saw every member make it (ftcomm.engine)
 
     @property
     def last_view(self) -> int:
@@ -129,6 +130,10 @@ class Status:
             extra["view_digest"] = meta["cd"]
         if _is_int(meta.get("ct")) and 0 <= meta["ct"] <= MAX_COMPUTE_MS:
             extra["compute_s"] = meta["ct"] / 1000
+        agreed = meta.get("ag")
+        if (isinstance(agreed, (list, tuple)) and len(agreed) == 2 and _is_int(agreed[0])
+                and 0 < agreed[0] <= MAX_VIEW_ID and isinstance(agreed[1], str) and len(agreed[1]) <= 64):
+            extra["agreed"] = (agreed[0], agreed[1])
         return dataclasses.replace(status, **extra) if extra else status
 
 
@@ -143,7 +148,8 @@ def _is_int(value: object) -> bool:
 def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | None, joined_at: float,
                   config: str, step: int, rendezvous_port: int, floor: int = 0, settings: tuple | list = (),
                   done_ops: tuple[int, int] | None = None, insecure: bool = False,
-                  view_digest: str | None = None, compute_s: float | None = None) -> dict:
+                  view_digest: str | None = None, compute_s: float | None = None,
+                  agreed: tuple[int, str] | None = None) -> dict:
     """The metadata record :meth:`Status.from_metadata` decodes."""
     meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
     if compute_s is not None:
@@ -160,6 +166,8 @@ def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | Non
         meta["insecure"] = True
     if view_digest is not None:
         meta["cd"] = view_digest
+    if agreed is not None:
+        meta["ag"] = list(agreed)
     return meta
 
 

@@ -25,6 +25,15 @@ def test_five_hundred_random_seeds_keep_every_invariant():
     assert {"crash", "hang", "node_loss", "leave"} <= set(summary["recovery_to_next_commit"])
 
 
+def test_seeds_agreeing_through_rank_0_keep_every_invariant():
+    """With an announce limit of 1, every view of two or more agrees as a view above
+    ANNOUNCE_LIMIT does: each member announces its proposal to the view's rank 0 only, and
+    enters on rank 0's word once rank 0 saw every member propose it (Engine._witnessed)."""
+    summary = summarize(run_seeds(list(range(200)), processes=2, announce_limit=1))
+    assert summary["violations"] == 0, summary["first_violation"]
+    assert summary["simulated_commits"] > 50_000
+
+
 def test_a_worker_reading_only_its_news_reads_what_the_whole_table_says(monkeypatch):
     """Each look re-reads only the members a worker has news of since its last one (a table
     of a thousand members is read a thousand times a tick otherwise); the records, and their
