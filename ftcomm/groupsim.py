@@ -120,12 +120,15 @@ class Outcome:
 
 class GroupSimulation:
     """One seeded run. ``faults``: list of (time, kind, args) or None to draw them;
-    ``announce_limit``: the engines' (a small one makes small groups agree as large ones do)."""
+    ``announce_limit``: the engines' (a small one makes small groups agree as large ones do);
+    ``converged``: the workers start from a static host list, each knowing every other one
+    and its first status record (the gossip cluster has converged; the first view is still
+    to be agreed), instead of joining through the first worker."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
                  loss: float | None = None, leave_grace: float = 2.0,
                  formation_timeout: float = 10.0, gossip: GossipConfig | None = None,
-                 announce_limit: int = ANNOUNCE_LIMIT) -> None:
+                 announce_limit: int = ANNOUNCE_LIMIT, converged: bool = False) -> None:
         self.seed = seed
         self.announce_limit = announce_limit
         self.rng = random.Random(seed)
@@ -134,8 +137,10 @@ class GroupSimulation:
         delay = self.rng.choice([(0.0002, 0.002), (0.001, 0.01), (0.002, 0.03)])
         self.config = gossip or GossipConfig()
         # Workers start within a second of each other and join through the first (their peer).
+        first = [encode_metadata(self._record(self._engine("", i, 0.0), 0, 0)) for i in range(self.n)] \
+            if converged else None
         self.sim = Simulation(self.n, self.config, loss=self.loss, delay=delay, seed=self.rng.getrandbits(32),
-                              bootstrap=False)
+                              bootstrap=converged, metadata=first)
         self.duration = duration
         self.liveness_bound = self.config.detection_bound(self.n + 4) + formation_timeout + 5.0
         """Seconds after the last fault within which every live member must run one view."""
@@ -176,15 +181,18 @@ class GroupSimulation:
         self.sim.at(0.0, self._tick)
 
     # ------------------------------------------------------------------ setup
+    def _engine(self, member: str, node: int, now: float) -> Engine:
+        return Engine(member, CONFIG, min_workers=1, settle_interval=0.05,
+                      chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6,
+                      announce_limit=self.announce_limit)
+
     def _start_worker(self, node: int, now: float) -> Worker:
         member = self.sim.member_id(node)
-        engine = Engine(member, CONFIG, min_workers=1, settle_interval=0.05,
-                        chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6,
-                        announce_limit=self.announce_limit)
-        w = Worker(node, engine, step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
+        w = Worker(node, self._engine(member, node, now), step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
         self.workers[node] = w
         self.by_id[member] = w
-        self._publish(w)
+        if self.sim.nodes[node].protocol.metadata != encode_metadata(self._record(w.engine, w.step, w.ops)):
+            self._publish(w)  # (a converged start's members know this record already)
         return w
 
     def _draw_faults(self) -> list:
@@ -406,15 +414,17 @@ class GroupSimulation:
             status = self._decoded[key] = Status.from_metadata(member_id, state, decode_metadata(metadata))
         return status
 
-    def _publish(self, w: Worker) -> None:
-        e = w.engine
+    @staticmethod
+    def _record(e: Engine, step: int, ops: int) -> dict:
         named = e.published_view()
-        done_ops = (named.id, w.ops) if named is not None and e.state == LEAVING else None
-        record = encode_status(e.phase, e.current_view, e.proposal, e.joined_at, CONFIG, w.step, 1, e.floor,
-                               done_ops=done_ops, view_digest=named.digest if named is not None else None,
-                               agreed=e.witnessed)
+        done_ops = (named.id, ops) if named is not None and e.state == LEAVING else None
+        return encode_status(e.phase, e.current_view, e.proposal, e.joined_at, CONFIG, step, 1, e.floor,
+                             done_ops=done_ops, view_digest=named.digest if named is not None else None,
+                             agreed=e.witnessed)
+
+    def _publish(self, w: Worker) -> None:
         node = self.sim.nodes[w.node]
-        node.protocol.set_metadata(encode_metadata(record), self.sim.now)
+        node.protocol.set_metadata(encode_metadata(self._record(w.engine, w.step, w.ops)), self.sim.now)
         self.sim._after(node)
         if w.news is not None:
             w.news.setdefault(w.engine.id, False)

@@ -34,6 +34,16 @@ def test_seeds_agreeing_through_rank_0_keep_every_invariant():
     assert summary["simulated_commits"] > 50_000
 
 
+def test_a_converged_start_is_known_to_every_member_and_agrees_at_once():
+    """A static host list: every member knows every other one and its first record from the
+    start, so nobody publishes it again; the first view is agreed within a few ticks."""
+    sim = GroupSimulation(1, n=100, faults=[], loss=0.0, converged=True)
+    assert all(node.protocol.incarnation == 0 for node in sim.sim.nodes)
+    sim.sim.run_until(0.5)
+    views = {w.engine.view for w in sim.workers.values()}
+    assert len(views) == 1 and None not in views and next(iter(views)).size == 100
+
+
 def test_a_worker_reading_only_its_news_reads_what_the_whole_table_says(monkeypatch):
     """Each look re-reads only the members a worker has news of since its last one (a table
     of a thousand members is read a thousand times a tick otherwise); the records, and their
