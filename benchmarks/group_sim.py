@@ -2,17 +2,21 @@
 kind, and agreement time after a crash by group size.
 
     python benchmarks/group_sim.py --seeds 10000          # about 12 minutes on 2 cores
-    python benchmarks/group_sim.py --scale 8,64,256,1000  # one crash per size
+    python benchmarks/group_sim.py --scale 8,64,256,1000  # one crash per size; about a minute
 
 Seeds: each draws a group size (3-7), loss, delay and up to five faults (see
 ftcomm/groupsim.py); the summary counts invariant violations and gives the time from
-each fault to the next commit of every survivor. Scale: N workers start (joining
-through the first), and once all run one view, one crashes mid-training; *detected* is
-when the first survivor, then the last, declares it suspect or dead (its view breaks
-there; a crash is usually found by the connection error of the step in flight);
-*formed* is when every survivor runs the new view; *agreement after detection* is
-formed minus last detection. Simulated seconds, not wall seconds; the wall time of
-the simulation is reported too.
+each fault to the next commit of every survivor. Scale: N workers start from a static
+host list (every member knows every other one and its first record: the gossip cluster
+has converged, the first view is still to be agreed; ``--joins`` makes them join through
+the first worker instead, which costs many minutes from 256 members up), and once all
+run one view, one crashes mid-training; *detected* is when the first survivor, then the
+last, declares it suspect or dead (its view breaks there; a crash is usually found by
+the connection error of the step in flight); *formed* is when every survivor runs the
+new view; *agreement after detection* is formed minus last detection; *datagrams* are
+those sent per member from the crash until formed, and how many of them carried a
+proposal straight to a member (announcements). Simulated seconds, not wall seconds;
+the wall time of the simulation is reported too.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from ftcomm.engine import RUNNING  # noqa: E402
 from ftcomm.groupsim import GroupSimulation, run_seeds, summarize  # noqa: E402
 
 
-def scale_run(n: int, seed: int = 1) -> dict:
+def scale_run(n: int, seed: int = 1, converged: bool = True) -> dict:
     """Start ``n`` workers, wait until they all run one view, crash one, time the recovery."""
-    sim = GroupSimulation(seed, n=n, faults=[], loss=0.0, duration=300.0)
+    sim = GroupSimulation(seed, n=n, faults=[], loss=0.0, duration=300.0, converged=converged)
     victim: list = []
     detected: dict[str, float] = {}
 
@@ -48,11 +52,12 @@ def scale_run(n: int, seed: int = 1) -> dict:
     formed_whole = t
     crash_at = t + 1.0
     sim.sim.run_until(crash_at)
+    sent_before = traffic(sim)
     target = sim._live()[n // 2]
     victim.append(target.engine.id)
     sim._crash(target)
     survivors = [w for w in sim.workers.values() if not w.crashed]
-    formed_at = None
+    formed_at, t = None, crash_at
     while t < crash_at + 60.0:
         t += 0.02
         sim.sim.run_until(t)
@@ -61,6 +66,7 @@ def scale_run(n: int, seed: int = 1) -> dict:
                 victim[0] not in next(iter(views)).members:
             formed_at = t
             break
+    sent = [after - before for after, before in zip(traffic(sim), sent_before)]
     last_detect = max(detected.get(w.engine.id, float("inf")) for w in survivors)
     return {
         "n": n,
@@ -69,8 +75,16 @@ def scale_run(n: int, seed: int = 1) -> dict:
         "last_detection_s": round(last_detect - crash_at, 3),
         "formed_s": round(formed_at - crash_at, 3) if formed_at else None,
         "agreement_after_detection_s": round(formed_at - last_detect, 3) if formed_at else None,
+        "datagrams_per_member": round(sent[0] / n, 1),
+        "announcements_per_member": round(sent[1] / n, 2),
         "wall_s": round(time.perf_counter() - started, 1),
     }
+
+
+def traffic(sim: GroupSimulation) -> tuple[int, int]:
+    """Datagrams sent by all members so far, and how many of them were announcements."""
+    stats = [node.protocol.stats for node in sim.sim.nodes]
+    return sum(s["datagrams_sent"] for s in stats), sum(s["announced"] for s in stats)
 
 
 def main() -> int:
@@ -78,6 +92,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=0)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--scale", default="")
+    parser.add_argument("--joins", action="store_true", help="scale: workers join through the first worker")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "group_sim.json"))
     args = parser.parse_args()
     result: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
@@ -93,7 +108,7 @@ def main() -> int:
     if args.scale:
         rows = []
         for n in (int(x) for x in args.scale.split(",")):
-            rows.append(scale_run(n))
+            rows.append(scale_run(n, converged=not args.joins))
             print(json.dumps(rows[-1]), flush=True)
         result["scale"] = rows
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -101,7 +101,10 @@ class Rejoined:
 
 Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined
 
-ANNOUNCE_LIMIT = 64  # larger views rely on gossip alone (an announcement costs one datagram per member)
+ANNOUNCE_LIMIT = 64
+"""Views up to this size announce a new proposal to every member (one datagram per pair of
+members); above it, each member announces to the view's rank 0 only, and rank 0 announces
+to every member once it saw them all propose it (see Engine._published)."""
 
 
 @dataclass
@@ -117,6 +120,7 @@ class Engine:
     chase_interval: float = 0.6  # a member whose status lags this long gets a Sync, at most this often
     refetch_interval: float = 0.05  # a proposal a peer's store did not have yet is asked for again after this
     joined_at: float = 0.0
+    announce_limit: int = ANNOUNCE_LIMIT
     state: str = JOINING
     view: View | None = None  # formed and verified
     forming: View | None = None  # agreed, being formed
@@ -126,6 +130,8 @@ class Engine:
     entered_view: View | None = None  # the newest view it entered (formed or tried to form)
     seen_view: int = 0  # the newest view of this group shown by a member not known to be gone (as of the last look)
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
+    witnessed: tuple[int, str] | None = None  # as rank 0 of a large view: its proposal, seen made by every member
+    vouched: frozenset = frozenset()  # members of the view entered whose own proposal of it was not seen here
     _last: Candidate | None = None
     _settled_since: float = 0.0
     _lagging: dict = field(default_factory=dict)  # member -> (key, lagging since, last sync)
@@ -167,7 +173,7 @@ class Engine:
         re-formed for a joiner). The proposal is withdrawn at once: a member of the view
         still finishing an operation of it learns that the view moved on."""
         self._move("broken")
-        self._last, self.proposal = None, None
+        self._last, self.proposal, self.witnessed, self.vouched = None, None, None, frozenset()
         return [Publish()]
 
     def formed(self) -> list[Action]:
@@ -185,8 +191,10 @@ class Engine:
         if self.view is None:
             self.state = JOINING
         self.floor = max(self.floor, self.forming.id + 1)
-        self.forming, self.proposal, self._last = None, None, None
-        return [Publish()]
+        # The members that entered on its word learn at once that it gave up.
+        actions = [Publish()] + ([Announce(self.forming.members)] if self.witnessed else [])
+        self.forming, self.proposal, self._last, self.witnessed, self.vouched = None, None, None, None, frozenset()
+        return actions
 
     def reconciled(self) -> list[Action]:
         self._move("reconciled")
@@ -204,7 +212,7 @@ class Engine:
     def _rejoin(self, why: str, transition: str = "superseded") -> list[Action]:
         self._move(transition)
         self.lost = self.view
-        self.view, self.proposal, self._last = None, None, None
+        self.view, self.proposal, self._last, self.witnessed, self.vouched = None, None, None, None, frozenset()
         return [Rejoined(why), Publish()]
 
     def bench(self, now: float, seconds: float) -> list[Action]:
@@ -270,14 +278,28 @@ class Engine:
         if self.proposal != key:
             self.proposal = key
             actions += [PublishProposal(cand.view_id, cand.digest, cand.members), *self._published(cand.members)]
-        if agreed(cand, statuses):
-            return actions + self._enter(View(cand.view_id, cand.members))
+        if agreed(cand, statuses) or self._witnessed(key, cand.members, statuses):
+            return actions + self._enter(View(cand.view_id, cand.members), statuses)
         return actions + self._chase(key, cand.members, statuses, now)
 
-    @staticmethod
-    def _published(members: tuple[str, ...]) -> list[Action]:
-        """A new proposal: publish the record, and send it straight to the members waiting on it."""
-        return [Publish()] + ([Announce(members)] if len(members) <= ANNOUNCE_LIMIT else [])
+    def _published(self, members: tuple[str, ...]) -> list[Action]:
+        """A new proposal: publish the record, and send it straight to the members waiting on
+        it: to every member of a view up to ``announce_limit``; above, to the view's rank 0
+        only, which announces to every member once it saw them all propose it (two datagrams
+        per member instead of one per pair; see :meth:`_witnessed`)."""
+        if len(members) <= self.announce_limit:
+            return [Publish(), Announce(members)]
+        return [Publish()] + ([Announce(members[:1])] if members[0] != self.id else [])
+
+    def _witnessed(self, key: tuple[int, str], members: tuple[str, ...], statuses: dict[str, Status]) -> bool:
+        """A view above ``announce_limit`` is agreed when its rank 0 publishes that it saw every
+        member propose it (``Status.agreed``) while proposing it itself: every member still
+        enters only a view all its members proposed, without each waiting for all the others'
+        records to reach it by gossip (rounds of ``gossip_interval``, and N records each)."""
+        if len(members) <= self.announce_limit:
+            return False
+        rank0 = statuses.get(members[0])
+        return rank0 is not None and rank0.alive and rank0.proposal == key and rank0.agreed == key
 
     def _fetch_final_records(self, previous: View | None, statuses: dict[str, Status], now: float) -> list[Action]:
         """A member of the previous view left, but its final record (which says from which
@@ -346,8 +368,8 @@ class Engine:
             if self.proposal != key:
                 self.proposal = key
                 actions += self._published(members)
-            if agreed(Candidate(members, key[0], True, ()), statuses):
-                return actions + self._enter(View(key[0], members))
+            if agreed(Candidate(members, key[0], True, ()), statuses) or self._witnessed(key, members, statuses):
+                return actions + self._enter(View(key[0], members), statuses)
             actions += self._chase(key, members, statuses, now)
         return actions
 
@@ -362,13 +384,19 @@ class Engine:
         return any(s.alive and s.phase == ACTIVE and s.current_view > 0 and s.config == self.config
                    for s in statuses.values() if s.id != self.id)
 
-    def _enter(self, view: View) -> list[Action]:
+    def _enter(self, view: View, statuses: dict[str, Status]) -> list[Action]:
         self._move("agreed")
         self.forming = view
         if self.entered_view is None or view.id > self.entered_view.id:
             self.entered_view = view
         self._lagging.clear()
         self._fetching.clear()
+        key = (view.id, view.digest)
+        self.vouched = frozenset(m for m in view.members
+                                 if m != self.id and (m not in statuses or statuses[m].proposal != key))
+        if view.size > self.announce_limit and view.members[0] == self.id and not self.vouched:
+            self.witnessed = key  # as rank 0, it saw every member propose the view: it tells them
+            return [Publish(), Announce(view.members), Form(view)]
         return [Form(view)]
 
     def _chase(self, key: tuple[int, str], members: tuple[str, ...], statuses: dict[str, Status],
@@ -396,7 +424,7 @@ class Engine:
         if view is None or (self.max_workers is not None and view.size >= self.max_workers):
             return False
         return any(s.alive and s.phase == PHASE_JOINING and not s.aside and s.config == self.config
-                   and s.id not in view.members for s in statuses.values())
+                   and s.id not in view.member_set for s in statuses.values())
 
     # ------------------------------------------------------------------ what breaks a view
     def damage(self, kind: str, member: str, status: Status | None, ops_done: int) -> "Damage | None":
@@ -409,15 +437,17 @@ class Engine:
         view = self.forming or self.view
         if view is None or member == self.id or self.state in (JOINING, LEAVING, CLOSED):
             return None
-        if member in view.members and kind in ("suspect", "dead", "left"):
+        if member in view.member_set and kind in ("suspect", "dead", "left"):
             if (kind == "left" and status is not None and status.done_ops is not None and self.forming is None
                     and self.state == RUNNING and status.done_ops[0] == view.id and status.done_ops[1] > ops_done):
                 return Damage(f"{member} left after completing the operation in flight", kind, defer=True)
             return Damage(f"{member} is {kind}", kind)
         if status is None or status.config != self.config or not status.alive:
             return None
-        if member in view.members:
+        if member in view.member_set:
             if status.proposal != (view.id, view.digest):  # it saw a change, or gave up forming
+                if member in self.vouched and status.floor <= view.id and status.current_view < view.id:
+                    return None  # maybe older than its proposal, which rank 0 saw (see _witnessed)
                 what = f"proposes view {status.proposal[0]}" if status.proposal else "withdrew its proposal"
                 return Damage(f"{member} {what}", None)
         elif status.phase == ACTIVE and (status.current_view > view.id or (

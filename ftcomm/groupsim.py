@@ -51,8 +51,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .engine import (AGREEING, FORMING, JOINING, LEAVING, RECONCILING, RUNNING, Announce, Engine, Fetch, Form,
-                     Publish, PublishProposal, Rejoined, Sync, reconcile_source)
+from .engine import (AGREEING, ANNOUNCE_LIMIT, FORMING, JOINING, LEAVING, RECONCILING, RUNNING, Announce, Engine,
+                     Fetch, Form, Publish, PublishProposal, Rejoined, Sync, reconcile_source)
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
@@ -62,6 +62,7 @@ CONFIG = "simcfg"
 TICK = 0.02  # the driver looks at the membership this often (FaultTolerantGroup waits 20 ms)
 FORM_LATENCY = 0.01
 CRASH_ERROR_DELAY = 0.005
+_UNDECODED = object()
 
 
 class InvariantViolation(AssertionError):
@@ -94,9 +95,11 @@ class Worker:
     joined: bool = False  # its gossip join completed (ftcomm.init agrees only after that)
     op_began: float = 0.0  # when the operation in flight began
     resumed_at: float = float("-inf")  # when it last came back from a hang
-    confirming: float | None = None
-    statuses: dict | None = None  # cached membership view (see GroupSimulation._statuses)
-    dirty: bool = True  # waiting for a state exchange until then (see _confirm_after_stall)
+    confirming: float | None = None  # waiting for a state exchange until then (see _confirm_after_stall)
+    statuses: dict | None = None  # the status records as last read (see GroupSimulation._statuses)
+    news: dict | None = None  # member -> its news began with its joining, since the last read (None: read all)
+    table_size: int = 0  # members in the gossip table at the last read
+    read_view: View | None = None  # its view at the last read (whose members count although unconfirmed)
 
 
 @dataclass
@@ -116,20 +119,28 @@ class Outcome:
 
 
 class GroupSimulation:
-    """One seeded run. ``faults``: list of (time, kind, args) or None to draw them."""
+    """One seeded run. ``faults``: list of (time, kind, args) or None to draw them;
+    ``announce_limit``: the engines' (a small one makes small groups agree as large ones do);
+    ``converged``: the workers start from a static host list, each knowing every other one
+    and its first status record (the gossip cluster has converged; the first view is still
+    to be agreed), instead of joining through the first worker."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
                  loss: float | None = None, leave_grace: float = 2.0,
-                 formation_timeout: float = 10.0, gossip: GossipConfig | None = None) -> None:
+                 formation_timeout: float = 10.0, gossip: GossipConfig | None = None,
+                 announce_limit: int = ANNOUNCE_LIMIT, converged: bool = False) -> None:
         self.seed = seed
+        self.announce_limit = announce_limit
         self.rng = random.Random(seed)
         self.n = n if n is not None else self.rng.randint(3, 7)
         self.loss = loss if loss is not None else self.rng.choice([0.0, 0.0, 0.01, 0.03])
         delay = self.rng.choice([(0.0002, 0.002), (0.001, 0.01), (0.002, 0.03)])
         self.config = gossip or GossipConfig()
         # Workers start within a second of each other and join through the first (their peer).
+        first = [encode_metadata(self._record(self._engine("", i, 0.0), 0, 0)) for i in range(self.n)] \
+            if converged else None
         self.sim = Simulation(self.n, self.config, loss=self.loss, delay=delay, seed=self.rng.getrandbits(32),
-                              bootstrap=False)
+                              bootstrap=converged, metadata=first)
         self.duration = duration
         self.liveness_bound = self.config.detection_bound(self.n + 4) + formation_timeout + 5.0
         """Seconds after the last fault within which every live member must run one view."""
@@ -157,6 +168,11 @@ class GroupSimulation:
         self.settled_at: float | None = None
         self.history: dict[int, tuple] = {}  # step -> (first contents committed for it, by which view's members)
         self._healthy_cache: tuple = (None, float("inf"), False)
+        self._decoded: dict[tuple[str, str, bytes], Status | None] = {}  # see _status
+        self._view_workers: dict[tuple[int, str], list[Worker]] = {}  # see _members
+        self._crashed_cache: tuple = (None, [])  # see _crash_error
+        self._completed: dict[tuple, tuple[float, bool]] = {}  # see _completion
+        self._down_cache: tuple = (None, False)  # see _connected
         self.rolled_back = 0
         self.newest: View | None = None  # the newest view formed by anyone
         self.quorum_survived = True
@@ -165,14 +181,18 @@ class GroupSimulation:
         self.sim.at(0.0, self._tick)
 
     # ------------------------------------------------------------------ setup
+    def _engine(self, member: str, node: int, now: float) -> Engine:
+        return Engine(member, CONFIG, min_workers=1, settle_interval=0.05,
+                      chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6,
+                      announce_limit=self.announce_limit)
+
     def _start_worker(self, node: int, now: float) -> Worker:
         member = self.sim.member_id(node)
-        engine = Engine(member, CONFIG, min_workers=1, settle_interval=0.05,
-                        chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6)
-        w = Worker(node, engine, step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
+        w = Worker(node, self._engine(member, node, now), step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
         self.workers[node] = w
         self.by_id[member] = w
-        self._publish(w)
+        if self.sim.nodes[node].protocol.metadata != encode_metadata(self._record(w.engine, w.step, w.ops)):
+            self._publish(w)  # (a converged start's members know this record already)
         return w
 
     def _draw_faults(self) -> list:
@@ -313,9 +333,14 @@ class GroupSimulation:
         w = self.workers.get(index)
         if w is None or w.crashed or w.gone:
             return
-        w.dirty = True
+        if w.news is not None:
+            if event.kind == "joined":  # (again, if it was forgotten: it moved to the end of the table)
+                w.news.pop(event.member.id, None)
+                w.news[event.member.id] = True
+            else:
+                w.news.setdefault(event.member.id, False)
         member = event.member
-        status = Status.from_metadata(member.id, member.state, decode_metadata(member.metadata))
+        status = self._status(member.id, member.state, member.metadata)
         damage = w.engine.damage(event.kind, member.id, status, w.ops)
         if damage is None:
             return
@@ -326,36 +351,83 @@ class GroupSimulation:
             w.abort = damage.reason
 
     def _statuses(self, w: Worker) -> dict[str, Status]:
-        """What FaultTolerantGroup._statuses returns, recomputed only after a membership
-        event at this member (or its own record changed)."""
-        if w.statuses is not None and not w.dirty:
+        """What FaultTolerantGroup._statuses returns, read again only after a membership
+        event at this member (or its own record changed): the members with news are read
+        again, or the whole table when that cannot keep its order."""
+        if w.statuses is not None and w.news is not None and not w.news:
             return w.statuses
-        w.dirty = False
-        w.statuses = self._read_statuses(w)
+        protocol = self.sim.nodes[w.node].protocol
+        if w.statuses is None or w.news is None or not self._read_news(w, protocol):
+            w.statuses = self._read_statuses(w)
+        w.news, w.table_size, w.read_view = {}, protocol.table_size(), w.engine.view
         return w.statuses
+
+    def _read_news(self, w: Worker, protocol) -> bool:
+        """Update ``w.statuses`` for the members with news; False when only reading the whole
+        table gives the same result: a member was forgotten (no event says so), or one enters
+        the list anywhere but at its end (the table's order is the list's). A member's address
+        never changes here, so neither does its confirmation without an event."""
+        news = w.news
+        if w.engine.view is not w.read_view or protocol.table_size() != w.table_size + sum(news.values()):
+            return False
+        statuses, own = w.statuses, w.engine.id
+        known = w.engine.view.member_set if w.engine.view is not None else ()
+        for member_id, joined in news.items():
+            info = protocol.member(member_id)
+            status = None
+            if info.confirmed or member_id == own or member_id in known:
+                status = self._status(member_id, info.state, info.metadata)
+            if status is None:
+                statuses.pop(member_id, None)
+            elif member_id in statuses:
+                if joined:  # forgotten and learned again: now at the end of the table
+                    return False
+                statuses[member_id] = status
+            elif joined:  # new members come last, in the order they joined
+                statuses[member_id] = status
+            else:
+                return False
+        return True
 
     def _read_statuses(self, w: Worker) -> dict[str, Status]:
         protocol = self.sim.nodes[w.node].protocol
-        known = set(w.engine.view.members) if w.engine.view is not None else set()
+        own = w.engine.id
+        known = w.engine.view.member_set if w.engine.view is not None else ()
+        decoded = self._decoded
         out = {}
-        for m in protocol.members():
-            if not m.confirmed and m.id != w.engine.id and m.id not in known:
+        for member_id, state, metadata, confirmed in protocol.member_states():
+            if not confirmed and member_id != own and member_id not in known:
                 continue
-            status = Status.from_metadata(m.id, m.state, decode_metadata(m.metadata))
+            status = decoded.get((member_id, state, metadata), _UNDECODED)
+            if status is _UNDECODED:
+                status = self._status(member_id, state, metadata)
             if status is not None:
-                out[m.id] = status
+                out[member_id] = status
         return out
 
-    def _publish(self, w: Worker) -> None:
-        e = w.engine
+    def _status(self, member_id: str, state: str, metadata: bytes) -> Status | None:
+        """A member's decoded record: a pure function of what gossip holds, decoded once per
+        simulation (every member decodes the same records)."""
+        key = (member_id, state, metadata)
+        status = self._decoded.get(key, _UNDECODED)
+        if status is _UNDECODED:
+            status = self._decoded[key] = Status.from_metadata(member_id, state, decode_metadata(metadata))
+        return status
+
+    @staticmethod
+    def _record(e: Engine, step: int, ops: int) -> dict:
         named = e.published_view()
-        done_ops = (named.id, w.ops) if named is not None and e.state == LEAVING else None
-        record = encode_status(e.phase, e.current_view, e.proposal, e.joined_at, CONFIG, w.step, 1, e.floor,
-                               done_ops=done_ops, view_digest=named.digest if named is not None else None)
+        done_ops = (named.id, ops) if named is not None and e.state == LEAVING else None
+        return encode_status(e.phase, e.current_view, e.proposal, e.joined_at, CONFIG, step, 1, e.floor,
+                             done_ops=done_ops, view_digest=named.digest if named is not None else None,
+                             agreed=e.witnessed)
+
+    def _publish(self, w: Worker) -> None:
         node = self.sim.nodes[w.node]
-        node.protocol.set_metadata(encode_metadata(record), self.sim.now)
+        node.protocol.set_metadata(encode_metadata(self._record(w.engine, w.step, w.ops)), self.sim.now)
         self.sim._after(node)
-        w.dirty = True
+        if w.news is not None:
+            w.news.setdefault(w.engine.id, False)
 
     # ------------------------------------------------------------------ the driver
     def _tick(self) -> None:
@@ -439,15 +511,27 @@ class GroupSimulation:
 
     def _connected(self, w: Worker, view: View) -> bool:
         """Every member of ``view`` runs and ``w`` can reach it (as forming and reconciling need)."""
-        return all(not x.crashed and not x.hung and not self._cut_off(w, x) for x in self._members(view))
+        key = (self.sim.now, view.id, view.digest)
+        if self._down_cache[0] != key:  # once per tick and view: a member crashed or hung
+            self._down_cache = (key, any(x.crashed or x.hung for x in self._members(view)))
+        if self._down_cache[1]:
+            return False
+        return self.sim._partition is None or not any(self._cut_off(w, x) for x in self._members(view))
 
     def _members(self, view: View) -> list[Worker]:
-        return [self.by_id[m] for m in view.members]
+        key = (view.id, view.digest)
+        members = self._view_workers.get(key)
+        if members is None:
+            members = self._view_workers[key] = [self.by_id[m] for m in view.members]
+        return members
 
     def _crash_error(self, w: Worker, view: View) -> bool:
         """A crashed member's peers get a connection error: abort, and declare it dead."""
-        crashed = [x for x in self._members(view) if x.crashed and self.sim.now - x.crashed_at >= CRASH_ERROR_DELAY
-                   and not self._cut_off(w, x)]
+        key = (self.sim.now, view.id, view.digest)
+        if self._crashed_cache[0] != key:  # once per tick and view
+            self._crashed_cache = (key, [x for x in self._members(view)
+                                         if x.crashed and self.sim.now - x.crashed_at >= CRASH_ERROR_DELAY])
+        crashed = [x for x in self._crashed_cache[1] if not self._cut_off(w, x)]
         if not crashed:
             return False
         node = self.sim.nodes[w.node]
@@ -518,7 +602,8 @@ class GroupSimulation:
         contributions = self.steps.get((key, w.ops + 1), {})
         members = self._members(view)
         if len(contributions) == view.size:
-            done_at = max(t for t, _ in contributions.values()) + 0.002 * w.slow
+            last, join = self._completion((key, w.ops + 1), contributions)
+            done_at = last + 0.002 * w.slow
             # every member must stay up and reachable until this member has observed it
             healthy = self._healthy(w, view, members, done_at)
             if healthy and now >= done_at:
@@ -538,7 +623,7 @@ class GroupSimulation:
                 if w.abort is not None and w.deferred is None and self._must_confirm(w):
                     self._break(w)  # discarded: the view moved on while it was stopped
                     return
-                self._commit(w, view, any(j for _, j in contributions.values()))
+                self._commit(w, view, join)
                 return
         if w.deferred is not None and now >= w.deferred[1]:
             w.abort = w.deferred[0]
@@ -546,6 +631,15 @@ class GroupSimulation:
         self._crash_error(w, view)
         if w.abort is not None and w.deferred is None:
             self._break(w)
+
+    def _completion(self, step: tuple, contributions: dict) -> tuple[float, bool]:
+        """When the last member contributed to a complete step, and whether any saw a joiner
+        waiting (once per step: every member of the view asks)."""
+        done = self._completed.get(step)
+        if done is None:
+            done = self._completed[step] = (max(t for t, _ in contributions.values()),
+                                            any(j for _, j in contributions.values()))
+        return done
 
     def _must_confirm(self, w: Worker) -> bool:
         """FaultTolerantGroup._must_confirm: stalled, suspected, or waited long."""

@@ -207,7 +207,8 @@ class Lifecycle:
             status = statuses.get(member)
             if member != self.engine.id and (status is None or not status.alive):
                 abort.fire(f"{member} is no longer alive")
-            elif member != self.engine.id and status.proposal != (view.id, view.digest):
+            elif member != self.engine.id and status.proposal != (view.id, view.digest) \
+                    and member not in self.engine.vouched:
                 abort.fire(f"{member} no longer proposes view {view.id}")
         for status in statuses.values():
             damage = self.engine.damage("metadata", status.id, status, self.ops)
@@ -427,7 +428,7 @@ class Lifecycle:
         return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, engine.config,
                              self._step(), self.rendezvous.port, engine.floor, self._settings, done_ops,
                              self._insecure, named.digest if named is not None else None, self._compute.median(),
-                             engine.benched, engine.aside)
+                             engine.benched, engine.aside, engine.witnessed)
 
     def publish(self) -> None:
         self._last_publish = time.monotonic()

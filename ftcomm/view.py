@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 JOINING, ACTIVE, LEAVING = "joining", "active", "leaving"
 MAX_VIEW_ID = 2**31  # far beyond any group's lifetime; larger ids in a record are refused
@@ -46,9 +47,14 @@ class View:
     def size(self) -> int:
         return len(self.members)
 
-    @property
+    @cached_property
     def digest(self) -> str:
         return view_digest(self.id, self.members)
+
+    @cached_property
+    def member_set(self) -> frozenset[str]:
+        """The members, for membership tests (a view may hold a thousand)."""
+        return frozenset(self.members)
 
     def rank_of(self, member_id: str) -> int:
         return self.members.index(member_id)
@@ -86,6 +92,7 @@ class Status:
     compute_s: float | None = None  # median compute time of its recent gradient steps (see ftcomm.stragglers)
     benched: int | None = None  # a straggler (straggler_policy "exclude"): the view it stood aside from, until it forms a newer one
     aside: bool = False  # standing aside now (its cooldown is not over)
+    agreed: tuple[int, str] | None = None  # as rank 0 of this proposal, it saw every member make it (ftcomm.engine)
 
     @property
     def last_view(self) -> int:
@@ -129,6 +136,10 @@ class Status:
         if _is_int(meta.get("bn")) and 0 < meta["bn"] <= MAX_VIEW_ID:
             extra["benched"] = meta["bn"]
             extra["aside"] = meta.get("ba") is True
+        agreed = meta.get("ag")
+        if (isinstance(agreed, (list, tuple)) and len(agreed) == 2 and _is_int(agreed[0])
+                and 0 < agreed[0] <= MAX_VIEW_ID and isinstance(agreed[1], str) and len(agreed[1]) <= 64):
+            extra["agreed"] = (agreed[0], agreed[1])
         return dataclasses.replace(status, **extra) if extra else status
 
 
@@ -144,7 +155,8 @@ def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | Non
                   config: str, step: int, rendezvous_port: int, floor: int = 0, settings: tuple | list = (),
                   done_ops: tuple[int, int] | None = None, insecure: bool = False,
                   view_digest: str | None = None, compute_s: float | None = None,
-                  benched: int | None = None, aside: bool = False) -> dict:
+                  benched: int | None = None, aside: bool = False,
+                  agreed: tuple[int, str] | None = None) -> dict:
     """The metadata record :meth:`Status.from_metadata` decodes."""
     meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
     if compute_s is not None:
@@ -165,6 +177,8 @@ def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | Non
         meta["bn"] = benched
         if aside:
             meta["ba"] = True
+    if agreed is not None:
+        meta["ag"] = list(agreed)
     return meta
 
 
@@ -206,7 +220,7 @@ class Candidate:
     quorum: bool
     standby: tuple[str, ...]  # eligible joiners beyond max_workers
 
-    @property
+    @cached_property
     def digest(self) -> str:
         return view_digest(self.view_id, self.members)
 
@@ -220,7 +234,8 @@ def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], c
         survivors = [m for m in previous.members if m in usable]
     else:
         survivors = []
-    joiners = sorted((s for s in usable.values() if s.phase == JOINING and s.id not in survivors),
+    kept = set(survivors)
+    joiners = sorted((s for s in usable.values() if s.phase == JOINING and s.id not in kept),
                      key=lambda s: (s.joined_at, s.id))
     ordered = survivors + [s.id for s in joiners]
     limit = len(ordered) if max_workers is None else max_workers

@@ -108,6 +108,41 @@ def test_a_joiner_fetches_the_proposal_then_adopts_it():
     assert e.agree(0.09, statuses) == [Form(View(2, ("a", "b", "j")))]
 
 
+def with_proposal(s: Status, key, agreed=None) -> Status:
+    return Status(**{**s.__dict__, "proposal": key, "agreed": agreed})
+
+
+def test_above_the_announce_limit_rank_0_collects_the_proposals_and_tells_every_member():
+    """One datagram per member to rank 0 and one from it to each, instead of one per pair;
+    a member enters only a view that rank 0 saw every member propose."""
+    statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate("abc")}
+    b = engine("b", announce_limit=2)
+    actions = []
+    for now in (0.0, 0.03, 0.06):
+        actions += b.agree(now, statuses)
+    key = b.proposal
+    assert key is not None and Announce(("a",)) in actions and Announce(("a", "b", "c")) not in actions
+    # rank 0 saw b and c propose it: it enters, says so in its record and announces that record to all
+    a = engine("a", announce_limit=2)
+    for now in (0.0, 0.03, 0.06):
+        a.agree(now, statuses)
+    echo = {m: with_proposal(s, key) for m, s in statuses.items()}
+    assert a.agree(0.09, echo) == [Publish(), Announce(("a", "b", "c")), Form(View(1, ("a", "b", "c")))]
+    assert a.witnessed == key and a.vouched == frozenset()
+    # b has not seen c's proposal (gossip is slow at this size): rank 0's word suffices
+    seen = {"a": with_proposal(statuses["a"], key, agreed=key), "b": with_proposal(statuses["b"], key),
+            "c": statuses["c"]}
+    assert b.agree(0.09, {**seen, "a": with_proposal(statuses["a"], key)}) == []  # rank 0 has not seen them all
+    assert b.agree(0.10, seen) == [Form(View(1, ("a", "b", "c")))] and b.vouched == {"c"}
+    # c's older record (from before its proposal) may still arrive: not held against the view
+    assert b.damage("metadata", "c", statuses["c"], 0) is None
+    assert b.damage("metadata", "c", Status(**{**statuses["c"].__dict__, "floor": 2}), 0) is not None  # gave up
+    assert b.damage("metadata", "a", statuses["a"], 0) is not None  # rank 0's was seen here: news
+    assert b.damage("suspect", "c", statuses["c"], 0) is not None
+    # rank 0 giving up tells every member at once, and withdraws its word
+    assert a.form_failed() == [Publish(), Announce(("a", "b", "c"))] and a.witnessed is None
+
+
 def test_a_member_whose_proposal_is_late_gets_a_sync_each_interval():
     e = engine()
     statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate("abcde")}

@@ -83,17 +83,21 @@ def test_status_round_trips_through_metadata():
     assert (decoded.left, decoded.done_ops, decoded.settings, decoded.insecure) == \
         (True, (3, 17), ("gloo", 2, None, "quorum"), True)
     assert Status.from_metadata("a", "alive", {"ph": ACTIVE}) is None
+    witness = Status.from_metadata("a", "alive", encode_status(ACTIVE, 3, (4, "d4"), 1.5, CFG, 10, 4242,
+                                                                agreed=(4, "d4")))
+    assert witness.agreed == (4, "d4")
 
 
 def test_malformed_optional_status_fields_read_as_absent():
     meta = encode_status(ACTIVE, 3, None, 1.5, CFG, 10, 4242)
     for key, value in [("st", "10"), ("rz", 70000), ("rz", True), ("op", [1]), ("op", ["1", 2]), ("set", 5),
-                       ("insecure", 1)]:
+                       ("insecure", 1), ("ag", [4]), ("ag", [0, "d"]), ("ag", ["4", "d"]), ("ag", [4, 5])]:
         status = Status.from_metadata("a", "alive", {**meta, key: value})
         assert status is not None and status.current_view == 3, (key, value)
     assert Status.from_metadata("a", "alive", {**meta, "rz": 70000}).rendezvous_port is None
     assert Status.from_metadata("a", "alive", {**meta, "op": [1]}).done_ops is None
     assert Status.from_metadata("a", "alive", {**meta, "st": "10"}).step == 0
+    assert Status.from_metadata("a", "alive", {**meta, "ag": [4]}).agreed is None
 
 
 def test_a_member_left_out_of_a_newer_view_knows_it():

@@ -43,11 +43,13 @@ class Simulation:
     """A virtual cluster. Schedule faults with the ``at_*`` methods, then :meth:`run_until`.
 
     With ``secret`` every packet is sealed as on a real cluster (HMAC, and a timestamp
-    from the virtual clock, which every member shares)."""
+    from the virtual clock, which every member shares). ``metadata``: each member's at the
+    start (with ``bootstrap``, every member knows all of it from the start)."""
 
     def __init__(self, n: int, config: GossipConfig | None = None, *, loss: float = 0.0,
                  delay: tuple[float, float] = (0.0002, 0.002), seed: int = 0,
-                 bootstrap: bool = True, secret: bytes | None = None) -> None:
+                 bootstrap: bool = True, secret: bytes | None = None,
+                 metadata: list[bytes] | None = None) -> None:
         self.config = config or GossipConfig()
         self.loss = loss
         self.delay = delay
@@ -61,8 +63,8 @@ class Simulation:
         self._by_id: dict[str, int] = {}
         self._secret = secret
         self.listeners: list[Callable[[int, MemberEvent], None]] = []
-        for _ in range(n):
-            self._new_node()
+        for i in range(n):
+            self._new_node(metadata[i] if metadata is not None else b"")
         records = [node.protocol.record() for node in self.nodes]
         for node in self.nodes:
             if bootstrap:
@@ -73,12 +75,12 @@ class Simulation:
             for node in self.nodes[1:]:
                 self._push(self._rng.uniform(0, 1.0), _STREAM, (node.index, 0, node.protocol.join_request(0.0)))
 
-    def _new_node(self) -> _Node:
+    def _new_node(self, metadata: bytes = b"") -> _Node:
         i = len(self.nodes)
         host = f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}"
         member_id = f"{host}:{PORT}/{self._rng.getrandbits(32):08x}"
         protocol = Protocol(member_id, host, PORT, config=self.config, secret=self._secret,
-                            seed=self._rng.getrandbits(32))
+                            metadata=metadata, seed=self._rng.getrandbits(32))
         node = _Node(i, protocol)
         self.nodes.append(node)
         self._by_address[(host, PORT)] = i
