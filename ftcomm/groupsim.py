@@ -56,7 +56,7 @@ from .engine import (AGREEING, ANNOUNCE_LIMIT, FORMING, JOINING, LEAVING, RECONC
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
-from .view import Status, View, encode_status, has_quorum
+from .view import Status, View, encode_status, gone_from, has_quorum
 
 CONFIG = "simcfg"
 TICK = 0.02  # the driver looks at the membership this often (FaultTolerantGroup waits 20 ms)
@@ -748,8 +748,11 @@ class GroupSimulation:
             missing = sorted(set(range(1, steps[-1] + 1)) - set(steps))[:5]
             self._violation(5, f"committed steps are not contiguous: missing {missing}")
         live_ids = {w.engine.id for w in self._live()}
-        left = {w.engine.id for w in self.workers.values() if w.gone}
         newest = self.newest
+        # Members count as gone only when a live member holds their final record: one that
+        # left while cut off from every survivor, and exited before the heal, is as good as
+        # dead to them (nothing tells a departure from a death on the other side of a cut).
+        left = set().union(*(gone_from(newest, self._read_statuses(w)) for w in self._live()))
         survivors = [m for m in newest.members if m in live_ids] if newest is not None else []
         self.quorum_survived = newest is None or (bool(survivors) and has_quorum(newest, survivors, left))
         # Without a quorum of the newest view alive the quorum policy must stop (and wait for

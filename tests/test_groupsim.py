@@ -93,30 +93,49 @@ def test_without_the_confirmation_such_steps_commit_and_are_rolled_back(monkeypa
 def test_a_rejoiner_that_sees_no_group_founds_none(monkeypatch):
     """Seeds where a member left out of a newer view saw no live group (its members
     unconfirmed) and, founding its own, split the job; it now waits to join."""
-    assert all(o.ok for o in run_seeds([42, 54, 107, 111]))
+    seeds = [515, 777, 936, 1150, 1396]
+    assert all(o.ok for o in run_seeds(seeds))
     monkeypatch.setattr(core.Engine, "_may_refound", lambda self, cand, statuses: True)
-    violations = [o for o in run_seeds(list(range(40, 120))) if not o.ok]
+    violations = [o for o in run_seeds(seeds) if not o.ok]
     assert violations, "a rejoiner founding its own group should split some of these seeds"
     assert f"python -m ftcomm.groupsim --seed {violations[0].seed}" in violations[0].violation
 
 
+def join_then_cut_off(seed: int, gap: float) -> groupsim.Outcome:
+    """A fifth worker joins a group of four through its first member; ``gap`` seconds later,
+    before its confirmation pings come back, a partition cuts it off from all of them."""
+    faults = [(3.0, "join", {"pick": 0.0}), (3.0 + gap, "partition", {"length": 4.0, "pick": 0.0, "split": 0.99})]
+    return GroupSimulation(seed, n=4, faults=faults, loss=0.0).run()
+
+
 def test_a_joiner_that_cannot_reach_the_group_founds_none(monkeypatch):
-    """Seeds where a worker joined through a member that a partition then cut off: it saw
-    the group's view but no live member of it, founded its own group and committed step 1
-    a second time. It now waits to be admitted."""
-    seeds = [2792, 7663]
-    assert all(o.ok for o in run_seeds(seeds))
+    """A worker joined through a member that a partition then cut off: it saw the group's
+    view but no live member of it (the one it joined through suspect, the others not
+    confirmed yet), founded its own group and committed step 1 a second time. It now waits
+    to be admitted."""
+    cases = [(seed, gap) for seed in range(4) for gap in (0.0005, 0.001, 0.002)]
+    assert all(join_then_cut_off(seed, gap).ok for seed, gap in cases)
     monkeypatch.setattr(core.Engine, "_group_seen", lambda self: False)
-    violations = [o for o in run_seeds(seeds) if not o.ok]
-    assert violations and "two disjoint groups" in violations[0].violation
+    violations = [o for o in (join_then_cut_off(seed, gap) for seed, gap in cases) if not o.ok]
+    assert violations and "commits step 1 in view 1 on the minority side" in violations[0].violation
+
+
+def winners_leave_while_cut_off(seed: int) -> groupsim.Outcome:
+    """Five workers; a 3|2 partition for 8 s; the three on the majority side leave one by
+    one (at 4, 6 and 8 s) while it lasts."""
+    faults = [(3.0, "partition", {"length": 8.0, "pick": 0.0, "split": 0.6})]
+    return GroupSimulation(seed, n=5, faults=faults + [(t, "leave", {"pick": 0.0}) for t in (4.0, 6.0, 8.0)],
+                           loss=0.0).run()
 
 
 def test_a_group_that_ended_by_leaving_is_not_resumed_from_an_older_state():
-    """Seeds where every member of the newest view left (the partition's winner, then its
-    last member) while members holding older views lived on: going on from their state would
-    commit the same steps again, so they wait (bounded by quorum_timeout and init_timeout in
-    the library) and the simulation owes no liveness."""
-    outcomes = run_seeds([4158, 5898, 7049])
+    """Every member of the newest view left while members holding an older view lived on:
+    either the majority side formed a newer view and then left from it (going on from the
+    older state would commit its steps again), or it left before forming one, while cut
+    off, so that its final records reached nobody on the other side (its members are dead
+    there, and two of five hold no quorum). Either way the minority waits (bounded by
+    quorum_timeout and init_timeout in the library) and the simulation owes no liveness."""
+    outcomes = [winners_leave_while_cut_off(seed) for seed in range(8)]
     assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
     assert not any(o.quorum_survived for o in outcomes)
 
