@@ -1,7 +1,7 @@
 """Stragglers: the group's pace with one slow worker, reported (``warn``) against excluded
 (``exclude``), beside the pace without it, in one run.
 
-    python benchmarks/stragglers.py [--workers 4] [--slow 0.15] [--window 15]
+    python benchmarks/stragglers.py [--runs 3] [--workers 4] [--slow 0.15] [--window 15]
 
 ``--workers`` training workers on 127.0.0.1 (examples/train_elastic.py, one OpenMP thread
 each, 0.01 s of extra work per step) train; the committed steps per second of the group
@@ -9,7 +9,8 @@ are read over ``--window`` seconds: first with every worker at its normal pace (
 baseline), then after one worker's extra work per step is raised to ``--slow`` seconds.
 Under ``warn`` the slow worker stays (every step waits for it); under ``exclude`` it
 stands aside once judged a straggler (time from the slow-down to the others' view
-without it, and the pace after). Each policy runs in fresh processes.
+without it, and the pace after). Each policy runs in fresh processes; ``--runs`` rounds
+alternate the policies, and the medians are reported.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -66,18 +68,26 @@ def one_policy(policy: str, n: int, slow_s: float, window: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="rounds, each running both policies")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--slow", type=float, default=0.15, help="the slow worker's extra seconds per step")
     parser.add_argument("--window", type=float, default=15.0, help="seconds over which the pace is read")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "stragglers.json"))
     args = parser.parse_args()
     runs = []
-    for policy in ("warn", "exclude"):
-        result = one_policy(policy, args.workers, args.slow, args.window)
-        runs.append(result)
-        print(json.dumps(result), flush=True)
+    for _ in range(args.runs):
+        for policy in ("warn", "exclude"):
+            result = one_policy(policy, args.workers, args.slow, args.window)
+            runs.append(result)
+            print(json.dumps(result), flush=True)
+    summary = {}
+    for policy, after in (("warn", "flagged_after_s"), ("exclude", "excluded_after_s")):
+        mine = [r for r in runs if r["policy"] == policy]
+        summary[policy] = {key: round(statistics.median(r[key] for r in mine), 3)
+                           for key in ("baseline_steps_per_s", after, "steps_per_s", "ratio_to_baseline")}
+    print(json.dumps(summary), flush=True)
     save({"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "workers": args.workers,
-          "slow_s": args.slow, "window_s": args.window, "runs": runs}, args.out)
+          "slow_s": args.slow, "window_s": args.window, "runs": runs, "summary": summary}, args.out)
     return 0
 
 
