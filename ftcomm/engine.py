@@ -342,7 +342,10 @@ class Engine:
     def _adopt(self, now: float, statuses: dict[str, Status]) -> list[Action]:
         """As a joiner: agree to a proposal of the existing group that includes this member,
         made by a member that holds the newest view known here (a member left out of a newer
-        view may still propose from its stale table: adopting that would lend it a vote)."""
+        view may still propose from its stale table: adopting that would lend it a vote).
+        A member whose formation of that view failed entered it (its floor is above it) and
+        is not left out of it: when the view formed only on members that have since died,
+        its record outlives them, and the members that entered it are the group."""
         actions: list[Action] = []
         newest = max([s.last_view for s in statuses.values() if s.config == self.config] +
                      [self.lost.id if self.lost is not None else 0])
@@ -351,7 +354,7 @@ class Engine:
         for status in statuses.values():
             if not (status.alive and status.phase == ACTIVE and status.proposal and status.config == self.config):
                 continue
-            if status.current_view < newest:
+            if not self._holds_newest(status, newest):
                 continue
             key = status.proposal
             if key[0] < self.floor:
@@ -372,6 +375,12 @@ class Engine:
                 return actions + self._enter(View(key[0], members), statuses)
             actions += self._chase(key, members, statuses, now)
         return actions
+
+    @staticmethod
+    def _holds_newest(status: Status, newest: int) -> bool:
+        """The member holds view ``newest`` (or a newer one), or entered it and failed to
+        form it (its floor is above it): either way it is not left out of that view."""
+        return max(status.current_view, status.floor - 1) >= newest
 
     def fetched_proposal(self, key: tuple[int, str], members: tuple[str, ...] | None) -> None:
         """The answer to a :class:`Fetch` (None: the member does not have it, or is gone)."""

@@ -120,6 +120,21 @@ def test_a_joiner_that_cannot_reach_the_group_founds_none(monkeypatch):
     assert violations and "commits step 1 in view 1 on the minority side" in violations[0].violation
 
 
+def test_a_view_that_formed_only_on_a_member_that_died_does_not_hold_the_others_back(monkeypatch):
+    """Seeds where a view admitting a joiner formed on the joiner only, failed on the
+    others, and the joiner then crashed before anyone committed in it. Its record, naming
+    that view, outlived it; the survivors entered the view too (their floor is above it),
+    but a joiner took no proposal from a member whose current view was older than the
+    newest record, and they waited on each other for ever. A member that entered the
+    view is not left out of it."""
+    seeds = [4530, 5203]
+    outcomes = run_seeds(seeds)
+    assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
+    monkeypatch.setattr(core.Engine, "_holds_newest", staticmethod(lambda status, newest: status.current_view >= newest))
+    violations = [o for o in run_seeds(seeds) if not o.ok]
+    assert len(violations) == 2 and all("invariant 6" in o.violation for o in violations)
+
+
 def winners_leave_while_cut_off(seed: int) -> groupsim.Outcome:
     """Five workers; a 3|2 partition for 8 s; the three on the majority side leave one by
     one (at 4, 6 and 8 s) while it lasts."""
