@@ -1,7 +1,7 @@
 """Whole-group simulation benchmark: invariants over many random seeds, recovery by fault
 kind, and agreement time after a crash by group size.
 
-    python benchmarks/group_sim.py --seeds 10000          # about 12 minutes on 2 cores
+    python benchmarks/group_sim.py --seeds 10000          # about 16 minutes on 2 cores
     python benchmarks/group_sim.py --scale 8,64,256,1000  # one crash per size; about a minute
 
 Seeds: each draws a group size (3-7), loss, delay and up to five faults (see
