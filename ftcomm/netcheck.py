@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import statistics
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -236,10 +237,14 @@ def publish(report: NetworkReport, path: str | None) -> None:
         log.log(logging.WARNING if slow else logging.INFO, "%s", line)
     if not path:
         return
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = None
+    try:  # a private temporary file: several members of one process may publish at once
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(report.to_json(), f)
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("cannot write the network report to %s: %s", path, exc)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

@@ -76,15 +76,24 @@ def test_pause_shorter_than_the_suspicion_timeout_is_never_declared_dead(cluster
     victim = cluster.agents[2]
     others = [a for a in cluster.agents if a is not victim]
     marks = [len(a.snapshot()) for a in others]
-    pause = 0.4 * CFG.min_suspicion_timeout(N)  # margin for a refutation to spread on a loaded machine
+    # Longer than a probe round (so the pause is noticed), and short enough to leave most of
+    # the shortest suspicion for the refutation to spread on a loaded machine.
+    pause = 0.3 * CFG.min_suspicion_timeout(N)
+    stopped_at = time.time()
     victim.signal(signal.SIGSTOP)
     time.sleep(pause)  # the fault itself lasts this long
     victim.signal(signal.SIGCONT)
+    resumed_at = time.time()
     # Watch for longer than any suspicion could last.
     deadline = time.monotonic() + CFG.max_suspicion_timeout(N) + 2
     while time.monotonic() < deadline:
         for agent, mark in zip(others, marks):
-            assert not dead_events(agent, victim.id, mark), f"{agent.id} declared the paused member dead"
+            if dead_events(agent, victim.id, mark):
+                news = [f"{e['t'] - stopped_at:.2f}s {e['kind']} by {e.get('source')}"
+                        for e in agent.snapshot()[mark:] if e.get("member") == victim.id]
+                pytest.fail(f"{agent.id} declared the member paused for {resumed_at - stopped_at:.2f} s dead; "
+                            f"its news of that member: {news}; the member's stats: "
+                            f"{victim.request(cmd='stats')['stats']}")
         time.sleep(0.1)
     for agent in others:
         states = {m["id"]: m["state"] for m in agent.request(cmd="members")["members"]}
