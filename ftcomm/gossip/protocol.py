@@ -243,18 +243,40 @@ class Protocol:
 
     def announce(self, member_ids: list[str], now: float) -> int:
         """Send this member's current record directly to each of ``member_ids`` (live ones
-        only; also gossiped as usual). For news a known set of members waits on, where an
-        epidemic would take a few gossip rounds. Returns how many were sent."""
+        only; also gossiped as usual), with the notices of the members that died or left
+        lately. For news a known set of members waits on, where an epidemic would take a
+        few gossip rounds: a proposal that drops a dead member arrives with the evidence for
+        it (piggybacked news would not do: its few transmissions go to the first targets of
+        every such announcement, the same ones on every member). Returns how many were sent."""
         self._now = now
-        message = self._alive_self_message()
+        messages = [self._alive_self_message(), *self._departures(self.config.max_datagram_bytes // 2)]
         sent = 0
         for member_id in member_ids:
             address = self.reachable(member_id)
             if address is not None:
-                self._send(address, member_id, [message])
+                self._send(address, member_id, messages)
                 sent += 1
         self.stats["announced"] += sent
         return sent
+
+    def _departures(self, budget: int) -> list[bytes]:
+        """Notices of the members that died or left lately (newest first), within ``budget``
+        bytes: a departure as its member announced it (with its final record), a death as
+        this member's own claim."""
+        notices = []
+        for member_id, _ in sorted(self._table.recent_dead.items(), key=lambda item: -item[1]):
+            m = self._table.get(member_id)
+            if m is None:
+                continue
+            if m.state == LEFT_STATE:
+                notice = wire.encode([DEAD, m.id, m.incarnation, m.id, m.meta])
+            else:
+                notice = wire.encode([DEAD, m.id, m.incarnation, self.id])
+            budget -= len(notice) + 1
+            if budget < 0:
+                break
+            notices.append(notice)
+        return notices
 
     def push_pull_request(self, now: float) -> bytes:
         """A push/pull request (this member's full table) for the driver to send itself."""

@@ -15,13 +15,13 @@ from ftcomm.gossip.local import AgentProcess, LocalCluster
 
 N = 8
 CFG = GossipConfig()
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(150)
 
 
 @pytest.fixture
 def cluster():
     with LocalCluster(N) as c:
-        c.wait_converged(timeout=20)
+        c.wait_converged(timeout=60)  # eight processes starting on a loaded machine
         yield c
 
 

@@ -249,3 +249,22 @@ def test_an_urgent_probe_is_not_held_against_its_target_when_the_prober_itself_w
     net.now += 3 * CFG.probe_interval  # member 0's process did not run meanwhile
     net.nodes[0].tick(net.now)
     assert "suspect" not in [e.kind for e in net.nodes[0].take_events() if e.member.id == member_id(1)]
+
+
+def test_every_announcement_carries_the_recent_deaths_and_departures():
+    # Piggybacked news goes out a few times only: on every member, an announcement to the
+    # view's members, in view order, would hand a death to the same first targets and never
+    # to the last ones, which then keep proposing a view with the dead member in it.
+    node = lone_node(9)
+    node.declare_dead(member_id(9), 0.1)
+    node.receive(packet([DEAD, member_id(8), 0, member_id(8), b"final"], sender=member_id(8)), address(8), 0.1)
+    node.take_datagrams()
+    for _ in range(3):  # more announcements than the news' transmissions
+        assert node.announce([member_id(i) for i in range(1, 8)], 0.2) == 7
+    sent = node.take_datagrams()
+    assert len(sent) == 21
+    for datagram in sent:
+        messages = decode(datagram.data)
+        assert [ALIVE, member_id(0)] == messages[0][:2]
+        assert [DEAD, member_id(9), 0, member_id(0)] in messages  # its own claim
+        assert [DEAD, member_id(8), 0, member_id(8), b"final"] in messages  # the departure as announced
