@@ -175,6 +175,8 @@ class ElasticSampler:
         Plans ahead freely (a DataLoader prefetches); the plan restarts from the
         committed offset after a view change, a discarded step or a state load.
         """
+        if self._group is not None:
+            self._group.step_boundary()  # a joiner plans from the group's position
         self._pending.clear()  # a new pass: batches planned for an earlier iterator are never used
         epoch, cursor = self.epoch, self.offset
         while True:
@@ -202,6 +204,8 @@ class ElasticSampler:
         the end of the epoch the loader is iterated again from the committed offset, so
         the loop ends exactly when the epoch is complete.
         """
+        if self._group is not None:
+            self._group.step_boundary()  # a joiner plans from the group's position
         epoch = self.epoch
         self._skipping = True
         try:
@@ -213,6 +217,7 @@ class ElasticSampler:
                     if self._group is None:
                         yield item
                         continue
+                    self._group.step_boundary()  # a joiner admitted by the last step joins before this one
                     if not self._pending:
                         raise FtcommError("sampler.steps(loader) needs a loader built with batch_sampler=sampler")
                     if not self.batch_valid():

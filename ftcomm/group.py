@@ -158,6 +158,31 @@ class FaultTolerantGroup:
             if hasattr(obj, "bind_group"):
                 obj.bind_group(self)
 
+    def step_boundary(self) -> None:
+        """Between two steps (after the optimizer stepped, before the next batch's compute):
+        admit a joiner the last step agreed on, and receive the group's state if a transfer
+        is due (a joiner's, deferred until its state was registered, while the members of
+        its view wait in theirs). Done here rather than at the next collective, the next
+        step is computed in the new view on the group's state, so it counts, and nobody
+        waits through a step computed for nothing. The ElasticSampler calls this before
+        each batch; without it, call it at the top of each step (otherwise the next
+        collective does it). A fault meanwhile is left to the next collective."""
+        life = self._life
+        if self._closed or life.comm is None:
+            return
+        if self._join_pending and life.broken is None:
+            self._join_pending = False
+            self._recover("join", time.monotonic())
+        if not life.needs_reconcile or life.broken is not None:
+            return
+        try:
+            life.news.judge()
+            if life.abort.reason is not None:
+                raise MembershipChanged(life.abort.reason)
+            self._reconcile()
+        except MembershipChanged as exc:
+            life.broken = life.classify(exc)
+
     def state_restored(self, step: int | None, same_everywhere: bool = False) -> None:
         """The registered state was loaded from a checkpoint of ``step`` (None: not on this member).
         Unless every member loaded identical data (``same_everywhere``), the members compare

@@ -15,13 +15,18 @@ from ftcomm.scaling import LinearLRScaling
 
 
 class FakeGroup:
-    """What the sampler reads from a group: its place in the view and no_sync."""
+    """What the sampler uses of a group: its place in the view, no_sync and step_boundary
+    (counted: no member joins here)."""
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world_size = rank, world
+        self.boundaries = 0
 
     def no_sync(self):
         return contextlib.nullcontext()
+
+    def step_boundary(self) -> None:
+        self.boundaries += 1
 
 
 class PrefetchingLoader:
@@ -104,6 +109,33 @@ def test_a_prefetching_loader_iterated_directly_is_a_clear_error():
     next(iter(loader))
     with pytest.raises(FtcommError, match="sampler.steps"):
         sampler.check_step()
+
+
+def test_a_member_admitted_at_the_step_boundary_gets_the_next_batch_planned_for_the_new_world():
+    # The group admits a joiner between two steps (in step_boundary, before the next batch's
+    # compute): the batch the loader had planned for the old world is skipped, not trained on.
+    class Joining(FakeGroup):
+        join_now = False
+
+        def step_boundary(self) -> None:
+            super().step_boundary()
+            if self.join_now:
+                self.join_now, self.world_size = False, 3
+                sampler.view_changed(self.rank, 3, 0)
+
+    sampler = ElasticSampler(120, global_batch=12, seed=0)
+    group = Joining(0, 2)
+    sampler.bind_group(group)
+    stream = sampler.steps(PrefetchingLoader(sampler, depth=0))
+    next(stream)
+    assert sampler._pending[0].world == 2 and sampler.batch_valid()
+    sampler.step_ended(True)
+    before = group.boundaries
+    group.join_now = True
+    next(stream)
+    assert group.boundaries > before
+    assert sampler._pending[0].world == 3 and sampler.batch_valid()  # drawn after the join
+    assert sampler._pending[0].start == 12  # nothing skipped over
 
 
 class Worker:
