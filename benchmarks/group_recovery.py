@@ -31,9 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ftcomm.localproc import ChildProcess  # noqa: E402
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_elastic.py")
-LIGHT = ["--hidden", "8"]
+LIGHT = ["--hidden", "8", "--report-every", "5"]
 """Workers of the size sweep: a tiny model (the 0.01 s of extra work per step is a sleep),
-so that the protocol's own cost shows on a 2-core machine running up to 8 of them."""
+so that the protocol's own cost shows on a 2-core machine running up to 8 of them. Their
+step reports give the steady step time before each kill."""
 
 
 def worker(seed: str | None, extra: list[str] = (), env: dict | None = None) -> ChildProcess:
@@ -106,13 +107,29 @@ def measure_recovery(workers: list[ChildProcess], fault, before: int, size: int 
     }
 
 
-def fault_run(group: Group, sig: int, victim_index: int = 1) -> dict:
-    """Signal one worker; measure until every survivor committed a step in the new view."""
+def steady_step(workers: list[ChildProcess], since: float) -> float | None:
+    """Median over ``workers`` of the time per committed step since ``since`` (from their
+    ``step`` reports; None without two reports from some worker)."""
+    periods = []
+    for w in workers:
+        steps = [e for e in w.snapshot() if e["ev"] == "step" and e["t"] >= since]
+        if len(steps) >= 2 and steps[-1]["step"] > steps[0]["step"]:
+            periods.append((steps[-1]["t"] - steps[0]["t"]) / (steps[-1]["step"] - steps[0]["step"]))
+    return round(statistics.median(periods), 4) if periods else None
+
+
+def fault_run(group: Group, sig: int, victim_index: int = 1, steady: float = 0.5) -> dict:
+    """Signal one worker after ``steady`` seconds of training in the current view; measure
+    until every survivor committed a step in the new view."""
     before = group.latest_view()
-    time.sleep(0.5)
+    started = time.time()
+    time.sleep(steady)
     victim = group.workers[victim_index]
     survivors = [w for w in group.workers if w is not victim]
+    step = steady_step(survivors, started)
     result = measure_recovery(survivors, lambda: victim.signal(sig), before)
+    if step is not None:
+        result["steady_step_s"] = step
     if sig == signal.SIGSTOP:
         victim.signal(signal.SIGKILL)
     victim.close(timeout=10)
@@ -122,6 +139,7 @@ def fault_run(group: Group, sig: int, victim_index: int = 1) -> dict:
 
 def summarize(runs: list[dict]) -> dict:
     keys = ["recovery_s", "detect_s", "agree_s", "form_s", "reconcile_s", "view_ready_s"]
+    keys += ["steady_step_s"] if all("steady_step_s" in r for r in runs) else []
     return {"runs": runs, **{f"median_{k}": round(statistics.median(r[k] for r in runs), 4) for k in keys}}
 
 
@@ -169,9 +187,22 @@ def recovery(args, report: dict) -> None:
     save(report, args.out)
 
 
+def join_parts(events: list[dict], first: dict) -> dict:
+    """Where a joiner's time went, from its own events, each counted from its ``init()``
+    call: ``init`` returned (gossip join, admission, the first view formed) and the state
+    registered; its first view ready (the state received); its first committed step. With
+    the first view's agree, form and reconcile phases."""
+    init_started = first["t"] - first["since_init_s"]
+    ready = next(e for e in events if e["ev"] == "ready")
+    view = next(e for e in events if e["ev"] == "view")
+    return {"init_returned_at": ready["t"] - init_started, "view_ready_at": view["time"] - init_started,
+            "first_commit_at": first["since_init_s"],
+            "agree": view["agree_s"], "form": view["form_s"], "reconcile": view["reconcile_s"]}
+
+
 def join(args, report: dict) -> None:
     big = ["--hidden", "3150"]  # about 10M parameters
-    joins, cold = [], []
+    joins, cold, parts = [], [], []
     for _ in range(max(3, args.runs // 2 + 1)):
         start = [worker(None, big)]
         start[0].wait_ready(60)
@@ -183,10 +214,13 @@ def join(args, report: dict) -> None:
         joiner = worker(start[0].address, big)
         first = joiner.wait_for(lambda e: e["ev"] == "first_step", 90, "the joiner's first step")
         joins.append(round(first["since_init_s"], 4))
+        parts.append(join_parts(joiner.snapshot(), first))
         for w in start + [joiner]:
             w.close(timeout=10)
     report["join_10m_params"] = {"init_to_first_commit_s": joins, "median_s": statistics.median(joins),
                                  "target_s": 3.0,
+                                 "parts_median_s": {k: round(statistics.median(p[k] for p in parts), 4)
+                                                    for k in parts[0]},
                                  "baseline_cold_start_init_to_first_commit_s": round(statistics.median(cold), 4)}
     print(json.dumps(report["join_10m_params"]), flush=True)
     save(report, args.out)
@@ -203,7 +237,7 @@ def sizes_sweep(args, report: dict) -> None:
                 for run in range(args.size_runs if n > 2 else 1):
                     if run:
                         g.grow(n)
-                    runs.append(fault_run(g, signal.SIGKILL, victim_index=n - 1))
+                    runs.append(fault_run(g, signal.SIGKILL, victim_index=n - 1, steady=1.5))
             finally:
                 g.close()
         except (TimeoutError, RuntimeError) as exc:  # recorded, not hidden: a failure is a result
@@ -217,7 +251,8 @@ def sizes_sweep(args, report: dict) -> None:
         save(report, args.out)
         print(json.dumps({"n": n, "median_recovery_s": by_size[-1]["median_recovery_s"],
                           "median_agree_s": by_size[-1]["median_agree_s"],
-                          "median_form_s": by_size[-1]["median_form_s"]}), flush=True)
+                          "median_form_s": by_size[-1]["median_form_s"],
+                          "median_steady_step_s": by_size[-1].get("median_steady_step_s")}), flush=True)
     report["reformation_by_size"] = by_size
     save(report, args.out)
 
