@@ -213,11 +213,17 @@ class ElasticSampler:
                 if self.plan(self.epoch, self.offset) is None:
                     self._finish_epoch()  # a world change left less than a full step (drop_last)
                     break
-                for item in loader:
+                items = iter(loader)
+                while True:
+                    if self._group is not None:
+                        self._group.step_boundary()  # a joiner admitted by the last step joins before the next draw
+                    try:
+                        item = next(items)
+                    except StopIteration:
+                        break
                     if self._group is None:
                         yield item
                         continue
-                    self._group.step_boundary()  # a joiner admitted by the last step joins before this one
                     if not self._pending:
                         raise FtcommError("sampler.steps(loader) needs a loader built with batch_sampler=sampler")
                     if not self.batch_valid():

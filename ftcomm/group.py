@@ -80,6 +80,7 @@ class FaultTolerantGroup:
         self._reconciled_digest: int | None = None
         self._waiting_since = time.monotonic()
         self._closed = False
+        self._owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         peers = list(peers)
         host, port = parse_address(bind)
         host = check_addresses(host, peers)  # every plane uses this one IPv4 address
@@ -160,20 +161,22 @@ class FaultTolerantGroup:
 
     def step_boundary(self) -> None:
         """Between two steps (after the optimizer stepped, before the next batch's compute):
-        admit a joiner the last step agreed on, and receive the group's state if a transfer
-        is due (a joiner's, deferred until its state was registered, while the members of
-        its view wait in theirs). Done here rather than at the next collective, the next
-        step is computed in the new view on the group's state, so it counts, and nobody
-        waits through a step computed for nothing. The ElasticSampler calls this before
-        each batch; without it, call it at the top of each step (otherwise the next
-        collective does it). A fault meanwhile is left to the next collective."""
+        re-form if the last step failed or agreed to admit a joiner (or this worker is to
+        stand aside), and receive the group's state if a transfer is due (a joiner's,
+        deferred until its state was registered, while the members of its view wait in
+        theirs). Done here rather than at the next collective, the next step is computed in
+        the new view on the group's state, so it counts, and nobody waits through a step
+        computed for nothing. The ElasticSampler calls this before drawing each batch;
+        without one, call it at the top of each step (otherwise the next collective does
+        it). Only the thread that created the group acts (a loader's thread does nothing
+        here), and never inside a step. Raises what ``wait_gradients_ready`` raises for a
+        re-formation (``QuorumLost``, ``FtcommTimeout``, ``ConfigMismatch``)."""
         life = self._life
-        if self._closed or life.comm is None:
+        if (self._closed or threading.get_ident() != self._owner
+                or (self._buckets is not None and self._buckets.touched)):
             return
-        if self._join_pending and life.broken is None:
-            self._join_pending = False
-            self._recover("join", time.monotonic())
-        if not life.needs_reconcile or life.broken is not None:
+        self._reform_if_due()
+        if not life.needs_reconcile or life.comm is None or life.broken is not None:
             return
         try:
             life.news.judge()
@@ -306,6 +309,18 @@ class FaultTolerantGroup:
         life = self._life
         if self._closed:
             raise FtcommError("the group was shut down")
+        self._owner = threading.get_ident()  # the thread that trains
+        self._reform_if_due()
+        life.news.judge()
+        if life.abort.reason is not None:
+            raise MembershipChanged(life.abort.reason)
+        if life.needs_reconcile:
+            self._reconcile()
+
+    def _reform_if_due(self) -> None:
+        """Re-form if the last collective failed, a join is due at this boundary or this
+        worker stands aside."""
+        life = self._life
         if life.broken is not None:
             self._recover(life.broken, self._waiting_since)
         if self._join_pending:
@@ -316,11 +331,6 @@ class FaultTolerantGroup:
             log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')", seconds)
             life.stand_aside(seconds)
             self._recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
-        life.news.judge()
-        if life.abort.reason is not None:
-            raise MembershipChanged(life.abort.reason)
-        if life.needs_reconcile:
-            self._reconcile()
 
     def _run(self, start: Callable[[], Any]) -> Any:
         life = self._life

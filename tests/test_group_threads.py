@@ -447,3 +447,39 @@ def test_shutdown_from_another_thread_while_the_training_thread_recovers_ends_it
     finally:
         for g in groups:
             g.shutdown()
+
+
+def test_only_the_training_thread_acts_at_a_step_boundary():
+    # A loader or prefetch thread that iterates the sampler calls step_boundary too: a join
+    # (a collective) run from there would race the training thread's own collectives.
+    groups = start_groups(2)
+    trained, release = threading.Barrier(3, timeout=60), threading.Event()
+    results: list = [None, None]
+
+    def train(i: int, g) -> None:
+        g.allreduce(torch.ones(1))  # this thread now trains
+        trained.wait()
+        release.wait(60)
+        g.step_boundary()
+        results[i] = (g._join_pending, g.view.id)
+
+    threads = [threading.Thread(target=train, args=(i, g), daemon=True) for i, g in enumerate(groups)]
+    try:
+        for t in threads:
+            t.start()
+        trained.wait()
+        before = groups[0].view.id
+        for g in groups:
+            g._join_pending = True  # as when the last step's tail counted a joiner
+        for g in groups:
+            g.step_boundary()  # from another thread: nothing happens
+        assert all(g._join_pending for g in groups) and {g.view.id for g in groups} == {before}
+        release.set()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert results[0] == results[1] == (False, results[0][1]) and results[0][1] > before  # re-formed
+    finally:
+        release.set()
+        for g in groups:
+            g.shutdown()

@@ -249,7 +249,9 @@ class Protocol:
         it (piggybacked news would not do: its few transmissions go to the first targets of
         every such announcement, the same ones on every member). Returns how many were sent."""
         self._now = now
-        messages = [self._alive_self_message(), *self._departures(self.config.max_datagram_bytes // 2)]
+        alive = self._alive_self_message()
+        room = self.config.max_datagram_bytes - self._dgram.overhead - len(alive) - 1
+        messages = [alive, *self._departures(min(room, self.config.max_datagram_bytes // 2))]
         sent = 0
         for member_id in member_ids:
             address = self.reachable(member_id)
@@ -272,9 +274,9 @@ class Protocol:
                 notice = wire.encode([DEAD, m.id, m.incarnation, m.id, m.meta])
             else:
                 notice = wire.encode([DEAD, m.id, m.incarnation, self.id])
+            if len(notice) + 1 > budget:
+                continue  # a long final record must not keep the shorter notices out
             budget -= len(notice) + 1
-            if budget < 0:
-                break
             notices.append(notice)
         return notices
 

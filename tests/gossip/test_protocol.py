@@ -268,3 +268,21 @@ def test_every_announcement_carries_the_recent_deaths_and_departures():
         assert [ALIVE, member_id(0)] == messages[0][:2]
         assert [DEAD, member_id(9), 0, member_id(0)] in messages  # its own claim
         assert [DEAD, member_id(8), 0, member_id(8), b"final"] in messages  # the departure as announced
+
+
+def test_an_announcement_with_long_departure_notices_stays_within_the_datagram_limit():
+    config = GossipConfig().with_overrides(max_datagram_bytes=512)
+    node = lone_node(9, config=config)
+    node.set_metadata(b"s" * 200, 0.05)  # a status record of its own
+    for i in (8, 9):  # two members left with long final records
+        node.receive(packet([DEAD, member_id(i), 0, member_id(i), bytes([i]) * 240], sender=member_id(i)),
+                     address(i), 0.1)
+    node.declare_dead(member_id(7), 0.1)
+    node.take_datagrams()
+    node.announce([member_id(i) for i in range(1, 7)], 0.2)
+    sent = node.take_datagrams()
+    assert sent and all(len(d.data) <= 512 for d in sent)
+    for datagram in sent:
+        messages = decode(datagram.data)
+        assert messages[0][:2] == [ALIVE, member_id(0)]
+        assert [DEAD, member_id(7), 0, member_id(0)] in messages  # a short notice is not kept out by long ones
