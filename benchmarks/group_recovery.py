@@ -214,6 +214,7 @@ def join(args, report: dict) -> None:
         joiner = worker(start[0].address, big)
         first = joiner.wait_for(lambda e: e["ev"] == "first_step", 90, "the joiner's first step")
         joins.append(round(first["since_init_s"], 4))
+        joiner.wait_for(lambda e: e["ev"] == "view", 30, "the joiner's view change")  # reported after the step
         parts.append(join_parts(joiner.snapshot(), first))
         for w in start + [joiner]:
             w.close(timeout=10)
