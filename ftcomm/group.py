@@ -168,8 +168,9 @@ class FaultTolerantGroup:
         the new view on the group's state, so it counts, and nobody waits through a step
         computed for nothing. The ElasticSampler calls this before drawing each batch;
         without one, call it at the top of each step (otherwise the next collective does
-        it). Only the thread that created the group acts (a loader's thread does nothing
-        here), and never inside a step. Raises what ``wait_gradients_ready`` raises for a
+        it). Only the thread that trains acts (the last to run a step or a collective, else
+        the one that created the group; a loader's thread does nothing here), and never
+        inside a step. Raises what ``wait_gradients_ready`` raises for a
         re-formation (``QuorumLost``, ``FtcommTimeout``, ``ConfigMismatch``)."""
         life = self._life
         if (self._closed or threading.get_ident() != self._owner
