@@ -598,9 +598,9 @@ def query_members(peer: str | tuple[str, int], *, cluster: str = "ftcomm", secre
     key = secret.encode() if isinstance(secret, str) else secret
     sealer = wire.Sealer(cluster, f"ftcomm-cli/{_secrets.token_hex(4)}", key, GossipConfig().max_stream_bytes)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
+    try:  # destroy(), not term(): it closes the socket too, even one an interrupt left half set up
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{address[0]}:{address[1]}")
         sock.send(sealer.seal([wire.encode([wire.MEMBERS_QUERY])], now=time.time()))
         if not sock.poll(int(timeout * 1000)):
@@ -608,8 +608,7 @@ def query_members(peer: str | tuple[str, int], *, cluster: str = "ftcomm", secre
                               f"(is an ftcomm member running there?)")
         reply = sock.recv()
     finally:
-        sock.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
     try:
         _, messages = sealer.open(reply, wire.STREAM_TYPES, now=time.time())
     except wire.WireError as err:
