@@ -83,7 +83,8 @@ def test_members_watch_redraws_with_steps_per_second_until_interrupted(member):
 
     watch = subprocess.Popen([sys.executable, "-m", "ftcomm", "members", "--peer", member.address, "--secret",
                               "topsecret", "--watch", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+                             text=True,  # SIGINT as at a terminal, even where this runs with it ignored
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True).start()
     deadline = time.monotonic() + 30
