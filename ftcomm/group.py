@@ -180,10 +180,7 @@ class FaultTolerantGroup:
         if not life.needs_reconcile or life.comm is None or life.broken is not None:
             return
         try:
-            life.news.judge()
-            if life.abort.reason is not None:
-                raise MembershipChanged(life.abort.reason)
-            self._reconcile()
+            self._reconcile_if_due()
         except MembershipChanged as exc:
             life.broken = life.classify(exc)
 
@@ -307,11 +304,15 @@ class FaultTolerantGroup:
     def _prepare(self) -> None:
         """Before a collective: recover if the last one failed, a join is due at this
         boundary or this worker stands aside; reconcile if due."""
-        life = self._life
         if self._closed:
             raise FtcommError("the group was shut down")
         self._owner = threading.get_ident()  # the thread that trains
         self._reform_if_due()
+        self._reconcile_if_due()
+
+    def _reconcile_if_due(self) -> None:
+        """Reconcile if due, unless news already broke the view (MembershipChanged)."""
+        life = self._life
         life.news.judge()
         if life.abort.reason is not None:
             raise MembershipChanged(life.abort.reason)
