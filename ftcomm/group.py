@@ -1,18 +1,17 @@
-"""The fault-tolerant group: the public training API over one worker's view lifecycle.
+"""The fault-tolerant group: the public training API of one worker.
 
-:class:`FaultTolerantGroup` runs the step protocol (gradient steps, collectives, joins at
-step boundaries, straggler handling) and calls :meth:`~ftcomm.lifecycle.Lifecycle.recover`
-whenever the view can no longer be used; the lifecycle performs the actions of the
-engine core (:mod:`ftcomm.engine`). Every entry point only posts or waits: the gossip
-thread posts news (:mod:`ftcomm.news`), the SIGTERM handler raises SystemExit, and the
-training thread judges the news and performs everything.
+:class:`FaultTolerantGroup` joins the gossip layer, builds the worker's
+:class:`~ftcomm.lifecycle.Lifecycle` (which performs the actions of the engine core,
+:mod:`ftcomm.engine`) and its :class:`~ftcomm.steps.StepProtocol` (gradient steps,
+collectives, joins at step boundaries, straggler handling), and hands every call to
+them. Every entry point only posts or waits: the gossip thread posts news
+(:mod:`ftcomm.news`), the SIGTERM handler raises SystemExit, and the training thread
+judges the news and performs everything.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -27,12 +26,10 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import engine as core
-from . import netcheck, transfer
+from . import netcheck
 from .backends import communicator_class
-from .buckets import GradientBuckets
 from .engine import Engine
-from .errors import (CollectiveAborted, CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged,
-                     RetryLimitExceeded)
+from .errors import CommunicatorError, FtcommTimeout, MembershipChanged
 from .gossip import GossipNode
 from .gossip.runtime import parse_address
 from .lifecycle import Lifecycle
@@ -41,6 +38,7 @@ from .options import (GroupOptions, ViewChange, check_addresses, check_protectio
                       check_worker_counts, member_cap)
 from .rendezvous import Rendezvous
 from .state import TrainingState
+from .steps import StepProtocol
 from .stragglers import StragglerReport, Stragglers
 from .view import View
 
@@ -69,18 +67,9 @@ class FaultTolerantGroup:
                          "partition_policy": opts.partition_policy}
         self._config = hashlib.blake2b(json.dumps(self.settings, sort_keys=True).encode(), digest_size=4).hexdigest()
         self.state = TrainingState()
-        self.step = 0
         self.network_report: NetworkReport | None = None  # GroupOptions.network_check
         self._stragglers = Stragglers(opts.straggler_factor, opts.straggler_window, opts.straggler_policy,
                                       opts.straggler_cooldown)
-        self._buckets: GradientBuckets | None = None
-        self._join_pending = False  # a joiner is admitted at the next step boundary
-        self._state_replaced = False  # reconciling replaced this worker's state during the step
-        self._step_lost = False  # a re-formation discarded the gradients backward was reducing
-        self._reconciled_digest: int | None = None
-        self._waiting_since = time.monotonic()
-        self._closed = False
-        self._owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         peers = list(peers)
         host, port = parse_address(bind)
         host = check_addresses(host, peers)  # every plane uses this one IPv4 address
@@ -91,6 +80,7 @@ class FaultTolerantGroup:
         self._life = life = Lifecycle(engine, backend_class, Rendezvous(host, opts.formation_timeout, self._secret),
                                       opts, tuple(self.settings[n] for n in core.SETTING_NAMES), self.insecure,
                                       self._stragglers.compute, lambda: self.step)
+        self._steps = StepProtocol(life, self.state, opts, self._stragglers, self._secret, min_workers)
         self.id = ""
         self._metrics = None
         try:
@@ -104,7 +94,7 @@ class FaultTolerantGroup:
                 from .metrics import MetricsServer
                 self._metrics = MetricsServer(self, host, opts.metrics_port)
             self._install_exit_hooks()
-            self._recover("init", time.monotonic(), opts.init_timeout)
+            self._steps.recover("init", time.monotonic(), opts.init_timeout)
             if life.founding:
                 self._check_network()
             _RUNNING.add(self)
@@ -120,6 +110,19 @@ class FaultTolerantGroup:
     @property
     def view(self) -> View:
         return self._life.view
+
+    @property
+    def step(self) -> int:
+        """Committed steps; every member of a view holds the same count once reconciled."""
+        return self._steps.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._steps.step = value
+
+    @property
+    def _closed(self) -> bool:
+        return self._steps.closed
 
     @property
     def rank(self) -> int:
@@ -172,17 +175,7 @@ class FaultTolerantGroup:
         the one that created the group; a loader's thread does nothing here), and never
         inside a step. Raises what ``wait_gradients_ready`` raises for a
         re-formation (``QuorumLost``, ``FtcommTimeout``, ``ConfigMismatch``)."""
-        life = self._life
-        if (self._closed or threading.get_ident() != self._owner
-                or (self._buckets is not None and self._buckets.touched)):
-            return
-        self._reform_if_due()
-        if not life.needs_reconcile or life.comm is None or life.broken is not None:
-            return
-        try:
-            self._reconcile_if_due()
-        except MembershipChanged as exc:
-            life.broken = life.classify(exc)
+        self._steps.boundary()
 
     def state_restored(self, step: int | None, same_everywhere: bool = False) -> None:
         """The registered state was loaded from a checkpoint of ``step`` (None: not on this member).
@@ -208,210 +201,42 @@ class FaultTolerantGroup:
         installed by the first call, so the first step is not overlapped) and this call
         waits only for what is still in flight.
         """
-        life = self._life
-        buckets = self._buckets_for(_parameters(model_or_params))
-        life.news.judge()
-        for obj in self._participants("check_step"):
-            obj.check_step()
-        if self._step_lost:  # the group re-formed (in execute) after backward began reducing
-            self._step_lost = False
-            self._end_step(False)
-            return False
-        self._state_replaced = False
-        self._waiting_since = time.monotonic()
-        try:
-            if buckets.touched and (life.broken is not None or life.abort.reason is not None):
-                # backward already reduced part of this step in a view that is now broken
-                raise CollectiveAborted(life.abort.reason or f"the view broke ({life.broken})")
-            self._prepare()
-            # Gradients computed on state that was just replaced are not valid: contribute none.
-            handles, tail = buckets.finish(valid=not self._state_replaced)
-            self._stragglers.compute.add(life.contributed())
-            self._waiting_since = life.contributed_at
-            for h in handles:
-                h.wait(life.abort)
-            life.confirm_after_stall()
-        except MembershipChanged as exc:
-            buckets.discard()
-            self._recover(life.broken or life.classify(exc), self._waiting_since)
-            self._end_step(False)
-            return False
-        life.completed()
-        contributors = float(tail[0])
-        commit, admit = core.step_verdict(contributors, float(tail[1]), life.comm.size,
-                                          bool(self._participants("batch_valid")))
-        self._join_pending = self._join_pending or admit
-        asking = [rank for rank, flag in enumerate(tail[2:].tolist()) if flag > 0.5]
-        if asking:  # every member sees the same requests: the chosen stand aside at the next boundary
-            self._stragglers.bench_due = self.rank in Stragglers.chosen(asking, life.comm.size, self.min_workers)
-        if commit:
-            buckets.hand_back(contributors)
-        else:
-            buckets.discard()
-        self._end_step(commit)
-        if commit:
-            self._commit()
-        return commit
+        return self._steps.gradients(_parameters(model_or_params))
 
     def no_sync(self):
         """Context manager: backward passes inside accumulate gradients locally and start
         no reduction (as DDP's ``no_sync``); the backward after it reduces the total."""
-        if self._buckets is None:
-            return contextlib.nullcontext()
-        return self._buckets.no_sync()
+        return self._steps.no_sync()
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` (which calls this group's collectives); on a membership fault re-form,
         reconcile and retry, up to ``max_retries`` consecutive failures."""
-        failures = 0
-        while True:
-            self._waiting_since = time.monotonic()
-            try:
-                self._prepare()
-                return fn(*args, **kwargs)
-            except MembershipChanged as exc:
-                failures += 1
-                if failures > self.options.max_retries:
-                    raise RetryLimitExceeded(
-                        f"execute failed {failures} times in a row because the membership kept changing "
-                        f"(last: {exc}); raise max_retries or investigate the unstable workers") from exc
-                self._recover(self._life.broken or self._life.classify(exc), self._waiting_since)
+        return self._steps.execute(fn, args, kwargs)
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In place across the view. Raises MembershipChanged (caught by ``execute``) on a fault."""
-        return self._run(lambda: self._life.comm.allreduce([tensor], op))[0]
+        return self._steps.run(lambda: self._life.comm.allreduce([tensor], op))[0]
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self._run(lambda: self._life.comm.broadcast(tensor, src))
+        return self._steps.run(lambda: self._life.comm.broadcast(tensor, src))
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return self._run(lambda: self._life.comm.allgather(tensor))
+        return self._steps.run(lambda: self._life.comm.allgather(tensor))
 
     def barrier(self) -> None:
-        self._run(lambda: self._life.comm.barrier())
+        self._steps.run(lambda: self._life.comm.barrier())
 
     def shutdown(self) -> None:
         """Leave gracefully: peers see *left* and re-form at once, without a suspicion wait."""
         if self._closed:
             return
-        self._closed = True
+        self._steps.closed = True
         self._life.leave()
         self._life.rendezvous.close()
         if self._metrics is not None:
             self._metrics.close()
 
-    # ------------------------------------------------------------------ the step protocol
-    def _prepare(self) -> None:
-        """Before a collective: recover if the last one failed, a join is due at this
-        boundary or this worker stands aside; reconcile if due."""
-        if self._closed:
-            raise FtcommError("the group was shut down")
-        self._owner = threading.get_ident()  # the thread that trains
-        self._reform_if_due()
-        self._reconcile_if_due()
-
-    def _reconcile_if_due(self) -> None:
-        """Reconcile if due, unless news already broke the view (MembershipChanged)."""
-        life = self._life
-        life.news.judge()
-        if life.abort.reason is not None:
-            raise MembershipChanged(life.abort.reason)
-        if life.needs_reconcile:
-            self._reconcile()
-
-    def _reform_if_due(self) -> None:
-        """Re-form if the last collective failed, a join is due at this boundary or this
-        worker stands aside."""
-        life = self._life
-        if life.broken is not None:
-            self._recover(life.broken, self._waiting_since)
-        if self._join_pending:
-            self._join_pending = False
-            self._recover("join", time.monotonic())
-        if self._stragglers.bench_due:
-            seconds = self._stragglers.bench()
-            log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')", seconds)
-            life.stand_aside(seconds)
-            self._recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
-
-    def _run(self, start: Callable[[], Any]) -> Any:
-        life = self._life
-        self._prepare()
-        life.contributed()
-        self._waiting_since = life.contributed_at
-        try:
-            result = start().wait(life.abort)  # starting can fail too (NCCL reports a dead peer at enqueue)
-            life.confirm_after_stall()
-        except MembershipChanged as exc:
-            life.broken = life.classify(exc)
-            raise
-        life.operation_done()
-        return result
-
-    def _recover(self, reason: str, detected_at: float, timeout: float | None = None) -> None:
-        if self._buckets is not None and self._buckets.touched:
-            self._buckets.discard()
-            self._step_lost = True
-        self._life.recover(reason, detected_at, timeout, self._reconcile_formed)
-        if not self._life.needs_reconcile:
-            self._record_reconciled()
-
-    def _reconcile_formed(self) -> None:
-        """In a view just formed: reconcile now, or before the first collective once registered."""
-        if self.state.registered:
-            self._reconcile(stamp=False)
-        else:
-            self._life.needs_reconcile = True
-
-    def _reconcile(self, stamp: bool = True) -> None:
-        """Make every member's registered state identical. ``stamp``: record the reconciled
-        state in the latest view change (a reconcile deferred until the state was registered
-        belongs to the view formed before it)."""
-        life = self._life
-        life.needs_reconcile = True
-        self.step, loaded, self._reconciled_digest = transfer.reconcile(
-            life.comm, life.abort, self.state, self.step, life.view, self._secret)
-        self._state_replaced = self._state_replaced or loaded
-        life.needs_reconcile = False
-        if stamp:
-            self._record_reconciled()
-
-    def _record_reconciled(self) -> None:
-        """Stamp the latest view change with the state every member holds after reconciling, and
-        let the batch-size / learning-rate policies adapt to the view (same state, same result)."""
-        events = self._life.events
-        if self.state.registered and events:
-            policy: dict = {}
-            for obj in self._participants("view_changed"):
-                policy.update(obj.view_changed(self.rank, self.world_size, self.step) or {})
-            events[-1] = dataclasses.replace(events[-1], step=self.step, state_digest=self._reconciled_digest,
-                                             policy=policy or None)
-            if policy:
-                log.info("view %d: policy %s", self.view.id, policy)
-
-    def _participants(self, hook: str) -> list[Any]:
-        """Registered objects that follow the group's steps through ``hook``."""
-        return [obj for obj in self.state.objects.values() if hasattr(obj, hook)]
-
-    def _end_step(self, committed: bool) -> None:
-        for obj in self._participants("step_ended"):
-            obj.step_ended(committed)
-        self._life.news.operation_ended()
-
-    def _commit(self) -> None:
-        self.step += 1
-        if self._life.publish_step():
-            try:
-                self._judge_stragglers()
-            except Exception:  # noqa: BLE001 - a report must never fail a committed step
-                log.exception("judging stragglers failed")
-
-    def _judge_stragglers(self) -> None:
-        """Compare the view members' published compute times (see ftcomm.stragglers)."""
-        statuses, _ = self._life.statuses()
-        compute = {m: s.compute_s for m, s in statuses.items() if s.compute_s is not None}
-        self._stragglers.judge(self.id, self.view.members, compute, time.time())
-
+    # ------------------------------------------------------------------ start and exit
     def _check_network(self) -> None:
         """The founding members measure every link between them (``GroupOptions.network_check``).
         A fault during the check abandons it (logged); the view is re-formed before its first
@@ -425,30 +250,6 @@ class FaultTolerantGroup:
             self._life.perform(self._life.engine.broken())  # withdraw the proposal: the others stop waiting at once
             return
         netcheck.publish(self.network_report, os.environ.get("FTCOMM_NETWORK_REPORT"))
-
-    def _buckets_for(self, params: list[torch.Tensor]) -> GradientBuckets:
-        params = [p for p in params if p.requires_grad]
-        buckets, life = self._buckets, self._life
-        if buckets is None or len(buckets.params) != len(params) or any(
-                a is not b for a, b in zip(buckets.params, params)):
-            if buckets is not None:
-                buckets.remove()
-            buckets = self._buckets = GradientBuckets(
-                params, self.options.bucket_mb, self.options.overlap,
-                launch=lambda flat: life.comm.allreduce([flat], "sum"),
-                may_overlap=self._may_overlap, world_size=lambda: life.comm.size,
-                join=lambda: 1.0 if life.engine.admits_joiner(life.statuses()[0]) else 0.0,
-                data_valid=lambda: all(obj.batch_valid() for obj in self._participants("batch_valid")),
-                aside=lambda: (self.rank, self._stragglers.asking))
-        return buckets
-
-    def _may_overlap(self) -> bool:
-        """Backward may start reducing: nothing has to happen before this step's collectives."""
-        life = self._life
-        life.news.judge()
-        return (life.comm is not None and life.broken is None and not self._join_pending
-                and not self._stragglers.bench_due and not life.needs_reconcile and life.abort.reason is None
-                and not self._closed)
 
     def _install_exit_hooks(self) -> None:
         atexit.register(self.shutdown)

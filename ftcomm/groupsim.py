@@ -10,7 +10,7 @@ modelled:
 * a view forms once every member entered its formation (each after agreeing on its own)
   and every pair of members can reach each other, within ``formation_timeout``;
 * reconciling gathers every member's (step, state digest) and all adopt the most
-  advanced (lowest rank among equals), as ``FaultTolerantGroup._reconcile`` does;
+  advanced (lowest rank among equals), as ``StepProtocol.reconcile`` does;
 * a training step is one collective: it completes when every member contributed and
   each member observes it a little later (its own latency); a member that crashes,
   hangs or is cut off before another observed it leaves that one waiting (so a step may
@@ -351,7 +351,7 @@ class GroupSimulation:
             w.abort = damage.reason
 
     def _statuses(self, w: Worker) -> dict[str, Status]:
-        """What FaultTolerantGroup._statuses returns, read again only after a membership
+        """What Lifecycle.statuses returns, read again only after a membership
         event at this member (or its own record changed): the members with news are read
         again, or the whole table when that cannot keep its order."""
         if w.statuses is not None and w.news is not None and not w.news:
@@ -609,7 +609,7 @@ class GroupSimulation:
             if healthy and now >= done_at:
                 if self._must_confirm(w) and w.confirming is None:
                     # completed after a stall: exchange state with a view member first
-                    # (FaultTolerantGroup._confirm_after_stall), then look at the abort again
+                    # (Lifecycle.confirm_after_stall), then look at the abort again
                     other = next((m for m in view.members if m != w.engine.id), None)
                     if other is not None:
                         node = self.sim.nodes[w.node]
@@ -642,7 +642,7 @@ class GroupSimulation:
         return done
 
     def _must_confirm(self, w: Worker) -> bool:
-        """FaultTolerantGroup._must_confirm: stalled, suspected, or waited long."""
+        """The condition of Lifecycle.confirm_after_stall: stalled, suspected, or waited long."""
         protocol = self.sim.nodes[w.node].protocol
         return (w.resumed_at >= w.op_began or protocol.last_refuted >= w.op_began
                 or self.sim.now - w.contributed > self.config.probe_interval)

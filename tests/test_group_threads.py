@@ -188,7 +188,7 @@ def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap)
         for m in models:
             for p, q in zip(m.parameters(), reference[0].parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-        assert groups[0]._buckets.bucket_count >= 3
+        assert groups[0]._steps.buckets.bucket_count >= 3
     finally:
         for g in groups:
             g.shutdown()
@@ -461,7 +461,7 @@ def test_only_the_training_thread_acts_at_a_step_boundary():
         trained.wait()
         release.wait(60)
         g.step_boundary()
-        results[i] = (g._join_pending, g.view.id)
+        results[i] = (g._steps.join_pending, g.view.id)
 
     threads = [threading.Thread(target=train, args=(i, g), daemon=True) for i, g in enumerate(groups)]
     try:
@@ -470,10 +470,10 @@ def test_only_the_training_thread_acts_at_a_step_boundary():
         trained.wait()
         before = groups[0].view.id
         for g in groups:
-            g._join_pending = True  # as when the last step's tail counted a joiner
+            g._steps.join_pending = True  # as when the last step's tail counted a joiner
         for g in groups:
             g.step_boundary()  # from another thread: nothing happens
-        assert all(g._join_pending for g in groups) and {g.view.id for g in groups} == {before}
+        assert all(g._steps.join_pending for g in groups) and {g.view.id for g in groups} == {before}
         release.set()
         for t in threads:
             t.join(60)

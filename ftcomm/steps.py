@@ -1,0 +1,275 @@
+"""The step protocol: what one worker does around each gradient step and collective.
+
+:class:`StepProtocol` sits between the public API (:class:`ftcomm.FaultTolerantGroup`)
+and the view lifecycle (:class:`ftcomm.lifecycle.Lifecycle`). Before a collective it
+re-forms when the last one failed, a joiner is due or this worker stands aside, and
+reconciles the registered state when that is due; around a gradient step it reduces the
+buckets, reads the step's verdict from the reduced tail (commit, admit a joiner, who
+stands aside) and tells the objects that follow the steps (:meth:`participants`). It runs
+only on the training thread; nothing here touches a socket except through the
+communicator, and every re-formation goes through :meth:`recover`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from . import engine as core
+from . import transfer
+from .buckets import GradientBuckets
+from .errors import CollectiveAborted, FtcommError, MembershipChanged, RetryLimitExceeded
+from .lifecycle import Lifecycle
+from .options import GroupOptions
+from .state import TrainingState
+from .stragglers import Stragglers
+
+log = logging.getLogger(__name__)
+
+
+class StepProtocol:
+    """One worker's steps: committed count, gradient buckets, and the re-formations due between steps."""
+
+    def __init__(self, life: Lifecycle, state: TrainingState, options: GroupOptions, stragglers: Stragglers,
+                 secret: bytes | None, min_workers: int) -> None:
+        self.life, self.state, self.options, self.stragglers = life, state, options, stragglers
+        self.secret, self.min_workers = secret, min_workers
+        self.step = 0  # committed steps
+        self.closed = False
+        self.owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
+        self.buckets: GradientBuckets | None = None
+        self.join_pending = False  # a joiner is admitted at the next step boundary
+        self.state_replaced = False  # reconciling replaced this worker's state during the step
+        self.step_lost = False  # a re-formation discarded the gradients backward was reducing
+        self.reconciled_digest: int | None = None
+        self.waiting_since = time.monotonic()
+
+    @property
+    def rank(self) -> int:
+        return self.life.view.rank_of(self.life.engine.id)
+
+    # ------------------------------------------------------------------ entry points
+    def boundary(self) -> None:
+        """See :meth:`ftcomm.FaultTolerantGroup.step_boundary`."""
+        life = self.life
+        if self.closed or threading.get_ident() != self.owner or (self.buckets is not None and self.buckets.touched):
+            return
+        self.reform_if_due()
+        if not life.needs_reconcile or life.comm is None or life.broken is not None:
+            return
+        try:
+            self.reconcile_if_due()
+        except MembershipChanged as exc:
+            life.broken = life.classify(exc)
+
+    def gradients(self, params: list[torch.Tensor]) -> bool:
+        """See :meth:`ftcomm.FaultTolerantGroup.wait_gradients_ready`."""
+        life = self.life
+        buckets = self.buckets_for(params)
+        life.news.judge()
+        for obj in self.participants("check_step"):
+            obj.check_step()
+        if self.step_lost:  # the group re-formed (in execute) after backward began reducing
+            self.step_lost = False
+            self.end_step(False)
+            return False
+        self.state_replaced = False
+        self.waiting_since = time.monotonic()
+        try:
+            if buckets.touched and (life.broken is not None or life.abort.reason is not None):
+                # backward already reduced part of this step in a view that is now broken
+                raise CollectiveAborted(life.abort.reason or f"the view broke ({life.broken})")
+            self.prepare()
+            # Gradients computed on state that was just replaced are not valid: contribute none.
+            handles, tail = buckets.finish(valid=not self.state_replaced)
+            self.stragglers.compute.add(life.contributed())
+            self.waiting_since = life.contributed_at
+            for h in handles:
+                h.wait(life.abort)
+            life.confirm_after_stall()
+        except MembershipChanged as exc:
+            buckets.discard()
+            self.recover(life.broken or life.classify(exc), self.waiting_since)
+            self.end_step(False)
+            return False
+        life.completed()
+        contributors = float(tail[0])
+        commit, admit = core.step_verdict(contributors, float(tail[1]), life.comm.size,
+                                          bool(self.participants("batch_valid")))
+        self.join_pending = self.join_pending or admit
+        asking = [rank for rank, flag in enumerate(tail[2:].tolist()) if flag > 0.5]
+        if asking:  # every member sees the same requests: the chosen stand aside at the next boundary
+            self.stragglers.bench_due = self.rank in Stragglers.chosen(asking, life.comm.size, self.min_workers)
+        if commit:
+            buckets.hand_back(contributors)
+        else:
+            buckets.discard()
+        self.end_step(commit)
+        if commit:
+            self.commit()
+        return commit
+
+    def no_sync(self):
+        if self.buckets is None:
+            return contextlib.nullcontext()
+        return self.buckets.no_sync()
+
+    def execute(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """See :meth:`ftcomm.FaultTolerantGroup.execute`."""
+        failures = 0
+        while True:
+            self.waiting_since = time.monotonic()
+            try:
+                self.prepare()
+                return fn(*args, **kwargs)
+            except MembershipChanged as exc:
+                failures += 1
+                if failures > self.options.max_retries:
+                    raise RetryLimitExceeded(
+                        f"execute failed {failures} times in a row because the membership kept changing "
+                        f"(last: {exc}); raise max_retries or investigate the unstable workers") from exc
+                self.recover(self.life.broken or self.life.classify(exc), self.waiting_since)
+
+    def run(self, start: Callable[[], Any]) -> Any:
+        """One collective: ``start`` enqueues it on the communicator; its handle is waited on here."""
+        life = self.life
+        self.prepare()
+        life.contributed()
+        self.waiting_since = life.contributed_at
+        try:
+            result = start().wait(life.abort)  # starting can fail too (NCCL reports a dead peer at enqueue)
+            life.confirm_after_stall()
+        except MembershipChanged as exc:
+            life.broken = life.classify(exc)
+            raise
+        life.operation_done()
+        return result
+
+    # ------------------------------------------------------------------ between steps
+    def prepare(self) -> None:
+        """Before a collective: recover if the last one failed, a join is due at this
+        boundary or this worker stands aside; reconcile if due."""
+        if self.closed:
+            raise FtcommError("the group was shut down")
+        self.owner = threading.get_ident()  # the thread that trains
+        self.reform_if_due()
+        self.reconcile_if_due()
+
+    def reconcile_if_due(self) -> None:
+        """Reconcile if due, unless news already broke the view (MembershipChanged)."""
+        life = self.life
+        life.news.judge()
+        if life.abort.reason is not None:
+            raise MembershipChanged(life.abort.reason)
+        if life.needs_reconcile:
+            self.reconcile()
+
+    def reform_if_due(self) -> None:
+        """Re-form if the last collective failed, a join is due at this boundary or this
+        worker stands aside."""
+        life = self.life
+        if life.broken is not None:
+            self.recover(life.broken, self.waiting_since)
+        if self.join_pending:
+            self.join_pending = False
+            self.recover("join", time.monotonic())
+        if self.stragglers.bench_due:
+            seconds = self.stragglers.bench()
+            log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')", seconds)
+            life.stand_aside(seconds)
+            self.recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
+
+    def recover(self, reason: str, detected_at: float, timeout: float | None = None) -> None:
+        if self.buckets is not None and self.buckets.touched:
+            self.buckets.discard()
+            self.step_lost = True
+        self.life.recover(reason, detected_at, timeout, self.reconcile_formed)
+        if not self.life.needs_reconcile:
+            self.record_reconciled()
+
+    def reconcile_formed(self) -> None:
+        """In a view just formed: reconcile now, or before the first collective once registered."""
+        if self.state.registered:
+            self.reconcile(stamp=False)
+        else:
+            self.life.needs_reconcile = True
+
+    def reconcile(self, stamp: bool = True) -> None:
+        """Make every member's registered state identical. ``stamp``: record the reconciled
+        state in the latest view change (a reconcile deferred until the state was registered
+        belongs to the view formed before it)."""
+        life = self.life
+        life.needs_reconcile = True
+        self.step, loaded, self.reconciled_digest = transfer.reconcile(
+            life.comm, life.abort, self.state, self.step, life.view, self.secret)
+        self.state_replaced = self.state_replaced or loaded
+        life.needs_reconcile = False
+        if stamp:
+            self.record_reconciled()
+
+    def record_reconciled(self) -> None:
+        """Stamp the latest view change with the state every member holds after reconciling, and
+        let the batch-size / learning-rate policies adapt to the view (same state, same result)."""
+        events = self.life.events
+        if self.state.registered and events:
+            policy: dict = {}
+            for obj in self.participants("view_changed"):
+                policy.update(obj.view_changed(self.rank, self.life.view.size, self.step) or {})
+            events[-1] = dataclasses.replace(events[-1], step=self.step, state_digest=self.reconciled_digest,
+                                             policy=policy or None)
+            if policy:
+                log.info("view %d: policy %s", self.life.view.id, policy)
+
+    def participants(self, hook: str) -> list[Any]:
+        """Registered objects that follow the group's steps through ``hook``."""
+        return [obj for obj in self.state.objects.values() if hasattr(obj, hook)]
+
+    def end_step(self, committed: bool) -> None:
+        for obj in self.participants("step_ended"):
+            obj.step_ended(committed)
+        self.life.news.operation_ended()
+
+    def commit(self) -> None:
+        self.step += 1
+        if self.life.publish_step():
+            try:
+                self.judge_stragglers()
+            except Exception:  # noqa: BLE001 - a report must never fail a committed step
+                log.exception("judging stragglers failed")
+
+    def judge_stragglers(self) -> None:
+        """Compare the view members' published compute times (see ftcomm.stragglers)."""
+        statuses, _ = self.life.statuses()
+        compute = {m: s.compute_s for m, s in statuses.items() if s.compute_s is not None}
+        self.stragglers.judge(self.life.engine.id, self.life.view.members, compute, time.time())
+
+    # ------------------------------------------------------------------ gradient buckets
+    def buckets_for(self, params: list[torch.Tensor]) -> GradientBuckets:
+        params = [p for p in params if p.requires_grad]
+        buckets, life = self.buckets, self.life
+        if buckets is None or len(buckets.params) != len(params) or any(
+                a is not b for a, b in zip(buckets.params, params)):
+            if buckets is not None:
+                buckets.remove()
+            buckets = self.buckets = GradientBuckets(
+                params, self.options.bucket_mb, self.options.overlap,
+                launch=lambda flat: life.comm.allreduce([flat], "sum"),
+                may_overlap=self.may_overlap, world_size=lambda: life.comm.size,
+                join=lambda: 1.0 if life.engine.admits_joiner(life.statuses()[0]) else 0.0,
+                data_valid=lambda: all(obj.batch_valid() for obj in self.participants("batch_valid")),
+                aside=lambda: (self.rank, self.stragglers.asking))
+        return buckets
+
+    def may_overlap(self) -> bool:
+        """Backward may start reducing: nothing has to happen before this step's collectives."""
+        life = self.life
+        life.news.judge()
+        return (life.comm is not None and life.broken is None and not self.join_pending
+                and not self.stragglers.bench_due and not life.needs_reconcile and life.abort.reason is None
+                and not self.closed)
