@@ -13,7 +13,7 @@ policy keeps the global batch constant (``--global-batch``; ``--micro-batch`` bo
 memory with gradient accumulation); ``--worker-batch`` fixes the per-worker batch and
 scales the learning rate linearly with the world size instead. ``--checkpoint-dir``
 adds flash checkpoints every ``--checkpoint-every`` steps, restored when the whole job
-restarts. ``--ddp-rank``/``--ddp-world``/``--ddp-port`` run the same training under
+restarts (a worker restarted into a running group gets the group's state instead). ``--ddp-rank``/``--ddp-world``/``--ddp-port`` run the same training under
 ``torch.nn.parallel.DistributedDataParallel`` instead (a fixed world, for comparison).
 
 Every line on stdout is a JSON object: ``started`` (modules imported, model and

@@ -409,13 +409,20 @@ class FlashCheckpointer:
     def restore(self) -> int | None:
         """Agree with the other members on the newest step all of them can load, and load it.
 
-        Call it on every member after ``init`` and ``register_state`` (a collective).
-        Returns the restored step, or None when no member has a loadable checkpoint.
-        When no step is loadable everywhere, the members that can load the newest
-        loadable step do, and the group's reconciliation gives it to the others.
-        Unloadable copies are skipped with a warning; corrupt ones are deleted by the
-        next save's pruning.
+        Call it on every member after ``init`` and ``register_state`` (a collective among
+        the members that started the group together). Returns the restored step, or None
+        when no member has a loadable checkpoint. When no step is loadable everywhere, the
+        members that can load the newest loadable step do, and the group's reconciliation
+        gives it to the others. Unloadable copies are skipped with a warning; corrupt ones
+        are deleted by the next save's pruning.
+
+        A worker that joined a group already running (a restarted process; see
+        ``FaultTolerantGroup.founder``) restores nothing and returns None at once: the group's
+        members are training, not restoring, and it receives their state by reconciling.
         """
+        if not self.group.founder:
+            log.info("joined a running group: its state comes from the members, not from a checkpoint")
+            return None
         rejected: set[int] = set()
         while True:
             mine = [s for s in self.available() if s not in rejected][:MAX_CANDIDATES]

@@ -121,6 +121,13 @@ class FaultTolerantGroup:
         self._steps.step = value
 
     @property
+    def founder(self) -> bool:
+        """True when this worker started the group together with every member of its first
+        view (a new group, or a whole job restarted); False when it joined a group that
+        was already running, whose state it receives by reconciling."""
+        return bool(self._life.founder)
+
+    @property
     def _closed(self) -> bool:
         return self._steps.closed
 

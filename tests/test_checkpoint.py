@@ -20,6 +20,7 @@ import msgpack
 import pytest
 import torch
 
+import ftcomm
 from ftcomm import checkpoint_files
 from ftcomm.checkpoint import FlashCheckpointer
 from ftcomm.checkpoint_files import meta_bytes, steps_in
@@ -144,6 +145,59 @@ def test_members_agree_on_the_newest_step_every_one_can_load(tmp_path, name):
     finally:
         for g in groups:
             g.shutdown()
+
+
+def test_a_worker_joining_a_running_group_restores_nothing_and_takes_the_groups_state(tmp_path, name):
+    """restore() is a collective of the members that start the group together. A worker
+    restarted into a running group must not issue it while the others train (its allgathers
+    would meet their gradient allreduces): it restores nothing, at once, and receives the
+    group's state by reconciling. Every member then trains on with equal state."""
+    groups = start_groups(2)  # min_workers=1
+    joiner = None
+    try:
+        assert all(g.founder for g in groups)
+        pairs = [trained_state(g, 4) for g in groups]
+        checkpoints = [FlashCheckpointer(g, tmp_path, name=name) for g in groups]
+        assert in_threads(groups, lambda i, g: checkpoints[i].restore()) == [None, None]
+        in_threads(groups, lambda i, g: g.execute(g.barrier))  # reconciled: the pair holds one state
+        checkpoints[0].save()
+        checkpoints[0].wait()
+        target = [10**9]  # the step every member trains to: set once the joiner is in
+
+        def train(i: int, g) -> None:
+            model, optimizer = pairs[i]
+            while g.step < target[0]:
+                model(torch.randn(4, 8)).sum().backward()
+                if g.wait_gradients_ready(model):
+                    optimizer.step()
+                optimizer.zero_grad()
+        threads = [threading.Thread(target=train, args=(i, g), daemon=True) for i, g in enumerate(groups)]
+        for t in threads:
+            t.start()
+        joiner = ftcomm.init(peers=[groups[0].gossip.address], bind="127.0.0.1:0",
+                             min_workers=1, handle_signals=False, init_timeout=30, settle_interval=0.5)
+        assert not joiner.founder
+        pairs.append(trained_state(joiner, 9))  # other weights: reconciling replaces them
+        late = FlashCheckpointer(joiner, tmp_path, name=name)
+        assert late.available(), "the joiner sees the group's checkpoint and still must not restore it"
+        assert late.restore() is None
+        joiner.step_boundary()  # receives the group's state
+        target[0] = joiner.step + 5  # the others wait for the joiner inside their next step
+        train(2, joiner)
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        members = [*groups, joiner]
+        assert {g.step for g in members} == {target[0]}
+        assert len({g.state.digest(g.step) for g in members}) == 1
+        assert {g.world_size for g in members} == {3}
+        late.close()
+        for c in checkpoints:
+            c.close()
+    finally:
+        for g in [*groups, joiner]:
+            if g is not None:
+                g.shutdown()
 
 
 def test_back_to_back_saves_never_overwrite_a_published_checkpoint(tmp_path, name, group):
