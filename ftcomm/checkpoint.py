@@ -416,12 +416,13 @@ class FlashCheckpointer:
         gives it to the others. Unloadable copies are skipped with a warning; corrupt ones
         are deleted by the next save's pruning.
 
-        A worker that joined a group already running (a restarted process; see
-        ``FaultTolerantGroup.founder``) restores nothing and returns None at once: the group's
-        members are training, not restoring, and it receives their state by reconciling.
+        Only in a view whose members have not begun training (``FaultTolerantGroup.restorable``:
+        the group starts, or the whole job restarted): a worker restarted into a running group
+        restores nothing and returns None at once, without a collective (the members are
+        training, not restoring); it receives their state by reconciling.
         """
-        if not self.group.founder:
-            log.info("joined a running group: its state comes from the members, not from a checkpoint")
+        if not self.group.restorable:
+            log.info("the group is already training: its state comes from the members, not from a checkpoint")
             return None
         rejected: set[int] = set()
         while True:
@@ -431,6 +432,7 @@ class FlashCheckpointer:
             everywhere = bool(common)
             pool = common or set().union(*(set(o) for o in offers))
             if not pool:
+                self.group.state_restored(None, same_everywhere=True)  # nothing to load, anywhere
                 return None
             step = max(pool)
             loaded = self._load_verified(step) if step in mine else None

@@ -121,11 +121,14 @@ class FaultTolerantGroup:
         self._steps.step = value
 
     @property
-    def founder(self) -> bool:
-        """True when this worker started the group together with every member of its first
-        view (a new group, or a whole job restarted); False when it joined a group that
-        was already running, whose state it receives by reconciling."""
-        return bool(self._life.founder)
+    def restorable(self) -> bool:
+        """True when no member of the current view had begun training (restored a checkpoint,
+        see :meth:`state_restored`, or run a step) when the view formed: the members are
+        starting the group together (a new group, or a whole job restarted). False in a view
+        that a worker joined while the group was running: its state comes from the members.
+        ``FlashCheckpointer.restore`` restores only in a restorable view. The same on every
+        member of a view."""
+        return self._life.fresh
 
     @property
     def _closed(self) -> bool:
@@ -187,7 +190,9 @@ class FaultTolerantGroup:
     def state_restored(self, step: int | None, same_everywhere: bool = False) -> None:
         """The registered state was loaded from a checkpoint of ``step`` (None: not on this member).
         Unless every member loaded identical data (``same_everywhere``), the members compare
-        digests before the next collective and the newest state wins."""
+        digests before the next collective and the newest state wins. From now on this worker
+        has begun training: a view it forms later is not :attr:`restorable`."""
+        self._life.started = True
         if step is not None:
             self.step = step
         if not same_everywhere:

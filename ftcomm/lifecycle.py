@@ -71,7 +71,8 @@ class Lifecycle:
         self.broken: str | None = None  # the view failed (why): recover before the next collective
         self.needs_reconcile = False  # the registered state must be reconciled before the next collective
         self.founding = False  # every member of the view founded the group and wants the network check
-        self.founder: bool | None = None  # this worker's first view was every member's first: a new group
+        self.started = False  # this worker began training (restored a checkpoint or ran a step)
+        self.fresh = False  # no member of the view had begun training when it formed: it may restore
         self.rejoined = False
         self.ops = 0  # group operations (collectives, gradient steps) completed in the current view
         self.op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
@@ -221,7 +222,7 @@ class Lifecycle:
     def form(self, view: View) -> None:
         """Form the communicator through rank 0's store and verify it with a tiny allreduce,
         which also tells whether every member founds the group (this is their first view) and
-        whether every member wants the network check."""
+        wants the network check, and whether no member has begun training (``fresh``)."""
         _, addresses = self.statuses()
         rank0 = view.members[0]
         if rank0 not in addresses:
@@ -231,15 +232,14 @@ class Lifecycle:
                                                   view.rank_of(self.engine.id), view.size, view.id)
         check = int(view.digest, 16) >> 1
         first = int(self.engine.view is None)  # this worker's first view
-        probe = torch.tensor([check, -check, first, int(self.options.network_check)], dtype=torch.int64,
-                             device=comm.device)
+        probe = torch.tensor([check, -check, first, int(self.options.network_check), int(not self.started)],
+                             dtype=torch.int64, device=comm.device)
         comm.allreduce([probe], "min").wait(self.abort, timeout)
         verified = probe.tolist()
         if verified[:2] != [check, -check]:
             raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
-        if self.founder is None:
-            self.founder = verified[2] == 1
         self.founding = verified[2] == 1 and verified[3] == 1
+        self.fresh = verified[4] == 1
 
     def form_communicator(self, store, rank: int, size: int, view_id: int) -> Communicator:
         return self._backend.form(store, rank, size, view_id, self.abort, self.options.formation_timeout,

@@ -60,6 +60,7 @@ class StepProtocol:
         life = self.life
         if self.closed or threading.get_ident() != self.owner or (self.buckets is not None and self.buckets.touched):
             return
+        life.started = True
         self.reform_if_due()
         if not life.needs_reconcile or life.comm is None or life.broken is not None:
             return
@@ -71,6 +72,7 @@ class StepProtocol:
     def gradients(self, params: list[torch.Tensor]) -> bool:
         """See :meth:`ftcomm.FaultTolerantGroup.wait_gradients_ready`."""
         life = self.life
+        life.started = True
         buckets = self.buckets_for(params)
         life.news.judge()
         for obj in self.participants("check_step"):

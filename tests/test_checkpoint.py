@@ -155,7 +155,7 @@ def test_a_worker_joining_a_running_group_restores_nothing_and_takes_the_groups_
     groups = start_groups(2)  # min_workers=1
     joiner = None
     try:
-        assert all(g.founder for g in groups)
+        assert all(g.restorable for g in groups)
         pairs = [trained_state(g, 4) for g in groups]
         checkpoints = [FlashCheckpointer(g, tmp_path, name=name) for g in groups]
         assert in_threads(groups, lambda i, g: checkpoints[i].restore()) == [None, None]
@@ -176,7 +176,7 @@ def test_a_worker_joining_a_running_group_restores_nothing_and_takes_the_groups_
             t.start()
         joiner = ftcomm.init(peers=[groups[0].gossip.address], bind="127.0.0.1:0",
                              min_workers=1, handle_signals=False, init_timeout=30, settle_interval=0.5)
-        assert not joiner.founder
+        assert not joiner.restorable
         pairs.append(trained_state(joiner, 9))  # other weights: reconciling replaces them
         late = FlashCheckpointer(joiner, tmp_path, name=name)
         assert late.available(), "the joiner sees the group's checkpoint and still must not restore it"
@@ -196,6 +196,49 @@ def test_a_worker_joining_a_running_group_restores_nothing_and_takes_the_groups_
             c.close()
     finally:
         for g in [*groups, joiner]:
+            if g is not None:
+                g.shutdown()
+
+
+def test_a_worker_let_in_while_the_group_restores_restores_with_it(tmp_path, name):
+    """A view that re-forms inside restore() (a member left) and lets in a worker waiting to
+    join is still restorable: nobody in it has begun training. The newcomer must take part in
+    the restore's collectives, or the others would wait for it there."""
+    from .polling import wait_until
+
+    groups = start_groups(3)  # min_workers=2
+    late, leaver = None, groups[2]
+    try:
+        for g in groups:
+            trained_state(g, 6)
+        checkpoints = [FlashCheckpointer(g, tmp_path, name=name) for g in groups[:2]]
+        holder: list = []
+        joining = threading.Thread(target=lambda: holder.append(ftcomm.init(
+            peers=[groups[0].gossip.address], bind="127.0.0.1:0", min_workers=2, handle_signals=False,
+            init_timeout=60, settle_interval=0.5)), daemon=True)
+        joining.start()
+        wait_until(lambda: len(groups[0].gossip.members()) == 4, 30, "the newcomer known to the group")
+        leaver.shutdown()  # the restore's first collective re-forms, and the newcomer is let in
+        restoring = threading.Thread(target=lambda: holder.append(in_threads(
+            groups[:2], lambda i, g: checkpoints[i].restore())), daemon=True)
+        restoring.start()
+        joining.join(60)
+        assert holder and isinstance(holder[0], ftcomm.FaultTolerantGroup)
+        late = holder[0]
+        trained_state(late, 7)
+        assert late.restorable and late.world_size == 3
+        mine = FlashCheckpointer(late, tmp_path, name=name)
+        assert mine.restore() is None  # nothing saved yet: it took part in agreeing on that
+        restoring.join(70)
+        assert holder[1:] == [[None, None]]
+        members = [*groups[:2], late]
+        in_threads(members, lambda i, g: g.execute(g.barrier))
+        assert len({g.state.digest(g.step) for g in members}) == 1
+        mine.close()
+        for c in checkpoints:
+            c.close()
+    finally:
+        for g in [*groups, late]:
             if g is not None:
                 g.shutdown()
 
