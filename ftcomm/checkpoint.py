@@ -421,26 +421,12 @@ class FlashCheckpointer:
         restores nothing and returns None at once, without a collective (the members are
         training, not restoring); it receives their state by reconciling.
         """
-        if not self.group.restorable:
-            log.info("the group is already training: its state comes from the members, not from a checkpoint")
-            return None
         rejected: set[int] = set()
         while True:
-            mine = [s for s in self.available() if s not in rejected][:MAX_CANDIDATES]
-            offers = self.group.execute(self._gather, mine)
-            common = set.intersection(*(set(o) for o in offers)) if offers else set()
-            everywhere = bool(common)
-            pool = common or set().union(*(set(o) for o in offers))
-            if not pool:
-                self.group.state_restored(None, same_everywhere=True)  # nothing to load, anywhere
+            agreed = self.group.execute(self._agree, rejected)
+            if agreed is None:
                 return None
-            step = max(pool)
-            loaded = self._load_verified(step) if step in mine else None
-            if loaded is None:
-                rejected.add(step)
-            # the copies' fingerprint: equal checksums everywhere mean equal state everywhere
-            fingerprint = xxhash.xxh3_64_intdigest(msgpack.packb(loaded[0].checksums)) >> 2 if loaded else 0
-            outcome = self.group.execute(self._gather, [1 if loaded is not None else 0, fingerprint])
+            step, everywhere, loaded, outcome = agreed
             ok = [o[0] for o in outcome]
             if (everywhere and not all(ok)) or not any(ok):
                 if loaded is not None:
@@ -452,6 +438,34 @@ class FlashCheckpointer:
                                       same_everywhere=all(ok) and len({o[1] for o in outcome}) == 1)
             log.info("restored step %d%s", step, "" if everywhere else " (on some members; reconciled to the rest)")
             return step
+
+    def _agree(self, rejected: set[int]) -> tuple[int, bool, tuple | None, list[list[int]]] | None:
+        """One whole round of agreement: offers, then who loaded the chosen step. Run by
+        ``execute``, so a retry in a re-formed view starts the round again on every member,
+        a worker let in meanwhile included. None: nothing to restore."""
+        if not self.group.restorable:
+            log.info("the group is already training: its state comes from the members, not from a checkpoint")
+            return None
+        mine = [s for s in self.available() if s not in rejected][:MAX_CANDIDATES]
+        offers = self._gather(mine)
+        common = set.intersection(*(set(o) for o in offers)) if offers else set()
+        pool = common or set().union(*(set(o) for o in offers))
+        if not pool:
+            self.group.state_restored(None, same_everywhere=True)  # nothing to load, anywhere
+            return None
+        step = max(pool)
+        loaded = self._load_verified(step) if step in mine else None
+        if loaded is None:
+            rejected.add(step)
+        # the copies' fingerprint: equal checksums everywhere mean equal state everywhere
+        fingerprint = xxhash.xxh3_64_intdigest(msgpack.packb(loaded[0].checksums)) >> 2 if loaded else 0
+        try:
+            outcome = self._gather([1 if loaded is not None else 0, fingerprint])
+        except BaseException:
+            if loaded is not None:
+                loaded[1].close()
+            raise
+        return step, bool(common), loaded, outcome
 
     def _gather(self, values: list[int]) -> list[list[int]]:
         row = torch.full((MAX_CANDIDATES,), -1, dtype=torch.int64)

@@ -90,6 +90,32 @@ def test_save_restore_round_trip_and_keep(tmp_path, name, group):
     checkpoints.close()
 
 
+def test_a_restore_round_broken_halfway_starts_again_from_the_offers(tmp_path, name, group, monkeypatch):
+    """A re-formation during the restore's second collective retries the whole round: a worker
+    let in by that re-formation starts at the first collective, so everyone must."""
+    from ftcomm.errors import MembershipChanged
+
+    trained_state(group, 1)
+    checkpoints = FlashCheckpointer(group, tmp_path, name=name)
+    group.step = 5
+    checkpoints.save()
+    checkpoints.wait()
+    expected = group.state.digest(5)
+    rows: list[list[int]] = []
+    allgather = group.allgather
+
+    def breaks_once(row):
+        rows.append([int(v) for v in row.tolist() if v >= 0])
+        if len(rows) == 2:
+            raise MembershipChanged("a peer died (as in a crash between the two collectives)")
+        return allgather(row)
+    monkeypatch.setattr(group, "allgather", breaks_once)
+    assert checkpoints.restore() == 5 and group.state.digest(5) == expected
+    assert rows[0] == [5] and rows[2] == [5], rows  # offers, (broken), offers again, outcome
+    assert len(rows) == 4 and rows[1] == rows[3] and rows[1][0] == 1
+    checkpoints.close()
+
+
 def test_corrupted_and_partial_checkpoints_are_skipped(tmp_path, name, caplog, group):
     model, _ = trained_state(group, 1)
     checkpoints = FlashCheckpointer(group, tmp_path, keep=3, name=name)
