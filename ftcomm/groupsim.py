@@ -95,7 +95,7 @@ class Worker:
     joined: bool = False  # its gossip join completed (ftcomm.init agrees only after that)
     op_began: float = 0.0  # when the operation in flight began
     resumed_at: float = float("-inf")  # when it last came back from a hang
-    confirming: float | None = None  # waiting for a state exchange until then (see _confirm_after_stall)
+    confirming: float | None = None  # waiting for a state exchange until then (see Lifecycle.confirm_after_stall)
     statuses: dict | None = None  # the status records as last read (see GroupSimulation._statuses)
     news: dict | None = None  # member -> its news began with its joining, since the last read (None: read all)
     table_size: int = 0  # members in the gossip table at the last read
