@@ -129,7 +129,8 @@ def test_the_network_check_names_the_host_behind_a_slow_link(tmp_path):
                 w.wait_ready(120)
             reports = [json.loads((tmp_path / f"report{i}.json").read_text()) for i in range(4)]
             assert all(r["slow_members"] == [workers[2].id] for r in reports), reports[0]
-            assert all(r["slow_links"] == [] and len(r["links"]) == 6 for r in reports)
+            assert all(r["slow_links"] == [] and len(r["links"]) == 6 for r in reports), [
+                (r["slow_links"], r["links"]) for r in reports]
             assert_invariants(workers, cluster.finish(workers, timeout=120))
         finally:
             cluster.close()
