@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -16,18 +17,37 @@ from ftcomm.backends.base import AbortSignal, Handle
 pytestmark = pytest.mark.timeout(120)
 
 
+def _ephemeral_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_FLOOR = _ephemeral_floor()
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port free for both UDP and TCP (gossip binds both)."""
+    """A port free for both UDP and TCP (gossip binds both), chosen below the kernel's
+    ephemeral range: a port from that range can be taken, between this check and the
+    group's bind, as the local end of any outgoing connection (a Gloo pair, a store
+    client), which once failed a group's start with "Address already in use"."""
+    rng = random.Random()
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            udp.bind(("127.0.0.1", 0))
-            port = udp.getsockname()[1]
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
-                try:
-                    tcp.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
+        port = rng.randrange(max(1024, _EPHEMERAL_FLOOR - 12000), _EPHEMERAL_FLOOR)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, \
+                socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+            try:
+                udp.bind(("127.0.0.1", port))
+                tcp.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 def start_groups(n: int, **options) -> list[ftcomm.FaultTolerantGroup]:
