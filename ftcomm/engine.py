@@ -544,7 +544,7 @@ def reason_for(noticed: str, before: tuple[str, ...], after: tuple[str, ...], go
     return "crash" if "dead" in kinds else noticed
 
 
-SETTING_NAMES = ("backend", "min_workers", "max_workers", "partition_policy")
+SETTING_NAMES = ("backend", "min_workers", "max_workers", "partition_policy", "protocol")
 
 
 def settings_conflict(engine: "Engine", settings: tuple, statuses: dict[str, Status]) -> str | None:
@@ -554,8 +554,14 @@ def settings_conflict(engine: "Engine", settings: tuple, statuses: dict[str, Sta
         if status.id == engine.id or not status.alive or status.config == engine.config:
             continue
         if status.phase == ACTIVE or status.joined_at < engine.joined_at:
-            diffs = [f"{n}={a!r} but the group uses {n}={b!r}"
-                     for n, a, b in zip(SETTING_NAMES, settings, status.settings) if a != b]
+            diffs = [_difference(n, a, b) for n, a, b in zip(SETTING_NAMES, settings, status.settings) if a != b]
             return (f"this worker was started with {'; '.join(diffs) or 'settings differ'} (member {status.id}): "
                     f"start all workers of a group with the same settings")
     return None
+
+
+def _difference(name: str, ours: object, theirs: object) -> str:
+    if name == "protocol":
+        return (f"ftcomm group protocol {ours} but the group speaks protocol {theirs} "
+                f"(install the same ftcomm version on every worker)")
+    return f"{name}={ours!r} but the group uses {name}={theirs!r}"

@@ -40,7 +40,7 @@ from .rendezvous import Rendezvous
 from .state import TrainingState
 from .steps import StepProtocol
 from .stragglers import StragglerReport, Stragglers
-from .view import View
+from .view import PROTOCOL, View
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class FaultTolerantGroup:
         self.options = opts = options or GroupOptions()  # GroupOptions checks its own fields
         self.min_workers, self.max_workers = min_workers, max_workers
         self.settings = {"backend": backend, "min_workers": min_workers, "max_workers": max_workers,
-                         "partition_policy": opts.partition_policy}
+                         "partition_policy": opts.partition_policy, "protocol": PROTOCOL}
         self._config = hashlib.blake2b(json.dumps(self.settings, sort_keys=True).encode(), digest_size=4).hexdigest()
         self.state = TrainingState()
         self.network_report: NetworkReport | None = None  # GroupOptions.network_check
@@ -73,18 +73,18 @@ class FaultTolerantGroup:
         peers = list(peers)
         host, port = parse_address(bind)
         host = check_addresses(host, peers)  # every plane uses this one IPv4 address
-        self._secret = check_secret(secret)
-        self.insecure = check_protection(host, self._secret, insecure)
+        secret = check_secret(secret)
+        self.insecure = check_protection(host, secret, insecure)
         engine = Engine("", self._config, min_workers, max_workers, opts.partition_policy, opts.settle_interval,
                         3 * opts.gossip.gossip_interval, joined_at=time.time())
-        self._life = life = Lifecycle(engine, backend_class, Rendezvous(host, opts.formation_timeout, self._secret),
+        self._life = life = Lifecycle(engine, backend_class, Rendezvous(host, opts.formation_timeout, secret),
                                       opts, tuple(self.settings[n] for n in core.SETTING_NAMES), self.insecure,
                                       self._stragglers.compute, lambda: self.step)
-        self._steps = StepProtocol(life, self.state, opts, self._stragglers, self._secret, min_workers)
+        self._steps = StepProtocol(life, self.state, opts, self._stragglers, secret, min_workers)
         self.id = ""
         self._metrics = None
         try:
-            life.gossip = GossipNode((host, port), cluster=cluster, secret=self._secret,
+            life.gossip = GossipNode((host, port), cluster=cluster, secret=secret,
                                      config=member_cap(opts.gossip, max_workers), metadata=life.status_record(),
                                      fault_filter=opts.fault_filter)
             life.gossip.subscribe(life.news.post)

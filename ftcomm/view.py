@@ -34,6 +34,10 @@ from functools import cached_property
 
 JOINING, ACTIVE, LEAVING = "joining", "active", "leaving"
 MAX_VIEW_ID = 2**31  # far beyond any group's lifetime; larger ids in a record are refused
+# The group protocol's version: this record, the view verification probe and the step rounds.
+# Workers that speak different versions never form a group (it is one of the settings that
+# must match); a record from before the version was carried reads as version 1.
+PROTOCOL = 2
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class Status:
     floor: int = 0  # lowest view id it accepts: the views below failed to form there
     step: int = 0  # committed training steps
     rendezvous_port: int | None = None  # its rendezvous store's TCP port (same host as gossip)
-    settings: tuple = ()  # backend, min_workers, max_workers, partition_policy: named in a mismatch error
+    settings: tuple = ()  # backend, min_workers, max_workers, partition_policy, protocol: named in a mismatch error
     done_ops: tuple[int, int] | None = None  # leaving: (view id, group operations it completed in that view)
     insecure: bool = False  # started without a secret on a reachable address (shown by ``ftcomm members``)
     view_digest: str | None = None  # digest of its current view (leaving: of the view it names)
@@ -121,7 +125,7 @@ class Status:
         if _is_int(meta.get("rz")) and 0 < meta["rz"] < 65536:
             extra["rendezvous_port"] = meta["rz"]
         if isinstance(meta.get("set"), (list, tuple)):
-            extra["settings"] = tuple(meta["set"][:4])
+            extra["settings"] = tuple(meta["set"][:5]) + ((1,) if len(meta["set"]) == 4 else ())
         ops = meta.get("op")
         if isinstance(ops, (list, tuple)) and len(ops) == 2 and all(_is_int(x) and 0 <= x <= MAX_VIEW_ID for x in ops):
             extra["done_ops"] = (ops[0], ops[1])

@@ -232,11 +232,19 @@ def test_a_joiner_is_admitted_only_with_room_and_the_same_settings():
 
 def test_a_worker_with_other_settings_yields_to_the_group():
     e = engine("j", joined_at=5.0)
-    theirs = Status("a", True, False, ACTIVE, 1, None, 0.0, "other", settings=("gloo", 2, None, "quorum"))
-    conflict = core.settings_conflict(e, ("gloo", 1, None, "quorum"), {"a": theirs})
+    theirs = Status("a", True, False, ACTIVE, 1, None, 0.0, "other", settings=("gloo", 2, None, "quorum", 2))
+    conflict = core.settings_conflict(e, ("gloo", 1, None, "quorum", 2), {"a": theirs})
     assert conflict is not None and "min_workers=1 but the group uses min_workers=2" in conflict
     later = Status(**{**theirs.__dict__, "phase": JOINING, "joined_at": 9.0})
-    assert core.settings_conflict(e, ("gloo", 1, None, "quorum"), {"a": later}) is None  # it yields to this one
+    assert core.settings_conflict(e, ("gloo", 1, None, "quorum", 2), {"a": later}) is None  # it yields to this one
+
+
+def test_a_worker_of_another_ftcomm_version_is_told_so():
+    e = engine("j", joined_at=5.0)
+    older = Status("a", True, False, ACTIVE, 1, None, 0.0, "other", settings=("gloo", 1, None, "quorum", 1))
+    conflict = core.settings_conflict(e, ("gloo", 1, None, "quorum", 2), {"a": older})
+    assert conflict is not None and "group protocol 2 but the group speaks protocol 1" in conflict
+    assert "min_workers" not in conflict
 
 
 def test_a_straggler_stands_aside_the_others_re_form_without_it_and_it_rejoins_after_the_cooldown():

@@ -291,6 +291,19 @@ def test_members_whose_models_differ_raise_config_mismatch_on_every_worker():
             g.shutdown()
 
 
+def test_a_worker_of_another_group_protocol_is_refused_naming_both_versions(monkeypatch):
+    (group,) = start_groups(1)
+    try:
+        monkeypatch.setattr(ftcomm.group, "PROTOCOL", ftcomm.view.PROTOCOL + 1)
+        with pytest.raises(ConfigMismatch, match=f"protocol {ftcomm.view.PROTOCOL + 1} but the group speaks "
+                                                 f"protocol {ftcomm.view.PROTOCOL}"):
+            ftcomm.init(peers=[group.gossip.address], bind="127.0.0.1:0", handle_signals=False,
+                        init_timeout=30)
+        assert group.world_size == 1
+    finally:
+        group.shutdown()
+
+
 def test_forged_joiners_do_not_hold_up_a_group_without_a_secret():
     """Before: forty forged 'joining' alive records stalled a 2-worker group for ~112 s."""
     groups = start_groups(2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ftcomm.view import (ACTIVE, JOINING, LEAVING, Status, View, agreed, candidate, encode_status, gone_from,
+from ftcomm.view import (ACTIVE, JOINING, LEAVING, PROTOCOL, Status, View, agreed, candidate, encode_status, gone_from,
                          has_quorum, superseded)
 
 CFG = "cfg1"
@@ -77,11 +77,14 @@ def test_status_round_trips_through_metadata():
     meta = encode_status(ACTIVE, 3, (4, "d4"), 1.5, CFG, 10, 4242, floor=5)
     assert Status.from_metadata("a", "alive", meta) == Status("a", True, False, ACTIVE, 3, (4, "d4"), 1.5, CFG, 5,
                                                               step=10, rendezvous_port=4242)
-    leaving = encode_status(LEAVING, 0, None, 1.5, CFG, 10, 4242, settings=("gloo", 2, None, "quorum"),
+    leaving = encode_status(LEAVING, 0, None, 1.5, CFG, 10, 4242, settings=("gloo", 2, None, "quorum", PROTOCOL),
                             done_ops=(3, 17), insecure=True)
     decoded = Status.from_metadata("a", "left", leaving)
     assert (decoded.left, decoded.done_ops, decoded.settings, decoded.insecure) == \
-        (True, (3, 17), ("gloo", 2, None, "quorum"), True)
+        (True, (3, 17), ("gloo", 2, None, "quorum", PROTOCOL), True)
+    # a record from before the protocol version was carried is version 1
+    older = encode_status(ACTIVE, 3, None, 1.5, CFG, 10, 4242, settings=("gloo", 2, None, "quorum"))
+    assert Status.from_metadata("a", "alive", older).settings == ("gloo", 2, None, "quorum", 1)
     assert Status.from_metadata("a", "alive", {"ph": ACTIVE}) is None
     witness = Status.from_metadata("a", "alive", encode_status(ACTIVE, 3, (4, "d4"), 1.5, CFG, 10, 4242,
                                                                 agreed=(4, "d4")))
