@@ -5,8 +5,10 @@
 Measures, per member, CPU (fraction of one core) and datagrams and bytes sent per
 second over an idle window, then the crash detection latency on real sockets (kill -9
 of one member; time until the first and the last survivor mark it dead), repeated
-``--kills`` times. The baseline, computed in the same run, is the simulator's
-prediction for the same N and configuration, and the configured detection bound.
+``--kills`` times, then ``--leaves`` graceful leaves (time from the leave until the first
+and the last member mark the leaver left). The baseline, computed in the same run, is
+the simulator's prediction for the same N and configuration, and the configured
+detection bound; a leave is compared with the crashes of the same run.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> int:
     parser.add_argument("--members", type=int, default=32)
     parser.add_argument("--idle", type=float, default=60.0, help="seconds of the idle window")
     parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--leaves", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gossip_real.json"))
     args = parser.parse_args()
     cfg = GossipConfig()
@@ -62,6 +65,22 @@ def main() -> int:
                 latencies.append(event["t"] - killed_at)
             kills.append({"first_dead_s": round(min(latencies), 3), "last_dead_s": round(max(latencies), 3)})
             cluster.wait_converged(timeout=30, agents=alive)
+        leaves = []
+        for k in range(args.leaves):
+            leaver = alive[len(alive) // 2]
+            alive.remove(leaver)
+            marks = [len(agent.snapshot()) for agent in alive]
+            leaver.send(cmd="leave")
+            leaving = leaver.wait_for(lambda e: e["ev"] == "leaving", 10, "the leave to start")
+            latencies, kinds = [], set()
+            for agent, mark in zip(alive, marks):
+                event = agent.wait_for(lambda e: e.get("member") == leaver.id and e.get("kind") in ("left", "dead"),
+                                       cfg.detection_bound(n) + 10, "leave notice", mark)
+                latencies.append(event["t"] - leaving["t"])
+                kinds.add(event["kind"])
+            leaves.append({"first_left_s": round(min(latencies), 3), "last_left_s": round(max(latencies), 3),
+                           "seen_as": sorted(kinds)})
+            cluster.wait_converged(timeout=30, agents=alive)
     predicted = asdict(run_scenario(n, duration=60.0, crash_at=20.0, metadata_at=None, seed=21))
     idle = asdict(run_scenario(n, duration=args.idle, crash_at=None, metadata_at=None, seed=22))
     report = {
@@ -76,6 +95,8 @@ def main() -> int:
         "bytes_per_member_s": {"median": round(statistics.median(sent), 1), "max": round(max(sent), 1)},
         "crash_detection": kills,
         "crash_last_dead_median_s": statistics.median(k["last_dead_s"] for k in kills),
+        "graceful_leave": leaves,
+        "leave_last_left_median_s": statistics.median(k["last_left_s"] for k in leaves) if leaves else None,
         "baseline": {
             "simulated_first_dead_s": predicted["crash_first_dead_s"],
             "simulated_last_dead_s": predicted["crash_last_dead_s"],
