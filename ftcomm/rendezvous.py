@@ -128,6 +128,8 @@ def refused(host: str, port: int, timeout: float = 0.25, settle: float = 0.0) ->
                 return True
             except OSError as exc:
                 return exc.errno == errno.ECONNREFUSED  # no answer: lost or partitioned, not refused
+            except (OverflowError, ValueError, TypeError):
+                return False  # not an address at all: nothing refused
         if time.monotonic() + delay > deadline:
             return False
         time.sleep(delay)
@@ -450,7 +452,7 @@ class Rendezvous:
         self._secret = secret
         self._server: StoreServer | None = StoreServer(host, secret)
         self.port: int = self._server.port
-        self._clients: dict[tuple[str, int], StoreClient] = {}
+        self._clients: dict[tuple[str, int, float], StoreClient] = {}
 
     @property
     def drops(self) -> collections.Counter[str]:
@@ -460,16 +462,24 @@ class Rendezvous:
     def publish_proposal(self, view_id: int, digest: str, members: tuple[str, ...]) -> None:
         self._client(self.host, self.port).set(f"proposal/{view_id}/{digest}", "\n".join(members).encode())
 
-    def fetch_proposal(self, host: str, port: int, view_id: int, digest: str) -> tuple[str, ...] | None:
-        """The member list a worker proposed, or None if it cannot be read now."""
+    def fetch_proposal(self, host: str, port: int, view_id: int, digest: str,
+                       timeout: float | None = None) -> tuple[str, ...] | None:
+        """The member list a worker proposed, or None if it cannot be read now (not stored
+        yet, or no answer within ``timeout``, default the store timeout). The connection is
+        kept for the next read; it does not notice its worker's death, so a read from a
+        worker that died since answers nothing: keep ``timeout`` short where the caller
+        waits on nothing else."""
         key = f"proposal/{view_id}/{digest}"
+        limit = self.timeout if timeout is None else min(timeout, self.timeout)
         try:
-            store = self._client(host, port)
+            store = self._client(host, port, limit)
             if not store.check([key]):
                 return None
             return tuple(store.get(key).decode("utf-8", "replace").split("\n"))
         except CommunicatorError:
-            self._clients.pop((host, port), None)
+            client = self._clients.pop((host, port, limit), None)
+            if client is not None:
+                client.close()
             return None
 
     def view_store(self, view: View, host: str, port: int) -> Any:
@@ -494,14 +504,16 @@ class Rendezvous:
             client.close()
         self._clients.clear()
 
-    def _client(self, host: str, port: int) -> StoreClient:
-        """A cached connection for short reads (proposals); never used by a formation."""
-        client = self._clients.get((host, port))
+    def _client(self, host: str, port: int, timeout: float | None = None) -> StoreClient:
+        """A cached connection for short reads (proposals), each bounded by ``timeout``
+        (default the store timeout); never used by a formation."""
+        timeout = self.timeout if timeout is None else timeout
+        client = self._clients.get((host, port, timeout))
         if client is None:
-            client = self._clients[(host, port)] = self._connect(host, port)
+            client = self._clients[(host, port, timeout)] = self._connect(host, port, timeout=timeout)
         return client
 
-    def _connect(self, host: str, port: int, prefix: str = "") -> StoreClient:
+    def _connect(self, host: str, port: int, prefix: str = "", timeout: float | None = None) -> StoreClient:
         if refused(host, port):
             raise CommunicatorError(f"the rendezvous store at {host}:{port} refused the connection")
-        return StoreClient(host, port, self._secret, self.timeout, prefix)
+        return StoreClient(host, port, self._secret, self.timeout if timeout is None else timeout, prefix)
