@@ -99,12 +99,37 @@ class Rejoined:
     why: str
 
 
-Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined
+@dataclass(frozen=True)
+class ProbeGroup:
+    """As a joiner that saw a group of which no member is live here any more: find out
+    whether every worker that held a view of it and has not left is gone for sure (its
+    port refuses connections: the process is gone, its host answers). ``members``: the
+    members of the newest view of the group whose member list it read (some may not be in
+    its gossip table at all: it heard of the group through one of them); the driver
+    probes these and every worker in its table that held a view, and sends those that do
+    not refuse a join request, since they may be alive and never told of this member.
+    ``None``: it never read the list, and nothing can show the group gone. Either way the
+    driver sends its seeds a join request again. It answers with
+    :meth:`Engine.group_probed`."""
+    members: tuple[str, ...] | None
+
+
+Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined | ProbeGroup
 
 ANNOUNCE_LIMIT = 64
 """Views up to this size announce a new proposal to every member (one datagram per pair of
 members); above it, each member announces to the view's rank 0 only, and rank 0 announces
 to every member once it saw them all propose it (see Engine._published)."""
+
+FETCH_TIMEOUT_S = 0.5
+"""How long the driver waits for the answer to one :class:`Fetch`. The driver waits on
+nothing else meanwhile, and a member that died or was cut off since it proposed answers
+nothing: a short bound and a retry from another proposer (see Engine._adopt) keep a
+joiner from sitting out an agreement the others wait on it for."""
+
+PROBE_TIMEOUT_S = 0.25
+"""How long the driver waits for each connection of a :class:`ProbeGroup` (a refusal
+comes back within a round trip; a host that is lost or cut off never answers)."""
 
 
 @dataclass
@@ -129,6 +154,10 @@ class Engine:
     lost: View | None = None  # the view it had when it learned it was left out of a newer one
     entered_view: View | None = None  # the newest view it entered (formed or tried to form)
     seen_view: int = 0  # the newest view of this group shown by a member not known to be gone (as of the last look)
+    saw_group: int = 0  # as a joiner that never had a view: the newest view of a group it saw (see _may_found)
+    group_gone: bool = False  # the driver's answer to the last ProbeGroup
+    holding: bool = False  # founds nothing now (see _may_found); its record says so, and no candidate includes it
+    _probed_at: float = float("-inf")
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
     witnessed: tuple[int, str] | None = None  # as rank 0 of a large view: its proposal, seen made by every member
     vouched: frozenset = frozenset()  # members of the view entered whose own proposal of it was not seen here
@@ -247,11 +276,28 @@ class Engine:
         if self.state == JOINING:
             self.seen_view = max([s.last_view for s in statuses.values()
                                   if s.id != self.id and s.config == self.config and not (s.left or s.dead)], default=0)
+            if self.seen_view > 0 and self.lost is None:
+                self.saw_group, self.group_gone = max(self.saw_group, self.seen_view), False
+            holding = not (self._group_exists(statuses) or self._group_seen() or self._may_found())
+            if holding != self.holding:
+                # Holding back, it reads as standing aside: a fresh worker beside it would
+                # otherwise propose a view with it, and wait for it to agree.
+                self.holding = holding
+                return [Publish()]
             if self._group_exists(statuses):
                 return self._adopt(now, statuses)
             if self._group_seen():
                 self._last = None
                 return []
+            if holding:
+                self._last = None
+                if now - self._probed_at < self.chase_interval:
+                    return []
+                self._probed_at = now
+                known = [(key[0], members) for key, members in self.fetched.items() if key[0] >= self.saw_group]
+                # Without the group's member list nothing can show the group gone: the probe
+                # only contacts its seeds again.
+                return [ProbeGroup(max(known)[1] if known else None)]
         previous = self.view if self.state == AGREEING else None
         entered = self.entered_view
         if previous is not None and entered is not None and entered.id > previous.id and any(
@@ -325,6 +371,25 @@ class Engine:
         again from step 0."""
         return self.lost is None and self.seen_view > 0
 
+    def _may_found(self) -> bool:
+        """A joiner that never had a view and saw a group, none of whose members it sees live
+        now, founds a group of its own (with the quorum policy) only when every worker that
+        held a view of that group and has not left is gone for sure. Gossip's verdicts do
+        not tell: a member it joined through may have been cut off from the others and
+        declared them dead, then left or died itself; the joiner, which never reached them,
+        would train alone from step 0 beside them (a minority side committing). A worker
+        that does not answer may be across a partition: it waits (until its timeout),
+        standing aside. A job restarted from scratch is not held back: new workers that know
+        nothing of the old group found one without it, and it joins theirs. (A member that
+        lost its view follows :meth:`_may_refound` instead.)"""
+        return (self.lost is not None or not self.saw_group or self.group_gone
+                or self.partition_policy == "availability")
+
+    def group_probed(self, gone: bool) -> None:
+        """The answer to a :class:`ProbeGroup` (one without a member list never shows the
+        group gone)."""
+        self.group_gone = gone and any(key[0] >= self.saw_group for key in self.fetched)
+
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
         """A member left out of a newer view sees no live group to join. It founds one only
         if the quorum of the view it lost is with it and nothing shows a view newer than
@@ -351,20 +416,23 @@ class Engine:
                      [self.lost.id if self.lost is not None else 0])
         if len(self._fetching) > 256:
             self._fetching.clear()
-        for status in statuses.values():
-            if not (status.alive and status.phase == ACTIVE and status.proposal and status.config == self.config):
-                continue
-            if not self._holds_newest(status, newest):
-                continue
+        proposers = [s for s in statuses.values()
+                     if s.alive and s.phase == ACTIVE and s.proposal and s.config == self.config
+                     and self._holds_newest(s, newest) and s.proposal[0] >= self.floor]
+        # (a proposal below its floor failed to form here: it waits for the retry's proposal)
+        for key in dict.fromkeys(s.proposal for s in proposers if s.proposal not in self.fetched):
+            # One read per proposal and look, from the proposer asked least recently: one
+            # that died since it proposed answers nothing, and must not be asked every time.
+            owners = [s.id for s in proposers if s.proposal == key and s.rendezvous_port is not None]
+            asked = {m: self._fetching.get((m, key), float("-inf")) for m in owners}
+            member = min(owners, key=lambda m: (asked[m], m), default=None)
+            if member is not None and now - asked[member] >= self.refetch_interval:
+                self._fetching[(member, key)] = now
+                actions.append(Fetch(member, key))
+        for status in proposers:
             key = status.proposal
-            if key[0] < self.floor:
-                continue  # its formation failed here: wait for the retry's proposal
             members = self.fetched.get(key)
             if members is None:
-                asked = self._fetching.get((status.id, key))
-                if status.rendezvous_port is not None and (asked is None or now - asked >= self.refetch_interval):
-                    self._fetching[(status.id, key)] = now
-                    actions.append(Fetch(status.id, key))
                 continue
             if self.id not in members:
                 continue
@@ -383,8 +451,9 @@ class Engine:
         return max(status.current_view, status.floor - 1) >= newest
 
     def fetched_proposal(self, key: tuple[int, str], members: tuple[str, ...] | None) -> None:
-        """The answer to a :class:`Fetch` (None: the member does not have it, or is gone)."""
-        if members is not None:
+        """The answer to a :class:`Fetch` (None: the member does not have it, or is gone). A
+        list that does not hash to the proposal's digest is dropped."""
+        if members is not None and View(key[0], tuple(members)).digest == key[1]:
             self.fetched[key] = tuple(members)
             if len(self.fetched) > 64:  # only recent proposals matter
                 self.fetched.pop(next(iter(self.fetched)))

@@ -6,7 +6,11 @@ packets, a virtual clock, loss and delay). The rendezvous and the collectives ar
 modelled:
 
 * a proposal published by a member is readable by the others while its owner runs and
-  is reachable;
+  is reachable; a read from one that crashed, hangs or is cut off answers nothing, and
+  its reader's driver waits ``FETCH_TIMEOUT_S`` for it (the worst case: a connection
+  opened before the owner died does not notice its death); a connection to a member's
+  store is refused when its process is gone and its node reachable (see
+  ``Engine._may_found``);
 * a view forms once every member entered its formation (each after agreeing on its own)
   and every pair of members can reach each other, within ``formation_timeout``;
 * reconciling gathers every member's (step, state digest) and all adopt the most
@@ -51,8 +55,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .engine import (AGREEING, ANNOUNCE_LIMIT, FORMING, JOINING, LEAVING, RECONCILING, RUNNING, Announce, Engine,
-                     Fetch, Form, Publish, PublishProposal, Rejoined, Sync, reconcile_source)
+from .engine import (AGREEING, ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, FORMING, JOINING, LEAVING, PROBE_TIMEOUT_S,
+                     RECONCILING, RUNNING, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal,
+                     Rejoined, Sync, reconcile_source)
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
@@ -100,6 +105,7 @@ class Worker:
     news: dict | None = None  # member -> its news began with its joining, since the last read (None: read all)
     table_size: int = 0  # members in the gossip table at the last read
     read_view: View | None = None  # its view at the last read (whose members count although unconfirmed)
+    busy_until: float = 0.0  # its driver waits for a read from a store that does not answer until then
 
 
 @dataclass
@@ -420,7 +426,7 @@ class GroupSimulation:
         done_ops = (named.id, ops) if named is not None and e.state == LEAVING else None
         return encode_status(e.phase, e.current_view, e.proposal, e.joined_at, CONFIG, step, 1, e.floor,
                              done_ops=done_ops, view_digest=named.digest if named is not None else None,
-                             agreed=e.witnessed)
+                             agreed=e.witnessed, holding=e.holding)
 
     def _publish(self, w: Worker) -> None:
         node = self.sim.nodes[w.node]
@@ -434,7 +440,7 @@ class GroupSimulation:
         """Every live worker's driver looks once; the next look is due a tick later."""
         self.sim.at(round(self.sim.now + TICK, 6), self._tick)
         for w in list(self.workers.values()):
-            if w.crashed or w.gone or w.hung:
+            if w.crashed or w.gone or w.hung or self.sim.now < w.busy_until:
                 continue
             if not w.joined:
                 if self.sim.nodes[w.node].protocol.num_members() < 2:
@@ -478,8 +484,10 @@ class GroupSimulation:
             elif isinstance(action, Fetch):
                 owner = self.by_id.get(action.member)
                 members = None
-                if owner is not None and not owner.crashed and not self._cut_off(w, owner):
+                if owner is not None and not (owner.crashed or owner.hung or self._cut_off(w, owner)):
                     members = self.store.get((owner.node, action.key))
+                else:
+                    w.busy_until = max(w.busy_until, self.sim.now + FETCH_TIMEOUT_S)
                 w.engine.fetched_proposal(action.key, members)
             elif isinstance(action, Announce):
                 node = self.sim.nodes[w.node]
@@ -489,10 +497,46 @@ class GroupSimulation:
                 node = self.sim.nodes[w.node]
                 node.protocol.sync_with(action.member, self.sim.now)
                 self.sim._after(node)
+            elif isinstance(action, ProbeGroup):
+                self._recontact_seeds(w)
+                w.engine.group_probed(action.members is not None and self._group_gone(w, action.members))
             elif isinstance(action, Rejoined):
                 self.log.append(f"{self.sim.now:.3f} {w.engine.id} rejoins: {action.why}")
             elif isinstance(action, Form):
                 self._enter(w, action.view)
+
+    def _recontact_seeds(self, w: Worker) -> None:
+        """GossipNode.recontact_seeds: a join request to each worker (its seeds: the workers a
+        joiner may join through) that is not a live member in ``w``'s table."""
+        protocol = self.sim.nodes[w.node].protocol
+        live = {member_id for member_id, state, _, _ in protocol.member_states() if state in ("alive", "suspect")}
+        for x in self._live():
+            if x is not w and x.engine.id not in live:
+                self.sim.join_through(w.node, x.node)
+
+    def _group_gone(self, w: Worker, members: tuple[str, ...]) -> bool:
+        """Lifecycle.group_gone: every worker in ``w``'s table that held a view and has not
+        left, and every one of ``members`` it has no record of, refuses a connection: its
+        process is gone (crashed, or left and exited) and its node is reachable from ``w``.
+        A hung one, or one cut off, does not answer (and ``w``'s driver waits
+        ``PROBE_TIMEOUT_S`` for it)."""
+        gone, targets, listed = True, [], set()
+        for member_id, state, metadata, _ in self.sim.nodes[w.node].protocol.member_states():
+            listed.add(member_id)
+            status = self._status(member_id, state, metadata)
+            if member_id == w.engine.id or status is None or status.left or status.last_view == 0:
+                continue
+            targets.append(member_id)
+        unlisted = [m for m in members if m not in listed]
+        for member_id in targets + unlisted:
+            other = self.by_id.get(member_id)
+            if other is None or not (other.crashed or other.gone) or self._cut_off(w, other):
+                gone = False
+                if other is not None and member_id in unlisted:
+                    self.sim.join_through(w.node, other.node)  # Lifecycle.group_gone contacts it
+        if not gone:
+            w.busy_until = max(w.busy_until, self.sim.now + PROBE_TIMEOUT_S)
+        return gone
 
     def _agree(self, w: Worker) -> None:
         self._perform(w, w.engine.agree(self.sim.now, self._statuses(w)))

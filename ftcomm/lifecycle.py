@@ -16,6 +16,7 @@ Every action the core returns is carried out in one place, :meth:`Lifecycle.perf
 from __future__ import annotations
 
 import collections
+import ipaddress
 import logging
 import statistics
 import time
@@ -25,10 +26,11 @@ import torch
 
 from . import engine as core
 from .backends.base import AbortSignal, Communicator
-from .engine import Announce, Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
+from .engine import Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Rejoined, Sync
 from .errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
                      MembershipChanged, QuorumLost)
 from .gossip import GossipNode
+from .gossip.addresses import parse_address
 from .news import GossipNews
 from .options import GroupOptions, ViewChange
 from .rendezvous import Rendezvous, refused_many
@@ -45,6 +47,17 @@ STALL_WINDOW = 20
 CRASH_SETTLE_S = 0.15
 """After a broken connection, how long a member's port that still accepts is tried again
 before the member is taken for alive (see :func:`ftcomm.rendezvous.refused`)."""
+
+
+def member_address(member_id: str) -> tuple[str, int] | None:
+    """The gossip address a member id names (``IPV4:PORT/nonce``), or None for anything else
+    (a member list is authenticated and hashed, but its ids are still not trusted)."""
+    try:
+        host, port = parse_address(member_id)
+        ipaddress.IPv4Address(host)
+    except (ValueError, TypeError):
+        return None
+    return (host, port) if 0 < port <= 65535 else None
 
 
 class Lifecycle:
@@ -187,12 +200,16 @@ class Lifecycle:
             elif isinstance(action, Fetch):
                 members = None
                 if addresses and action.member in addresses:
-                    members = self.rendezvous.fetch_proposal(*addresses[action.member], *action.key)
+                    members = self.rendezvous.fetch_proposal(*addresses[action.member], *action.key,
+                                                             timeout=core.FETCH_TIMEOUT_S)
                 self.engine.fetched_proposal(action.key, members)
             elif isinstance(action, Announce):
                 self.gossip.announce(action.members)
             elif isinstance(action, Sync):
                 self.gossip.sync(action.member)
+            elif isinstance(action, ProbeGroup):
+                self.gossip.recontact_seeds()
+                self.engine.group_probed(action.members is not None and self.group_gone(action.members))
             elif isinstance(action, Rejoined):
                 log.warning("rejoining the group as a new member: %s", action.why)
                 self.rejoined = True
@@ -391,8 +408,35 @@ class Lifecycle:
         if self.engine.state in (core.LEAVING, core.CLOSED):
             raise FtcommError("the group was shut down")
 
+    def group_gone(self, members: Iterable[str]) -> bool:
+        """Whether every worker of this job that held a view and has not left refuses
+        connections: those in the gossip table (answered or not) at their rendezvous port,
+        ``members`` it has no record of at the gossip port their id names (and those that do
+        not refuse get a join request: they may be alive and never told of this worker).
+        Refused: the process is gone. One that does not answer may be across a partition
+        (see Engine._may_found)."""
+        targets, listed = [], set()
+        for m in self.gossip.members():
+            listed.add(m.id)
+            status = Status.from_metadata(m.id, m.state, m.metadata)
+            if m.id == self.engine.id or status is None or status.left or status.config != self.engine.config \
+                    or status.last_view == 0:
+                continue
+            targets.append((m.host, status.rendezvous_port if status.rendezvous_port is not None else m.port))
+        unlisted = [a for a in (member_address(m) for m in members if m not in listed) if a is not None]
+        refused = refused_many(targets + unlisted, core.PROBE_TIMEOUT_S)
+        for address, gone in zip(unlisted, refused[len(targets):]):
+            if not gone:
+                self.gossip.contact(address)  # it may be alive: gossip never told it about this worker
+        return all(refused)
+
     def raise_stuck(self) -> None:
         view = self.view
+        if view is None and self.engine.holding:
+            raise FtcommTimeout(
+                f"this worker saw a group but none of its members is live here, and not all of them are "
+                f"gone for sure (some do not answer: across a partition?); with partition_policy='quorum' "
+                f"it founds no second group")
         if view is None or self.engine.state == core.JOINING:
             raise FtcommTimeout(
                 f"no view with at least min_workers={self.engine.min_workers} members could be agreed "
@@ -433,7 +477,7 @@ class Lifecycle:
         return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, engine.config,
                              self._step(), self.rendezvous.port, engine.floor, self._settings, done_ops,
                              self._insecure, named.digest if named is not None else None, self._compute.median(),
-                             engine.benched, engine.aside, engine.witnessed)
+                             engine.benched, engine.aside, engine.witnessed, engine.holding)
 
     def publish(self) -> None:
         self._last_publish = time.monotonic()

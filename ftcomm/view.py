@@ -95,7 +95,7 @@ class Status:
     dead: bool = False  # gossip state is dead (confirmed failed; suspect is neither alive nor dead)
     compute_s: float | None = None  # median compute time of its recent gradient steps (see ftcomm.stragglers)
     benched: int | None = None  # a straggler (straggler_policy "exclude"): the view it stood aside from, until it forms a newer one
-    aside: bool = False  # standing aside now (its cooldown is not over)
+    aside: bool = False  # standing aside now (its cooldown is not over), or a joiner holding back (Engine._may_found)
     agreed: tuple[int, str] | None = None  # as rank 0 of this proposal, it saw every member make it (ftcomm.engine)
 
     @property
@@ -140,6 +140,8 @@ class Status:
         if _is_int(meta.get("bn")) and 0 < meta["bn"] <= MAX_VIEW_ID:
             extra["benched"] = meta["bn"]
             extra["aside"] = meta.get("ba") is True
+        if meta.get("hd") is True:
+            extra["aside"] = True  # a joiner holding back: no candidate view includes it
         agreed = meta.get("ag")
         if (isinstance(agreed, (list, tuple)) and len(agreed) == 2 and _is_int(agreed[0])
                 and 0 < agreed[0] <= MAX_VIEW_ID and isinstance(agreed[1], str) and len(agreed[1]) <= 64):
@@ -160,8 +162,9 @@ def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | Non
                   done_ops: tuple[int, int] | None = None, insecure: bool = False,
                   view_digest: str | None = None, compute_s: float | None = None,
                   benched: int | None = None, aside: bool = False,
-                  agreed: tuple[int, str] | None = None) -> dict:
-    """The metadata record :meth:`Status.from_metadata` decodes."""
+                  agreed: tuple[int, str] | None = None, holding: bool = False) -> dict:
+    """The metadata record :meth:`Status.from_metadata` decodes. ``holding``: a joiner that
+    founds no group (see :meth:`ftcomm.engine.Engine._may_found`) reads as standing aside."""
     meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
     if compute_s is not None:
         meta["ct"] = min(MAX_COMPUTE_MS, max(0, round(compute_s * 1000)))
@@ -183,6 +186,8 @@ def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | Non
             meta["ba"] = True
     if agreed is not None:
         meta["ag"] = list(agreed)
+    if holding:
+        meta["hd"] = True
     return meta
 
 

@@ -98,14 +98,39 @@ def test_a_joiner_fetches_the_proposal_then_adopts_it():
     key = (2, View(2, ("a", "b", "j")).digest)
     statuses = {"a": status("a", cv=1, proposal=key), "b": status("b", cv=1, proposal=key),
                 "j": status("j", JOINING, joined_at=5.0)}
-    assert e.agree(0.0, statuses) == [Fetch("a", key), Fetch("b", key)]
-    assert e.agree(0.01, statuses) == []  # asked a moment ago
-    e.fetched_proposal(key, None)  # not stored there yet
-    assert Fetch("a", key) in e.agree(0.07, statuses)
+    assert e.agree(0.0, statuses) == [Fetch("a", key)]  # one read per proposal and look
+    e.fetched_proposal(key, None)  # no answer (not stored yet, or "a" died since it proposed)
+    assert e.agree(0.01, statuses) == [Fetch("b", key)]  # the proposer not asked yet
+    e.fetched_proposal(key, None)
+    assert e.agree(0.02, statuses) == []  # both asked a moment ago
+    assert e.agree(0.07, statuses) == [Fetch("a", key)]  # then again, the one asked longest ago first
     e.fetched_proposal(key, ("a", "b", "j"))
     assert e.agree(0.08, statuses) == [Publish(), Announce(("a", "b", "j"))] and e.proposal == key
     statuses["j"] = status("j", JOINING, joined_at=5.0, proposal=key)
     assert e.agree(0.09, statuses) == [Form(View(2, ("a", "b", "j")))]
+
+
+def test_a_joiner_asks_the_proposers_in_turn_while_one_of_them_does_not_answer():
+    """A proposer died after it proposed, before gossip says so: each read from it gets no
+    answer (the driver gives up after FETCH_TIMEOUT_S). The joiner asks the other proposer
+    next and adopts the view the survivors wait on it for."""
+    e = engine("j", joined_at=5.0)
+    key = (5, View(5, ("a", "b", "j")).digest)
+    statuses = {"a": status("a", cv=4, proposal=key), "b": status("b", cv=4, proposal=key),
+                "j": status("j", JOINING, joined_at=5.0)}
+    dead, now, asked = "a", 0.0, []
+    for _ in range(10):
+        actions = e.agree(now, statuses)
+        fetches = [a for a in actions if isinstance(a, Fetch)]
+        assert len(fetches) <= 1
+        for fetch in fetches:
+            asked.append(fetch.member)
+            e.fetched_proposal(fetch.key, None if fetch.member == dead else ("a", "b", "j"))
+            now += core.FETCH_TIMEOUT_S if fetch.member == dead else 0.001
+        if e.proposal == key:
+            break
+        now += 0.02
+    assert asked == ["a", "b"] and e.proposal == key
 
 
 def with_proposal(s: Status, key, agreed=None) -> Status:
@@ -182,10 +207,21 @@ def test_a_joiner_that_saw_the_group_but_reaches_none_of_its_members_founds_noth
     for t in range(20):  # well past the settle interval
         assert e.agree(t * 0.05, unreachable) == []
     assert e.seen_view == 2 and e.proposal is None and e.state == core.JOINING
-    # Once that member is known dead (an old job's last worker, say), nothing holds it back.
+    # Once that member is known dead it still founds nothing: it never read who the group's
+    # members are, so nothing can show them all gone. It holds back, and its record says
+    # so (no candidate view includes it: a fresh worker beside it is not held up).
+    # Each chase interval it has its seeds contacted again (ProbeGroup without a list);
+    # even an answer "all gone" cannot show the members it never knew gone.
     gone = {**unreachable, "a": Status(**{**unreachable["a"].__dict__, "dead": True})}
-    actions, _ = agree_until_form(e, gone, start=1.0)
-    assert isinstance(actions[-1], Form) and actions[-1].view.members == ("j",)
+    assert e.agree(1.0, gone) == [Publish()] and e.holding
+    probes = []
+    for t in range(20):
+        actions = e.agree(1.01 + t * 0.1, gone)
+        probes += actions
+        assert actions in ([], [core.ProbeGroup(None)])
+        e.group_probed(True)
+    assert len(probes) == 4  # every 0.6 s over 2 s
+    assert e.proposal is None and e.state == core.JOINING and not e.group_gone
     # Without that sight it founds a group of its own, as the first worker of a job does.
     fresh = engine("j", joined_at=5.0)
     actions, _ = agree_until_form(fresh, {"j": status("j", JOINING, joined_at=5.0)})
@@ -407,3 +443,53 @@ def test_two_groups_founded_apart_notice_each_other_when_their_gossip_merges():
     loser, winner = sorted([a, b], key=lambda e: e.view.digest)
     assert loser.damage("metadata", winner.id, _record(winner), 0).fault == "superseded"
     assert winner.damage("metadata", loser.id, _record(loser), 0) is None
+
+
+def test_a_joiner_whose_only_contact_left_founds_only_once_the_group_is_gone_for_sure():
+    """It saw the group through "a" alone and read the member list of its view; "a" left.
+    Gossip shows no live member, but "b" and "c" may be alive out of its sight: it asks
+    the driver to probe them (and to contact them) each chase interval, and founds a group
+    only when the driver answers that they are all gone. With the availability policy it
+    founds at once."""
+    def run(policy: str) -> tuple[Engine, dict, float]:
+        e = engine("j", joined_at=5.0, partition_policy=policy)
+        key = (4, View(4, ("a", "b", "c")).digest)
+        statuses = {"a": status("a", cv=4, proposal=key), "j": status("j", JOINING, joined_at=5.0)}
+        assert e.agree(0.0, statuses) == [Fetch("a", key)]
+        e.fetched_proposal(key, ("a", "b", "c"))
+        assert e.agree(0.01, statuses) == []  # a view without it: it waits to be admitted
+        statuses["a"] = Status("a", False, True, LEAVING, 0, None, 0.0, CFG, rendezvous_port=4000, done_ops=(4, 9))
+        return e, statuses, 0.02
+
+    e, statuses, now = run("quorum")
+    assert e.agree(now, statuses) == [Publish()] and e.holding  # its record: holding back
+    assert e.agree(now + 0.01, statuses) == [core.ProbeGroup(("a", "b", "c"))]
+    e.group_probed(False)  # "b" does not answer
+    assert e.agree(now + 0.1, statuses) == []
+    assert e.agree(now + 0.7, statuses) == [core.ProbeGroup(("a", "b", "c"))]
+    e.group_probed(True)
+    assert e.agree(now + 0.71, statuses) == [Publish()] and not e.holding
+    actions, _ = agree_until_form(e, statuses, now + 0.72)
+    assert Form(View(1, ("j",))) in actions
+
+    e, statuses, now = run("availability")
+    actions, _ = agree_until_form(e, statuses, now)
+    assert not any(isinstance(a, core.ProbeGroup) for a in actions) and Form(View(1, ("j",))) in actions
+
+
+def test_a_fetched_member_list_that_does_not_match_its_digest_is_dropped():
+    e = engine("j")
+    key = (2, View(2, ("a", "j")).digest)
+    e.fetched_proposal(key, ("a", "127.0.0.1:99999/forged"))
+    assert key not in e.fetched
+    e.fetched_proposal(key, ("a", "j"))
+    assert e.fetched[key] == ("a", "j")
+
+
+def test_a_joiner_holding_back_reads_as_standing_aside():
+    """Its record keeps it out of a fresh worker's candidate view."""
+    from ftcomm.view import candidate, encode_status
+    held = Status.from_metadata("j", "alive", encode_status(JOINING, 0, None, 1.0, CFG, 0, 4000, holding=True))
+    fresh = Status.from_metadata("f", "alive", encode_status(JOINING, 0, None, 2.0, CFG, 0, 4001))
+    assert held.aside and not fresh.aside
+    assert candidate("f", None, {"j": held, "f": fresh}, CFG, None).members == ("f",)

@@ -116,8 +116,27 @@ def test_a_joiner_that_cannot_reach_the_group_founds_none(monkeypatch):
     cases = [(seed, gap) for seed in range(4) for gap in (0.0005, 0.001, 0.002)]
     assert all(join_then_cut_off(seed, gap).ok for seed, gap in cases)
     monkeypatch.setattr(core.Engine, "_group_seen", lambda self: False)
+    # Once the member it saw is no longer live here, the joiner founds nothing either
+    # until the group's members are gone for sure (see the next test).
+    assert all(join_then_cut_off(seed, gap).ok for seed, gap in cases)
+    monkeypatch.setattr(core.Engine, "_may_found", lambda self: True)
     violations = [o for o in (join_then_cut_off(seed, gap) for seed, gap in cases) if not o.ok]
     assert violations and "commits step 1 in view 1 on the minority side" in violations[0].violation
+
+
+def test_a_joiner_whose_only_contact_is_gone_founds_nothing_while_the_group_may_live(monkeypatch):
+    """Seeds where a worker joined through a member cut off from the rest of the group;
+    that member, having declared the others dead, then left, crashed or hung. The joiner
+    saw no live member any more and founded a group of its own beside the one that lived
+    on (two groups committing the same steps). Now it founds one only when every member
+    of the group is gone for sure (refuses a connection), and sends a join request to the
+    members of the view it read that it had never heard from: they admit it."""
+    seeds = [10027, 11074, 11879]
+    outcomes = run_seeds(seeds)
+    assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
+    monkeypatch.setattr(core.Engine, "_may_found", lambda self: True)
+    violations = [o for o in run_seeds(seeds) if not o.ok]
+    assert len(violations) == 3 and all("invariant 4" in o.violation for o in violations)
 
 
 def test_a_view_that_formed_only_on_a_member_that_died_does_not_hold_the_others_back(monkeypatch):
@@ -127,12 +146,35 @@ def test_a_view_that_formed_only_on_a_member_that_died_does_not_hold_the_others_
     but a joiner took no proposal from a member whose current view was older than the
     newest record, and they waited on each other for ever. A member that entered the
     view is not left out of it."""
-    seeds = [4530, 5203]
+    seeds = [4530, 12348]
     outcomes = run_seeds(seeds)
     assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
     monkeypatch.setattr(core.Engine, "_holds_newest", staticmethod(lambda status, newest: status.current_view >= newest))
     violations = [o for o in run_seeds(seeds) if not o.ok]
     assert len(violations) == 2 and all("invariant 6" in o.violation for o in violations)
+
+
+def join_through_a_lost_node_then_crash(seed: int, after: float, crash: float, n: int = 3) -> groupsim.Outcome:
+    """A node loss cuts worker 0 off; ``after`` seconds later a worker joins through it
+    (only it: the lost node is the one it can reach); ``crash`` seconds later worker 0
+    crashes, before or after the joiner read its view's member list."""
+    faults = [(3.0, "node_loss", {"length": 15.0, "pick": 0.0, "split": 0.0}), (3.0 + after, "join", {"pick": 0.0}),
+              (3.0 + after + crash, "crash", {"pick": 0.0})]
+    return GroupSimulation(seed, n=n, faults=faults, loss=0.0).run()
+
+
+def test_a_joiner_whose_only_contact_crashes_founds_nothing_and_finds_the_group(monkeypatch):
+    """The joiner's only contact, cut off from the group, crashed; the joiner had seen it
+    run a view, and may never have read that view's member list. Its process refuses, but
+    that proves only its own death. The joiner holds back (founding a group would commit
+    the group's steps again), has its seeds contacted again, and is admitted once the
+    group hears of it."""
+    cases = [(0, 7.0, 0.3), (1, 2.0, 0.005), (1, 4.0, 0.3), (1, 7.0, 1.0)]
+    outcomes = [join_through_a_lost_node_then_crash(*case) for case in cases]
+    assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
+    monkeypatch.setattr(core.Engine, "_may_found", lambda self: True)
+    violations = [o for o in (join_through_a_lost_node_then_crash(*case) for case in cases) if not o.ok]
+    assert len(violations) == len(cases) and all("two disjoint groups" in o.violation for o in violations)
 
 
 def winners_leave_while_cut_off(seed: int) -> groupsim.Outcome:

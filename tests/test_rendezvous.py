@@ -69,6 +69,35 @@ def test_gloo_forms_through_the_store_and_proposals_round_trip(store):
     assert out == {0: [3.0, 3.0], 1: [3.0, 3.0]}
 
 
+def test_a_proposal_read_from_a_worker_that_died_since_gives_up_after_its_own_bound():
+    """The reader keeps its connection; the owner's death closes nothing it would notice,
+    so the read waits for its bound, not the store timeout (a joiner's driver once sat out
+    a whole agreement on such a read)."""
+    reader, owner = Rendezvous("127.0.0.1", 30.0, SECRET), Rendezvous("127.0.0.1", 30.0, SECRET)
+    try:
+        owner.publish_proposal(7, "ab", ("a", "b"))
+        port = owner.port
+        assert reader.fetch_proposal("127.0.0.1", port, 7, "ab", timeout=0.2) == ("a", "b")
+        owner.close()
+        began = time.monotonic()
+        assert reader.fetch_proposal("127.0.0.1", port, 7, "ab", timeout=0.2) is None
+        assert time.monotonic() - began < 15.0  # half the store timeout: the read's own bound held
+        assert reader.fetch_proposal("127.0.0.1", port, 7, "ab", timeout=0.2) is None  # a new connection: refused
+    finally:
+        reader.close()
+        owner.close()
+
+
+def test_a_member_id_names_its_gossip_address_or_nothing():
+    from ftcomm.lifecycle import member_address
+
+    assert member_address("10.1.2.3:7946/ab12cd34") == ("10.1.2.3", 7946)
+    for forged in ("127.0.0.1:99999/x", "127.0.0.1:\u00b2/x", "a\x00b:7946/x", "[::1]:7946/x", "host:7946/x",
+                   "127.0.0.1:0/x", "no-port/x", ""):
+        assert member_address(forged) is None, forged
+    assert rendezvous.refused("127.0.0.1", 99999) is False  # not an address: nothing refused, nothing raised
+
+
 def test_it_listens_on_the_bind_address_only(store):
     endpoint = store._server._socket.getsockopt_string(zmq.LAST_ENDPOINT)
     assert endpoint == f"tcp://127.0.0.1:{store.port}"

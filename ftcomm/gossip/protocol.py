@@ -286,6 +286,13 @@ class Protocol:
         self.stats["push_pull_requested"] += 1
         return self._push_pull_message(False)
 
+    def contact(self, address: tuple[str, int], now: float) -> None:
+        """Send a join request (a push/pull) to whoever lives at ``address`` now: for a
+        member known by its address only, not from this table (see
+        :meth:`ftcomm.engine.Engine.group_probed`). Nothing happens when nobody answers."""
+        self._now = now
+        self._streams.append(StreamRequest(tuple(address), None, self._push_pull_message(join=True), "join"))
+
     def sync_with(self, member_id: str, now: float) -> bool:
         """Exchange full state with one member now (a push/pull), outside the periodic ones.
 

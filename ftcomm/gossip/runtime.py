@@ -294,6 +294,10 @@ class GossipNode:
         """Exchange full state with one member now; see :meth:`Protocol.sync_with`."""
         self._call(lambda p: p.sync_with(member_id, self._now()))
 
+    def contact(self, address: tuple[str, int]) -> None:
+        """Send a join request to ``address`` now (non-blocking); see :meth:`Protocol.contact`."""
+        self._call(lambda p: p.contact(address, self._now()))
+
     def stats(self) -> dict[str, int]:
         """Protocol counters (datagrams, bytes, drops by reason, ...)."""
         return self._query(lambda p: dict(p.stats))
@@ -573,16 +577,28 @@ class GossipNode:
         that is not a live member known here."""
         while True:
             await asyncio.sleep(self.config.dns_refresh_interval)
-            try:
-                addresses = await self._resolve_seeds()
-            except Exception as exc:  # noqa: BLE001 - a resolver failure must not end the loop
-                self._contain("rediscover", exc)
-                continue
-            known = {(m.host, m.port) for m in self._protocol.members() if m.state in ("alive", "suspect")}
-            for address in addresses:
-                if address != (self.host, self.port) and address not in known:
-                    self._protocol.stats["rediscovered"] += 1
-                    self._spawn(self._push_pull(address, self._protocol.join_request(self._now())))
+            await self._recontact()
+
+    async def _recontact(self) -> None:
+        """A join request to each seed address that is not a live member known here."""
+        try:
+            addresses = await self._resolve_seeds()
+        except Exception as exc:  # noqa: BLE001 - a resolver failure must not end the loop
+            self._contain("rediscover", exc)
+            return
+        known = {(m.host, m.port) for m in self._protocol.members() if m.state in ("alive", "suspect")}
+        for address in addresses:
+            if address != (self.host, self.port) and address not in known:
+                self._protocol.stats["rediscovered"] += 1
+                self._spawn(self._push_pull(address, self._protocol.join_request(self._now())))
+
+    def recontact_seeds(self) -> None:
+        """Send a join request to each seed that is not a live member known here (non-blocking):
+        for a member whose table lost sight of the others (see
+        :meth:`ftcomm.engine.Engine._may_found`)."""
+        if self._loop is None or self._stopped.is_set():
+            raise GossipError("the gossip node is not running")
+        self._loop.call_soon_threadsafe(lambda: self._spawn(self._recontact()))
 
 
 def query_members(peer: str | tuple[str, int], *, cluster: str = "ftcomm", secret: str | bytes | None = None,

@@ -186,6 +186,24 @@ def test_push_pull_merges_a_divergent_table():
     assert a.member(member_id(3)).incarnation == 7 and b.member(member_id(2)).metadata == b"c"
 
 
+def test_contact_sends_a_join_request_to_an_address_outside_the_table():
+    """A member known by its address only (not in the table) is sent a join request; its
+    answer confirms it and merges both tables."""
+    from ftcomm.gossip.protocol import Protocol
+
+    a = Protocol(member_id(0), *address(0), seed=1)
+    b = Protocol(member_id(1), *address(1), seed=2)
+    a.start(0.0)
+    b.start(0.0)
+    a.take_stream_requests()
+    a.contact(address(1), 1.0)
+    [request] = a.take_stream_requests()
+    assert request.address == address(1) and request.target is None and request.purpose == "join"
+    assert a.handle_stream_reply(b.handle_stream(request.data, 1.0), 1.0, request.address)
+    assert a.member(member_id(1)).state == "alive" and a.member(member_id(1)).confirmed
+    assert b.member(member_id(0)).state == "alive"
+
+
 def test_metadata_change_reaches_every_member():
     net = MiniNet(20)
     net.run(0.5)
