@@ -294,10 +294,9 @@ class Engine:
                 if now - self._probed_at < self.chase_interval:
                     return []
                 self._probed_at = now
-                known = [(key[0], members) for key, members in self.fetched.items() if key[0] >= self.saw_group]
                 # Without the group's member list nothing can show the group gone: the probe
                 # only contacts its seeds again.
-                return [ProbeGroup(max(known)[1] if known else None)]
+                return [ProbeGroup(self._group_members())]
         previous = self.view if self.state == AGREEING else None
         entered = self.entered_view
         if previous is not None and entered is not None and entered.id > previous.id and any(
@@ -385,10 +384,15 @@ class Engine:
         return (self.lost is not None or not self.saw_group or self.group_gone
                 or self.partition_policy == "availability")
 
+    def _group_members(self) -> tuple[str, ...] | None:
+        """The members of the newest view of the group it saw whose list it read, if any."""
+        known = [(key[0], members) for key, members in self.fetched.items() if key[0] >= self.saw_group]
+        return max(known)[1] if known else None
+
     def group_probed(self, gone: bool) -> None:
         """The answer to a :class:`ProbeGroup` (one without a member list never shows the
         group gone)."""
-        self.group_gone = gone and any(key[0] >= self.saw_group for key in self.fetched)
+        self.group_gone = gone and self._group_members() is not None
 
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
         """A member left out of a newer view sees no live group to join. It founds one only
