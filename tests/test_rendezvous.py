@@ -72,16 +72,15 @@ def test_gloo_forms_through_the_store_and_proposals_round_trip(store):
 def test_a_proposal_read_from_a_worker_that_died_since_gives_up_after_its_own_bound():
     """The reader keeps its connection; the owner's death closes nothing it would notice,
     so the read waits for its bound, not the store timeout (a joiner's driver once sat out
-    a whole agreement on such a read)."""
-    reader, owner = Rendezvous("127.0.0.1", 30.0, SECRET), Rendezvous("127.0.0.1", 30.0, SECRET)
+    a whole agreement on such a read). The store timeout here outlasts the test's own
+    limit: the read returning at all shows its bound held."""
+    reader, owner = Rendezvous("127.0.0.1", 300.0, SECRET), Rendezvous("127.0.0.1", 300.0, SECRET)
     try:
         owner.publish_proposal(7, "ab", ("a", "b"))
         port = owner.port
         assert reader.fetch_proposal("127.0.0.1", port, 7, "ab", timeout=0.2) == ("a", "b")
         owner.close()
-        began = time.monotonic()
         assert reader.fetch_proposal("127.0.0.1", port, 7, "ab", timeout=0.2) is None
-        assert time.monotonic() - began < 15.0  # half the store timeout: the read's own bound held
         assert reader.fetch_proposal("127.0.0.1", port, 7, "ab", timeout=0.2) is None  # a new connection: refused
     finally:
         reader.close()
