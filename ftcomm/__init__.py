@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 import importlib
 
 from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
-                     MembershipChanged, NcclUnavailable, QuorumLost, RetryLimitExceeded, SecretRequired, StateError)
+                     MembershipChanged, NcclUnavailable, NotInView, QuorumLost, RetryLimitExceeded, SecretRequired,
+                     StateError)
 from . import netif
 from .backends import BACKENDS
 from .gossip import GossipConfig
@@ -54,7 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup",
     "FlashCheckpointer", "FtcommError", "FtcommTimeout", "GroupOptions", "LinearLRScaling", "MembershipChanged",
-    "NcclUnavailable", "QuorumLost", "RetryLimitExceeded", "SecretRequired", "StateError", "View", "ViewChange", "init",
+    "NcclUnavailable", "NotInView", "QuorumLost", "RetryLimitExceeded", "SecretRequired", "StateError", "View", "ViewChange", "init",
 ]
 
 

@@ -7,14 +7,20 @@ rendezvous store, fetch one from a peer, sync with a lagging peer, form a view, 
 No threads, sockets, clocks or torch: :mod:`ftcomm.group` drives it with real gossip and
 communicators, :mod:`ftcomm.groupsim` with simulated ones, unchanged.
 
-States and transitions (anything else raises :class:`IllegalTransition`)::
+States and transitions are the table :data:`TRANSITIONS` (anything else raises
+:class:`IllegalTransition`); docs/ARCHITECTURE.md draws it (:func:`state_diagram`)::
 
-    JOINING ----agreed----> FORMING ---formed---> RECONCILING ---reconciled---> RUNNING
-    AGREEING ---agreed----> FORMING ---failed---> AGREEING (had a view) | JOINING
-    RUNNING ----broken----> AGREEING              RECONCILING ---broken---> AGREEING
-    AGREEING | RUNNING ---superseded---> JOINING  (a newer view exists without it)
-    RUNNING ----bench-----> JOINING               (a straggler stands aside, then rejoins)
-    any state but CLOSED ---leave---> LEAVING ---closed---> CLOSED
+    JOINING ------agreed-----> FORMING ---formed---> RECONCILING ---reconciled---> RUNNING
+    JOINING <----release/hold----> HOLDING_BACK     (saw a group, none of it in sight)
+    AGREEING | REJOINING ---agreed---> FORMING
+    FORMING ---failed---> AGREEING (had a view) | JOINING (never had one) | REJOINING (lost it)
+    RECONCILING ---deferred---> RECONCILE_DUE ---reconciled---> RUNNING ---restored---> RECONCILE_DUE
+    RUNNING | RECONCILE_DUE ---failed---> BROKEN    (a collective failed)
+    RUNNING ---admit---> JOIN_DUE                  (the last step admitted a joiner)
+    RUNNING ---chosen---> ASIDE_DUE ---bench---> STANDING_ASIDE ---rested---> REJOINING
+    RECONCILING | RUNNING | RECONCILE_DUE | BROKEN | JOIN_DUE ---broken---> AGREEING (re-form)
+    AGREEING ---superseded---> REJOINING           (a newer view exists without it)
+    any state but LEAVING and CLOSED ---leave---> LEAVING ---closed---> CLOSED
 
 The published phase (``joining`` / ``active`` / ``leaving``) follows from the state and
 whether the member has formed a view: peers see a member that lost its view as a joiner.
@@ -25,26 +31,68 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .view import (ACTIVE, JOINING as PHASE_JOINING, LEAVING as PHASE_LEAVING, Candidate, Status, View, agreed,
-                   candidate, gone_from, has_quorum, superseded)
+from .view import (ACTIVE, JOINING as PHASE_JOINING, LEAVING as PHASE_LEAVING, Candidate, Status, StatusRecord, View,
+                   agreed, candidate, gone_from, has_quorum, superseded)
 
-JOINING, AGREEING, FORMING, RECONCILING, RUNNING, LEAVING, CLOSED = (
-    "JOINING", "AGREEING", "FORMING", "RECONCILING", "RUNNING", "LEAVING", "CLOSED")
+JOINING, HOLDING_BACK, STANDING_ASIDE, REJOINING = "JOINING", "HOLDING_BACK", "STANDING_ASIDE", "REJOINING"
+AGREEING, FORMING, RECONCILING, RUNNING, LEAVING, CLOSED = (
+    "AGREEING", "FORMING", "RECONCILING", "RUNNING", "LEAVING", "CLOSED")
+RECONCILE_DUE, BROKEN, JOIN_DUE, ASIDE_DUE = "RECONCILE_DUE", "BROKEN", "JOIN_DUE", "ASIDE_DUE"
+
+JOINERS = (JOINING, HOLDING_BACK, STANDING_ASIDE, REJOINING)
+"""The states of a member without a view: a fresh worker, one holding back (it saw a group
+none of whose members it can see now, see :meth:`Engine._may_found`), a straggler standing
+aside, and a member that lost its view (left out of a newer one, or back from standing
+aside: :attr:`Engine.lost` is that view)."""
+
+IN_VIEW = (RUNNING, RECONCILE_DUE, BROKEN, JOIN_DUE, ASIDE_DUE)
+"""The states of a member in a formed view, between two collectives: RUNNING (collectives
+may run), RECONCILE_DUE (the registered state is reconciled before the next one: it was
+registered after the view formed, or restored from a checkpoint), BROKEN (a collective
+failed, :attr:`Engine.fault` says why: re-form before the next one), JOIN_DUE (the last
+step admitted a joiner: re-form at this step boundary) and ASIDE_DUE (the last step chose
+this member to stand aside as a straggler: it does so at this boundary)."""
 
 TRANSITIONS: dict[tuple[str, str], str] = {
     (JOINING, "agreed"): FORMING,
+    (REJOINING, "agreed"): FORMING,
     (AGREEING, "agreed"): FORMING,
+    (JOINING, "hold"): HOLDING_BACK,
+    (HOLDING_BACK, "release"): JOINING,
     (FORMING, "formed"): RECONCILING,
-    (FORMING, "failed"): AGREEING,  # or JOINING when it has no view: see Engine.form_failed
+    (RECONCILING, "deferred"): RECONCILE_DUE,  # no state registered yet: before the first collective
+    (RECONCILE_DUE, "reconciled"): RUNNING,
+    (RUNNING, "failed"): BROKEN,
+    (RECONCILE_DUE, "failed"): BROKEN,
+    (RUNNING, "admit"): JOIN_DUE,
+    (RUNNING, "chosen"): ASIDE_DUE,
+    (ASIDE_DUE, "bench"): STANDING_ASIDE,
+    (RUNNING, "restored"): RECONCILE_DUE,
+    **{(state, "restored"): state for state in (RECONCILE_DUE, BROKEN, JOIN_DUE, ASIDE_DUE)},
+    (FORMING, "failed"): AGREEING,  # it had a view before
+    (FORMING, "failed joiner"): JOINING,  # it never had one
+    (FORMING, "failed rejoiner"): REJOINING,  # it lost its view before
     (RECONCILING, "reconciled"): RUNNING,
-    (RECONCILING, "broken"): AGREEING,
-    (RUNNING, "broken"): AGREEING,
-    (AGREEING, "superseded"): JOINING,
-    (RUNNING, "superseded"): JOINING,
-    (RUNNING, "bench"): JOINING,
+    **{(state, "broken"): AGREEING for state in (RECONCILING, RUNNING, RECONCILE_DUE, BROKEN, JOIN_DUE)},
+    (AGREEING, "superseded"): REJOINING,
+    (STANDING_ASIDE, "rested"): REJOINING,
     (LEAVING, "closed"): CLOSED,
-    **{(state, "leave"): LEAVING for state in (JOINING, AGREEING, FORMING, RECONCILING, RUNNING)},
+    **{(state, "leave"): LEAVING for state in (*JOINERS, AGREEING, FORMING, RECONCILING, *IN_VIEW)},
 }
+
+
+def state_diagram() -> str:
+    """The transition table as a Mermaid state diagram (docs/ARCHITECTURE.md holds its output).
+    Self-loops are left out; ``leave``, accepted in every state but LEAVING and CLOSED, is
+    drawn once."""
+    lines = ["stateDiagram-v2", f"    [*] --> {JOINING}"]
+    lines += [f"    {source} --> {target}: {event}" for (source, event), target in TRANSITIONS.items()
+              if source != target and event != "leave"]
+    leaving = [source for (source, event) in TRANSITIONS if event == "leave"]
+    lines += [f'    state "any state but {LEAVING} and {CLOSED}" as ANY', f"    ANY --> {LEAVING}: leave",
+              f"    {CLOSED} --> [*]"]
+    assert set(leaving) == {state for state, _ in TRANSITIONS} - {LEAVING}, "leave is accepted in every open state"
+    return "\n".join(lines)
 
 
 class IllegalTransition(RuntimeError):
@@ -156,7 +204,6 @@ class Engine:
     seen_view: int = 0  # the newest view of this group shown by a member not known to be gone (as of the last look)
     saw_group: int = 0  # as a joiner that never had a view: the newest view of a group it saw (see _may_found)
     group_gone: bool = False  # the driver's answer to the last ProbeGroup
-    holding: bool = False  # founds nothing now (see _may_found); its record says so, and no candidate includes it
     _probed_at: float = float("-inf")
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
     witnessed: tuple[int, str] | None = None  # as rank 0 of a large view: its proposal, seen made by every member
@@ -167,8 +214,12 @@ class Engine:
     _fetching: dict = field(default_factory=dict)  # (member, key) -> when asked
     _final_sync: float = float("-inf")  # see _fetch_final_records
     benched: int | None = None  # the view it stood aside from as a straggler, until it forms a newer one (see bench)
-    aside: bool = False  # standing aside now
-    _bench_ends: float = 0.0
+    aside_until: float = 0.0  # STANDING_ASIDE: when it asks to join again
+    fault: str | None = None  # BROKEN: why (crash, hang, leave, partition, superseded, backend)
+    formed_from: str | None = None  # the state it agreed from on entering FORMING (REJOINING: a rejoin)
+    settings: tuple = ()  # the settings that must match (SETTING_NAMES), named in a peer's mismatch error
+    rendezvous_port: int = 0  # where its rendezvous store serves (proposals, formation)
+    insecure: bool = False  # started without a secret on a reachable address
 
     # ------------------------------------------------------------------ transitions
     def _move(self, what: str) -> str:
@@ -177,6 +228,22 @@ class Engine:
             raise IllegalTransition(f"{self.id}: {what!r} in state {self.state}")
         self.state = target
         return target
+
+    @property
+    def holding(self) -> bool:
+        """HOLDING_BACK: it founds nothing now (see _may_found); its record says so, and no
+        candidate view includes it."""
+        return self.state == HOLDING_BACK
+
+    @property
+    def aside(self) -> bool:
+        """STANDING_ASIDE as a straggler: it proposes and adopts nothing until ``aside_until``."""
+        return self.state == STANDING_ASIDE
+
+    @property
+    def agreeing(self) -> bool:
+        """In a state that looks for a view to agree on (see :meth:`agree`)."""
+        return self.state in JOINERS or self.state == AGREEING
 
     @property
     def phase(self) -> str:
@@ -197,13 +264,54 @@ class Engine:
             return self.view
         return None
 
+    def record(self, step: int = 0, ops: int = 0, compute_s: float | None = None) -> StatusRecord:
+        """The status record this member publishes: ``step``, its committed steps; ``ops``, the
+        group operations it completed in its current view (a leaving member names them, see
+        :meth:`damage`); ``compute_s``, its median compute time (see ftcomm.stragglers)."""
+        named = self.published_view()
+        return StatusRecord(self.phase, self.current_view, self.proposal, self.joined_at, self.config, step,
+                            self.rendezvous_port, self.floor, self.settings,
+                            (named.id, ops) if named is not None and self.state == LEAVING else None,
+                            self.insecure, named.digest if named is not None else None, compute_s, self.benched,
+                            self.aside, self.witnessed, self.holding)
+
     def broken(self) -> list[Action]:
-        """The running view (or the one being reconciled) can no longer be used (or is to be
-        re-formed for a joiner). The proposal is withdrawn at once: a member of the view
+        """Re-agree: the view (the one being reconciled, or run) can no longer be used, or is
+        to be re-formed for a joiner. The proposal is withdrawn at once: a member of the view
         still finishing an operation of it learns that the view moved on."""
+        withdrawn = self.proposal is not None or self.witnessed is not None
         self._move("broken")
+        self.fault = None
         self._last, self.proposal, self.witnessed, self.vouched = None, None, None, frozenset()
-        return [Publish()]
+        return [Publish()] if withdrawn else []
+
+    def failed(self, fault: str) -> list[Action]:
+        """A collective of the view failed (``fault``: why, see :func:`classify`) outside a
+        gradient step: BROKEN, re-formed before the next collective. The proposal is
+        withdrawn now, so the others stop waiting on this member at once."""
+        withdrawn = self.proposal is not None or self.witnessed is not None
+        self._move("failed")
+        self.fault = fault
+        self.proposal, self.witnessed, self.vouched = None, None, frozenset()
+        return [Publish()] if withdrawn else []
+
+    def step_reduced(self, admit: bool, aside: bool) -> None:
+        """The verdict of a reduced gradient step, the same on every member of the view: it
+        admits a joiner at this step boundary (JOIN_DUE), or this member was chosen to stand
+        aside as a straggler (ASIDE_DUE; the others re-form without it, joiners included)."""
+        if aside:
+            self._move("chosen")
+        elif admit:
+            self._move("admit")
+
+    def deferred(self) -> None:
+        """The view formed before any state was registered: reconcile before the first collective."""
+        self._move("deferred")
+
+    def restored(self) -> None:
+        """The registered state was loaded (from a checkpoint) on this member only: reconcile
+        before the next collective (in a view that is to be re-formed anyway, nothing changes)."""
+        self._move("restored")
 
     def formed(self) -> list[Action]:
         """Every member formed and verified the communicator of the view being formed."""
@@ -216,9 +324,8 @@ class Engine:
     def form_failed(self) -> list[Action]:
         """Forming failed: withdraw the proposal (aborting the others' attempts) and never
         reuse its view id, so a retry cannot meet a stale attempt's rendezvous keys."""
-        self._move("failed")
-        if self.view is None:
-            self.state = JOINING
+        self._move("failed" if self.view is not None else "failed rejoiner" if self.lost is not None
+                   else "failed joiner")
         self.floor = max(self.floor, self.forming.id + 1)
         # The members that entered on its word learn at once that it gave up.
         actions = [Publish()] + ([Announce(self.forming.members)] if self.witnessed else [])
@@ -226,6 +333,7 @@ class Engine:
         return actions
 
     def reconciled(self) -> list[Action]:
+        """Every member of the view holds the same registered state: collectives may run."""
         self._move("reconciled")
         return []
 
@@ -245,44 +353,44 @@ class Engine:
         return [Rejoined(why), Publish()]
 
     def bench(self, now: float, seconds: float) -> list[Action]:
-        """This member is a straggler and stands aside (``straggler_policy="exclude"``): it
-        leaves its view (its record says from which one, so the others re-form without it
+        """This member, chosen by the last step (ASIDE_DUE), is a straggler and stands aside
+        (``straggler_policy="exclude"``): it leaves its view (its record says from which one, so the others re-form without it
         and count it as gone for the quorum), proposes and adopts nothing for ``seconds``,
         then asks to join again like any member that lost its view."""
         view = self.view
         actions = self._rejoin(f"standing aside as a straggler for {seconds:g} s", "bench")
-        self.benched, self.aside, self._bench_ends = view.id, True, now + seconds
+        self.benched, self.aside_until = view.id, now + seconds
         return actions
 
     # ------------------------------------------------------------------ agreement
     def agree(self, now: float, statuses: dict[str, Status]) -> list[Action]:
-        """One look at the membership while JOINING or AGREEING; see :mod:`ftcomm.view`.
+        """One look at the membership while :attr:`agreeing`; see :mod:`ftcomm.view`.
 
         Returns what to do now; the driver calls again when the membership changes (or
         after a short wait). Entering FORMING is signalled by a :class:`Form` action.
         """
-        if self.state not in (JOINING, AGREEING):
+        if not self.agreeing:
             raise IllegalTransition(f"{self.id}: agree in state {self.state}")
-        if self.aside:
-            if now < self._bench_ends:
+        if self.state == STANDING_ASIDE:
+            if now < self.aside_until:
                 return []
-            self.aside = False  # back: a joiner that lost its view (its record still names the view it left)
+            self._move("rested")  # back: a joiner that lost its view (its record still names the view it left)
             return [Publish()]
         own = statuses.get(self.id)
         if own is None:
             return []
         if self.state == AGREEING and self.view is not None and superseded(own, statuses, self.entered_view):
             return self._rejoin("a newer view exists without this worker")
-        if self.state == JOINING:
+        if self.state != AGREEING:
             self.seen_view = max([s.last_view for s in statuses.values()
                                   if s.id != self.id and s.config == self.config and not (s.left or s.dead)], default=0)
-            if self.seen_view > 0 and self.lost is None:
+            if self.seen_view > 0 and self.state != REJOINING:
                 self.saw_group, self.group_gone = max(self.saw_group, self.seen_view), False
             holding = not (self._group_exists(statuses) or self._group_seen() or self._may_found())
             if holding != self.holding:
                 # Holding back, it reads as standing aside: a fresh worker beside it would
                 # otherwise propose a view with it, and wait for it to agree.
-                self.holding = holding
+                self._move("hold" if holding else "release")
                 return [Publish()]
             if self._group_exists(statuses):
                 return self._adopt(now, statuses)
@@ -306,7 +414,7 @@ class Engine:
             # that view, not the older one, is what the group goes on from.
             previous = entered
         cand = candidate(self.id, previous, statuses, self.config, self.max_workers)
-        if self.state == JOINING and self.lost is not None and not self._may_refound(cand, statuses):
+        if self.state == REJOINING and not self._may_refound(cand, statuses):
             self._last = None
             return []
         if cand.view_id < self.floor:  # its own floor counts before gossip echoes its record
@@ -368,7 +476,7 @@ class Engine:
         be admitted. A group whose members all died or left no longer holds it back (a job
         restarted from scratch); one that lives on would see a second group commit its steps
         again from step 0."""
-        return self.lost is None and self.seen_view > 0
+        return self.state != REJOINING and self.seen_view > 0
 
     def _may_found(self) -> bool:
         """A joiner that never had a view and saw a group, none of whose members it sees live
@@ -381,7 +489,7 @@ class Engine:
         standing aside. A job restarted from scratch is not held back: new workers that know
         nothing of the old group found one without it, and it joins theirs. (A member that
         lost its view follows :meth:`_may_refound` instead.)"""
-        return (self.lost is not None or not self.saw_group or self.group_gone
+        return (self.state == REJOINING or not self.saw_group or self.group_gone
                 or self.partition_policy == "availability")
 
     def _group_members(self) -> tuple[str, ...] | None:
@@ -467,6 +575,7 @@ class Engine:
                    for s in statuses.values() if s.id != self.id)
 
     def _enter(self, view: View, statuses: dict[str, Status]) -> list[Action]:
+        self.formed_from = self.state
         self._move("agreed")
         self.forming = view
         if self.entered_view is None or view.id > self.entered_view.id:
@@ -517,11 +626,11 @@ class Engine:
         its current view. None: the view is not affected.
         """
         view = self.forming or self.view
-        if view is None or member == self.id or self.state in (JOINING, LEAVING, CLOSED):
+        if view is None or member == self.id or self.state in (*JOINERS, LEAVING, CLOSED):
             return None
         if member in view.member_set and kind in ("suspect", "dead", "left"):
             if (kind == "left" and status is not None and status.done_ops is not None and self.forming is None
-                    and self.state == RUNNING and status.done_ops[0] == view.id and status.done_ops[1] > ops_done):
+                    and self.state in IN_VIEW and status.done_ops[0] == view.id and status.done_ops[1] > ops_done):
                 return Damage(f"{member} left after completing the operation in flight", kind, defer=True)
             return Damage(f"{member} is {kind}", kind)
         if status is None or status.config != self.config or not status.alive:

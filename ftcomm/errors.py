@@ -44,7 +44,13 @@ class ConfigMismatch(FtcommError):
 
 
 class RetryLimitExceeded(FtcommError):
-    """``execute`` failed ``max_retries`` times in a row because the membership kept changing."""
+    """``execute``, or ``wait_gradients_ready``, failed more than ``max_retries`` times in a
+    row because the membership kept changing."""
+
+
+class NotInView(FtcommError):
+    """The worker is in no view right now (a straggler standing aside, a worker rejoining, a
+    group that was shut down): ``rank`` and ``world_size`` have no value."""
 
 
 class FtcommTimeout(FtcommError, TimeoutError):

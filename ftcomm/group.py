@@ -29,7 +29,7 @@ from . import engine as core
 from . import netcheck
 from .backends import communicator_class
 from .engine import Engine
-from .errors import CommunicatorError, FtcommTimeout, MembershipChanged
+from .errors import CommunicatorError, FtcommTimeout, MembershipChanged, NotInView
 from .gossip import GossipNode
 from .gossip.runtime import parse_address
 from .lifecycle import Lifecycle
@@ -75,11 +75,13 @@ class FaultTolerantGroup:
         host = check_addresses(host, peers)  # every plane uses this one IPv4 address
         secret = check_secret(secret)
         self.insecure = check_protection(host, secret, insecure)
+        rendezvous = Rendezvous(host, opts.formation_timeout, secret)
         engine = Engine("", self._config, min_workers, max_workers, opts.partition_policy, opts.settle_interval,
-                        3 * opts.gossip.gossip_interval, joined_at=time.time())
-        self._life = life = Lifecycle(engine, backend_class, Rendezvous(host, opts.formation_timeout, secret),
-                                      opts, tuple(self.settings[n] for n in core.SETTING_NAMES), self.insecure,
-                                      self._stragglers.compute, lambda: self.step)
+                        3 * opts.gossip.gossip_interval, joined_at=time.time(),
+                        settings=tuple(self.settings[n] for n in core.SETTING_NAMES),
+                        rendezvous_port=rendezvous.port, insecure=self.insecure)
+        self._life = life = Lifecycle(engine, backend_class, rendezvous, opts, self._stragglers.compute,
+                                      lambda: self.step)
         self._steps = StepProtocol(life, self.state, opts, self._stragglers, secret, min_workers)
         self.id = ""
         self._metrics = None
@@ -136,11 +138,24 @@ class FaultTolerantGroup:
 
     @property
     def rank(self) -> int:
-        return self._life.view.rank_of(self.id)
+        """This worker's rank in the current view (after ``shutdown``: in the view it left).
+        Raises NotInView while it is in none (a straggler standing aside, a worker that lost
+        its view and rejoins)."""
+        return self._in_view().rank_of(self.id)
 
     @property
     def world_size(self) -> int:
-        return self._life.view.size
+        """Members of the current view. Raises NotInView while this worker is in none."""
+        return self._in_view().size
+
+    def _in_view(self) -> View:
+        view = self._life.view  # read once: the training thread may leave it meanwhile
+        if view is None:
+            state = self._life.engine.state
+            why = "it stands aside as a straggler" if state == core.STANDING_ASIDE else "it is rejoining the group"
+            raise NotInView(f"this worker is in no view now ({why}); rank and world_size have a value again once "
+                            f"it joins one (its training thread does so inside its current call to the group)")
+        return view
 
     @property
     def gossip(self) -> GossipNode:
@@ -196,7 +211,7 @@ class FaultTolerantGroup:
         if step is not None:
             self.step = step
         if not same_everywhere:
-            self._life.needs_reconcile = True
+            self._life.engine.restored()
 
     # ------------------------------------------------------------------ training API
     def wait_gradients_ready(self, model_or_params: Any) -> bool:
@@ -207,7 +222,10 @@ class FaultTolerantGroup:
         and the registered state was reconciled across the new view before returning.
         Never hangs on a failed peer: a fault aborts the wait within milliseconds of
         gossip reporting it. Raises QuorumLost when this worker is cut off from the
-        majority for longer than ``quorum_timeout``.
+        majority for longer than ``quorum_timeout``, FtcommTimeout when no view forms
+        within it, ConfigMismatch when a worker joins with other settings or another model,
+        and RetryLimitExceeded when more than ``max_retries`` steps in a row failed and
+        re-formed (the membership keeps changing: every step is discarded).
 
         With ``overlap`` on, buckets are already being reduced during backward (hooks
         installed by the first call, so the first step is not overlapped) and this call
@@ -221,21 +239,36 @@ class FaultTolerantGroup:
         return self._steps.no_sync()
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` (which calls this group's collectives); on a membership fault re-form,
-        reconcile and retry, up to ``max_retries`` consecutive failures."""
+        """Run ``fn`` (which calls this group's collectives) and return its result. When a
+        collective inside fails because the membership changed (MembershipChanged), the
+        view is re-formed, the registered state reconciled and ``fn`` run again from the
+        start; after more than ``max_retries`` failures in a row it raises
+        RetryLimitExceeded. Raises what a re-formation raises (QuorumLost, FtcommTimeout,
+        ConfigMismatch) and whatever ``fn`` raises otherwise, unchanged."""
         return self._steps.execute(fn, args, kwargs)
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In place across the view. Raises MembershipChanged (caught by ``execute``) on a fault."""
+        """Reduce ``tensor`` in place across the view (``op``: sum, mean, max or min) and
+        return it. When a member of the view crashes, hangs or leaves meanwhile, the wait is
+        abandoned within milliseconds of the news and MembershipChanged is raised (the
+        tensor's contents are then undefined; ``execute`` catches it, re-forms and retries);
+        the view is re-formed before the next collective. Never blocks past the fault."""
         return self._steps.run(lambda: self._life.comm.allreduce([tensor], op))[0]
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Copy rank ``src``'s ``tensor`` into every member's, in place, and return it.
+        ValueError for a ``src`` that is not a rank of the view; on a fault as
+        :meth:`allreduce` (MembershipChanged, contents undefined)."""
         return self._steps.run(lambda: self._life.comm.broadcast(tensor, src))
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``tensor`` (same shape and dtype everywhere), in rank order. On a
+        fault as :meth:`allreduce` (MembershipChanged, nothing returned)."""
         return self._steps.run(lambda: self._life.comm.allgather(tensor))
 
     def barrier(self) -> None:
+        """Return once every member of the view reached it. On a fault as :meth:`allreduce`
+        (MembershipChanged): the members that passed it may be in a view without this one."""
         self._steps.run(lambda: self._life.comm.barrier())
 
     def shutdown(self) -> None:
@@ -258,8 +291,7 @@ class FaultTolerantGroup:
                                                self.options.network_check_factor)
         except (MembershipChanged, FtcommTimeout, CommunicatorError) as exc:
             log.warning("network check abandoned: %s", exc)
-            self._life.broken = "backend"
-            self._life.perform(self._life.engine.broken())  # withdraw the proposal: the others stop waiting at once
+            self._life.perform(self._life.engine.failed("backend"))  # the others stop waiting at once
             return
         netcheck.publish(self.network_report, os.environ.get("FTCOMM_NETWORK_REPORT"))
 

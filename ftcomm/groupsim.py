@@ -55,13 +55,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .engine import (AGREEING, ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, FORMING, JOINING, LEAVING, PROBE_TIMEOUT_S,
+from .engine import (ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, FORMING, PROBE_TIMEOUT_S,
                      RECONCILING, RUNNING, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal,
                      Rejoined, Sync, reconcile_source)
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
-from .view import Status, View, encode_status, gone_from, has_quorum
+from .view import Status, View, gone_from, has_quorum
 
 CONFIG = "simcfg"
 TICK = 0.02  # the driver looks at the membership this often (FaultTolerantGroup waits 20 ms)
@@ -190,7 +190,7 @@ class GroupSimulation:
     def _engine(self, member: str, node: int, now: float) -> Engine:
         return Engine(member, CONFIG, min_workers=1, settle_interval=0.05,
                       chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6,
-                      announce_limit=self.announce_limit)
+                      announce_limit=self.announce_limit, rendezvous_port=1)
 
     def _start_worker(self, node: int, now: float) -> Worker:
         member = self.sim.member_id(node)
@@ -422,11 +422,7 @@ class GroupSimulation:
 
     @staticmethod
     def _record(e: Engine, step: int, ops: int) -> dict:
-        named = e.published_view()
-        done_ops = (named.id, ops) if named is not None and e.state == LEAVING else None
-        return encode_status(e.phase, e.current_view, e.proposal, e.joined_at, CONFIG, step, 1, e.floor,
-                             done_ops=done_ops, view_digest=named.digest if named is not None else None,
-                             agreed=e.witnessed, holding=e.holding)
+        return e.record(step, ops).encode()
 
     def _publish(self, w: Worker) -> None:
         node = self.sim.nodes[w.node]
@@ -447,7 +443,7 @@ class GroupSimulation:
                     continue
                 w.joined = True
             state = w.engine.state
-            if state in (JOINING, AGREEING):
+            if w.engine.agreeing:
                 self._agree(w)
             elif state == FORMING:
                 self._forming(w)

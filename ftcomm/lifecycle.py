@@ -35,7 +35,7 @@ from .news import GossipNews
 from .options import GroupOptions, ViewChange
 from .rendezvous import Rendezvous, refused_many
 from .stragglers import ComputeTimes
-from .view import Status, View, encode_status
+from .view import Status, View
 
 log = logging.getLogger(__name__)
 
@@ -68,25 +68,20 @@ class Lifecycle:
     """
 
     def __init__(self, engine: Engine, backend: type, rendezvous: Rendezvous, options: GroupOptions,
-                 settings: tuple, insecure: bool, compute: ComputeTimes, step: Callable[[], int]) -> None:
+                 compute: ComputeTimes, step: Callable[[], int]) -> None:
         self.engine = engine
         self.options = options
         self._backend = backend
         self.rendezvous = rendezvous
-        self._settings = settings
-        self._insecure = insecure
         self._compute = compute
         self._step = step
         self.gossip: GossipNode | None = None  # attached once started (it publishes our first record)
         self.news = GossipNews(engine, lambda: self.gossip, lambda: self.ops, options.leave_grace, self._watch_stall)
         self.comm: Communicator | None = None  # the backend's communicator of the current view
         self.events: list[ViewChange] = []
-        self.broken: str | None = None  # the view failed (why): recover before the next collective
-        self.needs_reconcile = False  # the registered state must be reconciled before the next collective
         self.founding = False  # every member of the view founded the group and wants the network check
         self.started = False  # this worker began training (restored a checkpoint or ran a step)
         self.fresh = False  # no member of the view had begun training when it formed: it may restore
-        self.rejoined = False
         self.ops = 0  # group operations (collectives, gradient steps) completed in the current view
         self.op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
         self.contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
@@ -107,14 +102,15 @@ class Lifecycle:
     def recover(self, reason: str, detected_at: float, timeout: float | None,
                 reconcile: Callable[[], None]) -> ViewChange:
         """Agree on a new view, form and verify its communicator, ``reconcile`` the state
-        (raises MembershipChanged when the view breaks meanwhile); the view change."""
+        (it moves the engine on: RUNNING, or RECONCILE_DUE when no state is registered yet;
+        raises MembershipChanged when the view breaks meanwhile); the view change."""
         noticed = time.monotonic()
         fired_at, gave_up_at = self.abort.fired_at, self.abort.noticed_at
         abort_latency = round(gave_up_at - fired_at, 4) if fired_at is not None and gave_up_at is not None else None
         previous = self.view
         self.check_open()
         self.abandon()
-        if self.engine.state in (core.RUNNING, core.RECONCILING):
+        if self.engine.state in core.IN_VIEW or self.engine.state == core.RECONCILING:
             self.perform(self.engine.broken())
         deadline = noticed + (timeout if timeout is not None else self.options.quorum_timeout)
         while True:
@@ -144,19 +140,17 @@ class Lifecycle:
                 self.perform(self.engine.broken())
                 self.abandon()
                 continue
-            self.engine.reconciled()
             break
         done = time.monotonic()
         before = previous.members if previous else ()
-        reason = "rejoin" if self.rejoined else core.reason_for(reason, before, view.members, self.gossip_states())
-        self.rejoined = False
+        reason = ("rejoin" if self.engine.formed_from == core.REJOINING
+                  else core.reason_for(reason, before, view.members, self.gossip_states()))
         change = ViewChange(view.id, view.members, reason, tuple(m for m in view.members if m not in before),
                             tuple(m for m in before if m not in view.members), round(noticed - detected_at, 4),
                             round(agreed_at - started, 4), round(formed_at - agreed_at, 4), round(done - formed_at, 4),
                             time.time(), abort_latency)
         self.events.append(change)
         self.news.faults.clear()
-        self.broken = None
         self.op_began = time.monotonic()
         log.info("view %d: %d members (%s), rank %d; detect %.3f agree %.3f form %.3f reconcile %.3f s",
                  view.id, view.size, reason, view.rank_of(self.engine.id), change.detect_s, change.agree_s,
@@ -175,7 +169,7 @@ class Lifecycle:
             self.news.changed.clear()
             self.news.judge()
             statuses, addresses = self.statuses()
-            conflict = core.settings_conflict(engine, self._settings, statuses)
+            conflict = core.settings_conflict(engine, engine.settings, statuses)
             if conflict is not None:
                 raise ConfigMismatch(conflict)
             actions = engine.agree(now, statuses)
@@ -212,9 +206,7 @@ class Lifecycle:
                 self.engine.group_probed(action.members is not None and self.group_gone(action.members))
             elif isinstance(action, Rejoined):
                 log.warning("rejoining the group as a new member: %s", action.why)
-                self.rejoined = True
                 self.engine.joined_at = time.time()
-                self.needs_reconcile = True
             else:
                 raise core.IllegalTransition(f"the driver cannot perform {action!r} here")
 
@@ -268,7 +260,8 @@ class Lifecycle:
             self.comm = None
 
     def stand_aside(self, seconds: float) -> None:
-        """A straggler leaves its view for ``seconds`` (see Engine.bench); recover next."""
+        """A straggler chosen by the last step leaves its view for ``seconds`` (see
+        Engine.bench); recover next."""
         self.abandon()
         self.perform(self.engine.bench(time.monotonic(), seconds))
 
@@ -471,13 +464,7 @@ class Lifecycle:
                 for m in self.gossip.members()}
 
     def status_record(self) -> dict:
-        engine = self.engine
-        named = engine.published_view()
-        done_ops = (named.id, self.ops) if named is not None and engine.state == core.LEAVING else None
-        return encode_status(engine.phase, engine.current_view, engine.proposal, engine.joined_at, engine.config,
-                             self._step(), self.rendezvous.port, engine.floor, self._settings, done_ops,
-                             self._insecure, named.digest if named is not None else None, self._compute.median(),
-                             engine.benched, engine.aside, engine.witnessed, engine.holding)
+        return self.engine.record(self._step(), self.ops, self._compute.median()).encode()
 
     def publish(self) -> None:
         self._last_publish = time.monotonic()

@@ -36,7 +36,8 @@ class GroupOptions:
     ``QuorumLost``. Long enough to ride out a switch reboot; short enough to free the node."""
 
     max_retries: int = 5
-    """Consecutive re-formations ``execute`` tolerates before ``RetryLimitExceeded``."""
+    """Consecutive re-formations ``execute``, or failed steps of ``wait_gradients_ready``,
+    tolerated before ``RetryLimitExceeded``."""
 
     bucket_mb: float = 25.0
     """Size of the flat gradient buckets of ``wait_gradients_ready`` (one allreduce each;

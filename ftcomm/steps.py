@@ -44,15 +44,19 @@ class StepProtocol:
         self.closed = False
         self.owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         self.buckets: GradientBuckets | None = None
-        self.join_pending = False  # a joiner is admitted at the next step boundary
         self.state_replaced = False  # reconciling replaced this worker's state during the step
         self.step_lost = False  # a re-formation discarded the gradients backward was reducing
         self.reconciled_digest: int | None = None
+        self.failed_in_a_row = 0  # gradient steps that failed and re-formed since one completed
         self.waiting_since = time.monotonic()
 
     @property
     def rank(self) -> int:
         return self.life.view.rank_of(self.life.engine.id)
+
+    @property
+    def engine(self) -> core.Engine:
+        return self.life.engine
 
     # ------------------------------------------------------------------ entry points
     def boundary(self) -> None:
@@ -62,12 +66,12 @@ class StepProtocol:
             return
         life.started = True
         self.reform_if_due()
-        if not life.needs_reconcile or life.comm is None or life.broken is not None:
+        if self.engine.state != core.RECONCILE_DUE or life.comm is None:
             return
         try:
             self.reconcile_if_due()
         except MembershipChanged as exc:
-            life.broken = life.classify(exc)
+            life.perform(self.engine.failed(life.classify(exc)))
 
     def gradients(self, params: list[torch.Tensor]) -> bool:
         """See :meth:`ftcomm.FaultTolerantGroup.wait_gradients_ready`."""
@@ -84,9 +88,9 @@ class StepProtocol:
         self.state_replaced = False
         self.waiting_since = time.monotonic()
         try:
-            if buckets.touched and (life.broken is not None or life.abort.reason is not None):
+            if buckets.touched and (self.engine.state == core.BROKEN or life.abort.reason is not None):
                 # backward already reduced part of this step in a view that is now broken
-                raise CollectiveAborted(life.abort.reason or f"the view broke ({life.broken})")
+                raise CollectiveAborted(life.abort.reason or f"the view broke ({self.engine.fault})")
             self.prepare()
             # Gradients computed on state that was just replaced are not valid: contribute none.
             handles, tail = buckets.finish(valid=not self.state_replaced)
@@ -97,17 +101,29 @@ class StepProtocol:
             life.confirm_after_stall()
         except MembershipChanged as exc:
             buckets.discard()
-            self.recover(life.broken or life.classify(exc), self.waiting_since)
+            self.failed_in_a_row += 1
+            fault = self.engine.fault or life.classify(exc)
+            if self.failed_in_a_row > self.options.max_retries:
+                self.failed_in_a_row = 0  # a caller that goes on gets max_retries more
+                if self.engine.state in (core.RUNNING, core.RECONCILE_DUE):
+                    life.perform(self.engine.failed(fault))  # re-formed at the next call
+                self.end_step(False)
+                raise RetryLimitExceeded(
+                    f"wait_gradients_ready failed {self.options.max_retries + 1} steps in a row because the "
+                    f"membership kept changing (last: {exc}); raise max_retries or investigate the unstable "
+                    f"workers") from exc
+            self.recover(fault, self.waiting_since)
             self.end_step(False)
             return False
+        self.failed_in_a_row = 0
         life.completed()
         contributors = float(tail[0])
         commit, admit = core.step_verdict(contributors, float(tail[1]), life.comm.size,
                                           bool(self.participants("batch_valid")))
-        self.join_pending = self.join_pending or admit
         asking = [rank for rank, flag in enumerate(tail[2:].tolist()) if flag > 0.5]
-        if asking:  # every member sees the same requests: the chosen stand aside at the next boundary
-            self.stragglers.bench_due = self.rank in Stragglers.chosen(asking, life.comm.size, self.min_workers)
+        # Every member sees the same verdict: the joiner is admitted, and the chosen stand
+        # aside, at the next step boundary.
+        self.engine.step_reduced(admit, self.rank in Stragglers.chosen(asking, life.comm.size, self.min_workers))
         if commit:
             buckets.hand_back(contributors)
         else:
@@ -136,7 +152,7 @@ class StepProtocol:
                     raise RetryLimitExceeded(
                         f"execute failed {failures} times in a row because the membership kept changing "
                         f"(last: {exc}); raise max_retries or investigate the unstable workers") from exc
-                self.recover(self.life.broken or self.life.classify(exc), self.waiting_since)
+                self.recover(self.engine.fault or self.life.classify(exc), self.waiting_since)
 
     def run(self, start: Callable[[], Any]) -> Any:
         """One collective: ``start`` enqueues it on the communicator; its handle is waited on here."""
@@ -148,7 +164,7 @@ class StepProtocol:
             result = start().wait(life.abort)  # starting can fail too (NCCL reports a dead peer at enqueue)
             life.confirm_after_stall()
         except MembershipChanged as exc:
-            life.broken = life.classify(exc)
+            life.perform(self.engine.failed(life.classify(exc)))
             raise
         life.operation_done()
         return result
@@ -169,22 +185,21 @@ class StepProtocol:
         life.news.judge()
         if life.abort.reason is not None:
             raise MembershipChanged(life.abort.reason)
-        if life.needs_reconcile:
+        if self.engine.state == core.RECONCILE_DUE:
             self.reconcile()
 
     def reform_if_due(self) -> None:
         """Re-form if the last collective failed, a join is due at this boundary or this
         worker stands aside."""
-        life = self.life
-        if life.broken is not None:
-            self.recover(life.broken, self.waiting_since)
-        if self.join_pending:
-            self.join_pending = False
+        state = self.engine.state
+        if state == core.BROKEN:
+            self.recover(self.engine.fault, self.waiting_since)
+        elif state == core.JOIN_DUE:
             self.recover("join", time.monotonic())
-        if self.stragglers.bench_due:
+        elif state == core.ASIDE_DUE:
             seconds = self.stragglers.bench()
             log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')", seconds)
-            life.stand_aside(seconds)
+            self.life.stand_aside(seconds)
             self.recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
 
     def recover(self, reason: str, detected_at: float, timeout: float | None = None) -> None:
@@ -192,7 +207,7 @@ class StepProtocol:
             self.buckets.discard()
             self.step_lost = True
         self.life.recover(reason, detected_at, timeout, self.reconcile_formed)
-        if not self.life.needs_reconcile:
+        if self.engine.state == core.RUNNING:
             self.record_reconciled()
 
     def reconcile_formed(self) -> None:
@@ -200,18 +215,17 @@ class StepProtocol:
         if self.state.registered:
             self.reconcile(stamp=False)
         else:
-            self.life.needs_reconcile = True
+            self.engine.deferred()
 
     def reconcile(self, stamp: bool = True) -> None:
         """Make every member's registered state identical. ``stamp``: record the reconciled
         state in the latest view change (a reconcile deferred until the state was registered
         belongs to the view formed before it)."""
         life = self.life
-        life.needs_reconcile = True
         self.step, loaded, self.reconciled_digest = transfer.reconcile(
             life.comm, life.abort, self.state, self.step, life.view, self.secret)
         self.state_replaced = self.state_replaced or loaded
-        life.needs_reconcile = False
+        self.engine.reconciled()
         if stamp:
             self.record_reconciled()
 
@@ -272,6 +286,5 @@ class StepProtocol:
         """Backward may start reducing: nothing has to happen before this step's collectives."""
         life = self.life
         life.news.judge()
-        return (life.comm is not None and life.broken is None and not self.join_pending
-                and not self.stragglers.bench_due and not life.needs_reconcile and life.abort.reason is None
+        return (life.comm is not None and self.engine.state == core.RUNNING and life.abort.reason is None
                 and not self.closed)

@@ -109,9 +109,9 @@ class StragglerWatch:
 class Stragglers:
     """One worker's straggler bookkeeping: its own compute times (published), its judgments
     of the view's members (``reports``: the changes), and, with ``policy="exclude"``,
-    whether it asks to stand aside (``asking``: it judges itself a straggler), whether it
-    must (``bench_due``, set by the group once every member saw the same requests) and for
-    how long (:meth:`bench`)."""
+    whether it asks to stand aside (``asking``: it judges itself a straggler; the steps'
+    verdict, the same on every member, chooses who does, see ftcomm.engine's ASIDE_DUE)
+    and for how long (:meth:`bench`)."""
 
     def __init__(self, factor: float, window: int, policy: str = "warn", cooldown: float = 30.0) -> None:
         self.compute = ComputeTimes(window)
@@ -120,7 +120,6 @@ class Stragglers:
         self.policy = policy
         self.cooldown = cooldown
         self.asking = False
-        self.bench_due = False
         self._benches = 0
 
     def judge(self, me: str, members: tuple[str, ...], compute: dict[str, float], at: float) -> list[StragglerReport]:
@@ -150,7 +149,7 @@ class Stragglers:
         8 times it). The judgments start afresh."""
         seconds = self.cooldown * 2 ** min(self._benches, 3)
         self._benches += 1
-        self.bench_due = self.asking = False
+        self.asking = False
         self.compute.clear()
         self.watch = StragglerWatch(self.watch.factor, self.watch.patience)
         return seconds

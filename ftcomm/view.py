@@ -73,7 +73,7 @@ def view_digest(view_id: int, members: tuple[str, ...] | list[str]) -> str:
 class Status:
     """What one member publishes about itself in gossip metadata (a few dozen bytes).
 
-    This module owns the record's encoding (:func:`encode_status`, :meth:`from_metadata`);
+    This module owns the record's encoding (:meth:`StatusRecord.encode`, :meth:`from_metadata`);
     nothing else reads its keys.
     """
 
@@ -157,38 +157,56 @@ def _is_int(value: object) -> bool:
     return type(value) is int
 
 
-def encode_status(phase: str, current_view: int, proposal: tuple[int, str] | None, joined_at: float,
-                  config: str, step: int, rendezvous_port: int, floor: int = 0, settings: tuple | list = (),
-                  done_ops: tuple[int, int] | None = None, insecure: bool = False,
-                  view_digest: str | None = None, compute_s: float | None = None,
-                  benched: int | None = None, aside: bool = False,
-                  agreed: tuple[int, str] | None = None, holding: bool = False) -> dict:
-    """The metadata record :meth:`Status.from_metadata` decodes. ``holding``: a joiner that
-    founds no group (see :meth:`ftcomm.engine.Engine._may_found`) reads as standing aside."""
-    meta = {"ph": phase, "cv": current_view, "jt": joined_at, "cf": config, "st": step, "rz": rendezvous_port}
-    if compute_s is not None:
-        meta["ct"] = min(MAX_COMPUTE_MS, max(0, round(compute_s * 1000)))
-    if floor:
-        meta["fl"] = floor
-    if proposal is not None:
-        meta["pv"], meta["pd"] = proposal
-    if settings:
-        meta["set"] = list(settings)
-    if done_ops is not None:
-        meta["op"] = list(done_ops)
-    if insecure:
-        meta["insecure"] = True
-    if view_digest is not None:
-        meta["cd"] = view_digest
-    if benched is not None:
-        meta["bn"] = benched
-        if aside:
-            meta["ba"] = True
-    if agreed is not None:
-        meta["ag"] = list(agreed)
-    if holding:
-        meta["hd"] = True
-    return meta
+@dataclass(frozen=True)
+class StatusRecord:
+    """What one member publishes about itself (:meth:`encode` gives the gossip metadata that
+    :meth:`Status.from_metadata` decodes; its peers add the gossip state). Built in one
+    place, :meth:`ftcomm.engine.Engine.record`."""
+
+    phase: str
+    current_view: int
+    proposal: tuple[int, str] | None
+    joined_at: float
+    config: str
+    step: int = 0
+    rendezvous_port: int = 0
+    floor: int = 0
+    settings: tuple = ()
+    done_ops: tuple[int, int] | None = None
+    insecure: bool = False
+    view_digest: str | None = None
+    compute_s: float | None = None
+    benched: int | None = None
+    aside: bool = False  # a straggler standing aside now (with ``benched``)
+    agreed: tuple[int, str] | None = None
+    holding: bool = False  # a joiner that founds no group (Engine._may_found): reads as standing aside
+
+    def encode(self) -> dict:
+        meta = {"ph": self.phase, "cv": self.current_view, "jt": self.joined_at, "cf": self.config, "st": self.step,
+                "rz": self.rendezvous_port}
+        if self.compute_s is not None:
+            meta["ct"] = min(MAX_COMPUTE_MS, max(0, round(self.compute_s * 1000)))
+        if self.floor:
+            meta["fl"] = self.floor
+        if self.proposal is not None:
+            meta["pv"], meta["pd"] = self.proposal
+        if self.settings:
+            meta["set"] = list(self.settings)
+        if self.done_ops is not None:
+            meta["op"] = list(self.done_ops)
+        if self.insecure:
+            meta["insecure"] = True
+        if self.view_digest is not None:
+            meta["cd"] = self.view_digest
+        if self.benched is not None:
+            meta["bn"] = self.benched
+            if self.aside:
+                meta["ba"] = True
+        if self.agreed is not None:
+            meta["ag"] = list(self.agreed)
+        if self.holding:
+            meta["hd"] = True
+        return meta
 
 
 def has_quorum(previous: View | None, members: list[str] | tuple[str, ...], gone: set[str]) -> bool:

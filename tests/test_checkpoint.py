@@ -27,7 +27,8 @@ from ftcomm.checkpoint_files import meta_bytes, steps_in
 from ftcomm.errors import FtcommError, FtcommTimeout, StateError
 from ftcomm.localproc import ChildProcess
 from tests.polling import wait_until
-from tests.test_group_threads import free_port, in_threads, start_groups
+from tests.conftest import free_port
+from tests.test_group_threads import in_threads, start_groups
 from tests.train_cluster import EXAMPLE
 
 pytestmark = pytest.mark.timeout(120)

@@ -47,3 +47,10 @@ def test_every_option_of_ftcomm_run_is_documented():
         for flag in action.option_strings:
             if flag.startswith("--") and flag != "--help":
                 assert f"`{flag}" in text, f"{flag} is not in docs/CLI.md"
+
+
+def test_the_engine_state_diagram_in_the_architecture_is_the_table():
+    from ftcomm.engine import state_diagram
+
+    text = (DOCS / "ARCHITECTURE.md").read_text()
+    assert f"```mermaid\n{state_diagram()}\n```" in text, "regenerate the diagram: ftcomm.engine.state_diagram()"

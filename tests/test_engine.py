@@ -5,19 +5,22 @@ from __future__ import annotations
 import pytest
 
 from ftcomm import engine as core
-from ftcomm.engine import Announce, Engine, Fetch, Form, Publish, PublishProposal, Rejoined, Sync
+from ftcomm.engine import (
+    Announce,
+    Engine,
+    Fetch,
+    Form,
+    Publish,
+    PublishProposal,
+    Rejoined,
+    Sync,
+)
 from ftcomm.view import ACTIVE, JOINING, LEAVING, Status, View
-
-CFG = "cfg"
-
-
-def status(member: str, phase: str = ACTIVE, cv: int = 0, proposal=None, joined_at: float = 0.0, alive: bool = True,
-           port: int | None = 4000, done_ops=None) -> Status:
-    return Status(member, alive, False, phase, cv, proposal, joined_at, CFG, rendezvous_port=port, done_ops=done_ops)
+from tests.conftest import CFG, published, status
 
 
 def engine(member: str = "a", **kw) -> Engine:
-    return Engine(member, CFG, settle_interval=0.05, chase_interval=0.6, **kw)
+    return Engine(member, CFG, settle_interval=0.05, chase_interval=0.6, rendezvous_port=4000, **kw)
 
 
 def agree_until_form(e: Engine, statuses: dict, start: float = 0.0) -> tuple[list, float]:
@@ -90,7 +93,7 @@ def test_a_member_left_out_of_a_newer_view_rejoins():
     statuses = {"a": status("a", cv=1), "b": status("b", cv=3), "c": status("c", cv=3)}
     actions = e.agree(1.0, statuses)
     assert isinstance(actions[0], Rejoined) and Publish() in actions
-    assert (e.state, e.view, e.phase) == (core.JOINING, None, JOINING)
+    assert (e.state, e.view, e.lost, e.phase) == (core.REJOINING, None, View(1, ("a", "b", "c")), JOINING)
 
 
 def test_a_joiner_fetches_the_proposal_then_adopts_it():
@@ -213,7 +216,7 @@ def test_a_joiner_that_saw_the_group_but_reaches_none_of_its_members_founds_noth
     # Each chase interval it has its seeds contacted again (ProbeGroup without a list);
     # even an answer "all gone" cannot show the members it never knew gone.
     gone = {**unreachable, "a": Status(**{**unreachable["a"].__dict__, "dead": True})}
-    assert e.agree(1.0, gone) == [Publish()] and e.holding
+    assert e.agree(1.0, gone) == [Publish()] and e.state == core.HOLDING_BACK and e.holding
     probes = []
     for t in range(20):
         actions = e.agree(1.01 + t * 0.1, gone)
@@ -221,7 +224,7 @@ def test_a_joiner_that_saw_the_group_but_reaches_none_of_its_members_founds_noth
         assert actions in ([], [core.ProbeGroup(None)])
         e.group_probed(True)
     assert len(probes) == 4  # every 0.6 s over 2 s
-    assert e.proposal is None and e.state == core.JOINING and not e.group_gone
+    assert e.proposal is None and e.state == core.HOLDING_BACK and not e.group_gone
     # Without that sight it founds a group of its own, as the first worker of a job does.
     fresh = engine("j", joined_at=5.0)
     actions, _ = agree_until_form(fresh, {"j": status("j", JOINING, joined_at=5.0)})
@@ -286,16 +289,19 @@ def test_a_worker_of_another_ftcomm_version_is_told_so():
 def test_a_straggler_stands_aside_the_others_re_form_without_it_and_it_rejoins_after_the_cooldown():
     import dataclasses
 
-    from ftcomm.view import candidate, encode_status, gone_from
+    from ftcomm.view import candidate, gone_from
 
     straggler, peer = running(engine("c")), running(engine("a"))
     view = straggler.view
+    with pytest.raises(core.IllegalTransition):
+        straggler.bench(now=10.0, seconds=5.0)  # only a member the last step chose stands aside
+    straggler.step_reduced(admit=True, aside=True)  # chosen: standing aside re-forms anyway
+    assert straggler.state == core.ASIDE_DUE
     actions = straggler.bench(now=10.0, seconds=5.0)
     assert actions[0] == Rejoined("standing aside as a straggler for 5 s") and Publish() in actions
-    assert (straggler.state, straggler.view, straggler.benched, straggler.phase) == (core.JOINING, None, 1, JOINING)
-    record = encode_status(straggler.phase, straggler.current_view, straggler.proposal, 0.0, CFG, 7, 4000,
-                           benched=straggler.benched, aside=straggler.aside)
-    aside = Status.from_metadata("c", "alive", record)
+    assert (straggler.state, straggler.view, straggler.benched, straggler.phase) == (core.STANDING_ASIDE, None, 1,
+                                                                                     JOINING)
+    aside = published(straggler, step=7)
     assert aside.benched == 1 and aside.proposal is None
     # The others: its withdrawn proposal breaks their view; it is neither a candidate nor
     # admitted as a joiner, and it counts as gone for the quorum (a view of 1 of 2 may form).
@@ -309,12 +315,12 @@ def test_a_straggler_stands_aside_the_others_re_form_without_it_and_it_rejoins_a
     # It proposes and adopts nothing while it stands aside ...
     assert straggler.agree(12.0, {"a": status("a", cv=2, proposal=(2, "d")), "c": aside}) == []
     # ... and afterwards publishes itself as an ordinary joiner, whom the group admits.
-    assert straggler.agree(15.0, {"c": aside}) == [Publish()] and not straggler.aside
+    assert straggler.agree(15.0, {"c": aside}) == [Publish()] and straggler.state == core.REJOINING
     back = dataclasses.replace(aside, aside=False)
     without = running(engine("a"), ("a", "b"))  # the view the others formed without it
     assert not without.admits_joiner({**statuses, "c": aside}) and without.admits_joiner({**statuses, "c": back})
     with pytest.raises(core.IllegalTransition):
-        engine().bench(0.0, 1.0)  # only a running member stands aside
+        engine().bench(0.0, 1.0)  # a joiner has no view to stand aside from
 
 
 def test_a_re_formation_without_a_benched_straggler_is_named_for_it():
@@ -344,16 +350,6 @@ def test_a_view_that_only_drops_members_confirmed_gone_is_proposed_without_settl
     assert not proposes(e, statuses, 20.0)
 
 
-def _record(e: Engine, alive: bool = True) -> Status:
-    """The status record ``e`` publishes, as its peers decode it."""
-    from ftcomm.view import encode_status
-
-    named = e.published_view()
-    return Status.from_metadata(e.id, "alive" if alive else "dead", encode_status(
-        e.phase, e.current_view, e.proposal, e.joined_at, CFG, 0, 4000, e.floor,
-        view_digest=named.digest if named is not None else None, benched=e.benched, aside=e.aside))
-
-
 @pytest.mark.parametrize("members, stragglers", [(("c", "d", "a", "b"), ("d",)),
                                                  (("c", "d", "e", "a", "b"), ("d", "e"))])
 def test_a_straggler_back_from_the_bench_lends_no_vote_to_the_view_it_stood_aside_from(members, stragglers):
@@ -363,7 +359,7 @@ def test_a_straggler_back_from_the_bench_lends_no_vote_to_the_view_it_stood_asid
     group = {m: engine(m, joined_at=float(i)) for i, m in enumerate(members)}
     now = 0.0
     while not all(e.state == core.FORMING for e in group.values()):
-        records = {m: _record(e) for m, e in group.items()}
+        records = {m: published(e) for m, e in group.items()}
         for e in group.values():
             if e.state == core.JOINING:
                 e.agree(now, records)
@@ -375,11 +371,12 @@ def test_a_straggler_back_from_the_bench_lends_no_vote_to_the_view_it_stood_asid
     c = group["c"]
     view = c.view
     for s in stragglers:
+        group[s].step_reduced(admit=False, aside=True)
         group[s].bench(now=10.0, seconds=5.0)
     # A partition cuts {a, b} from the others before the view without the stragglers forms.
     # a and b saw them stand aside (gone for the quorum): 2 of the 3 others is a majority.
-    seen_by_ab = {"a": _record(group["a"]), "b": _record(group["b"]), "c": _record(c, alive=False),
-                  **{s: _record(group[s]) for s in stragglers}}
+    seen_by_ab = {"a": published(group["a"]), "b": published(group["b"]), "c": published(c, alive=False),
+                  **{s: published(group[s]) for s in stragglers}}
     majority = candidate("a", view, seen_by_ab, CFG, None)
     assert majority.members == ("a", "b") and majority.quorum
     # c and the stragglers: a and b are dead to them. Once the cooldown is over, nothing may form here.
@@ -388,8 +385,8 @@ def test_a_straggler_back_from_the_bench_lends_no_vote_to_the_view_it_stood_asid
     formed = {}
     now = 10.0
     while now < 20.0:
-        records = {"a": _record(group["a"], alive=False), "b": _record(group["b"], alive=False),
-                   **{m: _record(group[m]) for m in ("c", *stragglers)}}
+        records = {"a": published(group["a"], alive=False), "b": published(group["b"], alive=False),
+                   **{m: published(group[m]) for m in ("c", *stragglers)}}
         for e in (group[m] for m in ("c", *stragglers)):
             if e.id in formed:
                 continue
@@ -410,7 +407,7 @@ def test_the_last_two_members_a_straggler_cut_off_after_standing_aside_founds_no
     group = {m: engine(m, joined_at=float(i)) for i, m in enumerate(("d", "a"))}  # d is rank 0
     now = 0.0
     while not all(e.state == core.FORMING for e in group.values()):
-        records = {m: _record(e) for m, e in group.items()}
+        records = {m: published(e) for m, e in group.items()}
         for e in group.values():
             if e.state == core.JOINING:
                 e.agree(now, records)
@@ -421,14 +418,15 @@ def test_the_last_two_members_a_straggler_cut_off_after_standing_aside_founds_no
         e.reconciled()
     d, a = group["d"], group["a"]
     view = a.view
+    d.step_reduced(admit=False, aside=True)
     d.bench(now=10.0, seconds=5.0)
-    alone = candidate("a", view, {"a": _record(a), "d": _record(d)}, CFG, None)
+    alone = candidate("a", view, {"a": published(a), "d": published(d)}, CFG, None)
     assert alone.members == ("a",) and alone.quorum  # a goes on without the straggler
     # Then d is cut off from a. Whatever d sees after its cooldown, it must not found a group.
     formed = []
     now = 10.0
     while now < 20.0 and not formed:
-        records = {"a": _record(a, alive=False), "d": _record(d)}
+        records = {"a": published(a, alive=False), "d": published(d)}
         formed = [act.view for act in d.agree(now, records) if isinstance(act, Form)]
         now += 0.01
     assert formed == [], f"the straggler founded {formed} while a goes on in a view of its own"
@@ -437,12 +435,12 @@ def test_the_last_two_members_a_straggler_cut_off_after_standing_aside_founds_no
 def test_two_groups_founded_apart_notice_each_other_when_their_gossip_merges():
     a, b = running(engine("a"), ("a",)), running(engine("b"), ("b",))
     assert a.view.id == b.view.id == 1 and a.view != b.view
-    seen_by_a, seen_by_b = _record(b), _record(a)
+    seen_by_a, seen_by_b = published(b), published(a)
     assert a.damage("metadata", "b", seen_by_a, 0) is not None or b.damage("metadata", "a", seen_by_b, 0) is not None
     # exactly one side yields: the one whose view digest is lower
     loser, winner = sorted([a, b], key=lambda e: e.view.digest)
-    assert loser.damage("metadata", winner.id, _record(winner), 0).fault == "superseded"
-    assert winner.damage("metadata", loser.id, _record(loser), 0) is None
+    assert loser.damage("metadata", winner.id, published(winner), 0).fault == "superseded"
+    assert winner.damage("metadata", loser.id, published(loser), 0) is None
 
 
 def test_a_joiner_whose_only_contact_left_founds_only_once_the_group_is_gone_for_sure():
@@ -488,8 +486,99 @@ def test_a_fetched_member_list_that_does_not_match_its_digest_is_dropped():
 
 def test_a_joiner_holding_back_reads_as_standing_aside():
     """Its record keeps it out of a fresh worker's candidate view."""
-    from ftcomm.view import candidate, encode_status
-    held = Status.from_metadata("j", "alive", encode_status(JOINING, 0, None, 1.0, CFG, 0, 4000, holding=True))
-    fresh = Status.from_metadata("f", "alive", encode_status(JOINING, 0, None, 2.0, CFG, 0, 4001))
+    from ftcomm.view import StatusRecord, candidate
+    held = Status.from_metadata("j", "alive", StatusRecord(JOINING, 0, None, 1.0, CFG, 0, 4000, holding=True).encode())
+    fresh = Status.from_metadata("f", "alive", StatusRecord(JOINING, 0, None, 2.0, CFG, 0, 4001).encode())
     assert held.aside and not fresh.aside
     assert candidate("f", None, {"j": held, "f": fresh}, CFG, None).members == ("f",)
+
+
+def test_every_state_is_in_the_table_and_every_transition_leads_to_one():
+    states = {core.JOINING, core.HOLDING_BACK, core.STANDING_ASIDE, core.REJOINING, core.AGREEING, core.FORMING,
+              core.RECONCILING, core.RUNNING, core.RECONCILE_DUE, core.BROKEN, core.JOIN_DUE, core.ASIDE_DUE,
+              core.LEAVING, core.CLOSED}
+    assert {source for source, _ in core.TRANSITIONS} | set(core.TRANSITIONS.values()) == states
+    assert set(core.JOINERS) < states
+    diagram = core.state_diagram()
+    assert all(f"{s} --> {t}: {e}" in diagram for (s, e), t in core.TRANSITIONS.items() if s != t and e != "leave")
+    assert {s for (s, e) in core.TRANSITIONS if e == "leave"} == states - {core.LEAVING, core.CLOSED}
+
+
+def test_a_failed_formation_returns_to_the_state_it_agreed_from():
+    # a member with a view: AGREEING (the view it had is kept)
+    e = running(engine())
+    e.broken()
+    statuses = {m: status(m, cv=1) for m in "ab"}
+    agree_until_form(e, statuses, 1.0)
+    e.form_failed()
+    assert (e.state, e.view.id) == (core.AGREEING, 1)
+    # a member that lost its view: REJOINING, still remembering the view it lost
+    e = running(engine())
+    e.broken()
+    key = (3, View(3, ("b", "a")).digest)
+    statuses = {"a": status("a", cv=1), "b": status("b", cv=2, proposal=key)}
+    assert isinstance(e.agree(2.0, statuses)[0], Rejoined) and e.state == core.REJOINING
+    assert e.agree(2.01, statuses) == [Fetch("b", key)]
+    e.fetched_proposal(key, ("b", "a"))
+    statuses["a"] = status("a", core.JOINING.lower(), proposal=key)
+    actions, _ = agree_until_form(e, statuses, 2.02)
+    assert actions[-1] == Form(View(3, ("b", "a")))
+    e.form_failed()
+    assert (e.state, e.lost, e.floor) == (core.REJOINING, View(1, ("a", "b", "c")), 4)
+
+
+def test_inputs_outside_the_table_raise_in_every_new_state():
+    aside = running(engine("c"))
+    aside.step_reduced(admit=False, aside=True)
+    aside.bench(now=0.0, seconds=5.0)
+    for call in (aside.formed, aside.reconciled, aside.broken, lambda: aside.bench(0.0, 1.0)):
+        with pytest.raises(core.IllegalTransition):
+            call()
+    held = engine("j", joined_at=5.0)
+    gone = {"a": status("a", cv=2, alive=False, dead=True), "j": status("j", JOINING, joined_at=5.0)}
+    held.agree(0.0, {"a": status("a", cv=2, alive=False), "j": gone["j"]})  # it saw the group
+    held.agree(0.1, gone)
+    assert held.state == core.HOLDING_BACK
+    for call in (held.formed, held.form_failed, held.broken):
+        with pytest.raises(core.IllegalTransition):
+            call()
+    assert held.leave() == [Publish()] and held.state == core.LEAVING
+
+
+def test_between_collectives_a_member_is_running_or_has_something_due():
+    e = engine()
+    statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate("ab")}
+    agree_until_form(e, statuses)
+    e.formed()
+    e.deferred()  # no state registered yet
+    assert e.state == core.RECONCILE_DUE
+    e.reconciled()
+    e.restored()  # a checkpoint loaded here only
+    assert e.state == core.RECONCILE_DUE
+    assert e.failed("crash") == [Publish()] and (e.state, e.fault, e.proposal) == (core.BROKEN, "crash", None)
+    e.restored()  # re-formed anyway: nothing changes
+    assert e.broken() == [] and (e.state, e.fault) == (core.AGREEING, None)  # withdrawn already
+    e = running(engine())
+    e.step_reduced(admit=False, aside=False)
+    assert e.state == core.RUNNING
+    e.step_reduced(admit=True, aside=False)
+    assert e.state == core.JOIN_DUE
+    for call in (lambda: e.failed("crash"), e.reconciled, lambda: e.step_reduced(True, False)):
+        with pytest.raises(core.IllegalTransition):
+            call()
+    assert e.broken() == [Publish()] and e.state == core.AGREEING
+
+
+def test_a_view_formed_from_rejoining_is_named_a_rejoin():
+    e = running(engine())
+    e.broken()
+    key = (3, View(3, ("b", "a")).digest)
+    statuses = {"a": status("a", cv=1), "b": status("b", cv=2, proposal=key)}
+    e.agree(2.0, statuses)
+    e.agree(2.01, statuses)
+    e.fetched_proposal(key, ("b", "a"))
+    statuses["a"] = status("a", JOINING, proposal=key)
+    agree_until_form(e, statuses, 2.02)
+    assert e.formed_from == core.REJOINING
+    e.formed()
+    assert e.formed_from == core.REJOINING  # until it enters another formation

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-import socket
 import threading
 import time
 
@@ -13,41 +11,9 @@ import torch
 import ftcomm
 from ftcomm import engine as core
 from ftcomm.backends.base import AbortSignal, Handle
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _ephemeral_floor() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_EPHEMERAL_FLOOR = _ephemeral_floor()
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free for both UDP and TCP (gossip binds both), chosen below the kernel's
-    ephemeral range: a port from that range can be taken, between this check and the
-    group's bind, as the local end of any outgoing connection (a Gloo pair, a store
-    client), which once failed a group's start with "Address already in use"."""
-    rng = random.Random()
-    while True:
-        port = rng.randrange(max(1024, _EPHEMERAL_FLOOR - 12000), _EPHEMERAL_FLOOR)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, \
-                socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
-            try:
-                udp.bind(("127.0.0.1", port))
-                tcp.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
 
 
 def start_groups(n: int, **options) -> list[ftcomm.FaultTolerantGroup]:
@@ -436,10 +402,48 @@ def test_stragglers_standing_aside_never_leave_fewer_than_min_workers():
         since = max(g.step for g in groups)
         wait_until(lambda: min(g.step for g in fast) >= since + 100, 60, "the fast members training on")
         assert any(e.reason == "straggler" for e in fast[0].events) and fast[0].world_size == 3
+        # The one standing aside (its training thread waits out the cooldown) is in no view.
+        aside = [g for g in groups if g._life.engine.state == core.STANDING_ASIDE]
+        assert len(aside) == 1
+        for attribute in ("rank", "world_size"):
+            with pytest.raises(ftcomm.NotInView, match="stands aside as a straggler"):
+                getattr(aside[0], attribute)
     finally:
         stop.set()
         for g in groups:
             g.shutdown()
+
+
+def test_wait_gradients_ready_gives_up_after_max_retries_failed_steps_in_a_row(monkeypatch):
+    """Every step's reduction fails (as when the membership changes under every step): each
+    call re-forms and returns False, until the (max_retries + 1)-th raises
+    RetryLimitExceeded; a later call re-forms and trains again."""
+    from ftcomm.buckets import GradientBuckets
+    from ftcomm.errors import CommunicatorError
+
+    (g,) = start_groups(1, max_retries=2)
+    model = torch.nn.Linear(4, 2)
+    g.register_state(model=model)
+    finish = GradientBuckets.finish
+
+    def failing(self, valid):
+        raise CommunicatorError("injected: a peer reset the connection")
+    try:
+        monkeypatch.setattr(GradientBuckets, "finish", failing)
+        views = []
+        for _ in range(2):
+            model(torch.ones(3, 4)).sum().backward()
+            assert g.wait_gradients_ready(model) is False
+            views.append(g.view.id)
+        model(torch.ones(3, 4)).sum().backward()
+        with pytest.raises(ftcomm.RetryLimitExceeded, match="failed 3 steps in a row"):
+            g.wait_gradients_ready(model)
+        assert views[1] > views[0] and g._life.engine.state == core.BROKEN
+        monkeypatch.setattr(GradientBuckets, "finish", finish)
+        model(torch.ones(3, 4)).sum().backward()
+        assert g.wait_gradients_ready(model) is True and g.view.id > views[1] and g.step == 1
+    finally:
+        g.shutdown()
 
 
 def test_shutdown_from_another_thread_while_the_training_thread_recovers_ends_it_with_a_clear_error():
@@ -481,7 +485,7 @@ def test_only_the_training_thread_acts_at_a_step_boundary():
         trained.wait()
         release.wait(60)
         g.step_boundary()
-        results[i] = (g._steps.join_pending, g.view.id)
+        results[i] = (g._life.engine.state, g.view.id)
 
     threads = [threading.Thread(target=train, args=(i, g), daemon=True) for i, g in enumerate(groups)]
     try:
@@ -490,15 +494,15 @@ def test_only_the_training_thread_acts_at_a_step_boundary():
         trained.wait()
         before = groups[0].view.id
         for g in groups:
-            g._steps.join_pending = True  # as when the last step's tail counted a joiner
+            g._life.engine.step_reduced(admit=True, aside=False)  # as when the last step's tail counted a joiner
         for g in groups:
             g.step_boundary()  # from another thread: nothing happens
-        assert all(g._steps.join_pending for g in groups) and {g.view.id for g in groups} == {before}
+        assert all(g._life.engine.state == core.JOIN_DUE for g in groups) and {g.view.id for g in groups} == {before}
         release.set()
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads)
-        assert results[0] == results[1] == (False, results[0][1]) and results[0][1] > before  # re-formed
+        assert results[0] == results[1] == (core.RUNNING, results[0][1]) and results[0][1] > before  # re-formed
     finally:
         release.set()
         for g in groups:

@@ -116,7 +116,8 @@ def test_every_round_and_the_gather_start_together_behind_a_barrier_that_outlast
 
 def test_founding_members_check_their_links_and_a_joiner_does_not(tmp_path, monkeypatch):
     import ftcomm
-    from .test_group_threads import free_port, start_groups
+    from .conftest import free_port
+    from .test_group_threads import start_groups
 
     report_file = tmp_path / "network.json"
     monkeypatch.setenv("FTCOMM_NETWORK_REPORT", str(report_file))

@@ -23,7 +23,7 @@ from ftcomm.errors import ConfigMismatch, FtcommError, SecretRequired, StateErro
 from ftcomm.gossip import wire
 from ftcomm.gossip.runtime import query_members
 from ftcomm.state import TrainingState
-from ftcomm.view import JOINING, encode_status
+from ftcomm.view import JOINING, StatusRecord
 
 from .test_group_threads import in_threads, linear_models, run_steps, start_groups
 
@@ -317,7 +317,7 @@ def test_forged_joiners_do_not_hold_up_a_group_without_a_secret():
         def forge(count: int) -> None:
             for i in range(count):
                 phantom = f"127.0.0.1:{40000 + i}/{i:08x}"
-                meta = encode_status(JOINING, 0, None, time.time(), groups[0]._config, 0, 40000 + i)
+                meta = StatusRecord(JOINING, 0, None, time.time(), groups[0]._config, 0, 40000 + i).encode()
                 sealer = wire.Sealer("ftcomm", phantom, None, 1400)
                 packet = sealer.seal([wire.encode([wire.ALIVE, phantom, 0, "127.0.0.1", 40000 + i,
                                                    msgpack.packb(meta, use_bin_type=True)])], now=time.time())

@@ -8,7 +8,7 @@ import pytest
 
 from ftcomm.gossip.runtime import Member
 from ftcomm.stragglers import ComputeTimes, StragglerWatch, slow_members
-from ftcomm.view import Status, encode_status
+from ftcomm.view import Status, StatusRecord
 
 
 def test_a_member_much_slower_than_the_others_is_flagged_even_in_a_group_of_two():
@@ -61,9 +61,9 @@ def test_the_compute_time_is_a_median_over_a_window():
 
 
 def test_the_status_record_carries_the_compute_time_and_refuses_nonsense():
-    record = encode_status("active", 3, None, 1.0, "cf", 10, 5000, compute_s=0.0424)
+    record = StatusRecord("active", 3, None, 1.0, "cf", 10, 5000, compute_s=0.0424).encode()
     assert record["ct"] == 42 and Status.from_metadata("m", "alive", record).compute_s == 0.042
-    assert Status.from_metadata("m", "alive", encode_status("active", 3, None, 1.0, "cf", 10, 5000)).compute_s is None
+    assert Status.from_metadata("m", "alive", StatusRecord("active", 3, None, 1.0, "cf", 10, 5000).encode()).compute_s is None
     for bad in (-1, "12", 1.5, 1 << 40):
         assert Status.from_metadata("m", "alive", {**record, "ct": bad}).compute_s is None
 

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from ftcomm.view import (ACTIVE, JOINING, LEAVING, PROTOCOL, Status, View, agreed, candidate, encode_status, gone_from,
-                         has_quorum, superseded)
+from ftcomm.view import (
+    ACTIVE,
+    JOINING,
+    LEAVING,
+    PROTOCOL,
+    Status,
+    StatusRecord,
+    View,
+    agreed,
+    candidate,
+    gone_from,
+    has_quorum,
+    superseded,
+)
 
 CFG = "cfg1"
 
@@ -74,25 +86,25 @@ def test_a_retry_after_a_failed_formation_gets_a_new_view_id_everyone_follows():
 
 
 def test_status_round_trips_through_metadata():
-    meta = encode_status(ACTIVE, 3, (4, "d4"), 1.5, CFG, 10, 4242, floor=5)
+    meta = StatusRecord(ACTIVE, 3, (4, "d4"), 1.5, CFG, 10, 4242, floor=5).encode()
     assert Status.from_metadata("a", "alive", meta) == Status("a", True, False, ACTIVE, 3, (4, "d4"), 1.5, CFG, 5,
                                                               step=10, rendezvous_port=4242)
-    leaving = encode_status(LEAVING, 0, None, 1.5, CFG, 10, 4242, settings=("gloo", 2, None, "quorum", PROTOCOL),
-                            done_ops=(3, 17), insecure=True)
+    leaving = StatusRecord(LEAVING, 0, None, 1.5, CFG, 10, 4242, settings=("gloo", 2, None, "quorum", PROTOCOL),
+                            done_ops=(3, 17), insecure=True).encode()
     decoded = Status.from_metadata("a", "left", leaving)
     assert (decoded.left, decoded.done_ops, decoded.settings, decoded.insecure) == \
         (True, (3, 17), ("gloo", 2, None, "quorum", PROTOCOL), True)
     # a record from before the protocol version was carried is version 1
-    older = encode_status(ACTIVE, 3, None, 1.5, CFG, 10, 4242, settings=("gloo", 2, None, "quorum"))
+    older = StatusRecord(ACTIVE, 3, None, 1.5, CFG, 10, 4242, settings=("gloo", 2, None, "quorum")).encode()
     assert Status.from_metadata("a", "alive", older).settings == ("gloo", 2, None, "quorum", 1)
     assert Status.from_metadata("a", "alive", {"ph": ACTIVE}) is None
-    witness = Status.from_metadata("a", "alive", encode_status(ACTIVE, 3, (4, "d4"), 1.5, CFG, 10, 4242,
-                                                                agreed=(4, "d4")))
+    witness = Status.from_metadata("a", "alive", StatusRecord(ACTIVE, 3, (4, "d4"), 1.5, CFG, 10, 4242,
+                                                                agreed=(4, "d4")).encode())
     assert witness.agreed == (4, "d4")
 
 
 def test_malformed_optional_status_fields_read_as_absent():
-    meta = encode_status(ACTIVE, 3, None, 1.5, CFG, 10, 4242)
+    meta = StatusRecord(ACTIVE, 3, None, 1.5, CFG, 10, 4242).encode()
     for key, value in [("st", "10"), ("rz", 70000), ("rz", True), ("op", [1]), ("op", ["1", 2]), ("set", 5),
                        ("insecure", 1), ("ag", [4]), ("ag", [0, "d"]), ("ag", ["4", "d"]), ("ag", [4, 5])]:
         status = Status.from_metadata("a", "alive", {**meta, key: value})
@@ -114,7 +126,7 @@ def test_a_member_left_out_of_a_newer_view_knows_it():
     assert superseded(me, table(me, other), entered)  # a view 4 without it formed instead
     left = Status("a", False, True, LEAVING, 0, None, 0.0, CFG, done_ops=(5, 3), view_digest="x")
     assert superseded(me, table(me, left))  # a departure from view 5 proves view 5 existed
-    assert Status.from_metadata("a", "alive", {**encode_status(ACTIVE, 2**40, None, 1.0, CFG, 0, 1)}) is None
+    assert Status.from_metadata("a", "alive", {**StatusRecord(ACTIVE, 2**40, None, 1.0, CFG, 0, 1).encode()}) is None
     # After a partition heals, the minority may propose a higher id from its stale table;
     # that proposal does not make it a member of the view the majority formed meanwhile.
     stale = st("c", cv=2, proposal=(4, "d4-stale"))

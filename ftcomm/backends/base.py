@@ -228,13 +228,24 @@ class Communicator(Protocol):
         """Form the communicator of view ``view_id`` through ``store``; abandoned when
         ``abort`` fires, FtcommTimeout after ``timeout`` seconds."""
 
-    def allreduce(self, tensors: list[Any], op: str = "sum") -> Handle: ...
+    def allreduce(self, tensors: list[Any], op: str = "sum") -> Handle:
+        """Start reducing each tensor in place (``op``: sum, mean, max, min; ValueError for
+        another). Never blocks: a peer that dies or hangs shows in the handle's ``wait``
+        (CommunicatorError, or CollectiveAborted once the abort signal fires); the tensors'
+        contents are undefined after a failure. A backend may also raise CommunicatorError
+        here, when it already knows a peer is gone (NCCL at enqueue)."""
 
-    def broadcast(self, tensor: Any, src: int) -> Handle: ...
+    def broadcast(self, tensor: Any, src: int) -> Handle:
+        """Start copying rank ``src``'s tensor into every member's, in place. ValueError for a
+        ``src`` outside the view; failures as :meth:`allreduce`."""
 
-    def allgather(self, tensor: Any) -> Handle: ...
+    def allgather(self, tensor: Any) -> Handle:
+        """Start gathering every member's tensor; the handle's result is the list in rank
+        order. Failures as :meth:`allreduce`."""
 
-    def barrier(self) -> Handle: ...
+    def barrier(self) -> Handle:
+        """Start a barrier; its handle completes once every member reached it. Failures as
+        :meth:`allreduce`."""
 
     def abandon(self) -> None:
         """Drop it without waiting for anything (a peer may be dead or hung)."""

@@ -1,0 +1,58 @@
+"""Helpers shared by the tests: free ports for groups on loopback, and status records built
+as a member publishes them (through :meth:`ftcomm.engine.Engine.record`) or as a test needs
+them."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+from ftcomm.engine import Engine
+from ftcomm.view import ACTIVE, Status
+
+CFG = "cfg"
+
+
+def _ephemeral_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_FLOOR = _ephemeral_floor()
+_HANDED_OUT: set[int] = set()
+
+
+def free_port() -> int:
+    """A port free for both UDP and TCP (gossip binds both), chosen below the kernel's
+    ephemeral range: a port from that range can be taken, between this check and the
+    group's bind, as the local end of any outgoing connection (a Gloo pair, a store
+    client), which once failed a group's start with "Address already in use"."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(max(1024, _EPHEMERAL_FLOOR - 12000), _EPHEMERAL_FLOOR)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, \
+                socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+            try:
+                udp.bind(("127.0.0.1", port))
+                tcp.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+
+
+def status(member: str, phase: str = ACTIVE, cv: int = 0, proposal=None, joined_at: float = 0.0, alive: bool = True,
+           port: int | None = 4000, done_ops=None, config: str = CFG, **fields) -> Status:
+    """A member's decoded record, as gossip shows it to a peer."""
+    return Status(member, alive, False, phase, cv, proposal, joined_at, config, rendezvous_port=port,
+                  done_ops=done_ops, **fields)
+
+
+def published(e: Engine, alive: bool = True, step: int = 0) -> Status:
+    """The record engine ``e`` publishes, as its peers decode it."""
+    return Status.from_metadata(e.id, "alive" if alive else "dead", e.record(step).encode())
