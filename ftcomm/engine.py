@@ -618,6 +618,27 @@ class Engine:
                    and s.id not in view.member_set for s in statuses.values())
 
     # ------------------------------------------------------------------ what breaks a view
+    def entry_damage(self, view: View, statuses: dict[str, Status], ops_done: int = 0) -> list["Damage"]:
+        """What already breaks ``view`` as this member enters its formation (empty: nothing):
+        a member no longer alive, or no longer proposing it (unless rank 0 vouched for it,
+        see :meth:`_witnessed`), and any member already in a newer view. News that arrived
+        before the entry is not judged against the view (its records are read here instead)."""
+        key = (view.id, view.digest)
+        found = []
+        for member in view.members:
+            status = statuses.get(member)
+            if member == self.id:
+                continue
+            if status is None or not status.alive:
+                found.append(Damage(f"{member} is no longer alive", None, member=member))
+            elif status.proposal != key and member not in self.vouched:
+                found.append(Damage(f"{member} no longer proposes view {view.id}", None, member=member))
+        for status in statuses.values():
+            damage = self.damage("metadata", status.id, status, ops_done)
+            if damage is not None and damage.fault == "superseded":
+                found.append(damage)
+        return found
+
     def damage(self, kind: str, member: str, status: Status | None, ops_done: int) -> "Damage | None":
         """Whether gossip news about ``member`` breaks the view being run or formed.
 
@@ -631,8 +652,8 @@ class Engine:
         if member in view.member_set and kind in ("suspect", "dead", "left"):
             if (kind == "left" and status is not None and status.done_ops is not None and self.forming is None
                     and self.state in IN_VIEW and status.done_ops[0] == view.id and status.done_ops[1] > ops_done):
-                return Damage(f"{member} left after completing the operation in flight", kind, defer=True)
-            return Damage(f"{member} is {kind}", kind)
+                return Damage(f"{member} left after completing the operation in flight", kind, True, member)
+            return Damage(f"{member} is {kind}", kind, member=member)
         if status is None or status.config != self.config or not status.alive:
             return None
         if member in view.member_set:
@@ -640,10 +661,10 @@ class Engine:
                 if member in self.vouched and status.floor <= view.id and status.current_view < view.id:
                     return None  # maybe older than its proposal, which rank 0 saw (see _witnessed)
                 what = f"proposes view {status.proposal[0]}" if status.proposal else "withdrew its proposal"
-                return Damage(f"{member} {what}", None)
+                return Damage(f"{member} {what}", None, member=member)
         elif status.phase == ACTIVE and (status.current_view > view.id or (
                 status.current_view == view.id and status.view_digest is not None and status.view_digest > view.digest)):
-            return Damage(f"view {status.current_view} exists without this worker", "superseded")
+            return Damage(f"view {status.current_view} exists without this worker", "superseded", member=member)
         return None
 
 
@@ -655,6 +676,7 @@ class Damage:
     reason: str
     fault: str | None
     defer: bool = False
+    member: str | None = None  # whom the news is about
 
 
 # ---------------------------------------------------------------------- pure decisions
@@ -667,6 +689,17 @@ def certain(cand: Candidate, previous: View | None, statuses: dict[str, Status])
         return False
     dropped = [m for m in previous.members if m not in cand.members]
     return bool(dropped) and all(m in statuses and (statuses[m].dead or statuses[m].left) for m in dropped)
+
+
+def must_confirm(now: float, contributed_at: float, op_began: float, stalled_at: float, refuted_at: float,
+                 probe_interval: float) -> bool:
+    """Whether an operation that just completed here may have completed here only: this
+    process stalled (``stalled_at``) or refuted a suspicion of itself (``refuted_at``) since
+    the operation began, or the operation took longer than a probe interval after this
+    member's share was handed over. The others, seeing this member hang, may have abandoned
+    the view meanwhile (their abandoned communicators still finish the exchange): the member
+    learns what they did before it counts the operation."""
+    return now - contributed_at > probe_interval or stalled_at >= op_began or refuted_at >= op_began
 
 
 def reconcile_source(states: list[tuple[int, int]]) -> int | None:

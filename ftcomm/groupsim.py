@@ -55,12 +55,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .engine import (ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, FORMING, PROBE_TIMEOUT_S,
-                     RECONCILING, RUNNING, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal,
-                     Rejoined, Sync, reconcile_source)
+from .driver import Driver
+from .engine import (ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, FORMING, RECONCILING, RUNNING, Engine, must_confirm,
+                     reconcile_source)
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
+from .ports import Address, MemberRecord, Ports
 from .view import Status, View, gone_from, has_quorum
 
 CONFIG = "simcfg"
@@ -106,6 +107,7 @@ class Worker:
     table_size: int = 0  # members in the gossip table at the last read
     read_view: View | None = None  # its view at the last read (whose members count although unconfirmed)
     busy_until: float = 0.0  # its driver waits for a read from a store that does not answer until then
+    driver: Driver | None = None  # the driver that ships, over this simulation's ports
 
 
 @dataclass
@@ -122,6 +124,115 @@ class Outcome:
     quorum_survived: bool  # a quorum of the newest view outlived the faults (else no liveness is owed)
     rolled_back: int  # commits of a step whose contents differ from its first commit (see invariant 1)
     wall_s: float
+
+
+# ---------------------------------------------------------------------- the simulated ports
+class SimClock:
+    """Virtual time; the wall clock (join times) reads the same."""
+
+    def __init__(self, sim: "GroupSimulation") -> None:
+        self.sim = sim
+
+    def now(self) -> float:
+        return self.sim.sim.now
+
+    def wall(self) -> float:
+        return self.sim.sim.now
+
+
+class SimMembership:
+    """One worker's gossip member in the gossip simulation."""
+
+    def __init__(self, sim: "GroupSimulation", w: Worker) -> None:
+        self.sim, self.w = sim, w
+
+    def statuses(self, view: View | None) -> tuple[dict[str, Status], dict[str, Address]]:
+        # Members are found by id (see SimProposals.fetch): no addresses are needed.
+        return self.sim._statuses(self.w), {}
+
+    def records(self) -> list[MemberRecord]:
+        host = self.sim.sim.nodes[self.w.node].protocol.address
+        return [MemberRecord(member_id, state, *member_host(member_id, host), self.sim._status(member_id, state, meta))
+                for member_id, state, meta, _ in self.sim.sim.nodes[self.w.node].protocol.member_states()]
+
+    def publish(self, record: dict) -> None:
+        sim, w = self.sim, self.w
+        sim.sim.nodes[w.node].protocol.set_metadata(encode_metadata(record), sim.sim.now)
+        sim.sim.flush(w.node)
+        if w.news is not None:
+            w.news.setdefault(w.engine.id, False)
+
+    def announce(self, members) -> None:
+        self.sim.sim.nodes[self.w.node].protocol.announce(list(members), self.sim.sim.now)
+        self.sim.sim.flush(self.w.node)
+
+    def sync(self, member: str) -> None:
+        self.sim.sim.nodes[self.w.node].protocol.sync_with(member, self.sim.sim.now)
+        self.sim.sim.flush(self.w.node)
+
+    def recontact_seeds(self) -> None:
+        """A join request to each worker (its seeds: the workers a joiner may join through)
+        that is not a live member in this worker's table."""
+        sim, w = self.sim, self.w
+        live = {member_id for member_id, state, _, _ in sim.sim.nodes[w.node].protocol.member_states()
+                if state in ("alive", "suspect")}
+        for x in sim._live():
+            if x is not w and x.engine.id not in live:
+                sim.sim.join_through(w.node, x.node)
+
+    def contact(self, address: Address) -> None:
+        other = self.sim.by_host.get(address[0])
+        if other is not None:
+            self.sim.sim.join_through(self.w.node, other.node)
+
+
+class SimProposals:
+    """The rendezvous stores: a proposal is readable while its owner runs and is reachable;
+    a read from one that crashed, hangs or is cut off answers nothing, and the reader's
+    driver waits ``FETCH_TIMEOUT_S`` for it (the worst case: a connection opened before the
+    owner died does not notice its death)."""
+
+    def __init__(self, sim: "GroupSimulation", w: Worker) -> None:
+        self.sim, self.w = sim, w
+
+    def publish(self, view_id: int, digest: str, members: tuple[str, ...]) -> None:
+        self.sim.store[(self.w.node, (view_id, digest))] = members
+
+    def fetch(self, member: str, address: Address | None, key: tuple[int, str]) -> tuple[str, ...] | None:
+        sim, w = self.sim, self.w
+        owner = sim.by_id.get(member)
+        if owner is not None and not (owner.crashed or owner.hung or sim._cut_off(w, owner)):
+            return sim.store.get((owner.node, key))
+        w.busy_until = max(w.busy_until, sim.sim.now + FETCH_TIMEOUT_S)
+        return None
+
+
+class SimProber:
+    """A connection to a worker's port is refused when its process is gone (crashed, or left
+    and exited) and its node is reachable; a hung one, or one cut off, answers nothing, and
+    the prober's driver waits ``timeout`` for it."""
+
+    def __init__(self, sim: "GroupSimulation", w: Worker) -> None:
+        self.sim, self.w = sim, w
+
+    def refused(self, addresses: list[Address], timeout: float) -> list[bool]:
+        sim, w = self.sim, self.w
+        out, silent = [], False
+        for host, _ in addresses:
+            other = sim.by_host.get(host)
+            reachable = other is not None and not sim._cut_off(w, other)
+            out.append(reachable and (other.crashed or other.gone))
+            silent = silent or not reachable or other.hung
+        if silent:
+            w.busy_until = max(w.busy_until, sim.sim.now + timeout)
+        return out
+
+
+def member_host(member_id: str, fallback: tuple[str, int]) -> tuple[str, int]:
+    """The gossip host and port a simulated member's id names (``HOST:PORT/nonce``)."""
+    host, _, rest = member_id.partition(":")
+    port = rest.partition("/")[0]
+    return (host, int(port)) if port.isdigit() else fallback
 
 
 class GroupSimulation:
@@ -147,12 +258,14 @@ class GroupSimulation:
             if converged else None
         self.sim = Simulation(self.n, self.config, loss=self.loss, delay=delay, seed=self.rng.getrandbits(32),
                               bootstrap=converged, metadata=first)
+        self.clock = SimClock(self)
         self.duration = duration
         self.liveness_bound = self.config.detection_bound(self.n + 4) + formation_timeout + 5.0
         """Seconds after the last fault within which every live member must run one view."""
         self.leave_grace, self.formation_timeout = leave_grace, formation_timeout
         self.workers: dict[int, Worker] = {}
         self.by_id: dict[str, Worker] = {}
+        self.by_host: dict[str, Worker] = {}
         self.store: dict[tuple[int, tuple[int, str]], tuple[str, ...]] = {}
         self.formations: dict[tuple[int, str], dict[str, float]] = {}
         self.reconciles: dict[tuple[int, str], dict[str, tuple[int, int]]] = {}
@@ -195,8 +308,11 @@ class GroupSimulation:
     def _start_worker(self, node: int, now: float) -> Worker:
         member = self.sim.member_id(node)
         w = Worker(node, self._engine(member, node, now), step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
+        w.driver = Driver(w.engine, Ports(self.clock, SimMembership(self, w), SimProposals(self, w), SimProber(self, w)),
+                          lambda: (w.step, w.ops, None), self._noted(w))
         self.workers[node] = w
         self.by_id[member] = w
+        self.by_host[member_host(member, ("", 0))[0]] = w
         if self.sim.nodes[node].protocol.metadata != encode_metadata(self._record(w.engine, w.step, w.ops)):
             self._publish(w)  # (a converged start's members know this record already)
         return w
@@ -296,7 +412,7 @@ class GroupSimulation:
                      key=lambda v: v.id, default=None)
         self.partition = (frozenset(ids[i] for i in side_a), frozenset(ids[i] for i in side_b), before)
         self.partition_left = {x.engine.id for x in self.workers.values() if x.gone and not x.crashed}
-        self.sim._partition = (frozenset(side_a), frozenset(side_b))
+        self.sim.partition(side_a, side_b)
         self.fault_log.append((now, kind, f"{sorted(ids[i] for i in side_a)}"))
         if survivors is not None:
             self.pending_recovery.append((now, kind, survivors))
@@ -304,7 +420,7 @@ class GroupSimulation:
 
     def _heal(self) -> None:
         self.partition = None
-        self.sim._partition = None
+        self.sim.heal()
 
     def _crash(self, w: Worker) -> None:
         w.crashed = True
@@ -316,15 +432,14 @@ class GroupSimulation:
     def _resume(self, w: Worker) -> None:
         w.hung = False
         w.resumed_at = self.sim.now
-        self.sim._resume(self.sim.nodes[w.node])
+        self.sim.resume(w.node)
 
     def _leave(self, w: Worker) -> None:
         if w.gone or w.crashed:
             return
-        w.engine.leave()
-        self._publish(w)
+        w.driver.perform(w.engine.leave())
         self.sim.nodes[w.node].protocol.leave(self.sim.now)
-        self.sim._after(self.sim.nodes[w.node])
+        self.sim.flush(w.node)
         self._abandon(w)
         w.gone = True
         # the process exits once the notice has spread
@@ -425,11 +540,7 @@ class GroupSimulation:
         return e.record(step, ops).encode()
 
     def _publish(self, w: Worker) -> None:
-        node = self.sim.nodes[w.node]
-        node.protocol.set_metadata(encode_metadata(self._record(w.engine, w.step, w.ops)), self.sim.now)
-        self.sim._after(node)
-        if w.news is not None:
-            w.news.setdefault(w.engine.id, False)
+        w.driver.publish()
 
     # ------------------------------------------------------------------ the driver
     def _tick(self) -> None:
@@ -471,83 +582,30 @@ class GroupSimulation:
         return view is not None and all(
             w.committed and w.committed[-1][2] == view.id and w.committed[-1][0] >= self.end_faults for w in live)
 
-    def _perform(self, w: Worker, actions: list) -> None:
-        for action in actions:
-            if isinstance(action, Publish):
-                self._publish(w)
-            elif isinstance(action, PublishProposal):
-                self.store[(w.node, (action.view_id, action.digest))] = action.members
-            elif isinstance(action, Fetch):
-                owner = self.by_id.get(action.member)
-                members = None
-                if owner is not None and not (owner.crashed or owner.hung or self._cut_off(w, owner)):
-                    members = self.store.get((owner.node, action.key))
-                else:
-                    w.busy_until = max(w.busy_until, self.sim.now + FETCH_TIMEOUT_S)
-                w.engine.fetched_proposal(action.key, members)
-            elif isinstance(action, Announce):
-                node = self.sim.nodes[w.node]
-                node.protocol.announce(list(action.members), self.sim.now)
-                self.sim._after(node)
-            elif isinstance(action, Sync):
-                node = self.sim.nodes[w.node]
-                node.protocol.sync_with(action.member, self.sim.now)
-                self.sim._after(node)
-            elif isinstance(action, ProbeGroup):
-                self._recontact_seeds(w)
-                w.engine.group_probed(action.members is not None and self._group_gone(w, action.members))
-            elif isinstance(action, Rejoined):
-                self.log.append(f"{self.sim.now:.3f} {w.engine.id} rejoins: {action.why}")
-            elif isinstance(action, Form):
-                self._enter(w, action.view)
-
-    def _recontact_seeds(self, w: Worker) -> None:
-        """GossipNode.recontact_seeds: a join request to each worker (its seeds: the workers a
-        joiner may join through) that is not a live member in ``w``'s table."""
-        protocol = self.sim.nodes[w.node].protocol
-        live = {member_id for member_id, state, _, _ in protocol.member_states() if state in ("alive", "suspect")}
-        for x in self._live():
-            if x is not w and x.engine.id not in live:
-                self.sim.join_through(w.node, x.node)
-
-    def _group_gone(self, w: Worker, members: tuple[str, ...]) -> bool:
-        """Lifecycle.group_gone: every worker in ``w``'s table that held a view and has not
-        left, and every one of ``members`` it has no record of, refuses a connection: its
-        process is gone (crashed, or left and exited) and its node is reachable from ``w``.
-        A hung one, or one cut off, does not answer (and ``w``'s driver waits
-        ``PROBE_TIMEOUT_S`` for it)."""
-        gone, targets, listed = True, [], set()
-        for member_id, state, metadata, _ in self.sim.nodes[w.node].protocol.member_states():
-            listed.add(member_id)
-            status = self._status(member_id, state, metadata)
-            if member_id == w.engine.id or status is None or status.left or status.last_view == 0:
-                continue
-            targets.append(member_id)
-        unlisted = [m for m in members if m not in listed]
-        for member_id in targets + unlisted:
-            other = self.by_id.get(member_id)
-            if other is None or not (other.crashed or other.gone) or self._cut_off(w, other):
-                gone = False
-                if other is not None and member_id in unlisted:
-                    self.sim.join_through(w.node, other.node)  # Lifecycle.group_gone contacts it
-        if not gone:
-            w.busy_until = max(w.busy_until, self.sim.now + PROBE_TIMEOUT_S)
-        return gone
-
     def _agree(self, w: Worker) -> None:
-        self._perform(w, w.engine.agree(self.sim.now, self._statuses(w)))
+        """One look by the worker's driver; a view agreed on is entered at once."""
+        look = w.driver.look()
+        if look.form is not None:
+            self._enter(w, look.form)
+
+    def _noted(self, w: Worker):
+        return lambda text: self.log.append(f"{self.sim.now:.3f} {text}")
+
+    def _perform(self, w: Worker, actions: list) -> None:
+        w.driver.perform(actions)
 
     def _enter(self, w: Worker, view: View) -> None:
+        """It enters the formation of ``view``: what already breaks the view aborts it, as
+        Lifecycle.enter does."""
         w.abort, w.deferred = None, None
         w.entered = self.sim.now
-        statuses = self._statuses(w)
-        for member in view.members:
-            if member != w.engine.id and (member not in statuses or not statuses[member].alive):
-                w.abort = f"{member} is no longer alive"
+        damage = w.engine.entry_damage(view, self._statuses(w), w.ops)
+        if damage:
+            w.abort = damage[0].reason
         self.formations.setdefault((view.id, view.digest), {})[w.engine.id] = self.sim.now
 
     def _cut_off(self, a: Worker, b: Worker) -> bool:
-        return self.sim._blocked(a.node, b.node)
+        return self.sim.blocked(a.node, b.node)
 
     def _connected(self, w: Worker, view: View) -> bool:
         """Every member of ``view`` runs and ``w`` can reach it (as forming and reconciling need)."""
@@ -556,7 +614,7 @@ class GroupSimulation:
             self._down_cache = (key, any(x.crashed or x.hung for x in self._members(view)))
         if self._down_cache[1]:
             return False
-        return self.sim._partition is None or not any(self._cut_off(w, x) for x in self._members(view))
+        return not self.sim.partitioned or not any(self._cut_off(w, x) for x in self._members(view))
 
     def _members(self, view: View) -> list[Worker]:
         key = (view.id, view.digest)
@@ -577,7 +635,7 @@ class GroupSimulation:
         node = self.sim.nodes[w.node]
         for x in crashed:
             node.protocol.declare_dead(x.engine.id, self.sim.now)
-        self.sim._after(node)
+        self.sim.flush(w.node)
         w.abort = w.abort or f"{crashed[0].engine.id} refused a connection"
         return True
 
@@ -652,9 +710,7 @@ class GroupSimulation:
                     # (Lifecycle.confirm_after_stall), then look at the abort again
                     other = next((m for m in view.members if m != w.engine.id), None)
                     if other is not None:
-                        node = self.sim.nodes[w.node]
-                        node.protocol.sync_with(other, now)
-                        self.sim._after(node)
+                        w.driver.ports.membership.sync(other)
                     w.confirming = now + 4 * TICK
                     return
                 if w.confirming is not None and now < w.confirming:
@@ -682,10 +738,9 @@ class GroupSimulation:
         return done
 
     def _must_confirm(self, w: Worker) -> bool:
-        """The condition of Lifecycle.confirm_after_stall: stalled, suspected, or waited long."""
-        protocol = self.sim.nodes[w.node].protocol
-        return (w.resumed_at >= w.op_began or protocol.last_refuted >= w.op_began
-                or self.sim.now - w.contributed > self.config.probe_interval)
+        """Lifecycle.confirm_after_stall's condition (ftcomm.engine.must_confirm)."""
+        return must_confirm(self.sim.now, w.contributed, w.op_began, w.resumed_at,
+                            self.sim.nodes[w.node].protocol.last_refuted, self.config.probe_interval)
 
     def _healthy(self, w: Worker, view: View, members: list[Worker], done_at: float) -> bool:
         """Every member stayed up and reachable until ``w`` observed the step's completion."""
@@ -696,7 +751,7 @@ class GroupSimulation:
         _, first_crash, hung = self._healthy_cache
         if hung or first_crash < done_at:
             return False
-        return self.sim._partition is None or not any(self._cut_off(w, x) for x in members)
+        return not self.sim.partitioned or not any(self._cut_off(w, x) for x in members)
 
     def _commit(self, w: Worker, view: View, join: bool) -> None:
         now = self.sim.now

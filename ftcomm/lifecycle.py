@@ -10,13 +10,14 @@ longer be used, :meth:`Lifecycle.recover` runs the phases in order::
 *Detect* is the abort signal firing: gossip news judged on the waiting thread
 (:mod:`ftcomm.news`), or the backend failing a collective (then the crash fast path
 probes the view's members and declares dead those whose host refuses a connection).
-Every action the core returns is carried out in one place, :meth:`Lifecycle.perform`.
+Every action the core returns is carried out by the :class:`~ftcomm.driver.Driver`, over
+the live ports of :mod:`ftcomm.live_ports`; the whole-group simulation runs the same
+driver over simulated ports.
 """
 
 from __future__ import annotations
 
 import collections
-import ipaddress
 import logging
 import statistics
 import time
@@ -26,13 +27,14 @@ import torch
 
 from . import engine as core
 from .backends.base import AbortSignal, Communicator
-from .engine import Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Rejoined, Sync
-from .errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
-                     MembershipChanged, QuorumLost)
+from .driver import Driver
+from .engine import Engine, Publish
+from .errors import CollectiveAborted, CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, QuorumLost
 from .gossip import GossipNode
-from .gossip.addresses import parse_address
+from .live_ports import GossipMembership, StoreProposals, SystemClock, TcpProber
 from .news import GossipNews
 from .options import GroupOptions, ViewChange
+from .ports import Ports
 from .rendezvous import Rendezvous, refused_many
 from .stragglers import ComputeTimes
 from .view import Status, View
@@ -49,17 +51,6 @@ CRASH_SETTLE_S = 0.15
 before the member is taken for alive (see :func:`ftcomm.rendezvous.refused`)."""
 
 
-def member_address(member_id: str) -> tuple[str, int] | None:
-    """The gossip address a member id names (``IPV4:PORT/nonce``), or None for anything else
-    (a member list is authenticated and hashed, but its ids are still not trusted)."""
-    try:
-        host, port = parse_address(member_id)
-        ipaddress.IPv4Address(host)
-    except (ValueError, TypeError):
-        return None
-    return (host, port) if 0 < port <= 65535 else None
-
-
 class Lifecycle:
     """The views, communicators and status record of one worker (see the module docstring).
 
@@ -70,12 +61,14 @@ class Lifecycle:
     def __init__(self, engine: Engine, backend: type, rendezvous: Rendezvous, options: GroupOptions,
                  compute: ComputeTimes, step: Callable[[], int]) -> None:
         self.engine = engine
+        self.membership = GossipMembership(engine)
+        self.driver = Driver(engine, Ports(SystemClock(), self.membership, StoreProposals(rendezvous), TcpProber()),
+                             lambda: (step(), self.ops, compute.median()))
         self.options = options
         self._backend = backend
         self.rendezvous = rendezvous
         self._compute = compute
         self._step = step
-        self.gossip: GossipNode | None = None  # attached once started (it publishes our first record)
         self.news = GossipNews(engine, lambda: self.gossip, lambda: self.ops, options.leave_grace, self._watch_stall)
         self.comm: Communicator | None = None  # the backend's communicator of the current view
         self.events: list[ViewChange] = []
@@ -88,6 +81,15 @@ class Lifecycle:
         self._last_publish = 0.0
         self._waits: collections.deque[float] = collections.deque(maxlen=STALL_WINDOW)  # recent collectives' waits
         self._stall_probed = 0.0  # when the members were last probed on demand
+
+    @property
+    def gossip(self) -> GossipNode | None:
+        """The gossip node, attached once started (it publishes this worker's first record)."""
+        return self.membership.node
+
+    @gossip.setter
+    def gossip(self, node: GossipNode) -> None:
+        self.membership.node = node
 
     @property
     def view(self) -> View | None:
@@ -168,64 +170,30 @@ class Lifecycle:
                 self.raise_stuck()
             self.news.changed.clear()
             self.news.judge()
-            statuses, addresses = self.statuses()
-            conflict = core.settings_conflict(engine, engine.settings, statuses)
-            if conflict is not None:
-                raise ConfigMismatch(conflict)
-            actions = engine.agree(now, statuses)
-            if actions and isinstance(actions[-1], Form):  # agreed: publish what comes before, then form
-                self.perform(actions[:-1], addresses)
-                return self.enter(actions[-1].view)
-            self.perform(actions, addresses)
+            look = self.driver.look()
+            if look.form is not None:  # agreed: form it
+                return self.enter(look.form)
             if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
                 last_debug = now
                 log.debug("%s: proposals %s", engine.state.lower(),
-                          {s.id: (s.alive, s.phase, s.current_view, s.proposal) for s in statuses.values()})
-            if not any(isinstance(a, Fetch) for a in actions):  # a fetched proposal is looked at at once
+                          {s.id: (s.alive, s.phase, s.current_view, s.proposal) for s in self.statuses()[0].values()})
+            if not look.fetched:  # a fetched proposal is looked at at once
                 self.news.changed.wait(0.02)
 
-    def perform(self, actions: list, addresses: dict[str, tuple[str, int]] | None = None) -> None:
+    def perform(self, actions: list) -> None:
         """Carry out the engine's actions (all but Form, which :meth:`recover` performs)."""
-        for action in actions:
-            if isinstance(action, Publish):
-                self.publish()
-            elif isinstance(action, PublishProposal):
-                self.rendezvous.publish_proposal(action.view_id, action.digest, action.members)
-            elif isinstance(action, Fetch):
-                members = None
-                if addresses and action.member in addresses:
-                    members = self.rendezvous.fetch_proposal(*addresses[action.member], *action.key,
-                                                             timeout=core.FETCH_TIMEOUT_S)
-                self.engine.fetched_proposal(action.key, members)
-            elif isinstance(action, Announce):
-                self.gossip.announce(action.members)
-            elif isinstance(action, Sync):
-                self.gossip.sync(action.member)
-            elif isinstance(action, ProbeGroup):
-                self.gossip.recontact_seeds()
-                self.engine.group_probed(action.members is not None and self.group_gone(action.members))
-            elif isinstance(action, Rejoined):
-                log.warning("rejoining the group as a new member: %s", action.why)
-                self.engine.joined_at = time.time()
-            else:
-                raise core.IllegalTransition(f"the driver cannot perform {action!r} here")
+        if any(isinstance(a, Publish) for a in actions):
+            self._last_publish = time.monotonic()
+        self.driver.perform(actions)
 
     def enter(self, view: View) -> View:
         """Start forming ``view``: from now on gossip about its members fires the abort signal."""
         abort = self.news.renew()
         statuses, _ = self.statuses()
-        for member in view.members:
-            status = statuses.get(member)
-            if member != self.engine.id and (status is None or not status.alive):
-                abort.fire(f"{member} is no longer alive")
-            elif member != self.engine.id and status.proposal != (view.id, view.digest) \
-                    and member not in self.engine.vouched:
-                abort.fire(f"{member} no longer proposes view {view.id}")
-        for status in statuses.values():
-            damage = self.engine.damage("metadata", status.id, status, self.ops)
-            if damage is not None and damage.fault == "superseded":
-                self.news.fault(damage.fault, status.id, self.news.since)
-                abort.fire(damage.reason)
+        for damage in self.engine.entry_damage(view, statuses, self.ops):
+            if damage.fault is not None:
+                self.news.fault(damage.fault, damage.member, self.news.since)
+            abort.fire(damage.reason)
         return view
 
     def form(self, view: View) -> None:
@@ -343,8 +311,8 @@ class Lifecycle:
         on (the others withdraw their proposal the moment they break it), the operation is
         discarded like any aborted one and reconciling brings this worker up to date."""
         gossip, view = self.gossip, self.view
-        late = time.monotonic() - self.contributed_at > gossip.config.probe_interval
-        if not (late or gossip.last_stall >= self.op_began or gossip.last_refuted >= self.op_began) or view is None:
+        if view is None or not core.must_confirm(time.monotonic(), self.contributed_at, self.op_began,
+                                                 gossip.last_stall, gossip.last_refuted, gossip.config.probe_interval):
             return
         reachable = [m for m in view.members if m != self.engine.id and
                      (info := gossip.member(m)) is not None and info.state in ("alive", "suspect")]
@@ -401,35 +369,13 @@ class Lifecycle:
         if self.engine.state in (core.LEAVING, core.CLOSED):
             raise FtcommError("the group was shut down")
 
-    def group_gone(self, members: Iterable[str]) -> bool:
-        """Whether every worker of this job that held a view and has not left refuses
-        connections: those in the gossip table (answered or not) at their rendezvous port,
-        ``members`` it has no record of at the gossip port their id names (and those that do
-        not refuse get a join request: they may be alive and never told of this worker).
-        Refused: the process is gone. One that does not answer may be across a partition
-        (see Engine._may_found)."""
-        targets, listed = [], set()
-        for m in self.gossip.members():
-            listed.add(m.id)
-            status = Status.from_metadata(m.id, m.state, m.metadata)
-            if m.id == self.engine.id or status is None or status.left or status.config != self.engine.config \
-                    or status.last_view == 0:
-                continue
-            targets.append((m.host, status.rendezvous_port if status.rendezvous_port is not None else m.port))
-        unlisted = [a for a in (member_address(m) for m in members if m not in listed) if a is not None]
-        refused = refused_many(targets + unlisted, core.PROBE_TIMEOUT_S)
-        for address, gone in zip(unlisted, refused[len(targets):]):
-            if not gone:
-                self.gossip.contact(address)  # it may be alive: gossip never told it about this worker
-        return all(refused)
-
     def raise_stuck(self) -> None:
         view = self.view
         if view is None and self.engine.holding:
             raise FtcommTimeout(
-                f"this worker saw a group but none of its members is live here, and not all of them are "
-                f"gone for sure (some do not answer: across a partition?); with partition_policy='quorum' "
-                f"it founds no second group")
+                "this worker saw a group but none of its members is live here, and not all of them are "
+                "gone for sure (some do not answer: across a partition?); with partition_policy='quorum' "
+                "it founds no second group")
         if view is None or self.engine.state == core.JOINING:
             raise FtcommTimeout(
                 f"no view with at least min_workers={self.engine.min_workers} members could be agreed "
@@ -441,21 +387,8 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ status records
     def statuses(self) -> tuple[dict[str, Status], dict[str, tuple[str, int]]]:
-        """Every member's status record, and rendezvous address, from gossip. A member that
-        has never answered this worker directly is left out (unless it is in the current
-        view): an alive record alone may be forged, and a phantom in a candidate view would
-        hold up agreement."""
-        statuses, addresses = {}, {}
-        known = set(self.view.members) if self.view is not None else set()
-        for m in self.gossip.members():
-            if not m.confirmed and m.id != self.engine.id and m.id not in known:
-                continue
-            status = Status.from_metadata(m.id, m.state, m.metadata)
-            if status is not None:
-                statuses[m.id] = status
-                if status.rendezvous_port is not None:
-                    addresses[m.id] = (m.host, status.rendezvous_port)
-        return statuses, addresses
+        """Every member's status record, and rendezvous address (see ftcomm.ports.Membership)."""
+        return self.driver.statuses()
 
     def gossip_states(self) -> dict[str, str]:
         """Each member's gossip state, ``benched`` for a straggler standing aside."""
@@ -464,11 +397,11 @@ class Lifecycle:
                 for m in self.gossip.members()}
 
     def status_record(self) -> dict:
-        return self.engine.record(self._step(), self.ops, self._compute.median()).encode()
+        return self.engine.record(*self.driver.facts()).encode()
 
     def publish(self) -> None:
         self._last_publish = time.monotonic()
-        self.gossip.set_metadata(self.status_record())
+        self.driver.publish()
 
     def publish_step(self) -> bool:
         """Publish the record with the committed step, at most every ``step_publish_interval``."""

@@ -199,7 +199,7 @@ def test_damage_decides_abort_defer_or_nothing():
     assert not e.damage("left", "b", left, 4).defer  # it is not ahead: abort
     assert not e.damage("left", "b", status("b", LEAVING, done_ops=(view.id - 1, 9), alive=False), 0).defer
     moved = status("c", cv=1, proposal=(2, "d"))
-    assert e.damage("metadata", "c", moved, 0) == core.Damage("c proposes view 2", None)
+    assert e.damage("metadata", "c", moved, 0) == core.Damage("c proposes view 2", None, member="c")
     assert e.damage("metadata", "x", status("x", cv=2), 0).fault == "superseded"
     assert e.damage("metadata", "c", status("c", cv=1, proposal=(view.id, view.digest)), 0) is None
 

@@ -88,7 +88,7 @@ def test_a_proposal_read_from_a_worker_that_died_since_gives_up_after_its_own_bo
 
 
 def test_a_member_id_names_its_gossip_address_or_nothing():
-    from ftcomm.lifecycle import member_address
+    from ftcomm.driver import member_address
 
     assert member_address("10.1.2.3:7946/ab12cd34") == ("10.1.2.3", 7946)
     for forged in ("127.0.0.1:99999/x", "127.0.0.1:\u00b2/x", "a\x00b:7946/x", "[::1]:7946/x", "host:7946/x",

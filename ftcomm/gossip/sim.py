@@ -125,6 +125,30 @@ class Simulation:
             self._after(node)
         self.at(t, change)
 
+    def flush(self, index: int) -> None:
+        """Route what member ``index``'s protocol produced after a call from outside (a
+        driver's announce, sync or metadata change) and re-arm its timer."""
+        self._after(self.nodes[index])
+
+    def partition(self, side_a: set[int], side_b: set[int]) -> None:
+        """Cut every path between the two sides now (until :meth:`heal`)."""
+        self._partition = (frozenset(side_a), frozenset(side_b))
+
+    def heal(self) -> None:
+        self._partition = None
+
+    @property
+    def partitioned(self) -> bool:
+        return self._partition is not None
+
+    def blocked(self, a: int, b: int) -> bool:
+        """Whether the partition cuts member ``a`` off from member ``b``."""
+        return self._blocked(a, b)
+
+    def resume(self, index: int) -> None:
+        """A stalled member runs again: it takes what arrived meanwhile and catches up."""
+        self._resume(self.nodes[index])
+
     # ------------------------------------------------------------ the event loop
     def run_until(self, t_end: float) -> None:
         heap = self._heap

@@ -1,0 +1,89 @@
+"""Ports: what the group driver needs from the world, as interfaces it calls.
+
+The driver (:mod:`ftcomm.driver`) performs the engine's actions and touches the world only
+through these. Production implements them with the gossip node, the rendezvous store and
+TCP connection probes (:mod:`ftcomm.live_ports`); the whole-group simulation
+(:mod:`ftcomm.groupsim`) implements them over its virtual cluster, so that it runs the
+driver that ships. Each method says what it does when a peer is gone; none raises for that.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple, Protocol, Sequence
+
+from .view import Status, View
+
+Address = tuple[str, int]
+
+
+class MemberRecord(NamedTuple):
+    """One member as the local gossip table holds it."""
+
+    id: str
+    state: str  # alive | suspect | dead | left
+    host: str
+    port: int  # its gossip port
+    status: Status | None  # its decoded status record (None: not an ftcomm worker's, or malformed)
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Monotonic seconds (all deadlines)."""
+
+    def wall(self) -> float:
+        """Seconds since the epoch (a worker's join time, which its peers compare)."""
+
+
+class Membership(Protocol):
+    """The gossip layer. Nothing here blocks: messages go out in the background."""
+
+    def statuses(self, view: View | None) -> tuple[dict[str, Status], dict[str, Address]]:
+        """Every member's status record, and rendezvous address, as the local table shows
+        them. A member that never answered this worker directly is left out unless it is in
+        ``view``: an alive record alone may be forged, and a phantom in a candidate view
+        would hold up agreement."""
+
+    def records(self) -> Iterable[MemberRecord]:
+        """Every member of the local table, answered or not."""
+
+    def publish(self, record: dict) -> None:
+        """Make ``record`` this member's status record (gossiped to every member)."""
+
+    def announce(self, members: Sequence[str]) -> None:
+        """Send this member's record directly to ``members`` (one datagram each; lost ones
+        are repaired by gossip)."""
+
+    def sync(self, member: str) -> None:
+        """Exchange full state with ``member`` now (nothing happens if it does not answer)."""
+
+    def recontact_seeds(self) -> None:
+        """Send a join request to each seed that is not a live member of the local table."""
+
+    def contact(self, address: Address) -> None:
+        """Send a join request to the gossip port at ``address``."""
+
+
+class Proposals(Protocol):
+    """The rendezvous stores where members keep the member lists of their proposals."""
+
+    def publish(self, view_id: int, digest: str, members: tuple[str, ...]) -> None:
+        """Store this member's proposal on its own store."""
+
+    def fetch(self, member: str, address: Address | None, key: tuple[int, str]) -> tuple[str, ...] | None:
+        """The member list ``member`` stored for proposal ``key`` at ``address``; None when it
+        is not stored there (yet), or the store does not answer within
+        :data:`ftcomm.engine.FETCH_TIMEOUT_S` (its worker died or is cut off since)."""
+
+
+class Prober(Protocol):
+    def refused(self, addresses: list[Address], timeout: float) -> list[bool]:
+        """For each address, whether a TCP connection to it is refused: its process is gone
+        and its host answers. A host that is lost or cut off answers nothing: False after
+        ``timeout``."""
+
+
+class Ports(NamedTuple):
+    clock: Clock
+    membership: Membership
+    proposals: Proposals
+    prober: Prober

@@ -1,0 +1,185 @@
+"""The driver over fake ports: each engine action performed through its port, and each
+answer of a port (a store that does not answer, a refused or silent probe, a mismatched
+setting) turned into the engine's next input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ftcomm import engine as core
+from ftcomm.driver import Driver, member_address
+from ftcomm.engine import Engine, Form, Rejoined
+from ftcomm.errors import ConfigMismatch
+from ftcomm.ports import MemberRecord, Ports
+from ftcomm.view import JOINING, Status, View
+from tests.conftest import CFG, status
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return 1_000_000.0 + self.t
+
+
+class FakeMembership:
+    def __init__(self, statuses: dict[str, Status]) -> None:
+        self.table = statuses
+        self.published: list[dict] = []
+        self.announced: list[tuple] = []
+        self.synced: list[str] = []
+        self.recontacts = 0
+        self.contacted: list[tuple] = []
+
+    def statuses(self, view):
+        return dict(self.table), {m: ("10.0.0.1", 4000 + i) for i, m in enumerate(self.table)}
+
+    def records(self):
+        return [MemberRecord(m, "alive" if s.alive else "dead", "10.0.0.1", 7000, s) for m, s in self.table.items()]
+
+    def publish(self, record):
+        self.published.append(record)
+        own = Status.from_metadata(self.own, "alive", record)
+        self.table[self.own] = own
+
+    def announce(self, members):
+        self.announced.append(tuple(members))
+
+    def sync(self, member):
+        self.synced.append(member)
+
+    def recontact_seeds(self):
+        self.recontacts += 1
+
+    def contact(self, address):
+        self.contacted.append(address)
+
+
+class FakeProposals:
+    def __init__(self) -> None:
+        self.stored: dict = {}
+        self.answers: dict = {}  # member -> list it answers (None: no answer)
+        self.asked: list = []
+
+    def publish(self, view_id, digest, members):
+        self.stored[(view_id, digest)] = members
+
+    def fetch(self, member, address, key):
+        self.asked.append((member, address, key))
+        return self.answers.get(member)
+
+
+class FakeProber:
+    def __init__(self, answers: dict | None = None) -> None:
+        self.answers = answers or {}
+        self.probed: list = []
+
+    def refused(self, addresses, timeout):
+        self.probed.append(list(addresses))
+        return [self.answers.get(a, False) for a in addresses]
+
+
+def driver_for(member: str, statuses: dict, **engine_fields) -> tuple[Driver, FakeMembership, FakeProposals,
+                                                                       FakeProber, FakeClock]:
+    engine = Engine(member, CFG, settle_interval=0.05, chase_interval=0.6, rendezvous_port=4000, **engine_fields)
+    membership, proposals, prober, clock = FakeMembership(statuses), FakeProposals(), FakeProber(), FakeClock()
+    membership.own = member
+    return (Driver(engine, Ports(clock, membership, proposals, prober), lambda: (7, 3, 0.25)),
+            membership, proposals, prober, clock)
+
+
+def test_a_look_publishes_the_record_and_proposal_announces_it_and_hands_back_the_view_to_form():
+    statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate("ab")}
+    driver, membership, proposals, _, clock = driver_for("a", statuses)
+    assert driver.look() == (None, False)  # the candidate settles first
+    clock.t += 0.06
+    assert driver.look() == (None, False)
+    key = driver.engine.proposal
+    assert proposals.stored == {key: ("a", "b")} and membership.announced == [("a", "b")]
+    record = Status.from_metadata("a", "alive", membership.published[-1])
+    assert (record.proposal, record.step, record.compute_s) == (key, 7, 0.25)  # the driver's facts
+    membership.table["b"] = dataclasses.replace(membership.table["b"], proposal=key)
+    clock.t += 0.01
+    assert driver.look().form == View(1, ("a", "b")) and driver.engine.state == core.FORMING
+
+
+def test_a_proposal_a_store_does_not_answer_is_asked_of_the_next_proposer():
+    key = (2, View(2, ("a", "b", "j")).digest)
+    statuses = {"a": status("a", cv=1, proposal=key), "b": status("b", cv=1, proposal=key),
+                "j": status("j", JOINING, joined_at=5.0)}
+    driver, membership, proposals, _, clock = driver_for("j", statuses, joined_at=5.0)
+    proposals.answers = {"a": None, "b": ("a", "b", "j")}  # "a" died since it proposed
+    assert driver.look() == (None, True)
+    assert proposals.asked[-1][0] == "a" and proposals.asked[-1][1] == ("10.0.0.1", 4000)
+    clock.t += 0.01
+    assert driver.look() == (None, True) and proposals.asked[-1][0] == "b"
+    driver.look()  # the list read is looked at at once: it adopts the proposal
+    assert driver.engine.proposal == key
+    assert membership.announced[-1] == ("a", "b", "j")
+
+
+def test_a_group_is_gone_only_when_every_worker_that_held_a_view_refuses():
+    key = (4, View(4, ("a", "b", "c")).digest)
+    statuses = {"a": status("a", cv=4, proposal=key), "j": status("j", JOINING, joined_at=5.0)}
+    driver, membership, proposals, prober, clock = driver_for("j", statuses, joined_at=5.0)
+    proposals.answers = {"a": ("a", "b", "c")}
+    driver.look()  # reads the list of the group's view
+    clock.t += 0.01
+    membership.table["a"] = dataclasses.replace(statuses["a"], alive=False, dead=True)
+    driver.look()  # no live member of the group: it holds back
+    assert driver.engine.state == core.HOLDING_BACK
+    # b and c are not in its table: probed at the gossip port their ids name (none parse here)
+    b, c = "10.0.0.2:7946/x", "10.0.0.3:7946/y"
+    members = ("a", b, c)
+    prober.answers = {("10.0.0.1", 4000): True, ("10.0.0.2", 7946): True, ("10.0.0.3", 7946): False}
+    assert not driver.group_gone(members)
+    assert prober.probed[-1] == [("10.0.0.1", 4000), ("10.0.0.2", 7946), ("10.0.0.3", 7946)]
+    assert membership.contacted == [("10.0.0.3", 7946)]  # it may be alive: told of this worker
+    prober.answers[("10.0.0.3", 7946)] = True
+    assert driver.group_gone(members)
+
+
+def test_a_probe_group_action_recontacts_the_seeds_and_answers_the_engine():
+    statuses = {"a": status("a", cv=2, alive=False, dead=True), "j": status("j", JOINING, joined_at=5.0)}
+    driver, membership, _, prober, clock = driver_for("j", statuses, joined_at=5.0)
+    driver.engine.saw_group = 2  # it saw the group's view 2, never its member list
+    driver.look()
+    assert driver.engine.state == core.HOLDING_BACK
+    clock.t += 1.0
+    driver.look()
+    assert membership.recontacts == 1 and not driver.engine.group_gone  # without the list nothing shows it gone
+
+
+def test_a_rejoin_takes_a_new_join_time_and_is_noticed():
+    statuses = {"a": status("a", cv=1), "b": status("b", cv=1)}
+    driver, membership, _, _, clock = driver_for("a", statuses)
+    noticed = []
+    driver.notice = noticed.append
+    driver.perform([Rejoined("a newer view exists without this worker")])
+    assert driver.engine.joined_at == clock.wall() and "rejoins the group" in noticed[0]
+
+
+def test_a_member_with_other_settings_stops_the_look_with_a_clear_error():
+    theirs = Status("b", True, False, "active", 1, None, 0.0, "other", settings=("gloo", 2, None, "quorum", 2))
+    driver, *_ = driver_for("a", {"a": status("a", JOINING, joined_at=5.0), "b": theirs}, joined_at=5.0,
+                            settings=("gloo", 1, None, "quorum", 2))
+    with pytest.raises(ConfigMismatch, match="min_workers=1 but the group uses min_workers=2"):
+        driver.look()
+
+
+def test_forming_is_the_callers_and_never_performed_here():
+    driver, *_ = driver_for("a", {"a": status("a", JOINING)})
+    with pytest.raises(core.IllegalTransition):
+        driver.perform([Form(View(1, ("a",)))])
+
+
+@pytest.mark.parametrize("member_id, address", [("10.1.2.3:7946/ab", ("10.1.2.3", 7946)), ("host:7946/x", None),
+                                                ("10.1.2.3:0/x", None), ("garbage", None), ("::1:80/x", None)])
+def test_member_ids_name_an_address_only_when_well_formed(member_id, address):
+    assert member_address(member_id) == address
