@@ -1,12 +1,16 @@
 """Whole-group simulation benchmark: invariants over many random seeds, recovery by fault
 kind, and agreement time after a crash by group size.
 
-    python benchmarks/group_sim.py --seeds 10000          # about 16 minutes on 2 cores
+    python benchmarks/group_sim.py --seeds 20000 --baseline-seeds 2000   # about 20 minutes on 2 cores
     python benchmarks/group_sim.py --scale 8,64,256,1000  # one crash per size; about a minute
 
 Seeds: each draws a group size (3-7), loss, delay and up to five faults (see
 ftcomm/groupsim.py); the summary counts invariant violations and gives the time from
-each fault to the next commit of every survivor. Scale: N workers start from a static
+each fault to the next commit of every survivor (median, p99, max per kind), apart for
+faults that struck a settled group alone and for faults that struck while another was
+active (those wait for the other: a crash on one side of a partition); with
+``--baseline-seeds N`` the first N seeds run again without the driver's on-demand probing
+of a stalled operation, the baseline of the same run. Scale: N workers start from a static
 host list (every member knows every other one and its first record: the gossip cluster
 has converged, the first view is still to be agreed; ``--joins`` makes them join through
 the first worker instead, which costs many minutes from 256 members up), and once all
@@ -91,6 +95,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=0)
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--baseline-seeds", type=int, default=0,
+                        help="also run the first N seeds with and without on-demand stall probing")
     parser.add_argument("--scale", default="")
     parser.add_argument("--joins", action="store_true", help="scale: workers join through the first worker")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "group_sim.json"))
@@ -105,6 +111,15 @@ def main() -> int:
         summary["wall_s"] = round(time.perf_counter() - started, 1)
         result["seeds"] = summary
         print(json.dumps(summary, indent=2), flush=True)
+    if args.baseline_seeds:
+        # The same seeds with the driver's on-demand probing of a stalled operation off (what
+        # the simulation modelled before it ran the driver's watch_stall): its gain.
+        kept = {}
+        for name, probe_after in (("stall_probe_after_default", None), ("stall_probe_after_0", 0.0)):
+            kwargs = {} if probe_after is None else {"stall_probe_after": probe_after}
+            kept[name] = summarize(run_seeds(list(range(args.baseline_seeds)), processes=args.processes, **kwargs))
+            print(name, json.dumps(kept[name]["recovery_to_next_commit"]), flush=True)
+        result["stall_probe_comparison"] = kept
     if args.scale:
         rows = []
         for n in (int(x) for x in args.scale.split(",")):

@@ -10,8 +10,10 @@ the whole-group simulation runs the same driver over simulated ones
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import logging
+import statistics
 from typing import Callable, Iterable, NamedTuple
 
 from . import engine as core
@@ -22,6 +24,11 @@ from .ports import Address, Ports
 from .view import Status, View
 
 log = logging.getLogger(__name__)
+
+STALL_FACTOR = 4.0
+"""A collective waiting this many times its recent median wait (and ``stall_probe_after``)
+has the members it waits on probed at once."""
+STALL_WINDOW = 20
 
 
 def member_address(member_id: str) -> Address | None:
@@ -57,6 +64,8 @@ class Driver:
         self.ports = ports
         self.facts = facts
         self.notice = notice or (lambda text: log.warning("%s", text))
+        self._waits: collections.deque[float] = collections.deque(maxlen=STALL_WINDOW)  # recent operations' waits
+        self._stall_probed = float("-inf")  # when the view's members were last probed on demand
 
     def statuses(self) -> tuple[dict[str, Status], dict[str, Address]]:
         return self.ports.membership.statuses(self.engine.view)
@@ -101,6 +110,28 @@ class Driver:
                 engine.joined_at = ports.clock.wall()
             else:
                 raise core.IllegalTransition(f"the driver cannot perform {action!r} here")
+
+    def operation_waited(self, seconds: float) -> None:
+        """An operation completed ``seconds`` after this member handed its share over."""
+        self._waits.append(seconds)
+
+    def watch_stall(self, contributed_at: float, op_began: float, probe_after: float, probe_interval: float) -> None:
+        """Hang detection on demand (``stall_probe_after``): while an operation waits far
+        longer than usual (``STALL_FACTOR`` times the median of the recent waits, and at
+        least ``probe_after`` seconds) since this member handed its share over at
+        ``contributed_at``, probe the view's other members at once, at most once per probe
+        interval; a member that does not answer is suspected a probe timeout later, which
+        breaks the view. A member whose process answers is never suspected by it: slow
+        compute is a straggler's, not a hang."""
+        view = self.engine.view
+        if probe_after <= 0 or contributed_at <= op_began or view is None:
+            return  # off, or not waiting on an operation
+        now = self.ports.clock.now()
+        typical = STALL_FACTOR * statistics.median(self._waits) if self._waits else 0.0
+        if now - contributed_at < max(probe_after, typical) or now - self._stall_probed < probe_interval:
+            return
+        self._stall_probed = now
+        self.ports.membership.probe_now([m for m in view.members if m != self.engine.id])
 
     def group_gone(self, members: Iterable[str]) -> bool:
         """Whether every worker of this job that held a view and has not left refuses

@@ -61,10 +61,12 @@ from .engine import (ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, FORMING, RECONCILING, RUNN
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
+from .options import GroupOptions
 from .ports import Address, MemberRecord, Ports
 from .view import Status, View, gone_from, has_quorum
 
 CONFIG = "simcfg"
+OPTIONS = GroupOptions()  # the defaults a worker runs with (stall_probe_after, leave_grace, ...)
 TICK = 0.02  # the driver looks at the membership this often (FaultTolerantGroup waits 20 ms)
 FORM_LATENCY = 0.01
 CRASH_ERROR_DELAY = 0.005
@@ -120,6 +122,7 @@ class Outcome:
     commits: int
     views: int
     recovery: dict  # fault kind -> [seconds from the fault to the next commit of every survivor]
+    recovery_overlapping: dict  # the same, for faults that struck while another fault was active
     settle_s: float | None  # from the last fault to one view of everyone, committing
     quorum_survived: bool  # a quorum of the newest view outlived the faults (else no liveness is owed)
     rolled_back: int  # commits of a step whose contents differ from its first commit (see invariant 1)
@@ -185,6 +188,10 @@ class SimMembership:
         if other is not None:
             self.sim.sim.join_through(self.w.node, other.node)
 
+    def probe_now(self, members) -> None:
+        self.sim.sim.nodes[self.w.node].protocol.probe_now(list(members), self.sim.sim.now)
+        self.sim.sim.flush(self.w.node)
+
 
 class SimProposals:
     """The rendezvous stores: a proposal is readable while its owner runs and is reachable;
@@ -243,7 +250,8 @@ class GroupSimulation:
     to be agreed), instead of joining through the first worker."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
-                 loss: float | None = None, leave_grace: float = 2.0,
+                 loss: float | None = None, leave_grace: float = OPTIONS.leave_grace,
+                 stall_probe_after: float = OPTIONS.stall_probe_after,
                  formation_timeout: float = 10.0, gossip: GossipConfig | None = None,
                  announce_limit: int = ANNOUNCE_LIMIT, converged: bool = False) -> None:
         self.seed = seed
@@ -263,6 +271,7 @@ class GroupSimulation:
         self.liveness_bound = self.config.detection_bound(self.n + 4) + formation_timeout + 5.0
         """Seconds after the last fault within which every live member must run one view."""
         self.leave_grace, self.formation_timeout = leave_grace, formation_timeout
+        self.stall_probe_after = stall_probe_after
         self.workers: dict[int, Worker] = {}
         self.by_id: dict[str, Worker] = {}
         self.by_host: dict[str, Worker] = {}
@@ -276,8 +285,10 @@ class GroupSimulation:
         self.partition_left: set[str] = set()
         self.log: list[str] = []
         self.fault_log: list[tuple[float, str, str]] = []
-        self.pending_recovery: list[tuple[float, str, set[str]]] = []  # (time, kind, survivors to commit)
-        self.recovery: dict[str, list[float]] = {}
+        self.pending_recovery: list[tuple[float, str, set[str], bool]] = []  # (time, kind, survivors, isolated)
+        self.recovery: dict[str, list[float]] = {}  # faults that struck a settled group (see _isolated)
+        self.recovery_overlapping: dict[str, list[float]] = {}  # faults that struck while another was active
+        self.disturbed_until = 0.0  # when the last hang, node loss or partition drawn so far ends
         self.sim.listeners.append(self._on_event)
         for i in range(self.n):
             self._start_worker(i, 0.0)
@@ -350,6 +361,8 @@ class GroupSimulation:
 
     def _fault(self, kind: str, args: dict) -> None:
         now = self.sim.now
+        if kind != "slow":  # a recovery still under way waits for this fault too: not isolated
+            self.pending_recovery = [(t, k, survivors, False) for t, k, survivors, _ in self.pending_recovery]
         if kind == "join":
             node = self.sim.add_node(seed_index=self._live()[0].node)
             w = self._start_worker(node, now)
@@ -369,6 +382,7 @@ class GroupSimulation:
             cut = max(1, min(len(live) - 1, int(args["split"] * len(live)) or 1))
             side_a = {w.node for w in live[:cut]}
             side_b = set(range(len(self.sim.nodes))) - side_a
+            self.disturbed_until = max(self.disturbed_until, now + args["length"])
             self._cut(now, side_a, side_b, args["length"], kind)
             return
         w = self._pick(args["pick"])
@@ -376,23 +390,38 @@ class GroupSimulation:
             return
         self.fault_log.append((now, kind, w.engine.id))
         survivors = {x.engine.id for x in self._live() if x is not w}
+        isolated = self._isolated(w)
+        if kind in ("hang", "node_loss"):
+            self.disturbed_until = max(self.disturbed_until, now + args["length"])
         if kind == "crash":
             self._crash(w)
-            self.pending_recovery.append((now, kind, survivors))
+            self.pending_recovery.append((now, kind, survivors, isolated))
         elif kind == "hang":
             w.hung = True
             self.sim.nodes[w.node].stalled = True
-            self.pending_recovery.append((now, kind, survivors))
+            self.pending_recovery.append((now, kind, survivors, isolated))
             self.sim.at(now + args["length"], lambda: self._resume(w))
         elif kind == "node_loss":
             others = set(range(len(self.sim.nodes))) - {w.node}
-            self._cut(now, {w.node}, others, args["length"], kind, survivors)
+            self._cut(now, {w.node}, others, args["length"], kind, (survivors, isolated))
         elif kind in ("leave", "leave_after_commit"):
             if kind == "leave":
                 self._leave(w)
             else:
                 w.leave_after_commit = True
-            self.pending_recovery.append((now, "leave", survivors))
+            self.pending_recovery.append((now, "leave", survivors, isolated))
+
+    def _isolated(self, victim: Worker) -> bool:
+        """The fault strikes a settled group: every live member runs one view of all of them,
+        the victim among them, and no other fault is active (a hang, node loss or partition,
+        or a fault not yet recovered from); it stays isolated unless another fault (but a
+        slow member) strikes before its recovery completes. A fault among others waits for
+        them (a crash on one side of a partition, of a member already left out, a second
+        crash that takes the quorum until a lost node returns), and its recovery is
+        reported apart."""
+        view = self._settled_view(self._live())
+        return (view is not None and victim.engine.id in view.member_set and self.sim.now >= self.disturbed_until
+                and not self.pending_recovery)
 
     def _retry_join(self, w: Worker, attempt: int) -> None:
         """ftcomm.init retries its join with every peer it was given until one answers."""
@@ -406,7 +435,7 @@ class GroupSimulation:
         self.sim.at(self.sim.now + 1.0, lambda: self._retry_join(w, attempt + 1))
 
     def _cut(self, now: float, side_a: set[int], side_b: set[int], length: float, kind: str,
-             survivors: set[str] | None = None) -> None:
+             survivors: tuple[set[str], bool] | None = None) -> None:
         ids = {i: self.sim.member_id(i) for i in range(len(self.sim.nodes))}
         before = max((w.engine.view for w in self._live() if w.engine.view is not None),
                      key=lambda v: v.id, default=None)
@@ -415,7 +444,7 @@ class GroupSimulation:
         self.sim.partition(side_a, side_b)
         self.fault_log.append((now, kind, f"{sorted(ids[i] for i in side_a)}"))
         if survivors is not None:
-            self.pending_recovery.append((now, kind, survivors))
+            self.pending_recovery.append((now, kind, *survivors))
         self.sim.at(now + length, self._heal)
 
     def _heal(self) -> None:
@@ -727,6 +756,9 @@ class GroupSimulation:
         self._crash_error(w, view)
         if w.abort is not None and w.deferred is None:
             self._break(w)
+            return
+        # still waiting on the step: hang detection on demand, as a waiting worker's thread does it
+        w.driver.watch_stall(w.contributed, w.op_began, self.stall_probe_after, self.config.probe_interval)
 
     def _completion(self, step: tuple, contributions: dict) -> tuple[float, bool]:
         """When the last member contributed to a complete step, and whether any saw a joiner
@@ -787,6 +819,7 @@ class GroupSimulation:
                                    f"of a partition of view {before.id}")
         w.step, w.digest = step, digest
         w.ops += 1
+        w.driver.operation_waited(now - w.contributed)
         w.committed.append((now, step, view.id))
         w.contributed = None
         w.op_began = now
@@ -801,15 +834,15 @@ class GroupSimulation:
     def _check_recoveries(self) -> None:
         now = self.sim.now
         still = []
-        for t, kind, survivors in self.pending_recovery:
+        for t, kind, survivors, isolated in self.pending_recovery:
             live = {s for s in survivors if not self.by_id[s].crashed and not self.by_id[s].gone}
             done = all(any(c[0] > t and c[2] > self._view_at(s, t) for c in self.by_id[s].committed) for s in live)
             if done and live:
                 last = max(min(c[0] for c in self.by_id[s].committed if c[0] > t and c[2] > self._view_at(s, t))
                            for s in live)
-                self.recovery.setdefault(kind, []).append(round(last - t, 4))
+                (self.recovery if isolated else self.recovery_overlapping).setdefault(kind, []).append(round(last - t, 4))
             elif live and now - t < self.liveness_bound + self.duration:
-                still.append((t, kind, survivors))
+                still.append((t, kind, survivors, isolated))
         self.pending_recovery = still
 
     def _view_at(self, member: str, t: float) -> int:
@@ -834,7 +867,7 @@ class GroupSimulation:
         settle = round(self.settled_at - self.end_faults, 4) if self.settled_at is not None else None
         return Outcome(self.seed, self.n, violation is None, violation,
                        [(round(t, 3), k, m) for t, k, m in self.fault_log], commits, views,
-                       self.recovery, settle, self.quorum_survived, self.rolled_back,
+                       self.recovery, self.recovery_overlapping, settle, self.quorum_survived, self.rolled_back,
                        round(time.perf_counter() - started, 3))
 
     def _check_end(self) -> None:
@@ -884,9 +917,12 @@ def _run_seed_kw(item: tuple[int, dict]) -> Outcome:
 
 def summarize(outcomes: list[Outcome]) -> dict:
     recovery: dict[str, list[float]] = {}
+    overlapping: dict[str, list[float]] = {}
     for o in outcomes:
         for kind, values in o.recovery.items():
             recovery.setdefault(kind, []).extend(values)
+        for kind, values in o.recovery_overlapping.items():
+            overlapping.setdefault(kind, []).extend(values)
 
     def dist(values: list[float]) -> dict:
         values = sorted(values)
@@ -900,6 +936,7 @@ def summarize(outcomes: list[Outcome]) -> dict:
             "failing_seeds": [o.seed for o in outcomes if not o.ok][:20],
             "first_violation": next((o.violation for o in outcomes if not o.ok), None),
             "recovery_to_next_commit": {k: dist(v) for k, v in sorted(recovery.items())},
+            "recovery_with_another_fault_active": {k: dist(v) for k, v in sorted(overlapping.items())},
             "settle_after_last_fault": dist(settles),
             "quorum_lost_seeds": sum(not o.quorum_survived for o in outcomes),
             "seeds_with_rolled_back_commits": sum(o.rolled_back > 0 for o in outcomes),
@@ -929,7 +966,8 @@ def main(argv: list[str] | None = None) -> int:
             for w in sim.workers.values():
                 print(f"  {w.engine.id}: {w.engine.state} view {w.engine.view.id if w.engine.view else None} "
                       f"step {w.step} commits {len(w.committed)}")
-            print("recovery:", outcome.recovery, "settle:", outcome.settle_s)
+            print("recovery:", outcome.recovery, "with another fault active:", outcome.recovery_overlapping,
+                  "settle:", outcome.settle_s)
             print("OK" if outcome.ok else outcome.violation)
         return 0 if outcome.ok else 1
     outcomes = run_seeds(list(range(args.first, args.first + args.seeds)), args.processes)

@@ -17,9 +17,7 @@ driver over simulated ports.
 
 from __future__ import annotations
 
-import collections
 import logging
-import statistics
 import time
 from typing import Callable, Iterable
 
@@ -40,11 +38,6 @@ from .stragglers import ComputeTimes
 from .view import Status, View
 
 log = logging.getLogger(__name__)
-
-STALL_FACTOR = 4.0
-"""A collective waiting this many times its recent median wait (and ``stall_probe_after``)
-has the members it waits on probed at once."""
-STALL_WINDOW = 20
 
 CRASH_SETTLE_S = 0.15
 """After a broken connection, how long a member's port that still accepts is tried again
@@ -79,8 +72,6 @@ class Lifecycle:
         self.op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
         self.contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
         self._last_publish = 0.0
-        self._waits: collections.deque[float] = collections.deque(maxlen=STALL_WINDOW)  # recent collectives' waits
-        self._stall_probed = 0.0  # when the members were last probed on demand
 
     @property
     def gossip(self) -> GossipNode | None:
@@ -278,7 +269,7 @@ class Lifecycle:
         """The operation in flight completed here."""
         self.ops += 1
         self.op_began = time.monotonic()
-        self._waits.append(self.op_began - self.contributed_at)
+        self.driver.operation_waited(self.op_began - self.contributed_at)
 
     def operation_done(self) -> None:
         """The operation in flight completed, and aborts held for it fire now."""
@@ -286,19 +277,9 @@ class Lifecycle:
         self.news.operation_ended()
 
     def _watch_stall(self) -> None:
-        """Hang detection on demand (``stall_probe_after``): while a collective waits far
-        longer than usual, probe the view's other members at once, at most once per probe
-        interval; the regular suspicion then fires the abort signal."""
-        after = self.options.stall_probe_after
-        if after <= 0 or self.contributed_at <= self.op_began or self.view is None:
-            return  # off, or not waiting on an operation
-        now = time.monotonic()
-        typical = STALL_FACTOR * statistics.median(self._waits) if self._waits else 0.0
-        if now - self.contributed_at < max(after, typical) or \
-                now - self._stall_probed < self.gossip.config.probe_interval:
-            return
-        self._stall_probed = now
-        self.gossip.probe_now([m for m in self.view.members if m != self.engine.id])
+        """Hang detection on demand while a collective waits (see Driver.watch_stall)."""
+        self.driver.watch_stall(self.contributed_at, self.op_began, self.options.stall_probe_after,
+                                self.gossip.config.probe_interval)
 
     def confirm_after_stall(self) -> None:
         """An operation that completed while (or after) this worker was cut off may have

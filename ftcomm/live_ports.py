@@ -60,6 +60,9 @@ class GossipMembership:
     def contact(self, address: Address) -> None:
         self.node.contact(address)
 
+    def probe_now(self, members: Sequence[str]) -> None:
+        self.node.probe_now(list(members))
+
 
 class StoreProposals:
     """The proposals port over this worker's :class:`~ftcomm.rendezvous.Rendezvous`."""

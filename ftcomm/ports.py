@@ -62,6 +62,10 @@ class Membership(Protocol):
     def contact(self, address: Address) -> None:
         """Send a join request to the gossip port at ``address``."""
 
+    def probe_now(self, members: Sequence[str]) -> None:
+        """Probe ``members`` at once, directly and through helpers; one that does not answer
+        is suspected a probe timeout later (the regular suspicion then spreads)."""
+
 
 class Proposals(Protocol):
     """The rendezvous stores where members keep the member lists of their proposals."""
