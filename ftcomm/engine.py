@@ -217,6 +217,9 @@ class Engine:
     aside_until: float = 0.0  # STANDING_ASIDE: when it asks to join again
     fault: str | None = None  # BROKEN: why (crash, hang, leave, partition, superseded, backend)
     formed_from: str | None = None  # the state it agreed from on entering FORMING (REJOINING: a rejoin)
+    started: bool = False  # this worker began training (ran a step or restored a checkpoint): see began
+    founding: bool = False  # the current view is the group's first and every member wants the network check
+    restorable: bool = False  # no member of the current view had begun training when it formed
     settings: tuple = ()  # the settings that must match (SETTING_NAMES), named in a peer's mismatch error
     rendezvous_port: int = 0  # where its rendezvous store serves (proposals, formation)
     insecure: bool = False  # started without a secret on a reachable address
@@ -304,6 +307,11 @@ class Engine:
         elif admit:
             self._move("admit")
 
+    def began(self) -> None:
+        """This worker began training (ran a step, or restored a checkpoint): a view it forms
+        from now on is not restorable. Accepted in every state."""
+        self.started = True
+
     def deferred(self) -> None:
         """The view formed before any state was registered: reconcile before the first collective."""
         self._move("deferred")
@@ -313,9 +321,13 @@ class Engine:
         before the next collective (in a view that is to be re-formed anyway, nothing changes)."""
         self._move("restored")
 
-    def formed(self) -> list[Action]:
-        """Every member formed and verified the communicator of the view being formed."""
+    def formed(self, founding: bool = False, restorable: bool = False) -> list[Action]:
+        """Every member formed and verified the communicator of the view being formed; the
+        verification tells whether it is the group's first view, every member wanting the
+        network check (``founding``), and whether no member had begun training
+        (``restorable``: the members start the group together and may restore a checkpoint)."""
         self._move("formed")
+        self.founding, self.restorable = founding, restorable
         self.view, self.forming = self.forming, None
         self.benched = None
         self._lagging.clear()

@@ -97,7 +97,7 @@ class FaultTolerantGroup:
                 self._metrics = MetricsServer(self, host, opts.metrics_port)
             self._install_exit_hooks()
             self._steps.recover("init", time.monotonic(), opts.init_timeout)
-            if life.founding:
+            if engine.founding:
                 self._check_network()
             _RUNNING.add(self)
         except BaseException:
@@ -130,7 +130,7 @@ class FaultTolerantGroup:
         that a worker joined while the group was running: its state comes from the members.
         ``FlashCheckpointer.restore`` restores only in a restorable view. The same on every
         member of a view."""
-        return self._life.fresh
+        return self._life.engine.restorable
 
     @property
     def _closed(self) -> bool:
@@ -207,7 +207,7 @@ class FaultTolerantGroup:
         Unless every member loaded identical data (``same_everywhere``), the members compare
         digests before the next collective and the newest state wins. From now on this worker
         has begun training: a view it forms later is not :attr:`restorable`."""
-        self._life.started = True
+        self._life.engine.began()
         if step is not None:
             self.step = step
         if not same_everywhere:

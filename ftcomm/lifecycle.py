@@ -65,9 +65,6 @@ class Lifecycle:
         self.news = GossipNews(engine, lambda: self.gossip, lambda: self.ops, options.leave_grace, self._watch_stall)
         self.comm: Communicator | None = None  # the backend's communicator of the current view
         self.events: list[ViewChange] = []
-        self.founding = False  # every member of the view founded the group and wants the network check
-        self.started = False  # this worker began training (restored a checkpoint or ran a step)
-        self.fresh = False  # no member of the view had begun training when it formed: it may restore
         self.ops = 0  # group operations (collectives, gradient steps) completed in the current view
         self.op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
         self.contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
@@ -111,7 +108,7 @@ class Lifecycle:
             view = self.agree(deadline)
             agreed_at = time.monotonic()
             try:
-                self.form(view)
+                verified = self.form(view)
             except (MembershipChanged, FtcommTimeout) as exc:
                 self.check_open()
                 log.info("forming view %d failed (%s); agreeing again", view.id, exc)
@@ -121,7 +118,7 @@ class Lifecycle:
                 self.abandon()
                 self.probe_crashed(view.members)
                 continue
-            self.perform(self.engine.formed())
+            self.perform(self.engine.formed(*verified))
             self.ops = 0  # before anything can publish a leave naming this view
             formed_at = time.monotonic()
             try:
@@ -187,10 +184,10 @@ class Lifecycle:
             abort.fire(damage.reason)
         return view
 
-    def form(self, view: View) -> None:
+    def form(self, view: View) -> tuple[bool, bool]:
         """Form the communicator through rank 0's store and verify it with a tiny allreduce,
         which also tells whether every member founds the group (this is their first view) and
-        wants the network check, and whether no member has begun training (``fresh``)."""
+        wants the network check, and whether no member has begun training (restorable)."""
         _, addresses = self.statuses()
         rank0 = view.members[0]
         if rank0 not in addresses:
@@ -200,14 +197,13 @@ class Lifecycle:
                                                   view.rank_of(self.engine.id), view.size, view.id)
         check = int(view.digest, 16) >> 1
         first = int(self.engine.view is None)  # this worker's first view
-        probe = torch.tensor([check, -check, first, int(self.options.network_check), int(not self.started)],
+        probe = torch.tensor([check, -check, first, int(self.options.network_check), int(not self.engine.started)],
                              dtype=torch.int64, device=comm.device)
         comm.allreduce([probe], "min").wait(self.abort, timeout)
         verified = probe.tolist()
         if verified[:2] != [check, -check]:
             raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
-        self.founding = verified[2] == 1 and verified[3] == 1
-        self.fresh = verified[4] == 1
+        return verified[2] == 1 and verified[3] == 1, verified[4] == 1
 
     def form_communicator(self, store, rank: int, size: int, view_id: int) -> Communicator:
         return self._backend.form(store, rank, size, view_id, self.abort, self.options.formation_timeout,

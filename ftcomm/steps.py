@@ -44,9 +44,7 @@ class StepProtocol:
         self.closed = False
         self.owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         self.buckets: GradientBuckets | None = None
-        self.state_replaced = False  # reconciling replaced this worker's state during the step
         self.step_lost = False  # a re-formation discarded the gradients backward was reducing
-        self.reconciled_digest: int | None = None
         self.failed_in_a_row = 0  # gradient steps that failed and re-formed since one completed
         self.waiting_since = time.monotonic()
 
@@ -64,7 +62,7 @@ class StepProtocol:
         life = self.life
         if self.closed or threading.get_ident() != self.owner or (self.buckets is not None and self.buckets.touched):
             return
-        life.started = True
+        self.engine.began()
         self.reform_if_due()
         if self.engine.state != core.RECONCILE_DUE or life.comm is None:
             return
@@ -76,7 +74,7 @@ class StepProtocol:
     def gradients(self, params: list[torch.Tensor]) -> bool:
         """See :meth:`ftcomm.FaultTolerantGroup.wait_gradients_ready`."""
         life = self.life
-        life.started = True
+        self.engine.began()
         buckets = self.buckets_for(params)
         life.news.judge()
         for obj in self.participants("check_step"):
@@ -85,15 +83,14 @@ class StepProtocol:
             self.step_lost = False
             self.end_step(False)
             return False
-        self.state_replaced = False
         self.waiting_since = time.monotonic()
         try:
             if buckets.touched and (self.engine.state == core.BROKEN or life.abort.reason is not None):
                 # backward already reduced part of this step in a view that is now broken
                 raise CollectiveAborted(life.abort.reason or f"the view broke ({self.engine.fault})")
-            self.prepare()
+            replaced = self.prepare()
             # Gradients computed on state that was just replaced are not valid: contribute none.
-            handles, tail = buckets.finish(valid=not self.state_replaced)
+            handles, tail = buckets.finish(valid=not replaced)
             self.stragglers.compute.add(life.contributed())
             self.waiting_since = life.contributed_at
             for h in handles:
@@ -170,66 +167,73 @@ class StepProtocol:
         return result
 
     # ------------------------------------------------------------------ between steps
-    def prepare(self) -> None:
+    def prepare(self) -> bool:
         """Before a collective: recover if the last one failed, a join is due at this
-        boundary or this worker stands aside; reconcile if due."""
+        boundary or this worker stands aside; reconcile if due. Returns whether this
+        worker's registered state was replaced meanwhile (by another member's)."""
         if self.closed:
             raise FtcommError("the group was shut down")
         self.owner = threading.get_ident()  # the thread that trains
-        self.reform_if_due()
-        self.reconcile_if_due()
+        replaced = self.reform_if_due()
+        return self.reconcile_if_due() or replaced
 
-    def reconcile_if_due(self) -> None:
-        """Reconcile if due, unless news already broke the view (MembershipChanged)."""
+    def reconcile_if_due(self) -> bool:
+        """Reconcile if due, unless news already broke the view (MembershipChanged); whether
+        the state was replaced."""
         life = self.life
         life.news.judge()
         if life.abort.reason is not None:
             raise MembershipChanged(life.abort.reason)
-        if self.engine.state == core.RECONCILE_DUE:
-            self.reconcile()
+        return self.engine.state == core.RECONCILE_DUE and self.reconcile()[0]
 
-    def reform_if_due(self) -> None:
+    def reform_if_due(self) -> bool:
         """Re-form if the last collective failed, a join is due at this boundary or this
-        worker stands aside."""
+        worker stands aside; whether the state was replaced."""
         state = self.engine.state
         if state == core.BROKEN:
-            self.recover(self.engine.fault, self.waiting_since)
-        elif state == core.JOIN_DUE:
-            self.recover("join", time.monotonic())
-        elif state == core.ASIDE_DUE:
+            return self.recover(self.engine.fault, self.waiting_since)
+        if state == core.JOIN_DUE:
+            return self.recover("join", time.monotonic())
+        if state == core.ASIDE_DUE:
             seconds = self.stragglers.bench()
             log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')", seconds)
             self.life.stand_aside(seconds)
-            self.recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
+            return self.recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
+        return False
 
-    def recover(self, reason: str, detected_at: float, timeout: float | None = None) -> None:
+    def recover(self, reason: str, detected_at: float, timeout: float | None = None) -> bool:
+        """Re-form (see Lifecycle.recover); whether the state was replaced."""
         if self.buckets is not None and self.buckets.touched:
             self.buckets.discard()
             self.step_lost = True
-        self.life.recover(reason, detected_at, timeout, self.reconcile_formed)
+        outcomes: list[tuple[bool, int | None]] = []  # each formation's reconcile: (state loaded, digest)
+        self.life.recover(reason, detected_at, timeout, lambda: outcomes.append(self.reconcile_formed()))
         if self.engine.state == core.RUNNING:
-            self.record_reconciled()
+            self.record_reconciled(outcomes[-1][1])
+        return any(loaded for loaded, _ in outcomes)
 
-    def reconcile_formed(self) -> None:
-        """In a view just formed: reconcile now, or before the first collective once registered."""
+    def reconcile_formed(self) -> tuple[bool, int | None]:
+        """In a view just formed: reconcile now, or before the first collective once
+        registered (deferred: nothing loaded, no digest yet)."""
         if self.state.registered:
-            self.reconcile(stamp=False)
-        else:
-            self.engine.deferred()
+            return self.reconcile(stamp=False)
+        self.engine.deferred()
+        return False, None
 
-    def reconcile(self, stamp: bool = True) -> None:
-        """Make every member's registered state identical. ``stamp``: record the reconciled
-        state in the latest view change (a reconcile deferred until the state was registered
-        belongs to the view formed before it)."""
+    def reconcile(self, stamp: bool = True) -> tuple[bool, int]:
+        """Make every member's registered state identical; whether this worker loaded
+        another's, and the digest every member now holds. ``stamp``: record it in the latest
+        view change (a reconcile deferred until the state was registered belongs to the view
+        formed before it)."""
         life = self.life
-        self.step, loaded, self.reconciled_digest = transfer.reconcile(
-            life.comm, life.abort, self.state, self.step, life.view, self.secret)
-        self.state_replaced = self.state_replaced or loaded
+        self.step, loaded, digest = transfer.reconcile(life.comm, life.abort, self.state, self.step, life.view,
+                                                       self.secret)
         self.engine.reconciled()
         if stamp:
-            self.record_reconciled()
+            self.record_reconciled(digest)
+        return loaded, digest
 
-    def record_reconciled(self) -> None:
+    def record_reconciled(self, digest: int | None) -> None:
         """Stamp the latest view change with the state every member holds after reconciling, and
         let the batch-size / learning-rate policies adapt to the view (same state, same result)."""
         events = self.life.events
@@ -237,7 +241,7 @@ class StepProtocol:
             policy: dict = {}
             for obj in self.participants("view_changed"):
                 policy.update(obj.view_changed(self.rank, self.life.view.size, self.step) or {})
-            events[-1] = dataclasses.replace(events[-1], step=self.step, state_digest=self.reconciled_digest,
+            events[-1] = dataclasses.replace(events[-1], step=self.step, state_digest=digest,
                                              policy=policy or None)
             if policy:
                 log.info("view %d: policy %s", self.life.view.id, policy)
