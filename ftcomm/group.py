@@ -206,7 +206,9 @@ class FaultTolerantGroup:
         """The registered state was loaded from a checkpoint of ``step`` (None: not on this member).
         Unless every member loaded identical data (``same_everywhere``), the members compare
         digests before the next collective and the newest state wins. From now on this worker
-        has begun training: a view it forms later is not :attr:`restorable`."""
+        has begun training: a view it forms later is not :attr:`restorable`. Raises
+        FtcommError after ``shutdown``."""
+        self._life.check_open()
         self._life.engine.began()
         if step is not None:
             self.step = step

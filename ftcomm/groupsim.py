@@ -56,11 +56,12 @@ import time
 from dataclasses import dataclass, field
 
 from .driver import Driver
-from .engine import (ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, FORMING, RECONCILING, RUNNING, Engine, must_confirm,
-                     reconcile_source)
+from .engine import (ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, FORMING, JOIN_DUE, RECONCILING, RUNNING, Engine,
+                     must_confirm, reconcile_source)
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
+from .news import GossipNews
 from .options import GroupOptions
 from .ports import Address, MemberRecord, Ports
 from .view import Status, View, gone_from, has_quorum
@@ -90,8 +91,7 @@ class Worker:
     crashed_at: float = float("inf")
     hung: bool = False
     gone: bool = False  # left gracefully (or crashed): no longer driven
-    abort: str | None = None
-    deferred: tuple[str, float] | None = None  # (reason, deadline): see leave_grace
+    inbox: GossipNews | None = None  # its gossip news and the abort signal of the view it forms or runs
     entered: float = 0.0  # when it entered the formation in progress
     comm: tuple[int, str] | None = None
     comms: list = field(default_factory=list)  # every communicator formed: [key, closed]
@@ -321,6 +321,9 @@ class GroupSimulation:
         w = Worker(node, self._engine(member, node, now), step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
         w.driver = Driver(w.engine, Ports(self.clock, SimMembership(self, w), SimProposals(self, w), SimProber(self, w)),
                           lambda: (w.step, w.ops, None), self._noted(w))
+        protocol = self.sim.nodes[node].protocol
+        w.inbox = GossipNews(w.engine, lambda: [(m, state, meta) for m, state, meta, _ in protocol.member_states()],
+                             lambda: w.ops, self.leave_grace, decode=self._status, clock=self.clock.now)
         self.workers[node] = w
         self.by_id[member] = w
         self.by_host[member_host(member, ("", 0))[0]] = w
@@ -489,16 +492,9 @@ class GroupSimulation:
                 w.news[event.member.id] = True
             else:
                 w.news.setdefault(event.member.id, False)
-        member = event.member
-        status = self._status(member.id, member.state, member.metadata)
-        damage = w.engine.damage(event.kind, member.id, status, w.ops)
-        if damage is None:
-            return
-        if damage.defer:
-            if w.deferred is None:
-                w.deferred = (damage.reason, self.sim.now + self.leave_grace)
-        elif w.abort is None:
-            w.abort = damage.reason
+        # The gossip thread posts; the worker's waiting thread, woken at once, judges it.
+        w.inbox.post(event)
+        w.inbox.judge()
 
     def _statuses(self, w: Worker) -> dict[str, Status]:
         """What Lifecycle.statuses returns, read again only after a membership
@@ -591,6 +587,8 @@ class GroupSimulation:
                 self._reconciling(w)
             elif state == RUNNING:
                 self._running(w)
+            elif state == JOIN_DUE:
+                self._break(w)  # the step boundary: re-form for the joiner
         self._check_recoveries()
         if self.settled_at is None and self.sim.now >= self.end_faults and self._settled():
             self.settled_at = self.sim.now
@@ -624,13 +622,9 @@ class GroupSimulation:
         w.driver.perform(actions)
 
     def _enter(self, w: Worker, view: View) -> None:
-        """It enters the formation of ``view``: what already breaks the view aborts it, as
-        Lifecycle.enter does."""
-        w.abort, w.deferred = None, None
+        """It enters the formation of ``view``, with a fresh abort signal (GossipNews.enter)."""
         w.entered = self.sim.now
-        damage = w.engine.entry_damage(view, self._statuses(w), w.ops)
-        if damage:
-            w.abort = damage[0].reason
+        w.inbox.enter(view, self._statuses(w))
         self.formations.setdefault((view.id, view.digest), {})[w.engine.id] = self.sim.now
 
     def _cut_off(self, a: Worker, b: Worker) -> bool:
@@ -665,14 +659,14 @@ class GroupSimulation:
         for x in crashed:
             node.protocol.declare_dead(x.engine.id, self.sim.now)
         self.sim.flush(w.node)
-        w.abort = w.abort or f"{crashed[0].engine.id} refused a connection"
+        w.inbox.abort.fire(f"{crashed[0].engine.id} refused a connection")
         return True
 
     def _forming(self, w: Worker) -> None:
         view = w.engine.forming
         key = (view.id, view.digest)
         entered = self.formations.get(key, {})
-        if w.abort is None and self._connected(w, view) and all(m in entered for m in view.members):
+        if w.inbox.abort.reason is None and self._connected(w, view) and all(m in entered for m in view.members):
             if self.sim.now >= max(entered.values()) + FORM_LATENCY:
                 self._perform(w, w.engine.formed())
                 self.newest = max(self.newest, view, key=lambda v: v.id) if self.newest else view
@@ -681,16 +675,15 @@ class GroupSimulation:
                 self.reconciles.setdefault(key, {})
                 return
         self._crash_error(w, view)
-        if w.abort is not None or self.sim.now - w.entered >= self.formation_timeout:
+        if w.inbox.abort.reason is not None or self.sim.now - w.entered >= self.formation_timeout:
             self._perform(w, w.engine.form_failed())
-            w.abort = None
 
     def _reconciling(self, w: Worker) -> None:
         view = w.engine.view
         key = (view.id, view.digest)
         gathered = self.reconciles.setdefault(key, {})
         gathered.setdefault(w.engine.id, (w.step, w.digest))
-        if w.abort is None and self._connected(w, view) and all(m in gathered for m in view.members):
+        if w.inbox.abort.reason is None and self._connected(w, view) and all(m in gathered for m in view.members):
             pairs = [gathered[m] for m in view.members]
             source = reconcile_source(pairs)
             if source is not None:
@@ -700,13 +693,14 @@ class GroupSimulation:
             w.ready_at = w.op_began = self.sim.now
             return
         self._crash_error(w, view)
-        if w.abort is not None:
+        if w.inbox.abort.reason is not None:
             self._break(w)
 
     def _break(self, w: Worker) -> None:
+        """Re-agree (the view broke, or the last step admitted a joiner): as Lifecycle.recover begins."""
         self._perform(w, w.engine.broken())
         self._abandon(w)
-        w.abort, w.deferred, w.contributed, w.confirming = None, None, None, None
+        w.contributed, w.confirming = None, None
 
     def _abandon(self, w: Worker) -> None:
         for entry in w.comms:
@@ -719,7 +713,7 @@ class GroupSimulation:
         view = w.engine.view
         key = (view.id, view.digest)
         if w.contributed is None:
-            if w.abort is not None and w.deferred is None:
+            if w.inbox.abort.reason is not None:
                 self._break(w)
                 return
             if now >= w.ready_at:
@@ -745,16 +739,14 @@ class GroupSimulation:
                 if w.confirming is not None and now < w.confirming:
                     return
                 w.confirming = None
-                if w.abort is not None and w.deferred is None and self._must_confirm(w):
+                if w.inbox.abort.reason is not None and self._must_confirm(w):
                     self._break(w)  # discarded: the view moved on while it was stopped
                     return
                 self._commit(w, view, join)
                 return
-        if w.deferred is not None and now >= w.deferred[1]:
-            w.abort = w.deferred[0]
-            w.deferred = None
+        w.inbox.judge()  # an abort held for a member that left after the step fires at its deadline
         self._crash_error(w, view)
-        if w.abort is not None and w.deferred is None:
+        if w.inbox.abort.reason is not None:
             self._break(w)
             return
         # still waiting on the step: hang detection on demand, as a waiting worker's thread does it
@@ -824,10 +816,8 @@ class GroupSimulation:
         w.contributed = None
         w.op_began = now
         w.ready_at = now + w.step_time * w.slow
-        if w.deferred is not None:  # the operation in flight ended: the held abort fires now
-            w.abort, w.deferred = w.deferred[0], None
-        if join and w.abort is None:
-            w.abort = "a joiner is admitted at this step boundary"
+        w.inbox.operation_ended()  # aborts held for a member that left after this step fire now
+        w.engine.step_reduced(join, False)  # JOIN_DUE: every member re-forms at this boundary
         if w.leave_after_commit:
             self._leave(w)
 

@@ -62,7 +62,8 @@ class Lifecycle:
         self.rendezvous = rendezvous
         self._compute = compute
         self._step = step
-        self.news = GossipNews(engine, lambda: self.gossip, lambda: self.ops, options.leave_grace, self._watch_stall)
+        self.news = GossipNews(engine, lambda: [(m.id, m.state, m.metadata) for m in self.gossip.members()],
+                               lambda: self.ops, options.leave_grace, self._watch_stall)
         self.comm: Communicator | None = None  # the backend's communicator of the current view
         self.events: list[ViewChange] = []
         self.ops = 0  # group operations (collectives, gradient steps) completed in the current view
@@ -118,6 +119,7 @@ class Lifecycle:
                 self.abandon()
                 self.probe_crashed(view.members)
                 continue
+            self.check_open()
             self.perform(self.engine.formed(*verified))
             self.ops = 0  # before anything can publish a leave naming this view
             formed_at = time.monotonic()
@@ -176,12 +178,7 @@ class Lifecycle:
 
     def enter(self, view: View) -> View:
         """Start forming ``view``: from now on gossip about its members fires the abort signal."""
-        abort = self.news.renew()
-        statuses, _ = self.statuses()
-        for damage in self.engine.entry_damage(view, statuses, self.ops):
-            if damage.fault is not None:
-                self.news.fault(damage.fault, damage.member, self.news.since)
-            abort.fire(damage.reason)
+        self.news.enter(view, self.statuses()[0])
         return view
 
     def form(self, view: View) -> tuple[bool, bool]:

@@ -69,7 +69,7 @@ class StepProtocol:
         try:
             self.reconcile_if_due()
         except MembershipChanged as exc:
-            life.perform(self.engine.failed(life.classify(exc)))
+            self.fail(exc)
 
     def gradients(self, params: list[torch.Tensor]) -> bool:
         """See :meth:`ftcomm.FaultTolerantGroup.wait_gradients_ready`."""
@@ -98,6 +98,7 @@ class StepProtocol:
             life.confirm_after_stall()
         except MembershipChanged as exc:
             buckets.discard()
+            life.check_open()  # shut down from another thread: FtcommError, nothing to re-form
             self.failed_in_a_row += 1
             fault = self.engine.fault or life.classify(exc)
             if self.failed_in_a_row > self.options.max_retries:
@@ -120,7 +121,8 @@ class StepProtocol:
         asking = [rank for rank, flag in enumerate(tail[2:].tolist()) if flag > 0.5]
         # Every member sees the same verdict: the joiner is admitted, and the chosen stand
         # aside, at the next step boundary.
-        self.engine.step_reduced(admit, self.rank in Stragglers.chosen(asking, life.comm.size, self.min_workers))
+        if self.engine.state == core.RUNNING:  # (not when another thread shut the group down meanwhile)
+            self.engine.step_reduced(admit, self.rank in Stragglers.chosen(asking, life.comm.size, self.min_workers))
         if commit:
             buckets.hand_back(contributors)
         else:
@@ -161,7 +163,7 @@ class StepProtocol:
             result = start().wait(life.abort)  # starting can fail too (NCCL reports a dead peer at enqueue)
             life.confirm_after_stall()
         except MembershipChanged as exc:
-            life.perform(self.engine.failed(life.classify(exc)))
+            self.fail(exc)
             raise
         life.operation_done()
         return result
@@ -217,6 +219,7 @@ class StepProtocol:
         registered (deferred: nothing loaded, no digest yet)."""
         if self.state.registered:
             return self.reconcile(stamp=False)
+        self.life.check_open()
         self.engine.deferred()
         return False, None
 
@@ -228,6 +231,7 @@ class StepProtocol:
         life = self.life
         self.step, loaded, digest = transfer.reconcile(life.comm, life.abort, self.state, self.step, life.view,
                                                        self.secret)
+        life.check_open()
         self.engine.reconciled()
         if stamp:
             self.record_reconciled(digest)
@@ -245,6 +249,13 @@ class StepProtocol:
                                              policy=policy or None)
             if policy:
                 log.info("view %d: policy %s", self.life.view.id, policy)
+
+    def fail(self, exc: MembershipChanged) -> None:
+        """A collective of the view failed outside a gradient step: the view is BROKEN and
+        re-formed before the next collective. Raises FtcommError when another thread shut
+        the group down meanwhile (nothing is left to re-form)."""
+        self.life.check_open()
+        self.life.perform(self.engine.failed(self.life.classify(exc)))
 
     def participants(self, hook: str) -> list[Any]:
         """Registered objects that follow the group's steps through ``hook``."""

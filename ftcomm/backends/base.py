@@ -73,8 +73,9 @@ class AbortSignal:
     :meth:`nudge`; the handler, on the thread that waits, decides whether to fire.
     """
 
-    def __init__(self, on_wait: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_wait: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._on_wait = on_wait
+        self._clock = clock  # the times it records (a simulation passes its virtual clock)
         self._lock = threading.Lock()
         self._reason: str | None = None
         self.fired_at: float | None = None  # time.monotonic() of the first fire
@@ -91,7 +92,7 @@ class AbortSignal:
         with self._lock:
             if self._reason is None:
                 self._reason = reason
-                self.fired_at = time.monotonic() if at is None else at
+                self.fired_at = self._clock() if at is None else at
             waiters = list(self._waiters)
         for event in waiters:
             event.set()
@@ -144,7 +145,7 @@ class AbortSignal:
             return
         if self._reason is not None:
             if self.noticed_at is None:
-                self.noticed_at = time.monotonic()
+                self.noticed_at = self._clock()
             raise CollectiveAborted(f"{what} abandoned: {self._reason}")
         raise FtcommTimeout(f"{what} did not complete within {timeout:g} s")
 
