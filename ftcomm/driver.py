@@ -34,10 +34,14 @@ STALL_WINDOW = 20
 def member_address(member_id: str) -> Address | None:
     """The gossip address a member id names (``IPV4:PORT/nonce``), or None for anything else
     (a member list is authenticated and hashed, but its ids are still not trusted)."""
+    if not isinstance(member_id, str) or member_id != member_id.strip():
+        return None
     try:
         host, port = parse_address(member_id)
-        ipaddress.IPv4Address(host)
+        address = ipaddress.IPv4Address(host)
     except (ValueError, TypeError):
+        return None
+    if address.is_multicast or address.is_unspecified or address == ipaddress.IPv4Address("255.255.255.255"):
         return None
     return (host, port) if 0 < port <= 65535 else None
 
@@ -150,7 +154,8 @@ class Driver:
                 continue
             targets.append((record.host, status.rendezvous_port if status.rendezvous_port is not None
                             else record.port))
-        unlisted = [a for a in (member_address(m) for m in members if m not in listed) if a is not None]
+        unlisted = list(dict.fromkeys(a for a in (member_address(m) for m in members if m not in listed)
+                                      if a is not None))
         refused = self.ports.prober.refused(targets + unlisted, core.PROBE_TIMEOUT_S)
         for address, gone in zip(unlisted, refused[len(targets):]):
             if not gone:

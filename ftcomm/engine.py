@@ -13,7 +13,7 @@ States and transitions are the table :data:`TRANSITIONS` (anything else raises
     JOINING ------agreed-----> FORMING ---formed---> RECONCILING ---reconciled---> RUNNING
     JOINING <----release/hold----> HOLDING_BACK     (saw a group, none of it in sight)
     AGREEING | REJOINING ---agreed---> FORMING
-    FORMING ---failed---> AGREEING (had a view) | JOINING (never had one) | REJOINING (lost it)
+    FORMING ---form failed---> AGREEING (had a view) | JOINING (never had one) | REJOINING (lost it)
     RECONCILING ---deferred---> RECONCILE_DUE ---reconciled---> RUNNING ---restored---> RECONCILE_DUE
     RUNNING | RECONCILE_DUE ---failed---> BROKEN    (a collective failed)
     RUNNING ---admit---> JOIN_DUE                  (the last step admitted a joiner)
@@ -68,10 +68,12 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (RUNNING, "chosen"): ASIDE_DUE,
     (ASIDE_DUE, "bench"): STANDING_ASIDE,
     (RUNNING, "restored"): RECONCILE_DUE,
-    **{(state, "restored"): state for state in (RECONCILE_DUE, BROKEN, JOIN_DUE, ASIDE_DUE)},
-    (FORMING, "failed"): AGREEING,  # it had a view before
-    (FORMING, "failed joiner"): JOINING,  # it never had one
-    (FORMING, "failed rejoiner"): REJOINING,  # it lost its view before
+    # elsewhere the next formation reconciles anyway
+    **{(state, "restored"): state for state in (*JOINERS, AGREEING, FORMING, RECONCILING, RECONCILE_DUE, BROKEN,
+                                                JOIN_DUE, ASIDE_DUE)},
+    (FORMING, "form failed"): AGREEING,  # it had a view before
+    (FORMING, "form failed joiner"): JOINING,  # it never had one
+    (FORMING, "form failed rejoiner"): REJOINING,  # it lost its view before
     (RECONCILING, "reconciled"): RUNNING,
     **{(state, "broken"): AGREEING for state in (RECONCILING, RUNNING, RECONCILE_DUE, BROKEN, JOIN_DUE)},
     (AGREEING, "superseded"): REJOINING,
@@ -336,8 +338,8 @@ class Engine:
     def form_failed(self) -> list[Action]:
         """Forming failed: withdraw the proposal (aborting the others' attempts) and never
         reuse its view id, so a retry cannot meet a stale attempt's rendezvous keys."""
-        self._move("failed" if self.view is not None else "failed rejoiner" if self.lost is not None
-                   else "failed joiner")
+        self._move("form failed" if self.view is not None else "form failed rejoiner" if self.lost is not None
+                   else "form failed joiner")
         self.floor = max(self.floor, self.forming.id + 1)
         # The members that entered on its word learn at once that it gave up.
         actions = [Publish()] + ([Announce(self.forming.members)] if self.witnessed else [])
@@ -361,6 +363,8 @@ class Engine:
     def _rejoin(self, why: str, transition: str = "superseded") -> list[Action]:
         self._move(transition)
         self.lost = self.view
+        # Never that view again (a peer that has not yet seen it leave may still propose it).
+        self.floor = max(self.floor, self.view.id + 1)
         self.view, self.proposal, self._last, self.witnessed, self.vouched = None, None, None, None, frozenset()
         return [Rejoined(why), Publish()]
 

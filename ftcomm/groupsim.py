@@ -292,6 +292,7 @@ class GroupSimulation:
         self.sim.listeners.append(self._on_event)
         for i in range(self.n):
             self._start_worker(i, 0.0)
+        self.scripted = faults is not None
         self.faults = faults if faults is not None else self._draw_faults()
         self.end_faults = max((t + a.get("length", 0.0) if k in ("hang", "node_loss", "partition") else t
                                for t, k, a in self.faults), default=0.0)
@@ -840,8 +841,10 @@ class GroupSimulation:
         return commits[-1][2] if commits else 0
 
     def _violation(self, number: int, text: str) -> None:
+        how = (f"GroupSimulation({self.seed}, n={self.n}, faults=<this run's scripted schedule>).run()" if self.scripted
+               else f"python -m ftcomm.groupsim --seed {self.seed}")
         raise InvariantViolation(f"invariant {number} violated at t={self.sim.now:.3f} (seed {self.seed}): {text}; "
-                                 f"reproduce: python -m ftcomm.groupsim --seed {self.seed}")
+                                 f"reproduce: {how}")
 
     # ------------------------------------------------------------------ run and final checks
     def run(self) -> Outcome:

@@ -101,7 +101,9 @@ class Lifecycle:
         previous = self.view
         self.check_open()
         self.abandon()
-        if self.engine.state in core.IN_VIEW or self.engine.state == core.RECONCILING:
+        if self.engine.state == core.FORMING:  # a formation that raised (not a fault) is given up
+            self.perform(self.engine.form_failed())
+        elif self.engine.state in core.IN_VIEW or self.engine.state == core.RECONCILING:
             self.perform(self.engine.broken())
         deadline = noticed + (timeout if timeout is not None else self.options.quorum_timeout)
         while True:

@@ -194,6 +194,8 @@ class StepProtocol:
         state = self.engine.state
         if state == core.BROKEN:
             return self.recover(self.engine.fault, self.waiting_since)
+        if state not in core.IN_VIEW:  # a re-formation that raised (a timeout, a mismatch) is resumed
+            return self.recover("backend", time.monotonic())
         if state == core.JOIN_DUE:
             return self.recover("join", time.monotonic())
         if state == core.ASIDE_DUE:

@@ -183,3 +183,15 @@ def test_forming_is_the_callers_and_never_performed_here():
                                                 ("10.1.2.3:0/x", None), ("garbage", None), ("::1:80/x", None)])
 def test_member_ids_name_an_address_only_when_well_formed(member_id, address):
     assert member_address(member_id) == address
+
+
+@pytest.mark.parametrize("member_id", ["0.0.0.0:7946/x", "255.255.255.255:7946/x", "224.0.0.1:7946/x",
+                                       " 10.1.2.3:7946/x", "10.1.2.3:7946/x\n", ("10.1.2.3", 7946)])
+def test_member_ids_naming_no_unicast_host_or_padded_name_no_address(member_id):
+    assert member_address(member_id) is None
+
+
+def test_a_member_list_naming_one_address_many_times_probes_it_once():
+    driver, membership, _, prober, _ = driver_for("j", {"j": status("j", JOINING)})
+    assert not driver.group_gone(["10.0.0.9:7946/x"] * 1000 + ["10.0.0.9:7946/y"])
+    assert prober.probed[-1] == [("10.0.0.9", 7946)] and membership.contacted == [("10.0.0.9", 7946)]

@@ -582,3 +582,44 @@ def test_a_view_formed_from_rejoining_is_named_a_rejoin():
     assert e.formed_from == core.REJOINING
     e.formed()
     assert e.formed_from == core.REJOINING  # until it enters another formation
+
+
+def test_one_name_per_input_a_formation_failure_is_not_a_collective_failure():
+    e = running(engine())
+    with pytest.raises(core.IllegalTransition):
+        e.form_failed()  # nothing is being formed
+    forming = engine("j", joined_at=5.0)
+    agree_until_form(forming, {"j": status("j", JOINING, joined_at=5.0)})
+    with pytest.raises(core.IllegalTransition):
+        forming.failed("crash")  # no collective runs while forming
+    assert forming.state == core.FORMING
+
+
+def test_a_restored_checkpoint_is_taken_in_any_open_state_and_reconciled_with_the_next_view():
+    e = engine()
+    e.restored()  # joining: the first view reconciles anyway
+    assert e.state == core.JOINING
+    e = running(engine())
+    e.broken()
+    e.restored()  # a re-formation that raised left it agreeing
+    assert e.state == core.AGREEING
+    e = running(engine())
+    e.restored()
+    assert e.state == core.RECONCILE_DUE
+
+
+def test_a_member_that_leaves_its_view_never_adopts_that_view_again():
+    """A straggler back from standing aside, whose peer has not yet seen it leave and still
+    proposes the view it left: it does not enter that view (its rendezvous keys are stale)."""
+    a = running(engine("a"), ("a", "b"))
+    view = a.view
+    a.step_reduced(admit=False, aside=True)
+    a.bench(now=0.0, seconds=1.0)
+    assert a.floor == view.id + 1
+    key = (view.id, view.digest)
+    statuses = {"a": published(a), "b": status("b", cv=view.id, proposal=key)}
+    for t in range(30):
+        actions = a.agree(1.0 + 0.1 * t, statuses)
+        assert not any(isinstance(x, Fetch) and x.key == key for x in actions)
+        assert not any(isinstance(x, Form) for x in actions)
+    assert a.state == core.REJOINING

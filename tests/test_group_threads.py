@@ -473,6 +473,74 @@ def test_shutdown_from_another_thread_while_the_training_thread_recovers_ends_it
             g.shutdown()
 
 
+def test_shutdown_from_another_thread_during_a_step_ends_it_as_shut_down_not_as_a_failed_step():
+    """The training thread waits in wait_gradients_ready (its peer computes on) when another
+    thread shuts the group down: FtcommError saying so, even with max_retries=0 (not
+    RetryLimitExceeded, and no engine input the leaving state refuses)."""
+    from .polling import wait_until
+
+    groups = start_groups(2, max_retries=0)
+    models, _ = linear_models(groups)
+    model = models[0]
+    in_threads(groups, lambda i, g: g.allreduce(torch.ones(1)))  # both reconciled: RUNNING
+    life = groups[0]._life
+    outcome: list = []
+
+    def train() -> None:
+        model(torch.ones(3, 4)).sum().backward()
+        try:
+            outcome.append(groups[0].wait_gradients_ready(model))
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what came out
+            outcome.append(exc)
+    try:
+        thread = threading.Thread(target=train, daemon=True)
+        thread.start()
+        wait_until(lambda: life.contributed_at > life.op_began, 30, "the step waiting on the peer")
+        groups[0].shutdown()
+        thread.join(30)
+        assert not thread.is_alive()
+        assert len(outcome) == 1 and type(outcome[0]) is ftcomm.FtcommError and "shut down" in str(outcome[0]), outcome
+        assert life.engine.state == core.CLOSED
+        with pytest.raises(ftcomm.FtcommError, match="shut down"):
+            groups[0].state_restored(3)
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_a_re_formation_that_timed_out_is_resumed_by_the_next_call():
+    """The view broke and no view could be agreed within quorum_timeout (the others left:
+    min_workers=2 cannot be met): the call raises. The next call re-forms from where the
+    engine stands (no stale communicator is used) and succeeds once a worker joins."""
+    groups = start_groups(3, quorum_timeout=1.0)  # min_workers=2
+    port = free_port()
+    joiner: list = []
+    try:
+        groups[1].shutdown()
+        groups[2].shutdown()
+        with pytest.raises((ftcomm.QuorumLost, ftcomm.FtcommTimeout)):
+            groups[0].execute(groups[0].barrier)
+        assert groups[0]._life.engine.state == core.AGREEING
+
+        def join() -> None:
+            joiner.append(ftcomm.init(peers=[groups[0].gossip.address], bind=f"127.0.0.1:{port}", min_workers=2,
+                                      handle_signals=False, init_timeout=30, quorum_timeout=1.0))
+            joiner[0].barrier()
+        thread = threading.Thread(target=join, daemon=True)
+        thread.start()
+        for _ in range(30):  # each call waits up to quorum_timeout for the joiner
+            try:
+                groups[0].barrier()
+                break
+            except (ftcomm.QuorumLost, ftcomm.FtcommTimeout):
+                continue
+        thread.join(30)
+        assert groups[0].world_size == 2 and joiner and joiner[0].world_size == 2
+    finally:
+        for g in groups + joiner:
+            g.shutdown()
+
+
 def test_only_the_training_thread_acts_at_a_step_boundary():
     # A loader or prefetch thread that iterates the sampler calls step_boundary too: a join
     # (a collective) run from there would race the training thread's own collectives.
