@@ -19,6 +19,7 @@ States and transitions are the table :data:`TRANSITIONS` (anything else raises
     RUNNING ---admit---> JOIN_DUE                  (the last step admitted a joiner)
     RUNNING ---chosen---> ASIDE_DUE ---bench---> STANDING_ASIDE ---rested---> REJOINING
     RECONCILING | RUNNING | RECONCILE_DUE | BROKEN | JOIN_DUE ---broken---> AGREEING (re-form)
+    RECONCILING ---broken unreconciled (re)joiner---> JOINING | REJOINING (it never held the state)
     AGREEING ---superseded---> REJOINING           (a newer view exists without it)
     any state but LEAVING and CLOSED ---leave---> LEAVING ---closed---> CLOSED
 
@@ -44,6 +45,10 @@ JOINERS = (JOINING, HOLDING_BACK, STANDING_ASIDE, REJOINING)
 none of whose members it can see now, see :meth:`Engine._may_found`), a straggler standing
 aside, and a member that lost its view (left out of a newer one, or back from standing
 aside: :attr:`Engine.lost` is that view)."""
+
+JOINED_WITHOUT_STATE = (JOINING, REJOINING)
+"""States a member may agree from that hold none of the group's state (or a stale one): a
+view it formed from them is its own to go on from only once it reconciled in it."""
 
 IN_VIEW = (RUNNING, RECONCILE_DUE, BROKEN, JOIN_DUE, ASIDE_DUE)
 """The states of a member in a formed view, between two collectives: RUNNING (collectives
@@ -76,6 +81,8 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (FORMING, "form failed rejoiner"): REJOINING,  # it lost its view before
     (RECONCILING, "reconciled"): RUNNING,
     **{(state, "broken"): AGREEING for state in (RECONCILING, RUNNING, RECONCILE_DUE, BROKEN, JOIN_DUE)},
+    (RECONCILING, "broken unreconciled joiner"): JOINING,  # it never held the group's state
+    (RECONCILING, "broken unreconciled rejoiner"): REJOINING,
     (AGREEING, "superseded"): REJOINING,
     (STANDING_ASIDE, "rested"): REJOINING,
     (LEAVING, "closed"): CLOSED,
@@ -285,7 +292,15 @@ class Engine:
         to be re-formed for a joiner. The proposal is withdrawn at once: a member of the view
         still finishing an operation of it learns that the view moved on."""
         withdrawn = self.proposal is not None or self.witnessed is not None
-        self._move("broken")
+        if self.state == RECONCILING and self.formed_from in JOINED_WITHOUT_STATE:
+            # It joined this view but never received the group's state: the view is not one
+            # it can go on from (a majority of joiners would carry on from their own, older
+            # state, committing the group's steps again). It is a joiner again, as before.
+            self._move("broken unreconciled joiner" if self.formed_from == JOINING else "broken unreconciled rejoiner")
+            self.floor = max(self.floor, self.view.id + 1)
+            self.view, withdrawn = None, True
+        else:
+            self._move("broken")
         self.fault = None
         self._last, self.proposal, self.witnessed, self.vouched = None, None, None, frozenset()
         return [Publish()] if withdrawn else []

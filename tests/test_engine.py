@@ -623,3 +623,25 @@ def test_a_member_that_leaves_its_view_never_adopts_that_view_again():
         assert not any(isinstance(x, Fetch) and x.key == key for x in actions)
         assert not any(isinstance(x, Form) for x in actions)
     assert a.state == core.REJOINING
+
+
+def test_a_joiner_whose_view_breaks_before_it_received_the_state_is_a_joiner_again():
+    """It never held the group's state: going on from that view would let a majority of
+    joiners carry on from their own state (step 0). A member that held a view before goes
+    on from the new one as ever."""
+    j = engine("j", joined_at=5.0)
+    key = (2, View(2, ("a", "j")).digest)
+    statuses = {"a": status("a", cv=1, proposal=key), "j": status("j", JOINING, joined_at=5.0)}
+    j.agree(0.0, statuses)
+    j.fetched_proposal(key, ("a", "j"))
+    statuses["j"] = status("j", JOINING, joined_at=5.0, proposal=key)
+    agree_until_form(j, statuses, 0.01)
+    j.formed()
+    assert j.broken() == [Publish()]
+    assert (j.state, j.view, j.floor, j.proposal) == (core.JOINING, None, 3, None)
+    a = running(engine())
+    a.broken()
+    agree_until_form(a, {m: status(m, cv=1) for m in "ab"}, 1.0)
+    a.formed()
+    a.broken()
+    assert a.state == core.AGREEING and a.view.id == 2

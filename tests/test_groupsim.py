@@ -215,3 +215,28 @@ def test_command_line_runs_seeds_and_one_seed():
     one = subprocess.run([sys.executable, "-m", "ftcomm.groupsim", "--seed", "5"], capture_output=True, text=True,
                          timeout=120)
     assert one.returncode == 0 and one.stdout.strip().endswith("OK"), one.stdout[-2000:]
+
+
+def cut_before_the_state_arrives(seed: int, n: int, dt: float) -> groupsim.Outcome:
+    """The first worker founds the group alone and commits; the others join. Just as the
+    view of all of them is formed, and its state not yet received, a partition cuts the
+    first worker off for 3 s (the time is taken from the same seed without the fault)."""
+    base = GroupSimulation(seed, n=n, faults=[], duration=4.0)
+    base.run()
+    full = [min(c[0] for c in w.committed if c[2] == max(cc[2] for cc in w.committed))
+            for w in base.workers.values() if w.committed]
+    t = min(full) - 0.05 + dt
+    faults = [(t, "partition", {"length": 3.0, "pick": 0.0, "split": 0.01})]
+    return GroupSimulation(seed, n=n, faults=faults, duration=12.0).run()
+
+
+def test_joiners_cut_off_from_the_state_holder_before_receiving_it_do_not_go_on_without_it(monkeypatch):
+    """The joiners were a majority of the view just formed, and went on from it with their
+    own state (step 0), committing the group's steps again beside the state holder. A
+    member that agreed as a joiner goes on from a view only once it reconciled in it."""
+    cases = [(30, 5, -0.02), (34, 3, -0.02), (37, 3, -0.02), (38, 3, -0.02), (39, 3, -0.02)]
+    outcomes = [cut_before_the_state_arrives(*case) for case in cases]
+    assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
+    monkeypatch.setattr(core, "JOINED_WITHOUT_STATE", ())
+    violations = [o for o in (cut_before_the_state_arrives(*case) for case in cases) if not o.ok]
+    assert len(violations) == len(cases) and all("invariant 4" in o.violation for o in violations)
