@@ -74,8 +74,12 @@ class Driver:
     def statuses(self) -> tuple[dict[str, Status], dict[str, Address]]:
         return self.ports.membership.statuses(self.engine.view)
 
+    def record(self) -> dict:
+        """This member's status record, as gossip metadata."""
+        return self.engine.record(*self.facts()).encode()
+
     def publish(self) -> None:
-        self.ports.membership.publish(self.engine.record(*self.facts()).encode())
+        self.ports.membership.publish(self.record())
 
     def look(self) -> Look:
         """One look at the membership while the engine is agreeing: every action but

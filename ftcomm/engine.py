@@ -291,29 +291,33 @@ class Engine:
         """Re-agree: the view (the one being reconciled, or run) can no longer be used, or is
         to be re-formed for a joiner. The proposal is withdrawn at once: a member of the view
         still finishing an operation of it learns that the view moved on."""
-        withdrawn = self.proposal is not None or self.witnessed is not None
-        if self.state == RECONCILING and self.formed_from in JOINED_WITHOUT_STATE:
+        unreconciled = self.state == RECONCILING and self.formed_from in JOINED_WITHOUT_STATE
+        if unreconciled:
             # It joined this view but never received the group's state: the view is not one
             # it can go on from (a majority of joiners would carry on from their own, older
             # state, committing the group's steps again). It is a joiner again, as before.
             self._move("broken unreconciled joiner" if self.formed_from == JOINING else "broken unreconciled rejoiner")
             self.floor = max(self.floor, self.view.id + 1)
-            self.view, withdrawn = None, True
+            self.view = None
         else:
             self._move("broken")
-        self.fault = None
-        self._last, self.proposal, self.witnessed, self.vouched = None, None, None, frozenset()
-        return [Publish()] if withdrawn else []
+        self.fault, self._last = None, None
+        return [Publish()] if self._withdraw() or unreconciled else []
 
     def failed(self, fault: str) -> list[Action]:
         """A collective of the view failed (``fault``: why, see :func:`classify`) outside a
         gradient step: BROKEN, re-formed before the next collective. The proposal is
         withdrawn now, so the others stop waiting on this member at once."""
-        withdrawn = self.proposal is not None or self.witnessed is not None
         self._move("failed")
         self.fault = fault
+        return [Publish()] if self._withdraw() else []
+
+    def _withdraw(self) -> bool:
+        """Withdraw this member's proposal (and rank 0's word on it); whether there was one,
+        so that its record changed."""
+        withdrawn = self.proposal is not None or self.witnessed is not None
         self.proposal, self.witnessed, self.vouched = None, None, frozenset()
-        return [Publish()] if withdrawn else []
+        return withdrawn
 
     def step_reduced(self, admit: bool, aside: bool) -> None:
         """The verdict of a reduced gradient step, the same on every member of the view: it

@@ -329,7 +329,7 @@ class GroupSimulation:
         self.by_id[member] = w
         self.by_host[member_host(member, ("", 0))[0]] = w
         if self.sim.nodes[node].protocol.metadata != encode_metadata(self._record(w.engine, w.step, w.ops)):
-            self._publish(w)  # (a converged start's members know this record already)
+            w.driver.publish()  # (a converged start's members know this record already)
         return w
 
     def _draw_faults(self) -> list:
@@ -565,9 +565,6 @@ class GroupSimulation:
     def _record(e: Engine, step: int, ops: int) -> dict:
         return e.record(step, ops).encode()
 
-    def _publish(self, w: Worker) -> None:
-        w.driver.publish()
-
     # ------------------------------------------------------------------ the driver
     def _tick(self) -> None:
         """Every live worker's driver looks once; the next look is due a tick later."""
@@ -619,9 +616,6 @@ class GroupSimulation:
     def _noted(self, w: Worker):
         return lambda text: self.log.append(f"{self.sim.now:.3f} {text}")
 
-    def _perform(self, w: Worker, actions: list) -> None:
-        w.driver.perform(actions)
-
     def _enter(self, w: Worker, view: View) -> None:
         """It enters the formation of ``view``, with a fresh abort signal (GossipNews.enter)."""
         w.entered = self.sim.now
@@ -669,7 +663,7 @@ class GroupSimulation:
         entered = self.formations.get(key, {})
         if w.inbox.abort.reason is None and self._connected(w, view) and all(m in entered for m in view.members):
             if self.sim.now >= max(entered.values()) + FORM_LATENCY:
-                self._perform(w, w.engine.formed())
+                w.driver.perform(w.engine.formed())
                 self.newest = max(self.newest, view, key=lambda v: v.id) if self.newest else view
                 w.comm = key
                 w.comms.append([key, False])
@@ -677,7 +671,7 @@ class GroupSimulation:
                 return
         self._crash_error(w, view)
         if w.inbox.abort.reason is not None or self.sim.now - w.entered >= self.formation_timeout:
-            self._perform(w, w.engine.form_failed())
+            w.driver.perform(w.engine.form_failed())
 
     def _reconciling(self, w: Worker) -> None:
         view = w.engine.view
@@ -699,7 +693,7 @@ class GroupSimulation:
 
     def _break(self, w: Worker) -> None:
         """Re-agree (the view broke, or the last step admitted a joiner): as Lifecycle.recover begins."""
-        self._perform(w, w.engine.broken())
+        w.driver.perform(w.engine.broken())
         self._abandon(w)
         w.contributed, w.confirming = None, None
 

@@ -373,7 +373,7 @@ class Lifecycle:
                 for m in self.gossip.members()}
 
     def status_record(self) -> dict:
-        return self.engine.record(*self.driver.facts()).encode()
+        return self.driver.record()
 
     def publish(self) -> None:
         self._last_publish = time.monotonic()
