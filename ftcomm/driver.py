@@ -1,11 +1,19 @@
 """The driver: one member's engine fed with what it observes, its actions performed through ports.
 
 :class:`Driver` is the one place where the engine core's actions (:mod:`ftcomm.engine`)
-are carried out: a look at the membership (:meth:`Driver.look`), each action through the
-ports (:mod:`ftcomm.ports`), and the probes that show a group gone. A worker runs it over
-live ports (the gossip node, the rendezvous store, TCP probes: :mod:`ftcomm.lifecycle`);
-the whole-group simulation runs the same driver over simulated ones
-(:mod:`ftcomm.groupsim`), so the seeds exercise the code that ships.
+are carried out, and where a re-formation advances::
+
+    begin_recovery -> advance ... advance -> RUNNING (or RECONCILE_DUE)
+        agreeing:    look at the membership; an agreed view is entered and its forming begun
+        FORMING:     the communicator formed and verified -> reconcile; failed -> agree again
+        RECONCILING: the state reconciled -> RUNNING; failed -> agree again
+
+Each :meth:`Driver.advance` does what is due now and returns: it never waits. Every action
+goes through the ports (:mod:`ftcomm.ports`). A worker runs the driver over live ports (the
+gossip node, the rendezvous store, TCP probes, the backend's communicators:
+:mod:`ftcomm.lifecycle`), calling ``advance`` until the view runs; the whole-group
+simulation runs the same driver over simulated ones (:mod:`ftcomm.groupsim`), one
+``advance`` per member and tick, so the seeds exercise the code that ships.
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ from typing import Callable, Iterable, NamedTuple
 
 from . import engine as core
 from .engine import Action, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Rejoined, Sync
-from .errors import ConfigMismatch
+from .errors import CommunicatorError, ConfigMismatch, FtcommTimeout, MembershipChanged
 from .gossip.addresses import parse_address
-from .ports import Address, Ports
+from .news import GossipNews
+from .ports import Address, Pending, Ports, Reconciled
 from .view import Status, View
 
 log = logging.getLogger(__name__)
@@ -29,6 +38,9 @@ STALL_FACTOR = 4.0
 """A collective waiting this many times its recent median wait (and ``stall_probe_after``)
 has the members it waits on probed at once."""
 STALL_WINDOW = 20
+CRASH_SETTLE_S = 0.15
+"""After a broken connection, how long a member's port that still accepts is tried again
+before the member is taken for alive (see :func:`ftcomm.rendezvous.refused`)."""
 
 
 def member_address(member_id: str) -> Address | None:
@@ -55,19 +67,25 @@ class Look(NamedTuple):
 
 
 class Driver:
-    """Performs one member's engine actions through ``ports``. ``facts()``: the member's
-    committed step, the group operations it completed in its current view and its median
-    compute time, which its status record carries. ``notice(text)``: told what the member
-    does that an operator wants to know (it rejoins the group); a warning in the log unless
-    given."""
+    """Performs one member's engine actions through ``ports``; ``news``: its gossip news and
+    the abort signal of the view it forms or runs. ``facts()``: the member's committed step
+    and its median compute time, which its status record carries. ``notice(text)``: told
+    what the member does that an operator wants to know (it rejoins the group); a warning in
+    the log unless given."""
 
-    def __init__(self, engine: Engine, ports: Ports,
-                 facts: Callable[[], tuple[int, int, float | None]] = lambda: (0, 0, None),
+    def __init__(self, engine: Engine, ports: Ports, news: GossipNews,
+                 facts: Callable[[], tuple[int, float | None]] = lambda: (0, None),
                  notice: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.ports = ports
+        self.news = news
         self.facts = facts
         self.notice = notice or (lambda text: log.warning("%s", text))
+        self.ops = 0  # group operations (collectives, gradient steps) completed in the current view
+        self.reason = "init"  # why the re-formation under way began (or its last view broke)
+        self.reconciled: list[Reconciled] = []  # each formation's outcome in this re-formation
+        self.agreeing_since = self.agreed_at = self.formed_at = 0.0  # the re-formation's last attempt
+        self._pending: Pending | None = None  # the forming or reconciling under way
         self._waits: collections.deque[float] = collections.deque(maxlen=STALL_WINDOW)  # recent operations' waits
         self._stall_probed = float("-inf")  # when the view's members were last probed on demand
 
@@ -76,7 +94,8 @@ class Driver:
 
     def record(self) -> dict:
         """This member's status record, as gossip metadata."""
-        return self.engine.record(*self.facts()).encode()
+        step, compute_s = self.facts()
+        return self.engine.record(step, self.ops, compute_s).encode()
 
     def publish(self) -> None:
         self.ports.membership.publish(self.record())
@@ -119,9 +138,139 @@ class Driver:
             else:
                 raise core.IllegalTransition(f"the driver cannot perform {action!r} here")
 
-    def operation_waited(self, seconds: float) -> None:
-        """An operation completed ``seconds`` after this member handed its share over."""
-        self._waits.append(seconds)
+    # ------------------------------------------------------------------ re-forming
+    def begin_recovery(self, reason: str) -> None:
+        """The current view can no longer be used (``reason``: what broke it, or why this
+        member re-forms: a joiner is due, it rejoins, it stands aside): its communicator is
+        dropped and the member agrees again (a formation under way is given up)."""
+        engine = self.engine
+        self.reason, self.reconciled = reason, []
+        self.ports.communicators.abandon()
+        if engine.state == core.FORMING:
+            self.perform(engine.form_failed())
+        elif engine.state in core.IN_VIEW or engine.state == core.RECONCILING:
+            self.perform(engine.broken())
+        self._pending = None
+        self.agreeing_since = self.ports.clock.now()
+
+    @property
+    def recovering(self) -> bool:
+        """A re-formation is under way: agreeing, forming or reconciling."""
+        return self.engine.agreeing or self.engine.state in (core.FORMING, core.RECONCILING)
+
+    def advance(self) -> bool:
+        """Do what the re-formation under way needs now (see the module docstring); whether
+        anything moved (when nothing did, the next call is due after new gossip or a tick).
+        Raises ConfigMismatch when a live member was started with other settings."""
+        engine, clock = self.engine, self.ports.clock
+        if engine.agreeing:
+            look = self.look()
+            if look.form is None:
+                return look.fetched  # a fetched proposal is looked at at once
+            self.agreed_at = clock.now()
+            self.news.enter(look.form, self.statuses()[0])
+            self._pending = self.ports.communicators.form(look.form)
+            return True
+        if engine.state == core.FORMING:
+            view = engine.forming
+            try:
+                formed = self._poll()
+            except (MembershipChanged, FtcommTimeout) as exc:
+                log.info("forming view %d failed (%s); agreeing again", view.id, exc)
+                # This member stays in the view (or phase) it had. Withdrawing the proposal
+                # aborts the other members' attempts at once; the retry gets a new view id.
+                self.perform(engine.form_failed())
+                self._again()
+                self.probe_crashed(view.members)
+                return True
+            if formed is None:
+                return False
+            self.perform(engine.formed(*formed))
+            self.ops = 0
+            self.formed_at = clock.now()
+            self._pending = self.ports.communicators.reconcile(engine.view)
+            return True
+        if engine.state == core.RECONCILING:
+            view = engine.view
+            try:
+                outcome = self._poll()
+            except MembershipChanged as exc:
+                log.info("reconciling view %d failed (%s); agreeing again", view.id, exc)
+                self.reason = self.classify(exc)
+                self.perform(engine.broken())
+                self._again()
+                return True
+            if outcome is None:
+                return False
+            self.reconciled.append(outcome)
+            if outcome.deferred:
+                engine.deferred()
+            else:
+                engine.reconciled()
+            self._pending = None
+            self.news.faults.clear()
+            return True
+        return False
+
+    def _poll(self):
+        if self._pending is None:  # (a port that raised instead of returning a failed operation)
+            raise CommunicatorError("the operation under way was lost")
+        return self._pending.poll()
+
+    def _again(self) -> None:
+        self.ports.communicators.abandon()
+        self._pending = None
+        self.agreeing_since = self.ports.clock.now()
+
+    def broken(self, reason: str) -> None:
+        """The view broke outside a re-formation (its abort fired, a collective failed, or a
+        joiner is admitted at this boundary): agree again."""
+        self.begin_recovery(reason)
+
+    # ------------------------------------------------------------------ what broke
+    def classify(self, exc: BaseException) -> str:
+        """Why the view broke: crash, hang, leave, partition, superseded or backend."""
+        self.news.judge()  # news posted after the abort was noticed still counts
+        view = self.engine.view
+        if isinstance(exc, CommunicatorError) and view is not None:
+            # A connection of the view broke: the member behind it may still be closing its
+            # other sockets (its gossip port can accept for a few milliseconds more).
+            self.probe_crashed(view.members, settle=CRASH_SETTLE_S)
+        elif view is not None:
+            # Gossip may suspect a crashed member before any collective touched it (the
+            # training thread was computing): a refused connection still names it a crash.
+            suspects = {member for _, kind, member in self.news.faults if kind == "suspect"}
+            if suspects:
+                self.probe_crashed([m for m in view.members if m in suspects], timeout=0.05)
+        faults = [(kind, member) for _, kind, member in self.news.faults]
+        reason = core.classify(faults, view.size if view is not None else None)
+        log.debug("view broke (%s: %s); faults %s: %s", type(exc).__name__, exc, faults, reason)
+        return reason
+
+    def probe_crashed(self, members: Iterable[str], timeout: float = 0.25, settle: float = 0.0) -> None:
+        """Crash fast path: members whose host refuses a connection at their gossip port are
+        declared dead now. A refusal comes back within a round trip; ``timeout`` bounds the
+        wait for a host that does not answer at all (lost or partitioned); ``settle``: see
+        :meth:`ftcomm.ports.Prober.refused`."""
+        others = set(members) - {self.engine.id}
+        records = [r for r in self.ports.membership.records() if r.id in others]
+        targets = [(r.id, (r.host, r.port)) for r in records if r.state != "dead"]
+        if not targets:
+            return
+        if any(r.state == "dead" for r in records):
+            settle = 0.0  # the member behind the broken connection is known dead already
+        refused = self.ports.prober.refused([a for _, a in targets], timeout, settle)
+        for (member, _), gone in zip(targets, refused):
+            if gone:
+                self.news.fault("crash", member)
+                self.ports.membership.declare_dead(member)
+
+    # ------------------------------------------------------------------ operations
+    def operation_done(self, waited: float) -> None:
+        """An operation of the view completed ``waited`` seconds after this member handed
+        its share over."""
+        self.ops += 1
+        self._waits.append(waited)
 
     def watch_stall(self, contributed_at: float, op_began: float, probe_after: float, probe_interval: float) -> None:
         """Hang detection on demand (``stall_probe_after``): while an operation waits far

@@ -56,14 +56,14 @@ import time
 from dataclasses import dataclass, field
 
 from .driver import Driver
-from .engine import (ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, FORMING, JOIN_DUE, RECONCILING, RUNNING, Engine,
-                     must_confirm, reconcile_source)
+from .engine import ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, JOIN_DUE, RUNNING, Engine, must_confirm, reconcile_source
+from .errors import CollectiveAborted, CommunicatorError, FtcommTimeout
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
 from .news import GossipNews
 from .options import GroupOptions
-from .ports import Address, MemberRecord, Ports
+from .ports import Address, Formed, MemberRecord, Ports, Reconciled
 from .view import Status, View, gone_from, has_quorum
 
 CONFIG = "simcfg"
@@ -86,7 +86,6 @@ class Worker:
     slow: float = 1.0
     step: int = 0
     digest: int = 0
-    ops: int = 0
     crashed: bool = False
     crashed_at: float = float("inf")
     hung: bool = False
@@ -192,6 +191,10 @@ class SimMembership:
         self.sim.sim.nodes[self.w.node].protocol.probe_now(list(members), self.sim.sim.now)
         self.sim.sim.flush(self.w.node)
 
+    def declare_dead(self, member: str) -> None:
+        self.sim.sim.nodes[self.w.node].protocol.declare_dead(member, self.sim.sim.now)
+        self.sim.sim.flush(self.w.node)
+
 
 class SimProposals:
     """The rendezvous stores: a proposal is readable while its owner runs and is reachable;
@@ -222,7 +225,7 @@ class SimProber:
     def __init__(self, sim: "GroupSimulation", w: Worker) -> None:
         self.sim, self.w = sim, w
 
-    def refused(self, addresses: list[Address], timeout: float) -> list[bool]:
+    def refused(self, addresses: list[Address], timeout: float, settle: float = 0.0) -> list[bool]:
         sim, w = self.sim, self.w
         out, silent = [], False
         for host, _ in addresses:
@@ -230,9 +233,41 @@ class SimProber:
             reachable = other is not None and not sim._cut_off(w, other)
             out.append(reachable and (other.crashed or other.gone))
             silent = silent or not reachable or other.hung
-        if silent:
-            w.busy_until = max(w.busy_until, sim.sim.now + timeout)
+        wait = timeout if silent else 0.0
+        if settle > 0 and not any(out):
+            wait += settle  # those that accepted are tried again
+        w.busy_until = max(w.busy_until, sim.sim.now + wait)
         return out
+
+
+class SimCommunicators:
+    """A view's communicator: it forms once every member entered its formation and every
+    pair of members can reach each other, within ``formation_timeout``; reconciling gathers
+    every member's (step, state digest) and all adopt the most advanced. Either fails when
+    the view's abort signal fires, or a member crashed (a connection error: the driver's
+    crash fast path probes it), and forming when it times out."""
+
+    def __init__(self, sim: "GroupSimulation", w: Worker) -> None:
+        self.sim, self.w = sim, w
+
+    def form(self, view: View) -> "SimOperation":
+        sim, w = self.sim, self.w
+        w.entered = sim.sim.now
+        sim.formations.setdefault((view.id, view.digest), {})[w.engine.id] = sim.sim.now
+        return SimOperation(lambda: sim._formed(w, view))
+
+    def reconcile(self, view: View) -> "SimOperation":
+        return SimOperation(lambda: self.sim._reconciled(self.w, view))
+
+    def abandon(self) -> None:
+        self.sim._abandon(self.w)
+
+
+class SimOperation:
+    """A pending operation of the simulated communicator (see ftcomm.ports.Pending)."""
+
+    def __init__(self, poll) -> None:
+        self.poll = poll
 
 
 def member_host(member_id: str, fallback: tuple[str, int]) -> tuple[str, int]:
@@ -320,15 +355,15 @@ class GroupSimulation:
     def _start_worker(self, node: int, now: float) -> Worker:
         member = self.sim.member_id(node)
         w = Worker(node, self._engine(member, node, now), step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
-        w.driver = Driver(w.engine, Ports(self.clock, SimMembership(self, w), SimProposals(self, w), SimProber(self, w)),
-                          lambda: (w.step, w.ops, None), self._noted(w))
         protocol = self.sim.nodes[node].protocol
         w.inbox = GossipNews(w.engine, lambda: [(m, state, meta) for m, state, meta, _ in protocol.member_states()],
-                             lambda: w.ops, self.leave_grace, decode=self._status, clock=self.clock.now)
+                             lambda: w.driver.ops, self.leave_grace, decode=self._status, clock=self.clock.now)
+        w.driver = Driver(w.engine, Ports(self.clock, SimMembership(self, w), SimProposals(self, w), SimProber(self, w),
+                                          SimCommunicators(self, w)), w.inbox, lambda: (w.step, None), self._noted(w))
         self.workers[node] = w
         self.by_id[member] = w
         self.by_host[member_host(member, ("", 0))[0]] = w
-        if self.sim.nodes[node].protocol.metadata != encode_metadata(self._record(w.engine, w.step, w.ops)):
+        if self.sim.nodes[node].protocol.metadata != encode_metadata(self._record(w.engine, w.step, 0)):
             w.driver.publish()  # (a converged start's members know this record already)
         return w
 
@@ -577,16 +612,12 @@ class GroupSimulation:
                     continue
                 w.joined = True
             state = w.engine.state
-            if w.engine.agreeing:
-                self._agree(w)
-            elif state == FORMING:
-                self._forming(w)
-            elif state == RECONCILING:
-                self._reconciling(w)
+            if w.driver.recovering:
+                w.driver.advance()
             elif state == RUNNING:
                 self._running(w)
             elif state == JOIN_DUE:
-                self._break(w)  # the step boundary: re-form for the joiner
+                w.driver.broken("join")  # the step boundary: re-form for the joiner
         self._check_recoveries()
         if self.settled_at is None and self.sim.now >= self.end_faults and self._settled():
             self.settled_at = self.sim.now
@@ -607,20 +638,8 @@ class GroupSimulation:
         return view is not None and all(
             w.committed and w.committed[-1][2] == view.id and w.committed[-1][0] >= self.end_faults for w in live)
 
-    def _agree(self, w: Worker) -> None:
-        """One look by the worker's driver; a view agreed on is entered at once."""
-        look = w.driver.look()
-        if look.form is not None:
-            self._enter(w, look.form)
-
     def _noted(self, w: Worker):
         return lambda text: self.log.append(f"{self.sim.now:.3f} {text}")
-
-    def _enter(self, w: Worker, view: View) -> None:
-        """It enters the formation of ``view``, with a fresh abort signal (GossipNews.enter)."""
-        w.entered = self.sim.now
-        w.inbox.enter(view, self._statuses(w))
-        self.formations.setdefault((view.id, view.digest), {})[w.engine.id] = self.sim.now
 
     def _cut_off(self, a: Worker, b: Worker) -> bool:
         return self.sim.blocked(a.node, b.node)
@@ -641,67 +660,67 @@ class GroupSimulation:
             members = self._view_workers[key] = [self.by_id[m] for m in view.members]
         return members
 
-    def _crash_error(self, w: Worker, view: View) -> bool:
-        """A crashed member's peers get a connection error: abort, and declare it dead."""
+    def _crash_error(self, w: Worker, view: View) -> CommunicatorError | None:
+        """The connection error a crashed member of ``view`` gives ``w``'s communicator."""
         key = (self.sim.now, view.id, view.digest)
         if self._crashed_cache[0] != key:  # once per tick and view
             self._crashed_cache = (key, [x for x in self._members(view)
                                          if x.crashed and self.sim.now - x.crashed_at >= CRASH_ERROR_DELAY])
         crashed = [x for x in self._crashed_cache[1] if not self._cut_off(w, x)]
-        if not crashed:
-            return False
-        node = self.sim.nodes[w.node]
-        for x in crashed:
-            node.protocol.declare_dead(x.engine.id, self.sim.now)
-        self.sim.flush(w.node)
-        w.inbox.abort.fire(f"{crashed[0].engine.id} refused a connection")
-        return True
+        return CommunicatorError(f"{crashed[0].engine.id} refused a connection") if crashed else None
 
-    def _forming(self, w: Worker) -> None:
-        view = w.engine.forming
+    def _formed(self, w: Worker, view: View) -> Formed | None:
+        """Polls ``w``'s forming of ``view`` (see SimCommunicators)."""
         key = (view.id, view.digest)
         entered = self.formations.get(key, {})
         if w.inbox.abort.reason is None and self._connected(w, view) and all(m in entered for m in view.members):
             if self.sim.now >= max(entered.values()) + FORM_LATENCY:
-                w.driver.perform(w.engine.formed())
                 self.newest = max(self.newest, view, key=lambda v: v.id) if self.newest else view
                 w.comm = key
                 w.comms.append([key, False])
                 self.reconciles.setdefault(key, {})
-                return
-        self._crash_error(w, view)
-        if w.inbox.abort.reason is not None or self.sim.now - w.entered >= self.formation_timeout:
-            w.driver.perform(w.engine.form_failed())
+                return Formed(False, False)
+        error = self._crash_error(w, view)
+        if error is not None:
+            raise error
+        if w.inbox.abort.reason is not None:
+            raise CollectiveAborted(w.inbox.abort.reason)
+        if self.sim.now - w.entered >= self.formation_timeout:
+            raise FtcommTimeout(f"view {view.id} did not form within {self.formation_timeout:g} s")
+        return None
 
-    def _reconciling(self, w: Worker) -> None:
-        view = w.engine.view
+    def _reconciled(self, w: Worker, view: View) -> Reconciled | None:
+        """Polls ``w``'s reconciling in ``view`` (see SimCommunicators)."""
         key = (view.id, view.digest)
         gathered = self.reconciles.setdefault(key, {})
         gathered.setdefault(w.engine.id, (w.step, w.digest))
         if w.inbox.abort.reason is None and self._connected(w, view) and all(m in gathered for m in view.members):
             pairs = [gathered[m] for m in view.members]
             source = reconcile_source(pairs)
+            replaced = source is not None and pairs[source] != (w.step, w.digest)
             if source is not None:
                 w.step, w.digest = pairs[source]
-            w.engine.reconciled()
-            w.ops, w.contributed, w.fresh_view = 0, None, True
+            w.contributed, w.fresh_view = None, True
             w.ready_at = w.op_began = self.sim.now
-            return
-        self._crash_error(w, view)
+            return Reconciled(replaced, w.digest)
+        error = self._crash_error(w, view)
+        if error is not None:
+            raise error
         if w.inbox.abort.reason is not None:
-            self._break(w)
+            raise CollectiveAborted(w.inbox.abort.reason)
+        return None
 
-    def _break(self, w: Worker) -> None:
-        """Re-agree (the view broke, or the last step admitted a joiner): as Lifecycle.recover begins."""
-        w.driver.perform(w.engine.broken())
-        self._abandon(w)
-        w.contributed, w.confirming = None, None
+    def _break(self, w: Worker, error: Exception | None = None) -> None:
+        """The view broke under a step: the driver re-agrees (as StepProtocol.recover does);
+        a connection error is classified first (the crash fast path probes the member)."""
+        w.driver.broken(w.driver.classify(error) if error is not None else "abort")
 
     def _abandon(self, w: Worker) -> None:
         for entry in w.comms:
             if entry[0] == w.comm:
                 entry[1] = True
         w.comm = None
+        w.contributed, w.confirming = None, None
 
     def _running(self, w: Worker) -> None:
         now = self.sim.now
@@ -713,12 +732,12 @@ class GroupSimulation:
                 return
             if now >= w.ready_at:
                 w.contributed = now
-                self.steps.setdefault((key, w.ops + 1), {})[w.engine.id] = (now, w.engine.admits_joiner(self._statuses(w)))
+                self.steps.setdefault((key, w.driver.ops + 1), {})[w.engine.id] = (now, w.engine.admits_joiner(self._statuses(w)))
             return
-        contributions = self.steps.get((key, w.ops + 1), {})
+        contributions = self.steps.get((key, w.driver.ops + 1), {})
         members = self._members(view)
         if len(contributions) == view.size:
-            last, join = self._completion((key, w.ops + 1), contributions)
+            last, join = self._completion((key, w.driver.ops + 1), contributions)
             done_at = last + 0.002 * w.slow
             # every member must stay up and reachable until this member has observed it
             healthy = self._healthy(w, view, members, done_at)
@@ -740,9 +759,9 @@ class GroupSimulation:
                 self._commit(w, view, join)
                 return
         w.inbox.judge()  # an abort held for a member that left after the step fires at its deadline
-        self._crash_error(w, view)
-        if w.inbox.abort.reason is not None:
-            self._break(w)
+        error = self._crash_error(w, view)
+        if error is not None or w.inbox.abort.reason is not None:
+            self._break(w, error)
             return
         # still waiting on the step: hang detection on demand, as a waiting worker's thread does it
         w.driver.watch_stall(w.contributed, w.op_began, self.stall_probe_after, self.config.probe_interval)
@@ -805,8 +824,7 @@ class GroupSimulation:
                 self._violation(4, f"{w.engine.id} commits step {step} in view {view.id} on the minority side "
                                    f"of a partition of view {before.id}")
         w.step, w.digest = step, digest
-        w.ops += 1
-        w.driver.operation_waited(now - w.contributed)
+        w.driver.operation_done(now - w.contributed)
         w.committed.append((now, step, view.id))
         w.contributed = None
         w.op_began = now

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -32,17 +32,12 @@ from .gossip import GossipNode
 from .live_ports import GossipMembership, StoreProposals, SystemClock, TcpProber
 from .news import GossipNews
 from .options import GroupOptions, ViewChange
-from .ports import Ports
-from .rendezvous import Rendezvous, refused_many
+from .ports import Done, Failed, Formed, Pending, Ports, Reconciled
+from .rendezvous import Rendezvous
 from .stragglers import ComputeTimes
 from .view import Status, View
 
 log = logging.getLogger(__name__)
-
-CRASH_SETTLE_S = 0.15
-"""After a broken connection, how long a member's port that still accepts is tried again
-before the member is taken for alive (see :func:`ftcomm.rendezvous.refused`)."""
-
 
 class Lifecycle:
     """The views, communicators and status record of one worker (see the module docstring).
@@ -55,18 +50,17 @@ class Lifecycle:
                  compute: ComputeTimes, step: Callable[[], int]) -> None:
         self.engine = engine
         self.membership = GossipMembership(engine)
-        self.driver = Driver(engine, Ports(SystemClock(), self.membership, StoreProposals(rendezvous), TcpProber()),
-                             lambda: (step(), self.ops, compute.median()))
         self.options = options
         self._backend = backend
         self.rendezvous = rendezvous
-        self._compute = compute
-        self._step = step
         self.news = GossipNews(engine, lambda: [(m.id, m.state, m.metadata) for m in self.gossip.members()],
-                               lambda: self.ops, options.leave_grace, self._watch_stall)
+                               lambda: self.driver.ops, options.leave_grace, self._watch_stall)
+        self.driver = Driver(engine, Ports(SystemClock(), self.membership, StoreProposals(rendezvous), TcpProber(),
+                                           self), self.news, lambda: (step(), compute.median()))
+        self.reconcile_state: Callable[[], Reconciled] = lambda: Reconciled(False, None, deferred=True)
+        """Reconciles the registered state in a view just formed (set by the step protocol)."""
         self.comm: Communicator | None = None  # the backend's communicator of the current view
         self.events: list[ViewChange] = []
-        self.ops = 0  # group operations (collectives, gradient steps) completed in the current view
         self.op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
         self.contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
         self._last_publish = 0.0
@@ -89,101 +83,85 @@ class Lifecycle:
     def abort(self) -> AbortSignal:
         return self.news.abort
 
+    @property
+    def ops(self) -> int:
+        """Group operations (collectives, gradient steps) completed in the current view."""
+        return self.driver.ops
+
     # ------------------------------------------------------------------ the loop
-    def recover(self, reason: str, detected_at: float, timeout: float | None,
-                reconcile: Callable[[], None]) -> ViewChange:
-        """Agree on a new view, form and verify its communicator, ``reconcile`` the state
-        (it moves the engine on: RUNNING, or RECONCILE_DUE when no state is registered yet;
-        raises MembershipChanged when the view breaks meanwhile); the view change."""
+    def recover(self, reason: str, detected_at: float, timeout: float | None) -> ViewChange:
+        """Re-form: the driver advances (agree, form and verify, reconcile) until the new
+        view runs, RUNNING or RECONCILE_DUE when no state is registered yet; the view
+        change. Raises FtcommTimeout or QuorumLost when no view is agreed in time."""
         noticed = time.monotonic()
         fired_at, gave_up_at = self.abort.fired_at, self.abort.noticed_at
         abort_latency = round(gave_up_at - fired_at, 4) if fired_at is not None and gave_up_at is not None else None
         previous = self.view
         self.check_open()
-        self.abandon()
-        if self.engine.state == core.FORMING:  # a formation that raised (not a fault) is given up
-            self.perform(self.engine.form_failed())
-        elif self.engine.state in core.IN_VIEW or self.engine.state == core.RECONCILING:
-            self.perform(self.engine.broken())
+        driver = self.driver
+        driver.begin_recovery(reason)
         deadline = noticed + (timeout if timeout is not None else self.options.quorum_timeout)
-        while True:
-            started = time.monotonic()
-            view = self.agree(deadline)
-            agreed_at = time.monotonic()
-            try:
-                verified = self.form(view)
-            except (MembershipChanged, FtcommTimeout) as exc:
-                self.check_open()
-                log.info("forming view %d failed (%s); agreeing again", view.id, exc)
-                # This worker stays in the view (or phase) it had. Withdrawing the proposal
-                # aborts the other members' attempts at once; the retry gets a new view id.
-                self.perform(self.engine.form_failed())
-                self.abandon()
-                self.probe_crashed(view.members)
-                continue
+        last_debug = 0.0
+        while driver.recovering:
             self.check_open()
-            self.perform(self.engine.formed(*verified))
-            self.ops = 0  # before anything can publish a leave naming this view
-            formed_at = time.monotonic()
-            try:
-                reconcile()
-            except MembershipChanged as exc:
-                self.check_open()
-                log.info("reconciling view %d failed (%s); agreeing again", view.id, exc)
-                reason = self.classify(exc)
-                self.perform(self.engine.broken())
-                self.abandon()
+            now = time.monotonic()
+            if self.engine.agreeing and now > deadline:
+                self.raise_stuck()
+            self.news.changed.clear()
+            self.news.judge()
+            if driver.advance():
                 continue
-            break
+            if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
+                last_debug = now
+                log.debug("%s: proposals %s", self.engine.state.lower(),
+                          {s.id: (s.alive, s.phase, s.current_view, s.proposal) for s in self.statuses()[0].values()})
+            self.news.changed.wait(0.02)
+        self.check_open()
+        view = self.view
         done = time.monotonic()
         before = previous.members if previous else ()
         reason = ("rejoin" if self.engine.formed_from == core.REJOINING
-                  else core.reason_for(reason, before, view.members, self.gossip_states()))
+                  else core.reason_for(driver.reason, before, view.members, self.gossip_states()))
         change = ViewChange(view.id, view.members, reason, tuple(m for m in view.members if m not in before),
                             tuple(m for m in before if m not in view.members), round(noticed - detected_at, 4),
-                            round(agreed_at - started, 4), round(formed_at - agreed_at, 4), round(done - formed_at, 4),
+                            round(driver.agreed_at - driver.agreeing_since, 4),
+                            round(driver.formed_at - driver.agreed_at, 4), round(done - driver.formed_at, 4),
                             time.time(), abort_latency)
         self.events.append(change)
-        self.news.faults.clear()
         self.op_began = time.monotonic()
         log.info("view %d: %d members (%s), rank %d; detect %.3f agree %.3f form %.3f reconcile %.3f s",
                  view.id, view.size, reason, view.rank_of(self.engine.id), change.detect_s, change.agree_s,
                  change.form_s, change.reconcile_s)
         return change
 
-    def agree(self, deadline: float) -> View:
-        """Wait until a view containing this worker is agreed (the engine decides)."""
-        engine = self.engine
-        last_debug = 0.0
-        while True:
-            self.check_open()
-            now = time.monotonic()
-            if now > deadline:
-                self.raise_stuck()
-            self.news.changed.clear()
-            self.news.judge()
-            look = self.driver.look()
-            if look.form is not None:  # agreed: form it
-                return self.enter(look.form)
-            if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
-                last_debug = now
-                log.debug("%s: proposals %s", engine.state.lower(),
-                          {s.id: (s.alive, s.phase, s.current_view, s.proposal) for s in self.statuses()[0].values()})
-            if not look.fetched:  # a fetched proposal is looked at at once
-                self.news.changed.wait(0.02)
-
     def perform(self, actions: list) -> None:
-        """Carry out the engine's actions (all but Form, which :meth:`recover` performs)."""
+        """Carry out the engine's actions (see Driver.perform)."""
         if any(isinstance(a, Publish) for a in actions):
             self._last_publish = time.monotonic()
         self.driver.perform(actions)
 
-    def enter(self, view: View) -> View:
-        """Start forming ``view``: from now on gossip about its members fires the abort signal."""
-        self.news.enter(view, self.statuses()[0])
-        return view
+    # ------------------------------------------------------------------ the communicators port
+    def reconcile(self, view: View) -> Pending[Reconciled]:
+        """Reconcile the registered state over the view just formed (ftcomm.ports.Communicators)."""
+        try:
+            outcome = self.reconcile_state()
+        except MembershipChanged as exc:
+            self.check_open()
+            return Failed(exc)
+        self.check_open()
+        return Done(outcome)
 
-    def form(self, view: View) -> tuple[bool, bool]:
+    def form(self, view: View) -> Pending[Formed]:
+        """Form and verify the communicator of ``view`` (ftcomm.ports.Communicators)."""
+        try:
+            formed = self._form(view)
+        except (MembershipChanged, FtcommTimeout) as exc:
+            self.check_open()
+            return Failed(exc)
+        self.check_open()
+        return Done(formed)
+
+    def _form(self, view: View) -> Formed:
         """Form the communicator through rank 0's store and verify it with a tiny allreduce,
         which also tells whether every member founds the group (this is their first view) and
         wants the network check, and whether no member has begun training (restorable)."""
@@ -202,7 +180,7 @@ class Lifecycle:
         verified = probe.tolist()
         if verified[:2] != [check, -check]:
             raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
-        return verified[2] == 1 and verified[3] == 1, verified[4] == 1
+        return Formed(verified[2] == 1 and verified[3] == 1, verified[4] == 1)
 
     def form_communicator(self, store, rank: int, size: int, view_id: int) -> Communicator:
         return self._backend.form(store, rank, size, view_id, self.abort, self.options.formation_timeout,
@@ -262,9 +240,8 @@ class Lifecycle:
 
     def completed(self) -> None:
         """The operation in flight completed here."""
-        self.ops += 1
         self.op_began = time.monotonic()
-        self.driver.operation_waited(self.op_began - self.contributed_at)
+        self.driver.operation_done(self.op_began - self.contributed_at)
 
     def operation_done(self) -> None:
         """The operation in flight completed, and aborts held for it fire now."""
@@ -305,39 +282,8 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ what broke
     def classify(self, exc: BaseException) -> str:
-        """Why the view broke: crash, hang, leave, partition, superseded or backend."""
-        self.news.judge()  # news posted after the abort was noticed still counts
-        view = self.view
-        if isinstance(exc, CommunicatorError) and view is not None:
-            # A connection of the view broke: the member behind it may still be closing its
-            # other sockets (its gossip port can accept for a few milliseconds more).
-            self.probe_crashed(view.members, settle=CRASH_SETTLE_S)
-        elif view is not None:
-            # Gossip may suspect a crashed member before any collective touched it (the
-            # training thread was computing): a refused connection still names it a crash.
-            suspects = {member for _, kind, member in self.news.faults if kind == "suspect"}
-            if suspects:
-                self.probe_crashed([m for m in view.members if m in suspects], timeout=0.05)
-        faults = [(kind, member) for _, kind, member in self.news.faults]
-        reason = core.classify(faults, view.size if view is not None else None)
-        log.debug("view broke (%s: %s); faults %s: %s", type(exc).__name__, exc, faults, reason)
-        return reason
-
-    def probe_crashed(self, members: Iterable[str], timeout: float = 0.25, settle: float = 0.0) -> None:
-        """Crash fast path: members whose host refuses a connection are declared dead now.
-        A refusal comes back within a round trip; ``timeout`` bounds the wait for a host
-        that does not answer at all (lost or partitioned). ``settle``: when nobody refuses
-        at first, the ports that accepted are tried again for this long."""
-        others = [m for m in members if m != self.engine.id]
-        by_id = {m.id: m for m in self.gossip.members()}
-        targets = [(m, (by_id[m].host, by_id[m].port)) for m in others if m in by_id and by_id[m].state != "dead"]
-        gone = [m for (m, _), refused in zip(targets, refused_many([a for _, a in targets], timeout)) if refused]
-        if not gone and settle > 0:
-            gone = [m for (m, _), refused in zip(targets, refused_many([a for _, a in targets], timeout, settle))
-                    if refused]
-        for member in gone:
-            self.news.fault("crash", member)
-            self.gossip.declare_dead(member)
+        """Why the view broke (see Driver.classify)."""
+        return self.driver.classify(exc)
 
     def check_open(self) -> None:
         """The worker left the group (``shutdown`` from another thread, or the exit hook)

@@ -1,5 +1,6 @@
 """The driver's ports on a real worker: the gossip node, the rendezvous stores, TCP probes,
-the system clock (see :mod:`ftcomm.ports` for what each promises)."""
+the system clock (see :mod:`ftcomm.ports` for what each promises; the communicators port is
+:class:`ftcomm.lifecycle.Lifecycle`, which holds the backend's)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ class GossipMembership:
     def probe_now(self, members: Sequence[str]) -> None:
         self.node.probe_now(list(members))
 
+    def declare_dead(self, member: str) -> None:
+        self.node.declare_dead(member)
+
 
 class StoreProposals:
     """The proposals port over this worker's :class:`~ftcomm.rendezvous.Rendezvous`."""
@@ -80,5 +84,8 @@ class StoreProposals:
 
 
 class TcpProber:
-    def refused(self, addresses: list[Address], timeout: float) -> list[bool]:
-        return refused_many(addresses, timeout)
+    def refused(self, addresses: list[Address], timeout: float, settle: float = 0.0) -> list[bool]:
+        out = refused_many(addresses, timeout)
+        if settle > 0 and not any(out):
+            out = refused_many(addresses, timeout, settle)
+        return out

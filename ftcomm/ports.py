@@ -1,19 +1,22 @@
 """Ports: what the group driver needs from the world, as interfaces it calls.
 
 The driver (:mod:`ftcomm.driver`) performs the engine's actions and touches the world only
-through these. Production implements them with the gossip node, the rendezvous store and
-TCP connection probes (:mod:`ftcomm.live_ports`); the whole-group simulation
-(:mod:`ftcomm.groupsim`) implements them over its virtual cluster, so that it runs the
-driver that ships. Each method says what it does when a peer is gone; none raises for that.
+through these. Production implements them with the gossip node, the rendezvous store, TCP
+connection probes (:mod:`ftcomm.live_ports`) and the backend's communicators
+(:class:`ftcomm.lifecycle.Lifecycle`); the whole-group simulation (:mod:`ftcomm.groupsim`)
+implements them over its virtual cluster, so that it runs the driver that ships. Each
+method says what it does when a peer is gone; only a :class:`Pending` operation raises for
+that (the view it belongs to is broken).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Protocol, Sequence
+from typing import Generic, Iterable, NamedTuple, Protocol, Sequence, TypeVar
 
 from .view import Status, View
 
 Address = tuple[str, int]
+T = TypeVar("T", covariant=True)
 
 
 class MemberRecord(NamedTuple):
@@ -66,6 +69,9 @@ class Membership(Protocol):
         """Probe ``members`` at once, directly and through helpers; one that does not answer
         is suspected a probe timeout later (the regular suspicion then spreads)."""
 
+    def declare_dead(self, member: str) -> None:
+        """Mark ``member`` dead now and tell the others (its process was found gone)."""
+
 
 class Proposals(Protocol):
     """The rendezvous stores where members keep the member lists of their proposals."""
@@ -80,10 +86,71 @@ class Proposals(Protocol):
 
 
 class Prober(Protocol):
-    def refused(self, addresses: list[Address], timeout: float) -> list[bool]:
+    def refused(self, addresses: list[Address], timeout: float, settle: float = 0.0) -> list[bool]:
         """For each address, whether a TCP connection to it is refused: its process is gone
         and its host answers. A host that is lost or cut off answers nothing: False after
-        ``timeout``."""
+        ``timeout``. ``settle``: when none is refused at first, those that accepted are tried
+        again for this long (a crashed process closes its sockets one by one)."""
+
+
+class Pending(Protocol, Generic[T]):
+    """An operation under way on the view's communicator."""
+
+    def poll(self) -> T | None:
+        """Its result once it completed, None while it is under way. Raises
+        MembershipChanged when the view broke meanwhile (a member failed, or gossip news
+        fired the view's abort signal), FtcommTimeout when it did not complete in time."""
+
+
+class Formed(NamedTuple):
+    """A verified communicator: whether every member founds the group (its first view, and
+    the network check is wanted), and whether no member has begun training."""
+
+    founding: bool
+    restorable: bool
+
+
+class Reconciled(NamedTuple):
+    """Reconciling a formed view: whether this member's state was replaced by another's,
+    and the digest every member holds now; ``deferred``: no state is registered yet, so
+    it is reconciled before the first collective instead."""
+
+    replaced: bool
+    digest: int | None
+    deferred: bool = False
+
+
+class Communicators(Protocol):
+    """The view's communicator, from forming it to abandoning it."""
+
+    def form(self, view: View) -> Pending[Formed]:
+        """Form and verify the communicator of ``view`` (this member entered its formation)."""
+
+    def reconcile(self, view: View) -> Pending[Reconciled]:
+        """Make every member's registered state identical over the formed communicator."""
+
+    def abandon(self) -> None:
+        """Drop the current communicator, if any (a member still inside it gets an error)."""
+
+
+class Done(Generic[T]):
+    """An operation that completed when it was started (a blocking port's)."""
+
+    def __init__(self, value: T) -> None:
+        self.value = value
+
+    def poll(self) -> T:
+        return self.value
+
+
+class Failed:
+    """An operation that failed when it was started (a blocking port's)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def poll(self) -> None:
+        raise self.error
 
 
 class Ports(NamedTuple):
@@ -91,3 +158,4 @@ class Ports(NamedTuple):
     membership: Membership
     proposals: Proposals
     prober: Prober
+    communicators: Communicators

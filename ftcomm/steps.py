@@ -27,6 +27,7 @@ from .buckets import GradientBuckets
 from .errors import CollectiveAborted, FtcommError, MembershipChanged, RetryLimitExceeded
 from .lifecycle import Lifecycle
 from .options import GroupOptions
+from .ports import Reconciled
 from .state import TrainingState
 from .stragglers import Stragglers
 
@@ -47,6 +48,7 @@ class StepProtocol:
         self.step_lost = False  # a re-formation discarded the gradients backward was reducing
         self.failed_in_a_row = 0  # gradient steps that failed and re-formed since one completed
         self.waiting_since = time.monotonic()
+        life.reconcile_state = self.reconcile_formed
 
     @property
     def rank(self) -> int:
@@ -210,33 +212,36 @@ class StepProtocol:
         if self.buckets is not None and self.buckets.touched:
             self.buckets.discard()
             self.step_lost = True
-        outcomes: list[tuple[bool, int | None]] = []  # each formation's reconcile: (state loaded, digest)
-        self.life.recover(reason, detected_at, timeout, lambda: outcomes.append(self.reconcile_formed()))
+        life = self.life
+        life.recover(reason, detected_at, timeout)
+        outcomes = life.driver.reconciled  # each formation's, this re-formation
         if self.engine.state == core.RUNNING:
-            self.record_reconciled(outcomes[-1][1])
-        return any(loaded for loaded, _ in outcomes)
+            self.record_reconciled(outcomes[-1].digest)
+        return any(outcome.replaced for outcome in outcomes)
 
-    def reconcile_formed(self) -> tuple[bool, int | None]:
+    def reconcile_formed(self) -> Reconciled:
         """In a view just formed: reconcile now, or before the first collective once
         registered (deferred: nothing loaded, no digest yet)."""
-        if self.state.registered:
-            return self.reconcile(stamp=False)
-        self.life.check_open()
-        self.engine.deferred()
-        return False, None
+        if not self.state.registered:
+            return Reconciled(False, None, deferred=True)
+        loaded, digest = self.transfer_state()
+        return Reconciled(loaded, digest)
 
-    def reconcile(self, stamp: bool = True) -> tuple[bool, int]:
-        """Make every member's registered state identical; whether this worker loaded
-        another's, and the digest every member now holds. ``stamp``: record it in the latest
-        view change (a reconcile deferred until the state was registered belongs to the view
-        formed before it)."""
+    def reconcile(self) -> tuple[bool, int]:
+        """Make every member's registered state identical (RECONCILE_DUE: before the first
+        collective once registered, or after a checkpoint was restored); whether this worker
+        loaded another's, and the digest every member now holds."""
+        loaded, digest = self.transfer_state()
+        self.life.check_open()
+        self.engine.reconciled()
+        self.record_reconciled(digest)
+        return loaded, digest
+
+    def transfer_state(self) -> tuple[bool, int]:
+        """Whether this worker loaded another member's state, and the digest all now hold."""
         life = self.life
         self.step, loaded, digest = transfer.reconcile(life.comm, life.abort, self.state, self.step, life.view,
                                                        self.secret)
-        life.check_open()
-        self.engine.reconciled()
-        if stamp:
-            self.record_reconciled(digest)
         return loaded, digest
 
     def record_reconciled(self, digest: int | None) -> None:

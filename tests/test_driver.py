@@ -1,6 +1,7 @@
 """The driver over fake ports: each engine action performed through its port, and each
 answer of a port (a store that does not answer, a refused or silent probe, a mismatched
-setting) turned into the engine's next input."""
+setting, a communicator that forms, fails or times out) turned into the engine's next
+input."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 from ftcomm import engine as core
 from ftcomm.driver import Driver, member_address
 from ftcomm.engine import Engine, Form, Rejoined
-from ftcomm.errors import ConfigMismatch
-from ftcomm.ports import MemberRecord, Ports
+from ftcomm.errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout
+from ftcomm.news import GossipNews
+from ftcomm.ports import Done, Failed, Formed, MemberRecord, Ports, Reconciled
 from ftcomm.view import JOINING, Status, View
 from tests.conftest import CFG, status
 
@@ -36,6 +38,7 @@ class FakeMembership:
         self.synced: list[str] = []
         self.recontacts = 0
         self.contacted: list[tuple] = []
+        self.declared: list[str] = []
 
     def statuses(self, view):
         return dict(self.table), {m: ("10.0.0.1", 4000 + i) for i, m in enumerate(self.table)}
@@ -60,6 +63,10 @@ class FakeMembership:
     def contact(self, address):
         self.contacted.append(address)
 
+    def declare_dead(self, member):
+        self.declared.append(member)
+        self.table[member] = dataclasses.replace(self.table[member], alive=False, dead=True)
+
 
 class FakeProposals:
     def __init__(self) -> None:
@@ -80,9 +87,40 @@ class FakeProber:
         self.answers = answers or {}
         self.probed: list = []
 
-    def refused(self, addresses, timeout):
-        self.probed.append(list(addresses))
+    def refused(self, addresses, timeout, settle=0.0):
+        self.probed.append((list(addresses), settle))
         return [self.answers.get(a, False) for a in addresses]
+
+
+class Pending:
+    """An operation the test completes or fails by hand."""
+
+    def __init__(self) -> None:
+        self.result = None
+        self.error: Exception | None = None
+
+    def poll(self):
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class FakeCommunicators:
+    def __init__(self) -> None:
+        self.forming: list = []  # (view, its operation)
+        self.reconciling: list = []
+        self.abandoned = 0
+
+    def form(self, view):
+        self.forming.append((view, Pending()))
+        return self.forming[-1][1]
+
+    def reconcile(self, view):
+        self.reconciling.append((view, Pending()))
+        return self.reconciling[-1][1]
+
+    def abandon(self):
+        self.abandoned += 1
 
 
 def driver_for(member: str, statuses: dict, **engine_fields) -> tuple[Driver, FakeMembership, FakeProposals,
@@ -90,8 +128,10 @@ def driver_for(member: str, statuses: dict, **engine_fields) -> tuple[Driver, Fa
     engine = Engine(member, CFG, settle_interval=0.05, chase_interval=0.6, rendezvous_port=4000, **engine_fields)
     membership, proposals, prober, clock = FakeMembership(statuses), FakeProposals(), FakeProber(), FakeClock()
     membership.own = member
-    return (Driver(engine, Ports(clock, membership, proposals, prober), lambda: (7, 3, 0.25)),
-            membership, proposals, prober, clock)
+    news = GossipNews(engine, lambda: [], lambda: driver.ops, 0.5, clock=clock.now)
+    driver = Driver(engine, Ports(clock, membership, proposals, prober, FakeCommunicators()), news,
+                    lambda: (7, 0.25))
+    return driver, membership, proposals, prober, clock
 
 
 def test_a_look_publishes_the_record_and_proposal_announces_it_and_hands_back_the_view_to_form():
@@ -139,7 +179,7 @@ def test_a_group_is_gone_only_when_every_worker_that_held_a_view_refuses():
     members = ("a", b, c)
     prober.answers = {("10.0.0.1", 4000): True, ("10.0.0.2", 7946): True, ("10.0.0.3", 7946): False}
     assert not driver.group_gone(members)
-    assert prober.probed[-1] == [("10.0.0.1", 4000), ("10.0.0.2", 7946), ("10.0.0.3", 7946)]
+    assert prober.probed[-1][0] == [("10.0.0.1", 4000), ("10.0.0.2", 7946), ("10.0.0.3", 7946)]
     assert membership.contacted == [("10.0.0.3", 7946)]  # it may be alive: told of this worker
     prober.answers[("10.0.0.3", 7946)] = True
     assert driver.group_gone(members)
@@ -194,4 +234,121 @@ def test_member_ids_naming_no_unicast_host_or_padded_name_no_address(member_id):
 def test_a_member_list_naming_one_address_many_times_probes_it_once():
     driver, membership, _, prober, _ = driver_for("j", {"j": status("j", JOINING)})
     assert not driver.group_gone(["10.0.0.9:7946/x"] * 1000 + ["10.0.0.9:7946/y"])
-    assert prober.probed[-1] == [("10.0.0.9", 7946)] and membership.contacted == [("10.0.0.9", 7946)]
+    assert prober.probed[-1][0] == [("10.0.0.9", 7946)] and membership.contacted == [("10.0.0.9", 7946)]
+
+
+# ---------------------------------------------------------------------- re-forming
+def agreed_pair(member: str = "a"):
+    """A driver whose member agreed with "b" on view 1 (its forming under way)."""
+    statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate("ab")}
+    driver, membership, proposals, prober, clock = driver_for(member, statuses)
+    comms = driver.ports.communicators
+    while not driver.engine.proposal:
+        driver.advance()
+        clock.t += 0.03
+    membership.table["b"] = dataclasses.replace(membership.table["b"], proposal=driver.engine.proposal)
+    assert driver.advance() and driver.engine.state == core.FORMING
+    assert comms.forming[-1][0] == View(1, ("a", "b"))
+    return driver, membership, prober, clock, comms
+
+
+def test_a_re_formation_advances_from_agreeing_through_forming_and_reconciling_to_running():
+    driver, membership, _, clock, comms = agreed_pair()
+    clock.t += 0.1
+    assert not driver.advance() and driver.engine.state == core.FORMING  # nothing yet: nothing moves
+    comms.forming[-1][1].result = Formed(founding=True, restorable=True)
+    assert driver.advance() and driver.engine.state == core.RECONCILING
+    assert driver.engine.founding and driver.engine.restorable and driver.ops == 0
+    assert comms.reconciling[-1][0] == driver.engine.view
+    comms.reconciling[-1][1].result = Reconciled(True, 1234)
+    assert driver.advance() and driver.engine.state == core.RUNNING and not driver.recovering
+    assert driver.reconciled == [Reconciled(True, 1234)]
+    assert driver.agreeing_since <= driver.agreed_at <= driver.formed_at == clock.t
+    assert not driver.advance()  # running: nothing for the re-formation to do
+
+
+def test_a_reconcile_deferred_until_state_is_registered_leaves_it_due():
+    driver, _, _, _, comms = agreed_pair()
+    comms.forming[-1][1].result = Formed(False, False)
+    driver.advance()
+    comms.reconciling[-1][1].result = Reconciled(False, None, deferred=True)
+    driver.advance()
+    assert driver.engine.state == core.RECONCILE_DUE and not driver.recovering
+
+
+@pytest.mark.parametrize("error", [CommunicatorError("b refused a connection"), FtcommTimeout("too slow"),
+                                   CollectiveAborted("b is suspected")])
+def test_a_failed_forming_agrees_again_and_declares_dead_the_members_whose_host_refuses(error):
+    driver, membership, prober, _, comms = agreed_pair()
+    prober.answers = {("10.0.0.1", 7000): True}  # b's process is gone
+    abandoned = comms.abandoned
+    comms.forming[-1][1].error = error
+    assert driver.advance()
+    assert driver.engine.agreeing and driver.engine.proposal is None  # withdrawn: the others stop at once
+    assert comms.abandoned == abandoned + 1 and membership.declared == ["b"]
+    assert ("crash", "b") in [(kind, m) for _, kind, m in driver.news.faults]
+
+
+def test_a_failed_reconcile_agrees_again_and_names_what_broke_the_view():
+    driver, membership, prober, _, comms = agreed_pair()
+    comms.forming[-1][1].result = Formed(False, False)
+    driver.advance()
+    prober.answers = {("10.0.0.1", 7000): True}
+    comms.reconciling[-1][1].error = CommunicatorError("b refused a connection")
+    assert driver.advance() and driver.engine.agreeing
+    assert driver.reason == "crash" and membership.declared == ["b"]
+    assert prober.probed[-1][1] > 0  # a broken connection: a port that still accepts is tried again
+
+
+def test_a_broken_connection_does_not_wait_for_ports_to_close_when_its_member_is_known_dead():
+    driver, membership, prober, _, comms = agreed_pair("a")
+    comms.forming[-1][1].result = Formed(False, False)
+    driver.advance()
+    membership.table["c"] = status("c", alive=False, dead=True)
+    driver.probe_crashed(["a", "b", "c"], settle=0.15)
+    assert prober.probed[-1] == ([("10.0.0.1", 7000)], 0.0)
+
+
+def test_a_port_that_raises_instead_of_failing_the_operation_still_ends_in_agreeing_again():
+    driver, _, _, _, comms = agreed_pair()
+    comms.forming[-1][1].result = Formed(False, False)
+    driver._pending = None  # lost
+    assert driver.advance() and driver.engine.agreeing
+
+
+def test_begin_recovery_breaks_a_running_view_and_drops_its_communicator():
+    driver, _, _, clock, comms = agreed_pair()
+    comms.forming[-1][1].result = Formed(False, False)
+    driver.advance()
+    comms.reconciling[-1][1].result = Reconciled(False, 99)
+    driver.advance()
+    abandoned = comms.abandoned
+    clock.t += 1.0
+    driver.broken("crash")
+    assert driver.engine.agreeing and driver.recovering and comms.abandoned == abandoned + 1
+    assert driver.reason == "crash" and driver.reconciled == [] and driver.agreeing_since == clock.t
+
+
+def test_blocking_ports_return_done_or_failed_operations():
+    assert Done(Formed(True, False)).poll() == (True, False)
+    with pytest.raises(CommunicatorError):
+        Failed(CommunicatorError("gone")).poll()
+
+
+def test_completed_operations_count_in_the_record_and_feed_the_stall_watch():
+    driver, membership, _, clock, comms = agreed_pair()
+    comms.forming[-1][1].result = Formed(False, False)
+    driver.advance()
+    comms.reconciling[-1][1].result = Reconciled(False, 1)
+    driver.advance()
+    driver.operation_done(0.01)
+    driver.operation_done(0.01)
+    view = driver.engine.view
+    probed = []
+    membership.probe_now = probed.append
+    driver.watch_stall(clock.t - 0.5, clock.t - 1.0, probe_after=0.1, probe_interval=1.0)
+    assert probed == [["b"]]  # waited 0.5 s, 50 times the usual: the others are probed at once
+    driver.watch_stall(clock.t - 0.5, clock.t - 1.0, probe_after=0.1, probe_interval=1.0)
+    assert probed == [["b"]]  # at most once per probe interval
+    driver.perform(driver.engine.leave())  # a leave names the operations completed in the view
+    assert Status.from_metadata("a", "alive", membership.published[-1]).done_ops == (view.id, 2)
