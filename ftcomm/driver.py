@@ -26,10 +26,11 @@ from typing import Callable, Iterable, NamedTuple
 
 from . import engine as core
 from .engine import Action, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Rejoined, Sync
-from .errors import CommunicatorError, ConfigMismatch, FtcommTimeout, MembershipChanged
+from .errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, MembershipChanged
 from .gossip.addresses import parse_address
 from .news import GossipNews
-from .ports import Address, Pending, Ports, Reconciled
+from .ports import Address, Done, Pending, Ports, Reconciled
+from .stragglers import Stragglers
 from .view import Status, View
 
 log = logging.getLogger(__name__)
@@ -265,7 +266,57 @@ class Driver:
                 self.news.fault("crash", member)
                 self.ports.membership.declare_dead(member)
 
+    def stand_aside(self, seconds: float) -> None:
+        """This member, chosen by the last step (ASIDE_DUE), stands aside as a straggler for
+        ``seconds`` (see Engine.bench): its view is left and it agrees again afterwards."""
+        self.ports.communicators.abandon()
+        self.perform(self.engine.bench(self.ports.clock.now(), seconds))
+        self.begin_recovery("straggler")
+
     # ------------------------------------------------------------------ operations
+    def confirmation(self, contributed_at: float, op_began: float, probe_interval: float) -> Pending[bool] | None:
+        """An operation completed here after this member handed its share over at
+        ``contributed_at``. It may have completed only here when this member was cut off
+        meanwhile: the others, seeing it hang, may have abandoned the view and moved on
+        (their abandoned communicators still finish the exchange). Whenever that is possible
+        (see :func:`ftcomm.engine.must_confirm`) this returns a state exchange with a view
+        member, whose answer goes to :meth:`confirmed` before the operation counts; None
+        when the operation counts as it is."""
+        membership, view = self.ports.membership, self.engine.view
+        if view is None or not core.must_confirm(self.ports.clock.now(), contributed_at, op_began,
+                                                 membership.stalled_at(), membership.refuted_at(), probe_interval):
+            return None
+        reachable = [r.id for r in membership.records() if r.id in view.member_set and r.id != self.engine.id
+                     and r.state in ("alive", "suspect")]
+        if not reachable:
+            return Done(True)  # everyone else left or died: the abort signal alone decides
+        return membership.exchange(reachable[:2])
+
+    def confirmed(self, answered: bool) -> None:
+        """The exchange :meth:`confirmation` asked for is over (``answered``: a member
+        answered). Raises CollectiveAborted when the view moved on meanwhile (the others
+        withdraw their proposal the moment they break it), or nothing shows it intact: the
+        operation is then discarded like any aborted one, and reconciling brings this
+        member up to date."""
+        self.news.judge()  # what the exchange brought
+        abort = self.news.abort
+        if abort.reason is not None or not answered:
+            raise CollectiveAborted(f"an operation completed after this worker may have been cut off, and "
+                                    f"{abort.reason or 'no member of the view answered'}")
+
+    def step_reduced(self, contributors: float, joiners: float, asking: list[int], batches_checked: bool,
+                     min_workers: int) -> bool:
+        """A gradient step's counters came back reduced (how many members contributed valid
+        gradients, how many saw a joiner waiting, the ranks asking to stand aside): whether
+        it commits. Every member sees the same: the joiner is admitted (JOIN_DUE), and the
+        chosen stand aside (ASIDE_DUE), at the next step boundary."""
+        view = self.engine.view
+        commit, admit = core.step_verdict(contributors, joiners, view.size, batches_checked)
+        if self.engine.state == core.RUNNING:  # (not when another thread shut the group down meanwhile)
+            aside = view.rank_of(self.engine.id) in Stragglers.chosen(asking, view.size, min_workers)
+            self.engine.step_reduced(admit, aside)
+        return commit
+
     def operation_done(self, waited: float) -> None:
         """An operation of the view completed ``waited`` seconds after this member handed
         its share over."""

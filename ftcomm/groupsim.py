@@ -1,31 +1,33 @@
-"""Whole groups under deterministic simulation: engines, gossip, rendezvous and collectives.
+"""Whole groups under deterministic simulation: the shipped driver over simulated ports.
 
-N :class:`~ftcomm.engine.Engine` cores, each driven the way :mod:`ftcomm.group` drives
-it, over the gossip simulator (the real :class:`~ftcomm.gossip.protocol.Protocol`, real
-packets, a virtual clock, loss and delay). The rendezvous and the collectives are
-modelled:
+N members, each the engine core (:mod:`ftcomm.engine`) fed and carried out by the driver
+that ships (:class:`ftcomm.driver.Driver`, with its gossip news judged by
+:class:`ftcomm.news.GossipNews`), over the gossip simulator (the real
+:class:`~ftcomm.gossip.protocol.Protocol`, real packets, a virtual clock, loss and delay).
+This module holds only the fault schedule, the ports' simulated implementations and the
+invariant checks. The ports model the world:
 
 * a proposal published by a member is readable by the others while its owner runs and
   is reachable; a read from one that crashed, hangs or is cut off answers nothing, and
   its reader's driver waits ``FETCH_TIMEOUT_S`` for it (the worst case: a connection
   opened before the owner died does not notice its death); a connection to a member's
-  store is refused when its process is gone and its node reachable (see
-  ``Engine._may_found``);
+  port is refused when its process is gone and its node reachable;
 * a view forms once every member entered its formation (each after agreeing on its own)
   and every pair of members can reach each other, within ``formation_timeout``;
 * reconciling gathers every member's (step, state digest) and all adopt the most
-  advanced (lowest rank among equals), as ``StepProtocol.reconcile`` does;
+  advanced (lowest rank among equals), as ``ftcomm.transfer.reconcile`` does;
 * a training step is one collective: it completes when every member contributed and
   each member observes it a little later (its own latency); a member that crashes,
   hangs or is cut off before another observed it leaves that one waiting (so a step may
   commit on some members only); a crashed process's peers get a connection error at
-  once (and declare it dead, the crash fast path), a lost node or a hung process gives
-  none, only gossip tells.
+  once (their driver's crash fast path declares it dead), a lost node or a hung process
+  gives none, only gossip tells; the step's reduced counters (a joiner waiting, the
+  ranks asking to stand aside) go to the driver, which decides the verdict.
 
 Each seed draws a group size, network conditions and a fault schedule (crash, hang and
 resume, node loss and return, partition and heal, joins, graceful leaves, leaves right
-after a collective, slow members). After every commit and at the end it checks the
-invariants below; a violation names the seed and the command that reproduces it::
+after a collective, slow members, which with ``straggler_policy="exclude"`` stand aside).
+After every commit and at the end it checks the invariants below; a violation names the seed and the command that reproduces it::
 
     python -m ftcomm.groupsim --seed 17            # one seed, its timeline
     python -m ftcomm.groupsim --seeds 500 --json   # many seeds, summary
@@ -56,7 +58,7 @@ import time
 from dataclasses import dataclass, field
 
 from .driver import Driver
-from .engine import ANNOUNCE_LIMIT, FETCH_TIMEOUT_S, JOIN_DUE, RUNNING, Engine, must_confirm, reconcile_source
+from .engine import ANNOUNCE_LIMIT, ASIDE_DUE, FETCH_TIMEOUT_S, JOIN_DUE, RUNNING, Engine, reconcile_source
 from .errors import CollectiveAborted, CommunicatorError, FtcommTimeout
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
@@ -72,6 +74,7 @@ TICK = 0.02  # the driver looks at the membership this often (FaultTolerantGroup
 FORM_LATENCY = 0.01
 CRASH_ERROR_DELAY = 0.005
 _UNDECODED = object()
+_NO_EXCHANGE = object()  # a completed step that counts without confirming
 
 
 class InvariantViolation(AssertionError):
@@ -102,7 +105,8 @@ class Worker:
     joined: bool = False  # its gossip join completed (ftcomm.init agrees only after that)
     op_began: float = 0.0  # when the operation in flight began
     resumed_at: float = float("-inf")  # when it last came back from a hang
-    confirming: float | None = None  # waiting for a state exchange until then (see Lifecycle.confirm_after_stall)
+    confirming: object = None  # the state exchange confirming a step that completed (see Driver.confirmation)
+    asking: bool = False  # a straggler asking to stand aside (straggler_policy "exclude")
     statuses: dict | None = None  # the status records as last read (see GroupSimulation._statuses)
     news: dict | None = None  # member -> its news began with its joining, since the last read (None: read all)
     table_size: int = 0  # members in the gossip table at the last read
@@ -195,6 +199,23 @@ class SimMembership:
         self.sim.sim.nodes[self.w.node].protocol.declare_dead(member, self.sim.sim.now)
         self.sim.sim.flush(self.w.node)
 
+    def exchange(self, members) -> "SimOperation":
+        """A state exchange with the first of ``members``, over after a few ticks; answered
+        when one of them runs and is reachable."""
+        sim, w = self.sim, self.w
+        sim.sim.nodes[w.node].protocol.sync_with(members[0], sim.sim.now)
+        sim.sim.flush(w.node)
+        until = sim.sim.now + 4 * TICK
+        answers = [sim.by_id[m] for m in members if m in sim.by_id]
+        return SimOperation(lambda: None if sim.sim.now < until else any(
+            not (x.crashed or x.hung or x.gone or sim._cut_off(w, x)) for x in answers))
+
+    def stalled_at(self) -> float:
+        return self.w.resumed_at
+
+    def refuted_at(self) -> float:
+        return self.sim.sim.nodes[self.w.node].protocol.last_refuted
+
 
 class SimProposals:
     """The rendezvous stores: a proposal is readable while its owner runs and is reachable;
@@ -282,14 +303,21 @@ class GroupSimulation:
     ``announce_limit``: the engines' (a small one makes small groups agree as large ones do);
     ``converged``: the workers start from a static host list, each knowing every other one
     and its first status record (the gossip cluster has converged; the first view is still
-    to be agreed), instead of joining through the first worker."""
+    to be agreed), instead of joining through the first worker; ``exclude_stragglers``: a
+    slow member asks to stand aside (``straggler_policy="exclude"``) and, chosen, does so for
+    ``straggler_cooldown`` seconds (None: drawn, for half the seeds)."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
                  loss: float | None = None, leave_grace: float = OPTIONS.leave_grace,
                  stall_probe_after: float = OPTIONS.stall_probe_after,
                  formation_timeout: float = 10.0, gossip: GossipConfig | None = None,
-                 announce_limit: int = ANNOUNCE_LIMIT, converged: bool = False) -> None:
+                 announce_limit: int = ANNOUNCE_LIMIT, converged: bool = False,
+                 exclude_stragglers: bool | None = None, straggler_cooldown: float = 2.0) -> None:
         self.seed = seed
+        # (drawn apart, so the seeds' other draws do not depend on it)
+        self.exclude_stragglers = (random.Random(f"{seed}/stragglers").random() < 0.5
+                                   if exclude_stragglers is None else exclude_stragglers)
+        self.straggler_cooldown = straggler_cooldown
         self.announce_limit = announce_limit
         self.rng = random.Random(seed)
         self.n = n if n is not None else self.rng.randint(3, 7)
@@ -329,8 +357,9 @@ class GroupSimulation:
             self._start_worker(i, 0.0)
         self.scripted = faults is not None
         self.faults = faults if faults is not None else self._draw_faults()
-        self.end_faults = max((t + a.get("length", 0.0) if k in ("hang", "node_loss", "partition") else t
-                               for t, k, a in self.faults), default=0.0)
+        self.end_faults = max((t + a.get("length", 0.0) if k in ("hang", "node_loss", "partition")
+                               else t + a["length"] + straggler_cooldown if k == "slow" and self.exclude_stragglers
+                               else t for t, k, a in self.faults), default=0.0)
         self.settled_at: float | None = None
         self.history: dict[int, tuple] = {}  # step -> (first contents committed for it, by which view's members)
         self._healthy_cache: tuple = (None, float("inf"), False)
@@ -411,7 +440,11 @@ class GroupSimulation:
         if kind == "slow":
             w = self._pick(args["pick"], exclude_last=False)
             w.slow = args["factor"]
-            self.sim.at(now + args["length"], lambda: setattr(w, "slow", 1.0))
+            w.asking = self.exclude_stragglers  # its peers' judgment: it asks to stand aside
+
+            def recovered() -> None:
+                w.slow, w.asking = 1.0, False
+            self.sim.at(now + args["length"], recovered)
             self.fault_log.append((now, kind, w.engine.id))
             return
         if kind == "partition":
@@ -618,6 +651,9 @@ class GroupSimulation:
                 self._running(w)
             elif state == JOIN_DUE:
                 w.driver.broken("join")  # the step boundary: re-form for the joiner
+            elif state == ASIDE_DUE:  # chosen to stand aside: at the step boundary
+                w.asking = False
+                w.driver.stand_aside(self.straggler_cooldown)
         self._check_recoveries()
         if self.settled_at is None and self.sim.now >= self.end_faults and self._settled():
             self.settled_at = self.sim.now
@@ -732,31 +768,31 @@ class GroupSimulation:
                 return
             if now >= w.ready_at:
                 w.contributed = now
-                self.steps.setdefault((key, w.driver.ops + 1), {})[w.engine.id] = (now, w.engine.admits_joiner(self._statuses(w)))
+                self.steps.setdefault((key, w.driver.ops + 1), {})[w.engine.id] = (
+                    now, w.engine.admits_joiner(self._statuses(w)), w.asking)
             return
         contributions = self.steps.get((key, w.driver.ops + 1), {})
         members = self._members(view)
         if len(contributions) == view.size:
-            last, join = self._completion((key, w.driver.ops + 1), contributions)
+            last, join, asking = self._completion((key, w.driver.ops + 1), contributions)
             done_at = last + 0.002 * w.slow
             # every member must stay up and reachable until this member has observed it
             healthy = self._healthy(w, view, members, done_at)
             if healthy and now >= done_at:
-                if self._must_confirm(w) and w.confirming is None:
-                    # completed after a stall: exchange state with a view member first
-                    # (Lifecycle.confirm_after_stall), then look at the abort again
-                    other = next((m for m in view.members if m != w.engine.id), None)
-                    if other is not None:
-                        w.driver.ports.membership.sync(other)
-                    w.confirming = now + 4 * TICK
-                    return
-                if w.confirming is not None and now < w.confirming:
-                    return
+                if w.confirming is None:  # completed after a stall: confirmed by a state exchange first
+                    w.confirming = w.driver.confirmation(w.contributed, w.op_began,
+                                                         self.config.probe_interval) or _NO_EXCHANGE
+                if w.confirming is not _NO_EXCHANGE:
+                    answered = w.confirming.poll()
+                    if answered is None:
+                        return
+                    try:
+                        w.driver.confirmed(answered)
+                    except CollectiveAborted:
+                        self._break(w)  # discarded: the view moved on while it was stopped
+                        return
                 w.confirming = None
-                if w.inbox.abort.reason is not None and self._must_confirm(w):
-                    self._break(w)  # discarded: the view moved on while it was stopped
-                    return
-                self._commit(w, view, join)
+                self._commit(w, view, join, asking)
                 return
         w.inbox.judge()  # an abort held for a member that left after the step fires at its deadline
         error = self._crash_error(w, view)
@@ -766,19 +802,16 @@ class GroupSimulation:
         # still waiting on the step: hang detection on demand, as a waiting worker's thread does it
         w.driver.watch_stall(w.contributed, w.op_began, self.stall_probe_after, self.config.probe_interval)
 
-    def _completion(self, step: tuple, contributions: dict) -> tuple[float, bool]:
-        """When the last member contributed to a complete step, and whether any saw a joiner
-        waiting (once per step: every member of the view asks)."""
+    def _completion(self, step: tuple, contributions: dict) -> tuple[float, bool, list[int]]:
+        """When the last member contributed to a complete step, whether any saw a joiner
+        waiting, and the ranks asking to stand aside (once per step: every member asks)."""
         done = self._completed.get(step)
         if done is None:
-            done = self._completed[step] = (max(t for t, _ in contributions.values()),
-                                            any(j for _, j in contributions.values()))
+            view = self.by_id[next(iter(contributions))].engine.view
+            done = self._completed[step] = (max(t for t, _, _ in contributions.values()),
+                                            any(j for _, j, _ in contributions.values()),
+                                            [view.rank_of(m) for m, (_, _, a) in contributions.items() if a])
         return done
-
-    def _must_confirm(self, w: Worker) -> bool:
-        """Lifecycle.confirm_after_stall's condition (ftcomm.engine.must_confirm)."""
-        return must_confirm(self.sim.now, w.contributed, w.op_began, w.resumed_at,
-                            self.sim.nodes[w.node].protocol.last_refuted, self.config.probe_interval)
 
     def _healthy(self, w: Worker, view: View, members: list[Worker], done_at: float) -> bool:
         """Every member stayed up and reachable until ``w`` observed the step's completion."""
@@ -791,7 +824,7 @@ class GroupSimulation:
             return False
         return not self.sim.partitioned or not any(self._cut_off(w, x) for x in members)
 
-    def _commit(self, w: Worker, view: View, join: bool) -> None:
+    def _commit(self, w: Worker, view: View, join: bool, asking: list[int]) -> None:
         now = self.sim.now
         step = w.step + 1
         if w.fresh_view:
@@ -830,7 +863,8 @@ class GroupSimulation:
         w.op_began = now
         w.ready_at = now + w.step_time * w.slow
         w.inbox.operation_ended()  # aborts held for a member that left after this step fire now
-        w.engine.step_reduced(join, False)  # JOIN_DUE: every member re-forms at this boundary
+        # JOIN_DUE: every member re-forms at this boundary; ASIDE_DUE: the chosen stand aside
+        w.driver.step_reduced(view.size, float(join), asking, False, 1)
         if w.leave_after_commit:
             self._leave(w)
 

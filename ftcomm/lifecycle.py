@@ -1,18 +1,19 @@
-"""One worker's view lifecycle: the engine core's actions performed with real I/O.
+"""One worker's view lifecycle: the driver over live ports, and the backend's communicators.
 
-:class:`Lifecycle` drives :class:`~ftcomm.engine.Engine` (the pure state machine) with the
-gossip node, the rendezvous store and the backend's communicators, as
-:mod:`ftcomm.groupsim` drives it with simulated ones. Whenever the current view can no
-longer be used, :meth:`Lifecycle.recover` runs the phases in order::
+:class:`Lifecycle` runs the :class:`~ftcomm.driver.Driver` (which feeds the engine core,
+:mod:`ftcomm.engine`, and performs its actions) over the live ports of
+:mod:`ftcomm.live_ports`, and is itself the driver's communicators port: it forms and
+verifies the backend's communicator of each view, and reconciles the state over it.
+Whenever the current view can no longer be used, :meth:`Lifecycle.recover` advances the
+driver until the new view runs::
 
     detect -> agree -> form (+ verify) -> reconcile -> run
 
 *Detect* is the abort signal firing: gossip news judged on the waiting thread
-(:mod:`ftcomm.news`), or the backend failing a collective (then the crash fast path
-probes the view's members and declares dead those whose host refuses a connection).
-Every action the core returns is carried out by the :class:`~ftcomm.driver.Driver`, over
-the live ports of :mod:`ftcomm.live_ports`; the whole-group simulation runs the same
-driver over simulated ports.
+(:mod:`ftcomm.news`), or the backend failing a collective (then the driver's crash fast
+path probes the view's members and declares dead those whose host refuses a connection).
+The whole-group simulation (:mod:`ftcomm.groupsim`) runs the same driver over simulated
+ports.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from . import engine as core
 from .backends.base import AbortSignal, Communicator
 from .driver import Driver
 from .engine import Engine, Publish
-from .errors import CollectiveAborted, CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, QuorumLost
+from .errors import CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, QuorumLost
 from .gossip import GossipNode
 from .live_ports import GossipMembership, StoreProposals, SystemClock, TcpProber
 from .news import GossipNews
@@ -191,12 +192,6 @@ class Lifecycle:
             self.comm.abandon()
             self.comm = None
 
-    def stand_aside(self, seconds: float) -> None:
-        """A straggler chosen by the last step leaves its view for ``seconds`` (see
-        Engine.bench); recover next."""
-        self.abandon()
-        self.perform(self.engine.bench(time.monotonic(), seconds))
-
     def leave(self) -> None:
         """Leave the group gracefully: the record says so, then the departure notice.
 
@@ -254,31 +249,12 @@ class Lifecycle:
                                 self.gossip.config.probe_interval)
 
     def confirm_after_stall(self) -> None:
-        """An operation that completed while (or after) this worker was cut off may have
-        completed only here: the others, seeing this worker hang, may have abandoned the view
-        and moved on (their abandoned communicators still finish the exchange). Whenever that
-        is possible (this process was stalled, or it had to refute a suspicion, since the
-        operation began; or the operation took longer than a probe interval after this
-        worker's share was handed over), it learns what the others did meanwhile (a direct
-        state exchange with a view member) before counting the operation; if the view moved
-        on (the others withdraw their proposal the moment they break it), the operation is
-        discarded like any aborted one and reconciling brings this worker up to date."""
-        gossip, view = self.gossip, self.view
-        if view is None or not core.must_confirm(time.monotonic(), self.contributed_at, self.op_began,
-                                                 gossip.last_stall, gossip.last_refuted, gossip.config.probe_interval):
-            return
-        reachable = [m for m in view.members if m != self.engine.id and
-                     (info := gossip.member(m)) is not None and info.state in ("alive", "suspect")]
-        answered = not reachable  # everyone else left or died: the abort signal alone decides
-        for member in reachable[:2]:
-            if gossip.exchange(member):
-                answered = True
-                break
-        self.news.judge()  # what the exchange brought
-        if self.abort.reason is not None or not answered:
-            # Without an answer nothing shows the view is intact: discarding is the safe side.
-            raise CollectiveAborted(f"an operation completed after this worker may have been cut off, and "
-                                    f"{self.abort.reason or 'no member of the view answered'}")
+        """Before the operation that completed counts: confirm the view is intact when this
+        worker may have been cut off meanwhile (see Driver.confirmation); CollectiveAborted
+        when it is not."""
+        exchange = self.driver.confirmation(self.contributed_at, self.op_began, self.gossip.config.probe_interval)
+        if exchange is not None:
+            self.driver.confirmed(exchange.poll())
 
     # ------------------------------------------------------------------ what broke
     def classify(self, exc: BaseException) -> str:

@@ -9,7 +9,7 @@ from typing import Iterable, Sequence
 
 from .engine import FETCH_TIMEOUT_S, Engine
 from .gossip import GossipNode
-from .ports import Address, MemberRecord
+from .ports import Address, Done, MemberRecord
 from .rendezvous import Rendezvous, refused_many
 from .view import Status, View
 
@@ -66,6 +66,15 @@ class GossipMembership:
 
     def declare_dead(self, member: str) -> None:
         self.node.declare_dead(member)
+
+    def exchange(self, members: Sequence[str]) -> Done[bool]:
+        return Done(any(self.node.exchange(member) for member in members))  # (stops at the first answer)
+
+    def stalled_at(self) -> float:
+        return self.node.last_stall
+
+    def refuted_at(self) -> float:
+        return self.node.last_refuted
 
 
 class StoreProposals:

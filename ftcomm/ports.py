@@ -72,6 +72,17 @@ class Membership(Protocol):
     def declare_dead(self, member: str) -> None:
         """Mark ``member`` dead now and tell the others (its process was found gone)."""
 
+    def exchange(self, members: Sequence[str]) -> "Pending[bool]":
+        """Exchange full state with the first of ``members`` that answers (tried in order,
+        each for a probe timeout); whether any answered. What the exchange brought is posted
+        as news."""
+
+    def stalled_at(self) -> float:
+        """When this member's process was last found stalled (its gossip fell behind)."""
+
+    def refuted_at(self) -> float:
+        """When this member last refuted a suspicion of itself."""
+
 
 class Proposals(Protocol):
     """The rendezvous stores where members keep the member lists of their proposals."""

@@ -118,13 +118,9 @@ class StepProtocol:
         self.failed_in_a_row = 0
         life.completed()
         contributors = float(tail[0])
-        commit, admit = core.step_verdict(contributors, float(tail[1]), life.comm.size,
-                                          bool(self.participants("batch_valid")))
         asking = [rank for rank, flag in enumerate(tail[2:].tolist()) if flag > 0.5]
-        # Every member sees the same verdict: the joiner is admitted, and the chosen stand
-        # aside, at the next step boundary.
-        if self.engine.state == core.RUNNING:  # (not when another thread shut the group down meanwhile)
-            self.engine.step_reduced(admit, self.rank in Stragglers.chosen(asking, life.comm.size, self.min_workers))
+        commit = life.driver.step_reduced(contributors, float(tail[1]), asking, bool(self.participants("batch_valid")),
+                                          self.min_workers)
         if commit:
             buckets.hand_back(contributors)
         else:
@@ -203,7 +199,7 @@ class StepProtocol:
         if state == core.ASIDE_DUE:
             seconds = self.stragglers.bench()
             log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')", seconds)
-            self.life.stand_aside(seconds)
+            self.life.driver.stand_aside(seconds)
             return self.recover("straggler", time.monotonic(), seconds + self.options.quorum_timeout)
         return False
 

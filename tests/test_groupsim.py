@@ -11,6 +11,7 @@ import pytest
 
 from ftcomm import engine as core
 from ftcomm import groupsim
+from ftcomm.driver import Driver
 from ftcomm.groupsim import GroupSimulation, run_seeds, summarize
 
 pytestmark = pytest.mark.timeout(900)  # generous: the seeds are CPU-bound and CI machines may be loaded
@@ -86,8 +87,30 @@ def test_a_member_cut_off_mid_step_confirms_before_committing():
 
 
 def test_without_the_confirmation_such_steps_commit_and_are_rolled_back(monkeypatch):
-    monkeypatch.setattr(GroupSimulation, "_must_confirm", lambda self, w: False)
+    monkeypatch.setattr(Driver, "confirmation", lambda self, *args: None)  # the driver's check, off
     assert sum(o.rolled_back for o in run_seeds(HANG_AND_NODE_LOSS_SEEDS)) > 0
+
+
+def test_a_straggler_chosen_by_a_step_stands_aside_and_returns_after_its_cooldown():
+    """straggler_policy="exclude" through the shipped driver: the slow member asks with its
+    step, every member sees the same verdict, it leaves the view at the step boundary (the
+    others re-form without it), and after the cooldown it joins again."""
+    sim = GroupSimulation(5, n=4, faults=[(3.0, "slow", {"pick": 0.1, "factor": 4.0, "length": 2.0})],
+                          duration=10.0, exclude_stragglers=True, straggler_cooldown=1.5)
+    straggler = sim._live()[0]
+    outcome = sim.run()
+    assert outcome.ok, outcome.violation
+    benched = [line for line in sim.log if "standing aside as a straggler" in line]
+    assert len(benched) == 1 and straggler.engine.id in benched[0]
+    views = [view for _, _, view in straggler.committed]
+    final = straggler.engine.view
+    assert straggler.engine.id in final.members and len(final.members) == 4  # back in the group
+    others = sim._live()[1]
+    left_out = [view for _, _, view in others.committed if view not in views]
+    assert left_out, "the others committed in a view without the straggler"
+    sim = GroupSimulation(5, n=4, faults=[(3.0, "slow", {"pick": 0.1, "factor": 4.0, "length": 2.0})],
+                          duration=10.0, exclude_stragglers=False)
+    assert sim.run().ok and not any("straggler" in line for line in sim.log)  # the policy off: nobody leaves
 
 
 def test_a_rejoiner_that_sees_no_group_founds_none(monkeypatch):
