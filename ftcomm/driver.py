@@ -214,9 +214,7 @@ class Driver:
         return False
 
     def _poll(self):
-        if self._pending is None:  # (a port that raised instead of returning a failed operation)
-            raise CommunicatorError("the operation under way was lost")
-        return self._pending.poll()
+        return self._pending.poll()  # (begin_recovery starts every re-formation: one is under way)
 
     def _again(self) -> None:
         self.ports.communicators.abandon()

@@ -747,9 +747,11 @@ class GroupSimulation:
         return None
 
     def _break(self, w: Worker, error: Exception | None = None) -> None:
-        """The view broke under a step: the driver re-agrees (as StepProtocol.recover does);
-        a connection error is classified first (the crash fast path probes the member)."""
-        w.driver.broken(w.driver.classify(error) if error is not None else "abort")
+        """The view broke under a step: what broke it is classified (a connection error, or
+        the abort signal: the crash fast path probes the members behind it) and the driver
+        re-agrees, as the step protocol does."""
+        error = error or CollectiveAborted(w.inbox.abort.reason or "the view moved on")
+        w.driver.broken(w.driver.classify(error))
 
     def _abandon(self, w: Worker) -> None:
         for entry in w.comms:

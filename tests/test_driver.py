@@ -309,13 +309,6 @@ def test_a_broken_connection_does_not_wait_for_ports_to_close_when_its_member_is
     assert prober.probed[-1] == ([("10.0.0.1", 7000)], 0.0)
 
 
-def test_a_port_that_raises_instead_of_failing_the_operation_still_ends_in_agreeing_again():
-    driver, _, _, _, comms = agreed_pair()
-    comms.forming[-1][1].result = Formed(False, False)
-    driver._pending = None  # lost
-    assert driver.advance() and driver.engine.agreeing
-
-
 def test_begin_recovery_breaks_a_running_view_and_drops_its_communicator():
     driver, _, _, clock, comms = agreed_pair()
     comms.forming[-1][1].result = Formed(False, False)
