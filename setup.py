@@ -25,5 +25,5 @@ setup(
         "nccl": ["nvidia-nccl-cu12>=2.18"],
         "nccl-cu13": ["nvidia-nccl-cu13>=2.27"],
     },
-    entry_points={"console_scripts": ["ftcomm=ftcomm.cli:main"]},
+    entry_points={"console_scripts": ["ftcomm=ftcomm.ops.cli:main"]},
 )

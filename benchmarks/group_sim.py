@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from ftcomm.engine import RUNNING  # noqa: E402
+from ftcomm.core.engine import RUNNING  # noqa: E402
 from ftcomm.groupsim import GroupSimulation, run_seeds, summarize  # noqa: E402
 
 

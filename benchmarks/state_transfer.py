@@ -46,7 +46,7 @@ def worker(role: str, port: int, million: int, repeats: int) -> dict:
     import torch
 
     import ftcomm
-    from ftcomm import transfer
+    from ftcomm.runtime import transfer
 
     torch.manual_seed(0 if role == "seed" else 1)
     model = make_model(million)

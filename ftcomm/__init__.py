@@ -20,22 +20,22 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import importlib
 
+from .backends import BACKENDS
+from .core.view import View
 from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
                      MembershipChanged, NcclUnavailable, NotInView, QuorumLost, RetryLimitExceeded, SecretRequired,
                      StateError)
-from . import netif
-from .backends import BACKENDS
 from .gossip import GossipConfig
 from .gossip.addresses import parse_address, parse_seed
-from .view import View
+from .ops import netif
 
 if TYPE_CHECKING:
     from .group import FaultTolerantGroup
 
 # The training API needs torch; it is imported on first use, so that the gossip layer, the
 # simulator and ``ftcomm members`` (which import this package) start without it.
-_LAZY = {"FlashCheckpointer": "checkpoint", "ElasticSampler": "data", "FaultTolerantGroup": "group",
-         "GroupOptions": "options", "ViewChange": "options", "LinearLRScaling": "scaling",
+_LAZY = {"FlashCheckpointer": "training.checkpoint", "ElasticSampler": "training.data", "FaultTolerantGroup": "group",
+         "GroupOptions": "options", "ViewChange": "options", "LinearLRScaling": "training.scaling",
          "check_worker_counts": "options"}
 
 

@@ -1,11 +1,11 @@
 """The fault-tolerant group: the public training API of one worker.
 
 :class:`FaultTolerantGroup` joins the gossip layer, builds the worker's
-:class:`~ftcomm.lifecycle.Lifecycle` (which performs the actions of the engine core,
-:mod:`ftcomm.engine`) and its :class:`~ftcomm.steps.StepProtocol` (gradient steps,
+:class:`~ftcomm.runtime.lifecycle.Lifecycle` (which performs the actions of the engine core,
+:mod:`ftcomm.core.engine`) and its :class:`~ftcomm.runtime.steps.StepProtocol` (gradient steps,
 collectives, joins at step boundaries, straggler handling), and hands every call to
 them. Every entry point only posts or waits: the gossip thread posts news
-(:mod:`ftcomm.news`), the SIGTERM handler raises SystemExit, and the training thread
+(:mod:`ftcomm.runtime.news`), the SIGTERM handler raises SystemExit, and the training thread
 judges the news and performs everything.
 """
 
@@ -25,22 +25,22 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import engine as core
-from . import netcheck
 from .backends import communicator_class
-from .engine import Engine
+from .core import engine as core
+from .core.engine import Engine
+from .core.view import PROTOCOL, View
 from .errors import CommunicatorError, FtcommTimeout, MembershipChanged, NotInView
 from .gossip import GossipNode
 from .gossip.runtime import parse_address
-from .lifecycle import Lifecycle
-from .netcheck import NetworkReport
+from .ops import netcheck
+from .ops.netcheck import NetworkReport
+from .ops.stragglers import StragglerReport, Stragglers
 from .options import (GroupOptions, ViewChange, check_addresses, check_protection, check_secret,
                       check_worker_counts, member_cap)
-from .rendezvous import Rendezvous
-from .state import TrainingState
-from .steps import StepProtocol
-from .stragglers import StragglerReport, Stragglers
-from .view import PROTOCOL, View
+from .runtime.lifecycle import Lifecycle
+from .runtime.rendezvous import Rendezvous
+from .runtime.steps import StepProtocol
+from .training.state import TrainingState
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class FaultTolerantGroup:
             life.gossip.start(peers)
             self.id = engine.id = life.gossip.id
             if opts.metrics_port is not None:
-                from .metrics import MetricsServer
+                from .ops.metrics import MetricsServer
                 self._metrics = MetricsServer(self, host, opts.metrics_port)
             self._install_exit_hooks()
             self._steps.recover("init", time.monotonic(), opts.init_timeout)

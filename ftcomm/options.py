@@ -8,10 +8,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import netif
 from .errors import AddressError, SecretRequired
 from .gossip import FaultFilter, GossipConfig
 from .gossip.addresses import parse_seed
+from .ops import netif
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class GroupOptions:
     """A member whose median compute time (forward, backward, data: from the end of its
     previous gradient step until it hands over its gradients) is more than this many
     times the median of the other members' is reported as a straggler: a warning in the
-    log and a :class:`~ftcomm.stragglers.StragglerReport` in ``group.stragglers``. Every
+    log and a :class:`~ftcomm.ops.stragglers.StragglerReport` in ``group.stragglers``. Every
     member judges the figures published in gossip, each time it publishes its step (every
     ``step_publish_interval``), and reports a change after 3 judgments in a row. 0 turns
     it off. What follows is ``straggler_policy``'s."""
@@ -103,7 +103,7 @@ class GroupOptions:
     network_check: bool = False
     """When a group is founded (its first view's members all start together), measure the
     latency and bandwidth of every pair of members over the backend before ``init``
-    returns, and name slow members and links (see :mod:`ftcomm.netcheck`): the report is
+    returns, and name slow members and links (see :mod:`ftcomm.ops.netcheck`): the report is
     ``group.network_report``, logged (WARNING when something is slow) and written as JSON
     to ``$FTCOMM_NETWORK_REPORT`` when set. Costs ``members - 1`` rounds of a pair
     formation and a few allreduces each. Default ``$FTCOMM_NETWORK_CHECK`` (``ftcomm run
@@ -120,7 +120,7 @@ class GroupOptions:
     metrics_port: int | None = None
     """Serve Prometheus metrics on this TCP port of the bind address (0: a free port, see
     ``group.metrics_port``); None: no endpoint. Needs ``pip install 'ftcomm[metrics]'``.
-    The endpoint is read-only and not authenticated; see :mod:`ftcomm.metrics`."""
+    The endpoint is read-only and not authenticated; see :mod:`ftcomm.ops.metrics`."""
 
     gossip: GossipConfig = field(default_factory=GossipConfig)
     """The membership protocol's configuration (a GossipConfig, or a dict of its fields)."""

@@ -1,5 +1,5 @@
 """Helpers shared by the tests: free ports for groups on loopback, and status records built
-as a member publishes them (through :meth:`ftcomm.engine.Engine.record`) or as a test needs
+as a member publishes them (through :meth:`ftcomm.core.engine.Engine.record`) or as a test needs
 them."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 import socket
 
-from ftcomm.engine import Engine
-from ftcomm.view import ACTIVE, Status
+from ftcomm.core.engine import Engine
+from ftcomm.core.view import ACTIVE, Status
 
 CFG = "cfg"
 

@@ -12,11 +12,11 @@ import time
 import pytest
 
 import ftcomm
-import ftcomm.group
 from ftcomm import AddressError, GroupOptions, check_worker_counts
-from ftcomm.cli import main
 from ftcomm.gossip import FaultFilter, GossipConfig
 from ftcomm.gossip.runtime import parse_address
+import ftcomm.group
+from ftcomm.ops.cli import main
 
 pytestmark = pytest.mark.timeout(30)
 

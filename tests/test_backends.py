@@ -102,9 +102,9 @@ def test_a_process_that_gave_up_a_formation_whose_peer_never_came_exits_0_at_onc
 import threading
 from ftcomm.backends.base import AbortSignal
 from ftcomm.backends.gloo import GlooCommunicator
-from ftcomm.rendezvous import Rendezvous
-from ftcomm.view import View
+from ftcomm.core.view import View
 from ftcomm.errors import CollectiveAborted
+from ftcomm.runtime.rendezvous import Rendezvous
 rendezvous = Rendezvous("127.0.0.1", 600.0)
 store = rendezvous.view_store(View(1, ("a", "b")), "127.0.0.1", rendezvous.port)
 abort = AbortSignal()

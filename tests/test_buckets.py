@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ftcomm.backends.base import AbortSignal, Handle
-from ftcomm.buckets import GradientBuckets
 from ftcomm.errors import FtcommError
+from ftcomm.training.buckets import GradientBuckets
 
 
 class FakeWorld:

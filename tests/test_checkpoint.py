@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import ftcomm
-from ftcomm import checkpoint_files
-from ftcomm.checkpoint import FlashCheckpointer
-from ftcomm.checkpoint_files import meta_bytes, steps_in
 from ftcomm.errors import FtcommError, FtcommTimeout, StateError
-from ftcomm.localproc import ChildProcess
+from ftcomm.ops.localproc import ChildProcess
+from ftcomm.training import checkpoint_files
+from ftcomm.training.checkpoint import FlashCheckpointer
+from ftcomm.training.checkpoint_files import meta_bytes, steps_in
 from tests.polling import wait_until
 from tests.conftest import free_port
 from tests.test_group_threads import in_threads, start_groups

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from ftcomm.cli import main
 from ftcomm.gossip import GossipConfig, GossipNode
+from ftcomm.ops.cli import main
 
 
 @pytest.fixture
@@ -68,8 +68,8 @@ def test_bad_address_is_refused(capsys):
 def test_the_gossip_layer_and_members_command_run_without_torch():
     """The layers below the training API (gossip, its simulator, view agreement, the
     ``members`` command) never import torch."""
-    code = ("import sys, ftcomm, ftcomm.gossip, ftcomm.gossip.sim, ftcomm.gossip.agent, ftcomm.view, ftcomm.cli\n"
-            "from ftcomm.cli import main\n"
+    code = ("import sys, ftcomm, ftcomm.gossip, ftcomm.gossip.sim, ftcomm.gossip.agent, ftcomm.core.view, ftcomm.ops.cli\n"
+            "from ftcomm.ops.cli import main\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from ftcomm.data import ElasticSampler, epoch_permutation
 from ftcomm.errors import FtcommError
-from ftcomm.scaling import LinearLRScaling
+from ftcomm.training.data import ElasticSampler, epoch_permutation
+from ftcomm.training.scaling import LinearLRScaling
 
 
 class FakeGroup:

@@ -38,7 +38,7 @@ def test_size_dependent_values_in_the_docs_match_the_functions():
 
 
 def test_every_option_of_ftcomm_run_is_documented():
-    from ftcomm.cli import build_parser
+    from ftcomm.ops.cli import build_parser
 
     parser = build_parser()
     run = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
@@ -50,7 +50,7 @@ def test_every_option_of_ftcomm_run_is_documented():
 
 
 def test_the_engine_state_diagram_in_the_architecture_is_the_table():
-    from ftcomm.engine import state_diagram
+    from ftcomm.core.engine import state_diagram
 
     text = (DOCS / "ARCHITECTURE.md").read_text()
-    assert f"```mermaid\n{state_diagram()}\n```" in text, "regenerate the diagram: ftcomm.engine.state_diagram()"
+    assert f"```mermaid\n{state_diagram()}\n```" in text, "regenerate the diagram: ftcomm.core.engine.state_diagram()"

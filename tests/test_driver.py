@@ -9,13 +9,13 @@ import dataclasses
 
 import pytest
 
-from ftcomm import engine as core
-from ftcomm.driver import Driver, member_address
-from ftcomm.engine import Engine, Form, Rejoined
+from ftcomm.core import engine as core
+from ftcomm.core.engine import Engine, Form, Rejoined
+from ftcomm.core.view import JOINING, Status, View
 from ftcomm.errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout
-from ftcomm.news import GossipNews
-from ftcomm.ports import Done, Failed, Formed, MemberRecord, Ports, Reconciled
-from ftcomm.view import JOINING, Status, View
+from ftcomm.runtime.driver import Driver, member_address
+from ftcomm.runtime.news import GossipNews
+from ftcomm.runtime.ports import Done, Failed, Formed, MemberRecord, Ports, Reconciled
 from tests.conftest import CFG, status
 
 

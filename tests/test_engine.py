@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftcomm import engine as core
-from ftcomm.engine import (
+from ftcomm.core import engine as core
+from ftcomm.core.engine import (
     Announce,
     Engine,
     Fetch,
@@ -15,7 +15,7 @@ from ftcomm.engine import (
     Rejoined,
     Sync,
 )
-from ftcomm.view import ACTIVE, JOINING, LEAVING, Status, View
+from ftcomm.core.view import ACTIVE, JOINING, LEAVING, Status, View
 from tests.conftest import CFG, published, status
 
 
@@ -289,7 +289,7 @@ def test_a_worker_of_another_ftcomm_version_is_told_so():
 def test_a_straggler_stands_aside_the_others_re_form_without_it_and_it_rejoins_after_the_cooldown():
     import dataclasses
 
-    from ftcomm.view import candidate, gone_from
+    from ftcomm.core.view import candidate, gone_from
 
     straggler, peer = running(engine("c")), running(engine("a"))
     view = straggler.view
@@ -353,7 +353,7 @@ def test_a_view_that_only_drops_members_confirmed_gone_is_proposed_without_settl
 @pytest.mark.parametrize("members, stragglers", [(("c", "d", "a", "b"), ("d",)),
                                                  (("c", "d", "e", "a", "b"), ("d", "e"))])
 def test_a_straggler_back_from_the_bench_lends_no_vote_to_the_view_it_stood_aside_from(members, stragglers):
-    from ftcomm.view import candidate
+    from ftcomm.core.view import candidate
 
     # c is rank 0: it wins a tie
     group = {m: engine(m, joined_at=float(i)) for i, m in enumerate(members)}
@@ -402,7 +402,7 @@ def test_a_straggler_back_from_the_bench_lends_no_vote_to_the_view_it_stood_asid
 
 
 def test_the_last_two_members_a_straggler_cut_off_after_standing_aside_founds_no_second_group():
-    from ftcomm.view import candidate
+    from ftcomm.core.view import candidate
 
     group = {m: engine(m, joined_at=float(i)) for i, m in enumerate(("d", "a"))}  # d is rank 0
     now = 0.0
@@ -486,7 +486,7 @@ def test_a_fetched_member_list_that_does_not_match_its_digest_is_dropped():
 
 def test_a_joiner_holding_back_reads_as_standing_aside():
     """Its record keeps it out of a fresh worker's candidate view."""
-    from ftcomm.view import StatusRecord, candidate
+    from ftcomm.core.view import StatusRecord, candidate
     held = Status.from_metadata("j", "alive", StatusRecord(JOINING, 0, None, 1.0, CFG, 0, 4000, holding=True).encode())
     fresh = Status.from_metadata("f", "alive", StatusRecord(JOINING, 0, None, 2.0, CFG, 0, 4001).encode())
     assert held.aside and not fresh.aside

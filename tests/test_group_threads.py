@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ftcomm
-from ftcomm import engine as core
 from ftcomm.backends.base import AbortSignal, Handle
+from ftcomm.core import engine as core
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -418,7 +418,7 @@ def test_wait_gradients_ready_gives_up_after_max_retries_failed_steps_in_a_row(m
     """Every step's reduction fails (as when the membership changes under every step): each
     call re-forms and returns False, until the (max_retries + 1)-th raises
     RetryLimitExceeded; a later call re-forms and trains again."""
-    from ftcomm.buckets import GradientBuckets
+    from ftcomm.training.buckets import GradientBuckets
     from ftcomm.errors import CommunicatorError
 
     (g,) = start_groups(1, max_retries=2)

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from ftcomm import engine as core
 from ftcomm import groupsim
-from ftcomm.driver import Driver
+from ftcomm.core import engine as core
 from ftcomm.groupsim import GroupSimulation, run_seeds, summarize
+from ftcomm.runtime.driver import Driver
 
 pytestmark = pytest.mark.timeout(900)  # generous: the seeds are CPU-bound and CI machines may be loaded
 

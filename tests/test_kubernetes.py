@@ -11,8 +11,8 @@ import kubernetes
 import pytest
 import yaml
 
-from ftcomm.cli import build_parser
 from ftcomm.gossip.addresses import parse_seed
+from ftcomm.ops.cli import build_parser
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "kubernetes"
 KINDS = {"Service": "V1Service", "Job": "V1Job"}

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from ftcomm import cli
 from ftcomm.errors import SecretRequired
-from ftcomm.launcher import LaunchConfig, Launcher
+from ftcomm.ops import cli
+from ftcomm.ops.launcher import LaunchConfig, Launcher
 from tests.polling import wait_until
 from tests.train_cluster import EXAMPLE
 
@@ -200,8 +200,8 @@ def test_save_at_breakpoint_persists_shared_memory_when_a_worker_dies(tmp_path):
 
     import torch
 
-    from ftcomm.checkpoint import FlashCheckpointer
-    from ftcomm.checkpoint_files import steps_in
+    from ftcomm.training.checkpoint import FlashCheckpointer
+    from ftcomm.training.checkpoint_files import steps_in
     from tests.test_group_threads import start_groups
 
     name = f"test-{uuid.uuid4().hex[:8]}"
@@ -364,7 +364,7 @@ def test_a_worker_whose_launcher_died_before_it_asked_for_the_parent_death_signa
     worker.write_text("import time\ntime.sleep(60)\n")
     launcher_code = (
         "import os, sys, time\n"
-        "from ftcomm import cli, launcher\n"
+        "from ftcomm.ops import cli, launcher\n"
         "real = launcher._PRCTL\n"
         "def slow(*args):  # in the child: the launcher is killed meanwhile\n"
         f"    open({str(in_child)!r}, 'w').write(str(os.getpid()))\n"
@@ -397,7 +397,7 @@ def test_workers_failing_together_persist_the_node_s_checkpoint_one_at_a_time(tm
     """Every worker of a node failing at once (an out-of-memory kill, a driver error) must
     not copy the same shared-memory checkpoint to the same directory several times at once
     (gigabytes each): the copies run one after the other, and the later ones find it done."""
-    from ftcomm import checkpoint_files
+    from ftcomm.training import checkpoint_files
 
     lock, copying, overlaps = threading.Lock(), [0], []
     another = threading.Event()

@@ -65,7 +65,7 @@ def test_idle_connections_to_the_endpoint_hold_a_bounded_number_of_threads():
     import socket
     import threading
 
-    from ftcomm.metrics import MAX_CONNECTIONS
+    from ftcomm.ops.metrics import MAX_CONNECTIONS
     from tests.polling import wait_until
 
     def serving() -> int:
@@ -111,9 +111,9 @@ def _scrapes(port: int) -> bool:
 def test_a_scrape_reads_the_view_once_while_the_worker_leaves_it():
     """The training thread may leave the view (a straggler standing aside) between two reads
     of a scrape: the figures come from the view read first, and the scrape succeeds."""
-    from ftcomm.metrics import GroupCollector
-    from ftcomm.stragglers import Stragglers
-    from ftcomm.view import View
+    from ftcomm.ops.metrics import GroupCollector
+    from ftcomm.ops.stragglers import Stragglers
+    from ftcomm.core.view import View
 
     class Leaving:
         id = "b"

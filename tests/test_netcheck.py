@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from ftcomm.netcheck import Link, judge, rounds
+from ftcomm.ops.netcheck import Link, judge, rounds
 
 
 @pytest.mark.parametrize("n", range(2, 10))
@@ -72,8 +72,8 @@ def test_two_members_are_measured_but_not_judged():
 def test_every_round_and_the_gather_start_together_behind_a_barrier_that_outlasts_a_round(n, rank):
     import torch
 
-    from ftcomm.netcheck import BANDWIDTH_ROUNDS, LATENCY_ROUNDS, measure
-    from ftcomm.view import View
+    from ftcomm.ops.netcheck import BANDWIDTH_ROUNDS, LATENCY_ROUNDS, measure
+    from ftcomm.core.view import View
 
     events: list = []
 

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from ftcomm import rendezvous
+from ftcomm.core.view import View
 from ftcomm.errors import CommunicatorError
-from ftcomm.rendezvous import Framing, Rendezvous, StoreClient
-from ftcomm.view import View
+from ftcomm.runtime import rendezvous
+from ftcomm.runtime.rendezvous import Framing, Rendezvous, StoreClient
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"k" * 32
@@ -88,7 +88,7 @@ def test_a_proposal_read_from_a_worker_that_died_since_gives_up_after_its_own_bo
 
 
 def test_a_member_id_names_its_gossip_address_or_nothing():
-    from ftcomm.driver import member_address
+    from ftcomm.runtime.driver import member_address
 
     assert member_address("10.1.2.3:7946/ab12cd34") == ("10.1.2.3", 7946)
     for forged in ("127.0.0.1:99999/x", "127.0.0.1:\u00b2/x", "a\x00b:7946/x", "[::1]:7946/x", "host:7946/x",
@@ -238,9 +238,9 @@ ABANDONED_FORMATION = """
 import sys, threading, time
 from ftcomm.backends.base import AbortSignal
 from ftcomm.backends.gloo import GlooCommunicator
+from ftcomm.core.view import View
 from ftcomm.errors import CollectiveAborted
-from ftcomm.rendezvous import Rendezvous
-from ftcomm.view import View
+from ftcomm.runtime.rendezvous import Rendezvous
 
 r = Rendezvous("127.0.0.1", 60.0, b"k" * 32)
 abort = AbortSignal()

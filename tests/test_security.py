@@ -18,12 +18,13 @@ import pytest
 import torch
 
 import ftcomm
-from ftcomm import netif, transfer
+from ftcomm.core.view import JOINING, StatusRecord
 from ftcomm.errors import ConfigMismatch, FtcommError, SecretRequired, StateError
 from ftcomm.gossip import wire
 from ftcomm.gossip.runtime import query_members
-from ftcomm.state import TrainingState
-from ftcomm.view import JOINING, StatusRecord
+from ftcomm.ops import netif
+from ftcomm.runtime import transfer
+from ftcomm.training.state import TrainingState
 
 from .test_group_threads import in_threads, linear_models, run_steps, start_groups
 
@@ -294,9 +295,9 @@ def test_members_whose_models_differ_raise_config_mismatch_on_every_worker():
 def test_a_worker_of_another_group_protocol_is_refused_naming_both_versions(monkeypatch):
     (group,) = start_groups(1)
     try:
-        monkeypatch.setattr(ftcomm.group, "PROTOCOL", ftcomm.view.PROTOCOL + 1)
-        with pytest.raises(ConfigMismatch, match=f"protocol {ftcomm.view.PROTOCOL + 1} but the group speaks "
-                                                 f"protocol {ftcomm.view.PROTOCOL}"):
+        monkeypatch.setattr(ftcomm.group, "PROTOCOL", ftcomm.core.view.PROTOCOL + 1)
+        with pytest.raises(ConfigMismatch, match=f"protocol {ftcomm.core.view.PROTOCOL + 1} but the group speaks "
+                                                 f"protocol {ftcomm.core.view.PROTOCOL}"):
             ftcomm.init(peers=[group.gossip.address], bind="127.0.0.1:0", handle_signals=False,
                         init_timeout=30)
         assert group.world_size == 1

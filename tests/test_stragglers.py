@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from ftcomm.core.view import Status, StatusRecord
 from ftcomm.gossip.runtime import Member
-from ftcomm.stragglers import ComputeTimes, StragglerWatch, slow_members
-from ftcomm.view import Status, StatusRecord
+from ftcomm.ops.stragglers import ComputeTimes, StragglerWatch, slow_members
 
 
 def test_a_member_much_slower_than_the_others_is_flagged_even_in_a_group_of_two():
@@ -69,7 +69,7 @@ def test_the_status_record_carries_the_compute_time_and_refuses_nonsense():
 
 
 def test_ftcomm_members_marks_a_straggler():
-    from ftcomm.cli import _member_table
+    from ftcomm.ops.cli import _member_table
 
     def member(name: str, ct: int, step: int = 5) -> Member:
         return Member(f"{name}:1/x", name, 1, "alive", 0, {"st": step, "ct": ct, "ph": "active"})

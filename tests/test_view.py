@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ftcomm.view import (
+from ftcomm.core.view import (
     ACTIVE,
     JOINING,
     LEAVING,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ..localproc import ChildProcess
+from ..ops.localproc import ChildProcess
 
 
 class AgentProcess(ChildProcess):

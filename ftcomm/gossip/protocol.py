@@ -289,7 +289,7 @@ class Protocol:
     def contact(self, address: tuple[str, int], now: float) -> None:
         """Send a join request (a push/pull) to whoever lives at ``address`` now: for a
         member known by its address only, not from this table (see
-        :meth:`ftcomm.engine.Engine.group_probed`). Nothing happens when nobody answers."""
+        :meth:`ftcomm.core.engine.Engine.group_probed`). Nothing happens when nobody answers."""
         self._now = now
         self._streams.append(StreamRequest(tuple(address), None, self._push_pull_message(join=True), "join"))
 

@@ -595,7 +595,7 @@ class GossipNode:
     def recontact_seeds(self) -> None:
         """Send a join request to each seed that is not a live member known here (non-blocking):
         for a member whose table lost sight of the others (see
-        :meth:`ftcomm.engine.Engine._may_found`)."""
+        :meth:`ftcomm.core.engine.Engine._may_found`)."""
         if self._loop is None or self._stopped.is_set():
             raise GossipError("the gossip node is not running")
         self._loop.call_soon_threadsafe(lambda: self._spawn(self._recontact()))

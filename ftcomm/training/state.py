@@ -8,8 +8,8 @@ import msgpack
 import torch
 import xxhash
 
+from ..errors import StateError
 from . import plain
-from .errors import StateError
 
 
 class Participant(Protocol):

@@ -3,7 +3,7 @@
 A checkpoint of step ``S`` is two files, in shared memory and (optionally) in a
 directory: ``step-S.data`` holds every tensor's raw bytes (64-byte aligned),
 ``step-S.meta`` a small msgpack record: the tensors' offsets, dtypes and shapes, the
-state's structure as a :mod:`ftcomm.plain` skeleton (plain values with tensors replaced
+state's structure as a :mod:`ftcomm.training.plain` skeleton (plain values with tensors replaced
 by indices; nothing is pickled, so no checkpoint file can run code), and an XXH3-64
 checksum per 64 MB piece of each tensor. The meta file is written last, by write +
 rename, so a checkpoint without one is partial and invisible.
@@ -47,9 +47,9 @@ import msgpack
 import torch
 import xxhash
 
+from ..errors import FtcommError, FtcommTimeout, StateError
 from . import checkpoint_files as files
 from . import plain
-from .errors import FtcommError, FtcommTimeout, StateError
 from .state import tensor_bytes
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
 """Ports: what the group driver needs from the world, as interfaces it calls.
 
-The driver (:mod:`ftcomm.driver`) performs the engine's actions and touches the world only
+The driver (:mod:`ftcomm.runtime.driver`) performs the engine's actions and touches the world only
 through these. Production implements them with the gossip node, the rendezvous store, TCP
-connection probes (:mod:`ftcomm.live_ports`) and the backend's communicators
-(:class:`ftcomm.lifecycle.Lifecycle`); the whole-group simulation (:mod:`ftcomm.groupsim`)
+connection probes (:mod:`ftcomm.runtime.live_ports`) and the backend's communicators
+(:class:`ftcomm.runtime.lifecycle.Lifecycle`); the whole-group simulation (:mod:`ftcomm.groupsim`)
 implements them over its virtual cluster, so that it runs the driver that ships. Each
 method says what it does when a peer is gone; only a :class:`Pending` operation raises for
 that (the view it belongs to is broken).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Generic, Iterable, NamedTuple, Protocol, Sequence, TypeVar
 
-from .view import Status, View
+from ..core.view import Status, View
 
 Address = tuple[str, int]
 T = TypeVar("T", covariant=True)
@@ -93,7 +93,7 @@ class Proposals(Protocol):
     def fetch(self, member: str, address: Address | None, key: tuple[int, str]) -> tuple[str, ...] | None:
         """The member list ``member`` stored for proposal ``key`` at ``address``; None when it
         is not stored there (yet), or the store does not answer within
-        :data:`ftcomm.engine.FETCH_TIMEOUT_S` (its worker died or is cut off since)."""
+        :data:`ftcomm.core.engine.FETCH_TIMEOUT_S` (its worker died or is cut off since)."""
 
 
 class Prober(Protocol):

@@ -16,7 +16,7 @@ The rule (see docs/ARCHITECTURE.md):
    to the side holding the previous view's lowest-ranked member that is not confirmed
    gone (rank 0 unless it left). A member that lost its view (it was left out of a newer
    one) and rejoins founds no group of its own: it only adopts the existing group's
-   proposals, unless that group is gone (see ftcomm.engine).
+   proposals, unless that group is gone (see ftcomm.core.engine).
 3. Agreement: every candidate member publishes the same ``(view id, digest)``; the
    view id is one more than the highest current view id among the candidate, raised
    to the highest floor a candidate member publishes. A member whose formation of
@@ -93,10 +93,10 @@ class Status:
     insecure: bool = False  # started without a secret on a reachable address (shown by ``ftcomm members``)
     view_digest: str | None = None  # digest of its current view (leaving: of the view it names)
     dead: bool = False  # gossip state is dead (confirmed failed; suspect is neither alive nor dead)
-    compute_s: float | None = None  # median compute time of its recent gradient steps (see ftcomm.stragglers)
+    compute_s: float | None = None  # median compute time of its recent gradient steps (see ftcomm.ops.stragglers)
     benched: int | None = None  # a straggler (straggler_policy "exclude"): the view it stood aside from, until it forms a newer one
     aside: bool = False  # standing aside now (its cooldown is not over), or a joiner holding back (Engine._may_found)
-    agreed: tuple[int, str] | None = None  # as rank 0 of this proposal, it saw every member make it (ftcomm.engine)
+    agreed: tuple[int, str] | None = None  # as rank 0 of this proposal, it saw every member make it (ftcomm.core.engine)
 
     @property
     def last_view(self) -> int:
@@ -161,7 +161,7 @@ def _is_int(value: object) -> bool:
 class StatusRecord:
     """What one member publishes about itself (:meth:`encode` gives the gossip metadata that
     :meth:`Status.from_metadata` decodes; its peers add the gossip state). Built in one
-    place, :meth:`ftcomm.engine.Engine.record`."""
+    place, :meth:`ftcomm.core.engine.Engine.record`."""
 
     phase: str
     current_view: int

@@ -3,7 +3,7 @@
 The gossip thread calls :meth:`GossipNews.post` for every membership event and returns at
 once: it wakes whoever waits (the agreement loop, or a collective through its abort
 signal's ``nudge``). The waiting thread judges what was posted with :meth:`judge` (the
-engine core's :meth:`~ftcomm.engine.Engine.damage`): it fires the view's abort signal the
+engine core's :meth:`~ftcomm.core.engine.Engine.damage`): it fires the view's abort signal the
 moment the view is damaged, or holds the abort until the operation in flight ends when a
 member left right after completing it (``leave_grace``). No decision is taken on the
 gossip thread, and no lock is held across a judgment that another thread could need.
@@ -16,9 +16,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from .backends.base import AbortSignal
-from .engine import Engine
-from .view import Status, View
+from ..backends.base import AbortSignal
+from ..core.engine import Engine
+from ..core.view import Status, View
 
 INBOX_LIMIT = 4096
 """News held for the waiting thread; beyond it, the next look re-reads every record."""

@@ -1,8 +1,8 @@
 """One worker's view lifecycle: the driver over live ports, and the backend's communicators.
 
-:class:`Lifecycle` runs the :class:`~ftcomm.driver.Driver` (which feeds the engine core,
-:mod:`ftcomm.engine`, and performs its actions) over the live ports of
-:mod:`ftcomm.live_ports`, and is itself the driver's communicators port: it forms and
+:class:`Lifecycle` runs the :class:`~ftcomm.runtime.driver.Driver` (which feeds the engine core,
+:mod:`ftcomm.core.engine`, and performs its actions) over the live ports of
+:mod:`ftcomm.runtime.live_ports`, and is itself the driver's communicators port: it forms and
 verifies the backend's communicator of each view, and reconciles the state over it.
 Whenever the current view can no longer be used, :meth:`Lifecycle.recover` advances the
 driver until the new view runs::
@@ -10,7 +10,7 @@ driver until the new view runs::
     detect -> agree -> form (+ verify) -> reconcile -> run
 
 *Detect* is the abort signal firing: gossip news judged on the waiting thread
-(:mod:`ftcomm.news`), or the backend failing a collective (then the driver's crash fast
+(:mod:`ftcomm.runtime.news`), or the backend failing a collective (then the driver's crash fast
 path probes the view's members and declares dead those whose host refuses a connection).
 The whole-group simulation (:mod:`ftcomm.groupsim`) runs the same driver over simulated
 ports.
@@ -24,19 +24,19 @@ from typing import Callable
 
 import torch
 
-from . import engine as core
-from .backends.base import AbortSignal, Communicator
+from ..backends.base import AbortSignal, Communicator
+from ..core import engine as core
+from ..core.engine import Engine, Publish
+from ..core.view import Status, View
+from ..errors import CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, QuorumLost
+from ..gossip import GossipNode
+from ..ops.stragglers import ComputeTimes
+from ..options import GroupOptions, ViewChange
 from .driver import Driver
-from .engine import Engine, Publish
-from .errors import CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, QuorumLost
-from .gossip import GossipNode
 from .live_ports import GossipMembership, StoreProposals, SystemClock, TcpProber
 from .news import GossipNews
-from .options import GroupOptions, ViewChange
 from .ports import Done, Failed, Formed, Pending, Ports, Reconciled
 from .rendezvous import Rendezvous
-from .stragglers import ComputeTimes
-from .view import Status, View
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ the communicators port
     def reconcile(self, view: View) -> Pending[Reconciled]:
-        """Reconcile the registered state over the view just formed (ftcomm.ports.Communicators)."""
+        """Reconcile the registered state over the view just formed (ftcomm.runtime.ports.Communicators)."""
         try:
             outcome = self.reconcile_state()
         except MembershipChanged as exc:
@@ -153,7 +153,7 @@ class Lifecycle:
         return Done(outcome)
 
     def form(self, view: View) -> Pending[Formed]:
-        """Form and verify the communicator of ``view`` (ftcomm.ports.Communicators)."""
+        """Form and verify the communicator of ``view`` (ftcomm.runtime.ports.Communicators)."""
         try:
             formed = self._form(view)
         except (MembershipChanged, FtcommTimeout) as exc:
@@ -285,7 +285,7 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ status records
     def statuses(self) -> tuple[dict[str, Status], dict[str, tuple[str, int]]]:
-        """Every member's status record, and rendezvous address (see ftcomm.ports.Membership)."""
+        """Every member's status record, and rendezvous address (see ftcomm.runtime.ports.Membership)."""
         return self.driver.statuses()
 
     def gossip_states(self) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Reconciling the registered training state across a newly formed view.
 
 Every member gathers (step, state digest, model signature); when they differ the newest
-state wins (:func:`ftcomm.engine.reconcile_source` picks its rank) and is broadcast as raw
+state wins (:func:`ftcomm.core.engine.reconcile_source` picks its rank) and is broadcast as raw
 tensor bytes with a msgpack manifest, never a pickle. With a secret the source signs
 view, manifest and bytes (keyed BLAKE2b) and the others verify before loading anything.
 """
@@ -13,11 +13,11 @@ import hmac
 import msgpack
 import torch
 
-from .backends.base import AbortSignal, Communicator
-from .engine import reconcile_source
-from .errors import CommunicatorError, ConfigMismatch, StateError
-from .state import TrainingState, tensor_bytes
-from .view import View
+from ..backends.base import AbortSignal, Communicator
+from ..core.engine import reconcile_source
+from ..core.view import View
+from ..errors import CommunicatorError, ConfigMismatch, StateError
+from ..training.state import TrainingState, tensor_bytes
 
 STATE_TAG_BYTES = 32
 MAX_MANIFEST_BYTES = 256 << 20

@@ -110,7 +110,7 @@ class Stragglers:
     """One worker's straggler bookkeeping: its own compute times (published), its judgments
     of the view's members (``reports``: the changes), and, with ``policy="exclude"``,
     whether it asks to stand aside (``asking``: it judges itself a straggler; the steps'
-    verdict, the same on every member, chooses who does, see ftcomm.engine's ASIDE_DUE)
+    verdict, the same on every member, chooses who does, see ftcomm.core.engine's ASIDE_DUE)
     and for how long (:meth:`bench`)."""
 
     def __init__(self, factor: float, window: int, policy: str = "warn", cooldown: float = 30.0) -> None:

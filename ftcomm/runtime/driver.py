@@ -1,6 +1,6 @@
 """The driver: one member's engine fed with what it observes, its actions performed through ports.
 
-:class:`Driver` is the one place where the engine core's actions (:mod:`ftcomm.engine`)
+:class:`Driver` is the one place where the engine core's actions (:mod:`ftcomm.core.engine`)
 are carried out, and where a re-formation advances::
 
     begin_recovery -> advance ... advance -> RUNNING (or RECONCILE_DUE)
@@ -9,9 +9,9 @@ are carried out, and where a re-formation advances::
         RECONCILING: the state reconciled -> RUNNING; failed -> agree again
 
 Each :meth:`Driver.advance` does what is due now and returns: it never waits. Every action
-goes through the ports (:mod:`ftcomm.ports`). A worker runs the driver over live ports (the
+goes through the ports (:mod:`ftcomm.runtime.ports`). A worker runs the driver over live ports (the
 gossip node, the rendezvous store, TCP probes, the backend's communicators:
-:mod:`ftcomm.lifecycle`), calling ``advance`` until the view runs; the whole-group
+:mod:`ftcomm.runtime.lifecycle`), calling ``advance`` until the view runs; the whole-group
 simulation runs the same driver over simulated ones (:mod:`ftcomm.groupsim`), one
 ``advance`` per member and tick, so the seeds exercise the code that ships.
 """
@@ -24,14 +24,14 @@ import logging
 import statistics
 from typing import Callable, Iterable, NamedTuple
 
-from . import engine as core
-from .engine import Action, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Rejoined, Sync
-from .errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, MembershipChanged
-from .gossip.addresses import parse_address
+from ..core import engine as core
+from ..core.engine import Action, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Rejoined, Sync
+from ..core.view import Status, View
+from ..errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, MembershipChanged
+from ..gossip.addresses import parse_address
+from ..ops.stragglers import Stragglers
 from .news import GossipNews
 from .ports import Address, Done, Pending, Ports, Reconciled
-from .stragglers import Stragglers
-from .view import Status, View
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ has the members it waits on probed at once."""
 STALL_WINDOW = 20
 CRASH_SETTLE_S = 0.15
 """After a broken connection, how long a member's port that still accepts is tried again
-before the member is taken for alive (see :func:`ftcomm.rendezvous.refused`)."""
+before the member is taken for alive (see :func:`ftcomm.runtime.rendezvous.refused`)."""
 
 
 def member_address(member_id: str) -> Address | None:
@@ -250,7 +250,7 @@ class Driver:
         """Crash fast path: members whose host refuses a connection at their gossip port are
         declared dead now. A refusal comes back within a round trip; ``timeout`` bounds the
         wait for a host that does not answer at all (lost or partitioned); ``settle``: see
-        :meth:`ftcomm.ports.Prober.refused`."""
+        :meth:`ftcomm.runtime.ports.Prober.refused`."""
         others = set(members) - {self.engine.id}
         records = [r for r in self.ports.membership.records() if r.id in others]
         targets = [(r.id, (r.host, r.port)) for r in records if r.state != "dead"]
@@ -277,7 +277,7 @@ class Driver:
         ``contributed_at``. It may have completed only here when this member was cut off
         meanwhile: the others, seeing it hang, may have abandoned the view and moved on
         (their abandoned communicators still finish the exchange). Whenever that is possible
-        (see :func:`ftcomm.engine.must_confirm`) this returns a state exchange with a view
+        (see :func:`ftcomm.core.engine.must_confirm`) this returns a state exchange with a view
         member, whose answer goes to :meth:`confirmed` before the operation counts; None
         when the operation counts as it is."""
         membership, view = self.ports.membership, self.engine.view

@@ -279,7 +279,7 @@ class Engine:
     def record(self, step: int = 0, ops: int = 0, compute_s: float | None = None) -> StatusRecord:
         """The status record this member publishes: ``step``, its committed steps; ``ops``, the
         group operations it completed in its current view (a leaving member names them, see
-        :meth:`damage`); ``compute_s``, its median compute time (see ftcomm.stragglers)."""
+        :meth:`damage`); ``compute_s``, its median compute time (see ftcomm.ops.stragglers)."""
         named = self.published_view()
         return StatusRecord(self.phase, self.current_view, self.proposal, self.joined_at, self.config, step,
                             self.rendezvous_port, self.floor, self.settings,
@@ -399,7 +399,7 @@ class Engine:
 
     # ------------------------------------------------------------------ agreement
     def agree(self, now: float, statuses: dict[str, Status]) -> list[Action]:
-        """One look at the membership while :attr:`agreeing`; see :mod:`ftcomm.view`.
+        """One look at the membership while :attr:`agreeing`; see :mod:`ftcomm.core.view`.
 
         Returns what to do now; the driver calls again when the membership changes (or
         after a short wait). Entering FORMING is signalled by a :class:`Form` action.

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator, Sized
 
 import torch
 
-from .errors import FtcommError
+from ..errors import FtcommError
 
 log = logging.getLogger(__name__)
 

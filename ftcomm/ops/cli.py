@@ -9,14 +9,14 @@ import os
 import sys
 import time
 
-from . import __version__
-from .errors import FtcommError
-from .gossip.runtime import parse_address
+from .. import __version__
+from ..errors import FtcommError
+from ..gossip.runtime import parse_address
 
 
 def _members(args: argparse.Namespace) -> int:
-    from .errors import GossipError
-    from .gossip.runtime import query_members
+    from ..errors import GossipError
+    from ..gossip.runtime import query_members
 
     def query():
         return query_members(args.peer, cluster=args.cluster, secret=args.secret, timeout=args.timeout)
@@ -48,7 +48,7 @@ def _member_table(members: list, previous: tuple[float, dict[str, int]] | None =
     """One row per member: id, address, state, incarnation, step, compute time per step
     (``*``: a straggler by the default ``straggler_factor``), steps per second since
     ``previous`` (a reading at another time), and the other metadata fields."""
-    from .options import GroupOptions
+    from ..options import GroupOptions
     from .stragglers import slow_members
 
     compute = {m.id: m.metadata["ct"] / 1000 for m in members

@@ -3,7 +3,7 @@
 A checkpoint of step ``S`` is ``step-S.data`` (every tensor's raw bytes, 64-byte
 aligned) and ``step-S.meta``: ``b"FTCK"``, an XXH3-64 of the body, and a msgpack record
 of plain values (format, step, time, sizes, the tensor table, a checksum per
-``CHUNK`` piece of each tensor, and the state's structure as a :mod:`ftcomm.plain`
+``CHUNK`` piece of each tensor, and the state's structure as a :mod:`ftcomm.training.plain`
 skeleton). Nothing is pickled; :func:`check_record` checks every field of a record read
 back, so a malformed or planted file is refused, never run.
 """
@@ -26,8 +26,8 @@ from typing import Any, Iterator
 import msgpack
 import xxhash
 
+from ..errors import FtcommError, StateError
 from . import plain
-from .errors import FtcommError, StateError
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .backends.base import Handle
-from .errors import FtcommError
+from ..backends.base import Handle
+from ..errors import FtcommError
 
 FIRST_BUCKET_MB = 1.0  # as DDP: the gradients of the last layers go out without waiting for 25 MB
 _COUNTERS = 2  # [valid, join], then a flag per rank

@@ -48,9 +48,9 @@ import threading
 import time
 from typing import TextIO
 
-from .errors import AddressError, FtcommError
-from .gossip.addresses import parse_seed
-from .options import check_addresses, check_protection
+from ..errors import AddressError, FtcommError
+from ..gossip.addresses import parse_seed
+from ..options import check_addresses, check_protection
 
 MAX_BACKOFF_S = 60.0
 POLL_S = 0.05
@@ -347,7 +347,7 @@ class Launcher:
         return 0 if all(w.status == "finished" for w in self.workers) else 1
 
     def _save_at_breakpoint(self) -> None:
-        from .checkpoint_files import persist_newest  # torch-free
+        from ..training.checkpoint_files import persist_newest  # torch-free
 
         name = self.config.checkpoint_name or self.config.cluster
         try:
@@ -399,7 +399,7 @@ class _StatusLine:
             pass
 
     def read(self, now: float) -> str | None:
-        from .gossip.runtime import GossipError, query_members
+        from ..gossip.runtime import GossipError, query_members
 
         launcher = self.launcher
         running = [w for w in launcher.workers if w.status == "running"][:2]  # a bounded wait per update

@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import torch
 
-from .errors import StateError
+from ..errors import StateError
 
 ALIGN = 64  # byte alignment of each tensor in a flat buffer (any dtype can view it)
 MAX_SKELETON_BYTES = 64 << 20

@@ -207,7 +207,7 @@ def measure(view: Any, me: str, form_pair: Callable[[int, int], Any], gather: Ca
 
 
 def run(life: Any, probe_bytes: int, factor: float) -> NetworkReport:
-    """The check over a :class:`~ftcomm.lifecycle.Lifecycle`'s current view: pairs form
+    """The check over a :class:`~ftcomm.runtime.lifecycle.Lifecycle`'s current view: pairs form
     through the lower rank's rendezvous store; raises as :func:`measure` does."""
     view, comm, timeout = life.view, life.comm, life.options.formation_timeout
     me = life.engine.id
@@ -216,7 +216,7 @@ def run(life: Any, probe_bytes: int, factor: float) -> NetworkReport:
         a, b = view.members[lo], view.members[hi]
         _, addresses = life.statuses()
         if a not in addresses:
-            from .errors import CommunicatorError
+            from ..errors import CommunicatorError
             raise CommunicatorError(f"{a} is not reachable through gossip")
         return life.form_communicator(life.rendezvous.pair_store(view, a, b, *addresses[a]),
                                       0 if me == a else 1, 2, view.id)

@@ -1,7 +1,7 @@
 """The step protocol: what one worker does around each gradient step and collective.
 
 :class:`StepProtocol` sits between the public API (:class:`ftcomm.FaultTolerantGroup`)
-and the view lifecycle (:class:`ftcomm.lifecycle.Lifecycle`). Before a collective it
+and the view lifecycle (:class:`ftcomm.runtime.lifecycle.Lifecycle`). Before a collective it
 re-forms when the last one failed, a joiner is due or this worker stands aside, and
 reconciles the registered state when that is due; around a gradient step it reduces the
 buckets, reads the step's verdict from the reduced tail (commit, admit a joiner, who
@@ -21,15 +21,15 @@ from typing import Any, Callable
 
 import torch
 
-from . import engine as core
+from ..core import engine as core
+from ..errors import CollectiveAborted, FtcommError, MembershipChanged, RetryLimitExceeded
+from ..ops.stragglers import Stragglers
+from ..options import GroupOptions
+from ..training.buckets import GradientBuckets
+from ..training.state import TrainingState
 from . import transfer
-from .buckets import GradientBuckets
-from .errors import CollectiveAborted, FtcommError, MembershipChanged, RetryLimitExceeded
 from .lifecycle import Lifecycle
-from .options import GroupOptions
 from .ports import Reconciled
-from .state import TrainingState
-from .stragglers import Stragglers
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class StepProtocol:
                 log.exception("judging stragglers failed")
 
     def judge_stragglers(self) -> None:
-        """Compare the view members' published compute times (see ftcomm.stragglers)."""
+        """Compare the view members' published compute times (see ftcomm.ops.stragglers)."""
         statuses, _ = self.life.statuses()
         compute = {m: s.compute_s for m, s in statuses.items() if s.compute_s is not None}
         self.stragglers.judge(self.life.engine.id, self.life.view.members, compute, time.time())

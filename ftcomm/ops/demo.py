@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from .gossip.config import GossipConfig
-from .gossip.local import LocalCluster
+from ..gossip.config import GossipConfig
+from ..gossip.local import LocalCluster
 from .localproc import ChildProcess
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"

@@ -1,17 +1,17 @@
 """The driver's ports on a real worker: the gossip node, the rendezvous stores, TCP probes,
-the system clock (see :mod:`ftcomm.ports` for what each promises; the communicators port is
-:class:`ftcomm.lifecycle.Lifecycle`, which holds the backend's)."""
+the system clock (see :mod:`ftcomm.runtime.ports` for what each promises; the communicators port is
+:class:`ftcomm.runtime.lifecycle.Lifecycle`, which holds the backend's)."""
 
 from __future__ import annotations
 
 import time
 from typing import Iterable, Sequence
 
-from .engine import FETCH_TIMEOUT_S, Engine
-from .gossip import GossipNode
+from ..core.engine import FETCH_TIMEOUT_S, Engine
+from ..core.view import Status, View
+from ..gossip import GossipNode
 from .ports import Address, Done, MemberRecord
 from .rendezvous import Rendezvous, refused_many
-from .view import Status, View
 
 
 class SystemClock:
@@ -78,7 +78,7 @@ class GossipMembership:
 
 
 class StoreProposals:
-    """The proposals port over this worker's :class:`~ftcomm.rendezvous.Rendezvous`."""
+    """The proposals port over this worker's :class:`~ftcomm.runtime.rendezvous.Rendezvous`."""
 
     def __init__(self, rendezvous: Rendezvous) -> None:
         self.rendezvous = rendezvous
