@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from ftcomm.core import engine as core
-from ftcomm.core.engine import Engine, Form, Rejoined
+from ftcomm.core.engine import Engine, Form, Recontact, Rejoined
 from ftcomm.core.view import JOINING, Status, View
 from ftcomm.errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout
 from ftcomm.runtime.driver import Driver, member_address
@@ -194,6 +194,12 @@ def test_a_probe_group_action_recontacts_the_seeds_and_answers_the_engine():
     clock.t += 1.0
     driver.look()
     assert membership.recontacts == 1 and not driver.engine.group_gone  # without the list nothing shows it gone
+
+
+def test_a_recontact_sends_the_seeds_a_join_request():
+    driver, membership, *_ = driver_for("a", {"a": status("a", cv=1)})
+    driver.perform([Recontact()])
+    assert membership.recontacts == 1
 
 
 def test_a_rejoin_takes_a_new_join_time_and_is_noticed():

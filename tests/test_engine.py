@@ -12,6 +12,7 @@ from ftcomm.core.engine import (
     Form,
     Publish,
     PublishProposal,
+    Recontact,
     Rejoined,
     Sync,
 )
@@ -85,6 +86,18 @@ def test_a_failed_formation_withdraws_the_proposal_and_raises_the_floor():
     assert (e.state, e.proposal, e.floor) == (core.JOINING, None, 2)  # had no view: a joiner again
     actions, _ = agree_until_form(e, statuses)
     assert next(a for a in actions if isinstance(a, PublishProposal)).view_id == 2
+
+
+def test_a_member_without_a_quorum_asks_its_seeds_to_let_it_in_again_once_per_chase_interval():
+    """Cut off long enough, the group may have forgotten it (and it the group's newer
+    members): a join request to its seeds lets the two sides meet again after the heal."""
+    e = running(engine())
+    e.broken()
+    statuses = {"a": status("a", cv=1), "b": status("b", cv=1, alive=False, dead=True),
+                "c": status("c", cv=1, alive=False, dead=True)}
+    assert e.agree(5.0, statuses) == [Recontact()]
+    assert e.agree(5.3, statuses) == []
+    assert e.agree(5.7, statuses) == [Recontact()] and e.state == core.AGREEING
 
 
 def test_a_member_left_out_of_a_newer_view_rejoins():

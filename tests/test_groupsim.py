@@ -113,6 +113,21 @@ def test_a_straggler_chosen_by_a_step_stands_aside_and_returns_after_its_cooldow
     assert sim.run().ok and not any("straggler" in line for line in sim.log)  # the policy off: nobody leaves
 
 
+def test_a_member_cut_off_until_the_group_forgot_it_finds_the_group_again():
+    """Its view's other members left while it was cut off (it holds them dead, no quorum),
+    and the worker that joined meanwhile never heard of it: two gossip clusters. Without
+    asking its seeds again it waited forever beside a group of one (invariant 6)."""
+    faults = [(2.371, "partition", {"length": 3.002, "pick": 0.872, "split": 0.716}),
+              (3.590, "leave", {"pick": 0.817}), (4.816, "leave", {"pick": 0.440}), (5.712, "join", {}),
+              (5.907, "node_loss", {"length": 3.733, "pick": 0.537, "split": 0.677}),
+              (7.044, "leave_after_commit", {"pick": 0.210}), (8.236, "leave", {"pick": 0.534}),
+              (9.734, "partition", {"length": 5.655, "pick": 0.250, "split": 0.953})]
+    sim = GroupSimulation(961, n=4, loss=0.1, formation_timeout=2.0, duration=30.0, faults=faults)
+    outcome = sim.run()
+    assert outcome.ok, outcome.violation
+    assert outcome.settle_s is not None and len(sim._live()) == 2
+
+
 def test_a_rejoiner_that_sees_no_group_founds_none(monkeypatch):
     """Seeds where a member left out of a newer view saw no live group (its members
     unconfirmed) and, founding its own, split the job; it now waits to join."""

@@ -171,7 +171,15 @@ class ProbeGroup:
     members: tuple[str, ...] | None
 
 
-Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined | ProbeGroup
+@dataclass(frozen=True)
+class Recontact:
+    """A member that cannot reach a quorum of its view: send its seeds a join request again.
+    Cut off long enough, it may have been forgotten by the group and have forgotten the
+    group's members in turn (those that joined meanwhile it never heard of): two gossip
+    clusters that would never meet again."""
+
+
+Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined | ProbeGroup | Recontact
 
 ANNOUNCE_LIMIT = 64
 """Views up to this size announce a new proposal to every member (one datagram per pair of
@@ -456,7 +464,7 @@ class Engine:
             cand = dataclasses.replace(cand, view_id=self.floor)
         if not self.usable(cand):
             self._last = None
-            return self._fetch_final_records(previous, statuses, now)
+            return self._fetch_final_records(previous, statuses, now) or self._recontact(previous, now)
         if cand != self._last:
             self._last, self._settled_since = cand, now
         if now - self._settled_since < (0.0 if certain(cand, previous, statuses) else self.settle_interval):
@@ -503,6 +511,14 @@ class Engine:
             return []
         self._final_sync = now
         return [Sync(others[int(now / self.chase_interval) % len(others)])]
+
+    def _recontact(self, previous: View | None, now: float) -> list[Action]:
+        """A member of a view without a usable candidate (no quorum, or below min_workers)
+        asks its seeds to let it in again, at most once per chase interval."""
+        if previous is None or now - self._probed_at < self.chase_interval:
+            return []
+        self._probed_at = now
+        return [Recontact()]
 
     def _group_seen(self) -> bool:
         """A joiner that never had a view, while no member of the group is live and reachable

@@ -25,7 +25,8 @@ import statistics
 from typing import Callable, Iterable, NamedTuple
 
 from ..core import engine as core
-from ..core.engine import Action, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Rejoined, Sync
+from ..core.engine import (Action, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Recontact,
+                           Rejoined, Sync)
 from ..core.view import Status, View
 from ..errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, MembershipChanged
 from ..gossip.addresses import parse_address
@@ -130,6 +131,8 @@ class Driver:
                 ports.membership.announce(action.members)
             elif isinstance(action, Sync):
                 ports.membership.sync(action.member)
+            elif isinstance(action, Recontact):
+                ports.membership.recontact_seeds()
             elif isinstance(action, ProbeGroup):
                 ports.membership.recontact_seeds()
                 engine.group_probed(action.members is not None and self.group_gone(action.members))
