@@ -277,7 +277,6 @@ class FaultTolerantGroup:
         """Leave gracefully: peers see *left* and re-form at once, without a suspicion wait."""
         if self._closed:
             return
-        self._steps.closed = True
         self._life.leave()
         self._life.rendezvous.close()
         if self._metrics is not None:

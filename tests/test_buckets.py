@@ -188,3 +188,18 @@ def test_the_tail_carries_a_flag_per_rank_for_stragglers_asking_to_stand_aside_s
     world.backward(m, 1)
     assert reduce(buckets).tolist() == [2.0, 0.0, 2.0, 0.0]
     assert all(p.grad is not None for p in m.parameters())
+
+
+def test_a_step_whose_reductions_a_re_formation_dropped_is_lost_until_it_ends():
+    world, m = FakeWorld(), model()
+    buckets = world.buckets(list(m.parameters()))
+    world.backward(m, 1)
+    assert buckets.touched and not buckets.lost
+    buckets.drop()  # the view re-formed inside the step (execute), after backward began reducing
+    assert buckets.lost and not buckets.touched
+    assert all(not buckets._is_bucket_view(p.grad) for p in m.parameters())  # the gradients are the model's own
+    buckets.discard()  # the step ends, discarded
+    assert not buckets.lost
+    world.backward(m, 2)
+    reduce(buckets)
+    assert not buckets.lost  # the next step counts again

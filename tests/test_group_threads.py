@@ -575,3 +575,43 @@ def test_only_the_training_thread_acts_at_a_step_boundary():
         release.set()
         for g in groups:
             g.shutdown()
+
+
+def test_a_step_whose_reductions_a_re_formation_dropped_does_not_commit():
+    """With overlap, backward starts reducing; a member leaves and a collective run through
+    ``execute`` re-forms the view before the step's ``wait_gradients_ready``: the step's
+    reductions belonged to the old view, so it reports the step lost (no collective), and
+    the next one commits in the new view."""
+    groups = start_groups(3, overlap=True, bucket_mb=0.0002)
+    try:
+        def make() -> torch.nn.Module:
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+        models = [make() for _ in groups]
+        for g, m in zip(groups, models):
+            g.register_state(model=m)
+
+        def step(i: int, g: ftcomm.FaultTolerantGroup) -> bool:
+            models[i](torch.randn(5, 8)).pow(2).mean().backward()
+            committed = g.wait_gradients_ready(models[i])
+            for p in models[i].parameters():
+                p.grad = None
+            return committed
+        assert in_threads(groups, step) == [True] * 3  # the first step installs the hooks
+
+        def backward(i: int, g: ftcomm.FaultTolerantGroup) -> bool:
+            models[i](torch.randn(5, 8)).pow(2).mean().backward()
+            return g._steps.buckets.touched
+        assert in_threads(groups, backward) == [True] * 3  # reductions under way
+        groups[2].shutdown()
+        survivors = groups[:2]
+        in_threads(survivors, lambda i, g: g.execute(g.barrier))  # re-forms without the leaver
+        assert {g.world_size for g in survivors} == {2}
+        before = [g.step for g in survivors]
+        assert in_threads(survivors, lambda i, g: g.wait_gradients_ready(models[i])) == [False, False]
+        assert [g.step for g in survivors] == before
+        assert in_threads(survivors, step) == [True, True]
+        assert [g.step for g in survivors] == [b + 1 for b in before]
+    finally:
+        for g in groups:
+            g.shutdown()

@@ -42,10 +42,8 @@ class StepProtocol:
         self.life, self.state, self.options, self.stragglers = life, state, options, stragglers
         self.secret, self.min_workers = secret, min_workers
         self.step = 0  # committed steps
-        self.closed = False
         self.owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         self.buckets: GradientBuckets | None = None
-        self.step_lost = False  # a re-formation discarded the gradients backward was reducing
         self.failed_in_a_row = 0  # gradient steps that failed and re-formed since one completed
         self.waiting_since = time.monotonic()
         life.reconcile_state = self.reconcile_formed
@@ -57,6 +55,11 @@ class StepProtocol:
     @property
     def engine(self) -> core.Engine:
         return self.life.engine
+
+    @property
+    def closed(self) -> bool:
+        """The worker left the group (``shutdown``), or is leaving it."""
+        return self.engine.state in (core.LEAVING, core.CLOSED)
 
     # ------------------------------------------------------------------ entry points
     def boundary(self) -> None:
@@ -81,8 +84,8 @@ class StepProtocol:
         life.news.judge()
         for obj in self.participants("check_step"):
             obj.check_step()
-        if self.step_lost:  # the group re-formed (in execute) after backward began reducing
-            self.step_lost = False
+        if buckets.lost:  # the group re-formed (in execute) after backward began reducing
+            buckets.discard()
             self.end_step(False)
             return False
         self.waiting_since = time.monotonic()
@@ -206,8 +209,7 @@ class StepProtocol:
     def recover(self, reason: str, detected_at: float, timeout: float | None = None) -> bool:
         """Re-form (see Lifecycle.recover); whether the state was replaced."""
         if self.buckets is not None and self.buckets.touched:
-            self.buckets.discard()
-            self.step_lost = True
+            self.buckets.drop()
         life = self.life
         life.recover(reason, detected_at, timeout)
         outcomes = life.driver.reconciled  # each formation's, this re-formation

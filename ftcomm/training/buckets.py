@@ -87,8 +87,15 @@ class GradientBuckets:
         """Backward has copied gradients or started reductions in this step."""
         return bool(self._filled or self._handles)
 
+    @property
+    def lost(self) -> bool:
+        """This step's reductions were dropped (:meth:`drop`) after backward began them: the
+        step cannot commit. Until the step ends (:meth:`discard`)."""
+        return self._lost
+
     # ------------------------------------------------------------------ per step
     def _new_step(self) -> None:
+        self._lost = False
         self._started = False  # a gradient of this step has arrived
         self._overlapping = False
         self._scale = 1.0  # the factor gradients were copied with
@@ -211,6 +218,13 @@ class GradientBuckets:
         (an abandoned collective may still write into the old ones)."""
         with self._lock:
             self._detach_and_renew()
+
+    def drop(self) -> None:
+        """The view re-formed inside the step, after backward began reducing it: as
+        :meth:`discard`, and the step is :attr:`lost`."""
+        with self._lock:
+            self._detach_and_renew()
+            self._lost = True
 
     def _detach_and_renew(self) -> None:
         self._detach()
