@@ -33,7 +33,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ftcomm.ops.localproc import ChildProcess  # noqa: E402
+from ftcomm.localproc import ChildProcess  # noqa: E402
 from ftcomm.training.data import epoch_permutation  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "train_elastic.py"

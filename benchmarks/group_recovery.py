@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from ftcomm.ops.localproc import ChildProcess  # noqa: E402
+from ftcomm.localproc import ChildProcess  # noqa: E402
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_elastic.py")
 LIGHT = ["--hidden", "8", "--report-every", "5"]

@@ -42,7 +42,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from ftcomm.ops.localproc import ChildProcess  # noqa: E402
+from ftcomm.localproc import ChildProcess  # noqa: E402
 from peer_worker import TORCHFT_SETTINGS  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "peer_worker.py")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import importlib
 
+from . import netif
 from .backends import BACKENDS
 from .core.view import View
 from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
@@ -27,7 +28,6 @@ from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigM
                      StateError)
 from .gossip import GossipConfig
 from .gossip.addresses import parse_address, parse_seed
-from .ops import netif
 
 if TYPE_CHECKING:
     from .group import FaultTolerantGroup

@@ -34,12 +34,12 @@ from .gossip import GossipNode
 from .gossip.runtime import parse_address
 from .ops import netcheck
 from .ops.netcheck import NetworkReport
-from .ops.stragglers import StragglerReport, Stragglers
 from .options import (GroupOptions, ViewChange, check_addresses, check_protection, check_secret,
                       check_worker_counts, member_cap)
 from .runtime.lifecycle import Lifecycle
 from .runtime.rendezvous import Rendezvous
 from .runtime.steps import StepProtocol
+from .runtime.stragglers import StragglerReport, Stragglers
 from .training.state import TrainingState
 
 log = logging.getLogger(__name__)

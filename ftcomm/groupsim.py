@@ -485,7 +485,7 @@ class GroupSimulation:
             elif state == RUNNING:
                 self._running(w)
             elif state == JOIN_DUE:
-                w.driver.broken("join")  # the step boundary: re-form for the joiner
+                w.driver.begin_recovery("join")  # the step boundary: re-form for the joiner
             elif state == ASIDE_DUE:  # chosen to stand aside: at the step boundary
                 w.asking = False
                 w.driver.stand_aside(self.straggler_cooldown)
@@ -586,7 +586,7 @@ class GroupSimulation:
         the abort signal: the crash fast path probes the members behind it) and the driver
         re-agrees, as the step protocol does."""
         error = error or CollectiveAborted(w.inbox.abort.reason or "the view moved on")
-        w.driver.broken(w.driver.classify(error))
+        w.driver.begin_recovery(w.driver.classify(error))
 
     def _abandon(self, w: Worker) -> None:
         for entry in w.comms:

@@ -8,10 +8,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import netif
 from .errors import AddressError, SecretRequired
 from .gossip import FaultFilter, GossipConfig
 from .gossip.addresses import parse_seed
-from .ops import netif
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class GroupOptions:
     """A member whose median compute time (forward, backward, data: from the end of its
     previous gradient step until it hands over its gradients) is more than this many
     times the median of the other members' is reported as a straggler: a warning in the
-    log and a :class:`~ftcomm.ops.stragglers.StragglerReport` in ``group.stragglers``. Every
+    log and a :class:`~ftcomm.runtime.stragglers.StragglerReport` in ``group.stragglers``. Every
     member judges the figures published in gossip, each time it publishes its step (every
     ``step_publish_interval``), and reports a change after 3 judgments in a row. 0 turns
     it off. What follows is ``straggler_policy``'s."""

@@ -22,7 +22,7 @@ import torch
 
 import ftcomm
 from ftcomm.errors import FtcommError, FtcommTimeout, StateError
-from ftcomm.ops.localproc import ChildProcess
+from ftcomm.localproc import ChildProcess
 from ftcomm.training import checkpoint_files
 from ftcomm.training.checkpoint import FlashCheckpointer
 from ftcomm.training.checkpoint_files import meta_bytes, steps_in

@@ -312,7 +312,21 @@ def test_a_broken_connection_does_not_wait_for_ports_to_close_when_its_member_is
     driver.advance()
     membership.table["c"] = status("c", alive=False, dead=True)
     driver.probe_crashed(["a", "b", "c"], settle=0.15)
-    assert prober.probed[-1] == ([("10.0.0.1", 7000)], 0.0)
+    assert prober.probed[-1] == ([("10.0.0.1", 7000)], 0.03)  # only long enough for processes killed with it
+
+
+def test_an_operation_that_raised_when_started_ends_in_agreeing_again():
+    driver, _, _, _, comms = agreed_pair()
+    driver._pending = None  # starting the forming raised
+    assert driver.advance() and driver.engine.agreeing
+
+
+def test_a_reconcile_that_timed_out_agrees_again():
+    driver, _, _, _, comms = agreed_pair()
+    comms.forming[-1][1].result = Formed(False, False)
+    driver.advance()
+    comms.reconciling[-1][1].error = FtcommTimeout("the state did not arrive in time")
+    assert driver.advance() and driver.engine.agreeing
 
 
 def test_begin_recovery_breaks_a_running_view_and_drops_its_communicator():
@@ -323,7 +337,7 @@ def test_begin_recovery_breaks_a_running_view_and_drops_its_communicator():
     driver.advance()
     abandoned = comms.abandoned
     clock.t += 1.0
-    driver.broken("crash")
+    driver.begin_recovery("crash")
     assert driver.engine.agreeing and driver.recovering and comms.abandoned == abandoned + 1
     assert driver.reason == "crash" and driver.reconciled == [] and driver.agreeing_since == clock.t
 

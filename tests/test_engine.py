@@ -98,6 +98,26 @@ def test_a_member_without_a_quorum_asks_its_seeds_to_let_it_in_again_once_per_ch
     assert e.agree(5.0, statuses) == [Recontact()]
     assert e.agree(5.3, statuses) == []
     assert e.agree(5.7, statuses) == [Recontact()] and e.state == core.AGREEING
+    assert e.agree(6.5, statuses) == []  # then twice as long each time
+    assert e.agree(6.95, statuses) == [Recontact()]
+
+
+def test_a_member_below_min_workers_with_its_quorum_waits_for_workers_without_recontacting():
+    e = running(engine(min_workers=3))
+    e.broken()
+    statuses = {"a": status("a", cv=1), "b": status("b", cv=1), "c": status("c", cv=1, alive=False, dead=True)}
+    assert [a for t in range(20) for a in e.agree(5.0 + t, statuses) if isinstance(a, Recontact)] == []
+
+
+def test_a_member_that_lost_its_view_and_sees_no_group_recontacts_too():
+    e = running(engine())
+    e.broken()
+    newer = {"a": status("a", cv=1), "b": status("b", cv=2), "c": status("c", cv=2)}
+    e.agree(5.0, newer)  # superseded: it rejoins
+    assert e.state == core.REJOINING
+    cut_off = {"a": status("a", JOINING), "b": status("b", cv=2, alive=False, dead=True),
+               "c": status("c", cv=2, alive=False, dead=True)}
+    assert Recontact() in e.agree(6.0, cut_off)
 
 
 def test_a_member_left_out_of_a_newer_view_rejoins():

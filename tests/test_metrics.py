@@ -112,7 +112,7 @@ def test_a_scrape_reads_the_view_once_while_the_worker_leaves_it():
     """The training thread may leave the view (a straggler standing aside) between two reads
     of a scrape: the figures come from the view read first, and the scrape succeeds."""
     from ftcomm.ops.metrics import GroupCollector
-    from ftcomm.ops.stragglers import Stragglers
+    from ftcomm.runtime.stragglers import Stragglers
     from ftcomm.core.view import View
 
     class Leaving:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ftcomm import netif
 from ftcomm.backends import gloo, nccl
-from ftcomm.ops import netif
 
 
 def test_every_loopback_address_is_held_by_the_loopback_interface():

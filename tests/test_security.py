@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import ftcomm
+from ftcomm import netif
 from ftcomm.core.view import JOINING, StatusRecord
 from ftcomm.errors import ConfigMismatch, FtcommError, SecretRequired, StateError
 from ftcomm.gossip import wire
 from ftcomm.gossip.runtime import query_members
-from ftcomm.ops import netif
 from ftcomm.runtime import transfer
 from ftcomm.training.state import TrainingState
 

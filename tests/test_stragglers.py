@@ -8,7 +8,7 @@ import pytest
 
 from ftcomm.core.view import Status, StatusRecord
 from ftcomm.gossip.runtime import Member
-from ftcomm.ops.stragglers import ComputeTimes, StragglerWatch, slow_members
+from ftcomm.runtime.stragglers import ComputeTimes, StragglerWatch, slow_members
 
 
 def test_a_member_much_slower_than_the_others_is_flagged_even_in_a_group_of_two():

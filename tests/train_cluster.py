@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from ftcomm.ops.localproc import ChildProcess
+from ftcomm.localproc import ChildProcess
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
 BASE_ARGS = ["--control", "--steps", "1000000", "--step-time", "0.01", "--report-every", "1000000",

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch._C._distributed_c10d as c10d
 
+from .. import netif
 from ..errors import CommunicatorError
-from ..ops import netif
 from .base import AbortSignal, Completion, Handle, check_root, start_lingering
 
 log = logging.getLogger(__name__)

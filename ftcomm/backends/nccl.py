@@ -40,8 +40,8 @@ from typing import Any, Callable
 
 import torch
 
+from .. import netif
 from ..errors import CollectiveAborted, CommunicatorError, FtcommTimeout, NcclUnavailable
-from ..ops import netif
 from .base import AbortSignal, Completion, Handle, check_root, start_lingering
 
 log = logging.getLogger(__name__)

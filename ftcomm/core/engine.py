@@ -3,8 +3,10 @@
 Inputs are what the member observed (membership snapshots with ``now``, the outcome of
 forming or reconciling a view, faults in the view, a leave request); outputs are the
 actions the driver performs (publish the status record, publish a proposal on the
-rendezvous store, fetch one from a peer, sync with a lagging peer, form a view, rejoin).
-No threads, sockets, clocks or torch: :mod:`ftcomm.group` drives it with real gossip and
+rendezvous store, fetch one from a peer, sync with a lagging peer, form a view, rejoin,
+probe whether a group is gone, ask the seeds to let it in again). No sockets, clocks or
+torch, and it starts no thread; its transitions are atomic, since a worker's shutdown may
+come from another thread than the one that trains: :mod:`ftcomm.group` drives it with real gossip and
 communicators, :mod:`ftcomm.groupsim` with simulated ones, unchanged.
 
 States and transitions are the table :data:`TRANSITIONS` (anything else raises
@@ -30,6 +32,7 @@ whether the member has formed a view: peers see a member that lost its view as a
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 
 from .view import (ACTIVE, JOINING as PHASE_JOINING, LEAVING as PHASE_LEAVING, Candidate, Status, StatusRecord, View,
@@ -181,6 +184,10 @@ class Recontact:
 
 Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined | ProbeGroup | Recontact
 
+RECONTACT_MAX_S = 30.0
+"""A member without a quorum asks its seeds again after a chase interval, then twice as
+long each time, up to this (the gossip layer's DNS refresh interval)."""
+
 ANNOUNCE_LIMIT = 64
 """Views up to this size announce a new proposal to every member (one datagram per pair of
 members); above it, each member announces to the view's rank 0 only, and rank 0 announces
@@ -240,14 +247,18 @@ class Engine:
     settings: tuple = ()  # the settings that must match (SETTING_NAMES), named in a peer's mismatch error
     rendezvous_port: int = 0  # where its rendezvous store serves (proposals, formation)
     insecure: bool = False  # started without a secret on a reachable address
+    _recontacted_at: float = float("-inf")
+    _recontact_after: float = 0.0  # the wait before the next Recontact (doubles; see RECONTACT_MAX_S)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     # ------------------------------------------------------------------ transitions
     def _move(self, what: str) -> str:
-        target = TRANSITIONS.get((self.state, what))
-        if target is None:
-            raise IllegalTransition(f"{self.id}: {what!r} in state {self.state}")
-        self.state = target
-        return target
+        with self._lock:
+            target = TRANSITIONS.get((self.state, what))
+            if target is None:
+                raise IllegalTransition(f"{self.id}: {what!r} in state {self.state}")
+            self.state = target
+            return target
 
     @property
     def holding(self) -> bool:
@@ -287,7 +298,7 @@ class Engine:
     def record(self, step: int = 0, ops: int = 0, compute_s: float | None = None) -> StatusRecord:
         """The status record this member publishes: ``step``, its committed steps; ``ops``, the
         group operations it completed in its current view (a leaving member names them, see
-        :meth:`damage`); ``compute_s``, its median compute time (see ftcomm.ops.stragglers)."""
+        :meth:`damage`); ``compute_s``, its median compute time (see ftcomm.runtime.stragglers)."""
         named = self.published_view()
         return StatusRecord(self.phase, self.current_view, self.proposal, self.joined_at, self.config, step,
                             self.rendezvous_port, self.floor, self.settings,
@@ -360,6 +371,7 @@ class Engine:
         self.view, self.forming = self.forming, None
         self.benched = None
         self._lagging.clear()
+        self._recontact_after = 0.0
         return [Publish()]
 
     def form_failed(self) -> list[Action]:
@@ -379,9 +391,10 @@ class Engine:
         return []
 
     def leave(self) -> list[Action]:
-        if self.state in (LEAVING, CLOSED):
-            return []
-        self._move("leave")
+        with self._lock:
+            if self.state in (LEAVING, CLOSED):
+                return []
+            self.state = TRANSITIONS[(self.state, "leave")]
         return [Publish()]
 
     def closed(self) -> None:
@@ -459,12 +472,14 @@ class Engine:
         cand = candidate(self.id, previous, statuses, self.config, self.max_workers)
         if self.state == REJOINING and not self._may_refound(cand, statuses):
             self._last = None
-            return []
+            return self._recontact(now)
         if cand.view_id < self.floor:  # its own floor counts before gossip echoes its record
             cand = dataclasses.replace(cand, view_id=self.floor)
         if not self.usable(cand):
             self._last = None
-            return self._fetch_final_records(previous, statuses, now) or self._recontact(previous, now)
+            if previous is None or cand.quorum:  # (below min_workers: waiting for workers, not cut off)
+                return self._fetch_final_records(previous, statuses, now)
+            return self._fetch_final_records(previous, statuses, now) or self._recontact(now)
         if cand != self._last:
             self._last, self._settled_since = cand, now
         if now - self._settled_since < (0.0 if certain(cand, previous, statuses) else self.settle_interval):
@@ -512,12 +527,14 @@ class Engine:
         self._final_sync = now
         return [Sync(others[int(now / self.chase_interval) % len(others)])]
 
-    def _recontact(self, previous: View | None, now: float) -> list[Action]:
-        """A member of a view without a usable candidate (no quorum, or below min_workers)
-        asks its seeds to let it in again, at most once per chase interval."""
-        if previous is None or now - self._probed_at < self.chase_interval:
+    def _recontact(self, now: float) -> list[Action]:
+        """A member cut off from a quorum of the view it had (or of the view it lost) asks
+        its seeds to let it in again: after a chase interval, then twice as long each time up
+        to RECONTACT_MAX_S, until it forms a view."""
+        if now - self._recontacted_at < self._recontact_after:
             return []
-        self._probed_at = now
+        self._recontacted_at = now
+        self._recontact_after = min(RECONTACT_MAX_S, max(self.chase_interval, 2 * self._recontact_after))
         return [Recontact()]
 
     def _group_seen(self) -> bool:

@@ -93,7 +93,7 @@ class Status:
     insecure: bool = False  # started without a secret on a reachable address (shown by ``ftcomm members``)
     view_digest: str | None = None  # digest of its current view (leaving: of the view it names)
     dead: bool = False  # gossip state is dead (confirmed failed; suspect is neither alive nor dead)
-    compute_s: float | None = None  # median compute time of its recent gradient steps (see ftcomm.ops.stragglers)
+    compute_s: float | None = None  # median compute time of its recent gradient steps (see ftcomm.runtime.stragglers)
     benched: int | None = None  # a straggler (straggler_policy "exclude"): the view it stood aside from, until it forms a newer one
     aside: bool = False  # standing aside now (its cooldown is not over), or a joiner holding back (Engine._may_found)
     agreed: tuple[int, str] | None = None  # as rank 0 of this proposal, it saw every member make it (ftcomm.core.engine)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ..ops.localproc import ChildProcess
+from ..localproc import ChildProcess
 
 
 class AgentProcess(ChildProcess):

@@ -49,7 +49,7 @@ def _member_table(members: list, previous: tuple[float, dict[str, int]] | None =
     (``*``: a straggler by the default ``straggler_factor``), steps per second since
     ``previous`` (a reading at another time), and the other metadata fields."""
     from ..options import GroupOptions
-    from .stragglers import slow_members
+    from ..runtime.stragglers import slow_members
 
     compute = {m.id: m.metadata["ct"] / 1000 for m in members
                if m.state == "alive" and type(m.metadata.get("ct")) is int}

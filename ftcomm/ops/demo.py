@@ -11,7 +11,7 @@ import time
 
 from ..gossip.config import GossipConfig
 from ..gossip.local import LocalCluster
-from .localproc import ChildProcess
+from ..localproc import ChildProcess
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
 

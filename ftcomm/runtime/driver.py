@@ -8,8 +8,11 @@ are carried out, and where a re-formation advances::
         FORMING:     the communicator formed and verified -> reconcile; failed -> agree again
         RECONCILING: the state reconciled -> RUNNING; failed -> agree again
 
-Each :meth:`Driver.advance` does what is due now and returns: it never waits. Every action
-goes through the ports (:mod:`ftcomm.runtime.ports`). A worker runs the driver over live ports (the
+Each :meth:`Driver.advance` does what is due now and returns; it never waits for a peer to
+move (the caller calls again after news or a tick). Every action goes through the ports
+(:mod:`ftcomm.runtime.ports`); a live port's operation takes the time it takes (forming and
+reconciling block while they run, a proposal read at most ``FETCH_TIMEOUT_S``, a probe its
+timeout). A worker runs the driver over live ports (the
 gossip node, the rendezvous store, TCP probes, the backend's communicators:
 :mod:`ftcomm.runtime.lifecycle`), calling ``advance`` until the view runs; the whole-group
 simulation runs the same driver over simulated ones (:mod:`ftcomm.groupsim`), one
@@ -30,9 +33,9 @@ from ..core.engine import (Action, Announce, Engine, Fetch, Form, ProbeGroup, Pu
 from ..core.view import Status, View
 from ..errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, MembershipChanged
 from ..gossip.addresses import parse_address
-from ..ops.stragglers import Stragglers
 from .news import GossipNews
 from .ports import Address, Done, Pending, Ports, Reconciled
+from .stragglers import Stragglers
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,9 @@ STALL_WINDOW = 20
 CRASH_SETTLE_S = 0.15
 """After a broken connection, how long a member's port that still accepts is tried again
 before the member is taken for alive (see :func:`ftcomm.runtime.rendezvous.refused`)."""
+KNOWN_DEAD_SETTLE_S = 0.03
+"""The same while a member of the view is known dead already (the broken connection was
+most likely its): other processes killed with it may still be closing their ports."""
 
 
 def member_address(member_id: str) -> Address | None:
@@ -184,8 +190,7 @@ class Driver:
                 # This member stays in the view (or phase) it had. Withdrawing the proposal
                 # aborts the other members' attempts at once; the retry gets a new view id.
                 self.perform(engine.form_failed())
-                self._again()
-                self.probe_crashed(view.members)
+                self._again(probe=view.members)
                 return True
             if formed is None:
                 return False
@@ -198,7 +203,7 @@ class Driver:
             view = engine.view
             try:
                 outcome = self._poll()
-            except MembershipChanged as exc:
+            except (MembershipChanged, FtcommTimeout) as exc:
                 log.info("reconciling view %d failed (%s); agreeing again", view.id, exc)
                 self.reason = self.classify(exc)
                 self.perform(engine.broken())
@@ -217,17 +222,17 @@ class Driver:
         return False
 
     def _poll(self):
-        return self._pending.poll()  # (begin_recovery starts every re-formation: one is under way)
+        if self._pending is None:  # starting it raised (a port error, or the worker shut down)
+            raise CommunicatorError("the operation under way was never started")
+        return self._pending.poll()
 
-    def _again(self) -> None:
+    def _again(self, probe: Iterable[str] = ()) -> None:
+        """Agree again: the communicator is dropped, ``probe``'s members are probed for a
+        crash, and the next attempt's agreement starts now."""
         self.ports.communicators.abandon()
         self._pending = None
+        self.probe_crashed(probe)
         self.agreeing_since = self.ports.clock.now()
-
-    def broken(self, reason: str) -> None:
-        """The view broke outside a re-formation (its abort fired, a collective failed, or a
-        joiner is admitted at this boundary): agree again."""
-        self.begin_recovery(reason)
 
     # ------------------------------------------------------------------ what broke
     def classify(self, exc: BaseException) -> str:
@@ -255,12 +260,14 @@ class Driver:
         wait for a host that does not answer at all (lost or partitioned); ``settle``: see
         :meth:`ftcomm.runtime.ports.Prober.refused`."""
         others = set(members) - {self.engine.id}
+        if not others:
+            return
         records = [r for r in self.ports.membership.records() if r.id in others]
         targets = [(r.id, (r.host, r.port)) for r in records if r.state != "dead"]
         if not targets:
             return
         if any(r.state == "dead" for r in records):
-            settle = 0.0  # the member behind the broken connection is known dead already
+            settle = min(settle, KNOWN_DEAD_SETTLE_S)
         refused = self.ports.prober.refused([a for _, a in targets], timeout, settle)
         for (member, _), gone in zip(targets, refused):
             if gone:

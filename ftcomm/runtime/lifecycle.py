@@ -26,17 +26,17 @@ import torch
 
 from ..backends.base import AbortSignal, Communicator
 from ..core import engine as core
-from ..core.engine import Engine, Publish
+from ..core.engine import Engine
 from ..core.view import Status, View
 from ..errors import CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, QuorumLost
 from ..gossip import GossipNode
-from ..ops.stragglers import ComputeTimes
 from ..options import GroupOptions, ViewChange
 from .driver import Driver
 from .live_ports import GossipMembership, StoreProposals, SystemClock, TcpProber
 from .news import GossipNews
 from .ports import Done, Failed, Formed, Pending, Ports, Reconciled
 from .rendezvous import Rendezvous
+from .stragglers import ComputeTimes
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ class Lifecycle:
         self.events: list[ViewChange] = []
         self.op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
         self.contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
-        self._last_publish = 0.0
 
     @property
     def gossip(self) -> GossipNode | None:
@@ -110,7 +109,12 @@ class Lifecycle:
                 self.raise_stuck()
             self.news.changed.clear()
             self.news.judge()
-            if driver.advance():
+            try:
+                moved = driver.advance()
+            except core.IllegalTransition:
+                self.check_open()  # shut down from another thread meanwhile: FtcommError
+                raise
+            if moved:
                 continue
             if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
                 last_debug = now
@@ -137,8 +141,6 @@ class Lifecycle:
 
     def perform(self, actions: list) -> None:
         """Carry out the engine's actions (see Driver.perform)."""
-        if any(isinstance(a, Publish) for a in actions):
-            self._last_publish = time.monotonic()
         self.driver.perform(actions)
 
     # ------------------------------------------------------------------ the communicators port
@@ -298,12 +300,11 @@ class Lifecycle:
         return self.driver.record()
 
     def publish(self) -> None:
-        self._last_publish = time.monotonic()
         self.driver.publish()
 
     def publish_step(self) -> bool:
         """Publish the record with the committed step, at most every ``step_publish_interval``."""
-        if time.monotonic() - self._last_publish < self.options.step_publish_interval:
+        if time.monotonic() - self.membership.published_at < self.options.step_publish_interval:
             return False
         self.publish()
         return True

@@ -28,6 +28,7 @@ class GossipMembership:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.node: GossipNode | None = None
+        self.published_at = float("-inf")  # when this worker's record was last published
 
     def statuses(self, view: View | None) -> tuple[dict[str, Status], dict[str, Address]]:
         statuses, addresses = {}, {}
@@ -48,6 +49,7 @@ class GossipMembership:
 
     def publish(self, record: dict) -> None:
         self.node.set_metadata(record)
+        self.published_at = time.monotonic()
 
     def announce(self, members: Sequence[str]) -> None:
         self.node.announce(list(members))

@@ -5,8 +5,9 @@ through these. Production implements them with the gossip node, the rendezvous s
 connection probes (:mod:`ftcomm.runtime.live_ports`) and the backend's communicators
 (:class:`ftcomm.runtime.lifecycle.Lifecycle`); the whole-group simulation (:mod:`ftcomm.groupsim`)
 implements them over its virtual cluster, so that it runs the driver that ships. Each
-method says what it does when a peer is gone; only a :class:`Pending` operation raises for
-that (the view it belongs to is broken).
+method says what it does when a peer is gone; a peer's failure is reported only by a
+:class:`Pending` operation (the view it belongs to is broken). Starting one may still
+raise for this worker's own reasons (it was shut down, its backend failed).
 """
 
 from __future__ import annotations

@@ -42,10 +42,10 @@ import torch.distributed as dist
 import xxhash
 import zmq
 
+from .. import netif
 from ..core.view import View
 from ..errors import CommunicatorError
 from ..gossip.wire import ReplayGuard
-from ..ops import netif
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ import torch
 
 from ..core import engine as core
 from ..errors import CollectiveAborted, FtcommError, MembershipChanged, RetryLimitExceeded
-from ..ops.stragglers import Stragglers
 from ..options import GroupOptions
 from ..training.buckets import GradientBuckets
 from ..training.state import TrainingState
 from . import transfer
 from .lifecycle import Lifecycle
 from .ports import Reconciled
+from .stragglers import Stragglers
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class StepProtocol:
                 log.exception("judging stragglers failed")
 
     def judge_stragglers(self) -> None:
-        """Compare the view members' published compute times (see ftcomm.ops.stragglers)."""
+        """Compare the view members' published compute times (see ftcomm.runtime.stragglers)."""
         statuses, _ = self.life.statuses()
         compute = {m: s.compute_s for m, s in statuses.items() if s.compute_s is not None}
         self.stragglers.judge(self.life.engine.id, self.life.view.members, compute, time.time())
