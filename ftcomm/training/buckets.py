@@ -31,6 +31,7 @@ import torch
 
 from ..backends.base import Handle
 from ..errors import FtcommError
+from . import sharded
 
 FIRST_BUCKET_MB = 1.0  # as DDP: the gradients of the last layers go out without waiting for 25 MB
 _COUNTERS = 2  # [valid, join], then a flag per rank
@@ -67,14 +68,18 @@ class GradientBuckets:
         for b, group in enumerate(self._groups):
             offset = 0
             for p in group:
-                self._slot[id(p)] = (b, offset, p.numel())
-                offset += p.numel()
-        self._sizes = [sum(p.numel() for p in g) + (_COUNTERS if b == len(self._groups) - 1 else 0)
+                n = sharded.local(p).numel()  # a sharded parameter: this process's shard
+                self._slot[id(p)] = (b, offset, n)
+                offset += n
+        self._sizes = [sum(sharded.local(p).numel() for p in g) + (_COUNTERS if b == len(self._groups) - 1 else 0)
                        for b, g in enumerate(self._groups)]  # the last: plus a flag per rank
         self._world = 0  # the world size the buffers' tail was made for
         self._flats: list[torch.Tensor] = []
         self._lock = threading.Lock()  # hooks may run on autograd's device threads
         self._suspended = 0
+        # A sharded model's gradients arrive from its own reduce-scatter, after backward:
+        # they are reduced across replicas in ``finish``.
+        overlap = overlap and not any(sharded.is_sharded(p) for p in params)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params] if overlap else []
         self._new_step()
 
@@ -203,6 +208,9 @@ class GradientBuckets:
                 flat.mul_(correction)
         for p in self.params:
             b, offset, n = self._slot[id(p)]
+            if sharded.is_sharded(p):
+                _hand_back_shard(p, self._flats[b][offset:offset + n])
+                continue
             view = self._flats[b][offset:offset + n].view_as(p)
             if p.dtype == torch.float32:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
@@ -233,7 +241,7 @@ class GradientBuckets:
     def _detach(self) -> None:
         """Gradients that are views of the buffers become tensors of their own; new buffers next."""
         for p in self.params:
-            if p.grad is not None and self._is_bucket_view(p.grad):
+            if p.grad is not None and not sharded.is_sharded(p) and self._is_bucket_view(p.grad):
                 p.grad = p.grad.detach().clone()
         self._flats = []
 
@@ -260,7 +268,7 @@ class GradientBuckets:
 
     def _copy(self, param: torch.Tensor, view: torch.Tensor) -> None:
         """The gradient into its slot, times the pre-scale (no copy when it already lives there)."""
-        grad = param.grad
+        grad = param.grad if param.grad is None else sharded.local(param.grad)
         if grad is None:
             view.zero_()
         elif grad.data_ptr() == view.data_ptr():  # accumulated in place into the bucket
@@ -281,7 +289,7 @@ def _group(params: list[torch.Tensor], bucket_mb: float) -> list[list[torch.Tens
     size = 0
     for p in params:
         current.append(p)
-        size += p.numel() * 4
+        size += sharded.local(p).numel() * 4
         cap = min(FIRST_BUCKET_MB, bucket_mb) if not groups else bucket_mb
         if size >= cap * (1 << 20):
             groups.append(current)
@@ -289,3 +297,15 @@ def _group(params: list[torch.Tensor], bucket_mb: float) -> list[list[torch.Tens
     if current or not groups:
         groups.append(current)
     return groups
+
+
+def _hand_back_shard(param: torch.Tensor, flat: torch.Tensor) -> None:
+    """A sharded parameter's averaged gradient shard, copied into its gradient (a DTensor
+    FSDP2 made; the buffers are renewed under it)."""
+    shard = sharded.local(param)
+    if param.grad is None:
+        param.grad = sharded.DTensor.from_local(flat.view_as(shard).to(param.dtype).clone(), param.device_mesh,
+                                                param.placements, run_check=False, shape=param.shape,
+                                                stride=param.stride())
+    else:
+        sharded.local(param.grad).copy_(flat.view_as(shard))

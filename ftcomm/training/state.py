@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from ..errors import StateError
-from . import plain
+from . import plain, sharded
 
 
 class Participant(Protocol):
@@ -52,7 +52,7 @@ class TrainingState:
             if entry is None:
                 continue
             stateful = hasattr(entry, "state_dict") and hasattr(entry, "load_state_dict")
-            plain.split(entry.state_dict() if stateful else entry, f"registered state {name!r}")
+            plain.split(sharded.to_local(entry.state_dict()) if stateful else entry, f"registered state {name!r}")
             if stateful:
                 self.objects[name] = entry
             else:
@@ -63,7 +63,8 @@ class TrainingState:
         return bool(self.objects or self.values)
 
     def snapshot(self, step: int) -> dict[str, Any]:
-        return {"step": step, "objects": {n: o.state_dict() for n, o in self.objects.items()},
+        """The registered state; of a sharded model (FSDP2), this process's shards."""
+        return {"step": step, "objects": {n: sharded.to_local(o.state_dict()) for n, o in self.objects.items()},
                 "values": dict(self.values)}
 
     def digest(self, step: int) -> int:
@@ -79,14 +80,14 @@ class TrainingState:
 
     def describe(self) -> list:
         """What :meth:`signature` digests, to say how two workers' models differ."""
-        return plain.signature({n: m.state_dict() for n, m in self._modules().items()})
+        return plain.signature({n: sharded.to_local(m.state_dict()) for n, m in self._modules().items()})
 
     def transfer_limit(self) -> int:
         """The most tensor bytes a state sent by a peer may hold: generous (sixteen times this
         worker's modules, an optimizer's state included, and at least 1 GiB), yet a bound
         on what a peer can make this worker allocate."""
         modules = sum(t.numel() * t.element_size() for m in self._modules().values()
-                      for t in m.state_dict().values() if isinstance(t, torch.Tensor))
+                      for t in sharded.to_local(m.state_dict()).values() if isinstance(t, torch.Tensor))
         return max(1 << 30, 16 * modules)
 
     def _modules(self) -> dict[str, torch.nn.Module]:
@@ -127,13 +128,13 @@ class TrainingState:
             raise StateError(f"the state received holds {sorted(snapshot['objects'], key=str)!r:.200} where this "
                              f"worker registered {sorted(self.objects)!r:.200}")
         for name in modules:  # checked before anything is loaded, so a mismatch leaves the state as it was
-            _check_module_state(name, self.objects[name].state_dict(), snapshot["objects"][name])
+            _check_module_state(name, sharded.to_local(self.objects[name].state_dict()), snapshot["objects"][name])
         for name in sorted(self.objects, key=lambda n: n in modules):  # modules last: they cannot fail now
             state = snapshot["objects"][name]
             if name not in modules:  # kept by the object: its own memory, not a view of ``data``
                 state = _detach_from(state, data)
             try:
-                self.objects[name].load_state_dict(state)
+                self.objects[name].load_state_dict(sharded.like(self.objects[name].state_dict(), state))
             except Exception as exc:  # noqa: BLE001 - whatever the object's own check raises
                 raise StateError(f"the state received for {name!r} does not load: {exc}"[:500]) from None
         self.values.update(_detach_from(snapshot["values"], data))

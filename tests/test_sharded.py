@@ -1,0 +1,158 @@
+"""Sharded models (FSDP2) under ftcomm: each replica shards the model over its own K
+processes (torch's process group); the shard-i processes of the replicas form one ftcomm
+group that averages shard i's gradients and reconciles shard i's state. Without faults this
+must train exactly as plain HSDP on a ("replicate", "shard") mesh."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ftcomm.training import sharded
+from tests.conftest import free_port
+
+dist = pytest.importorskip("torch.distributed")
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+
+pytestmark = pytest.mark.timeout(300)
+
+REPLICAS, SHARDS, STEPS = 2, 2, 3
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6))
+
+
+def _shard(model: torch.nn.Module, mesh) -> None:
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fsdp.fully_shard(layer, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+
+
+def _batch(step: int, replica: int, shard: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * replica + shard))
+
+
+def _local_state(model, optimizer) -> dict:
+    state = {f"param.{n}": p.to_local().clone() for n, p in model.named_parameters()}
+    for index, entry in optimizer.state_dict()["state"].items():
+        for key, value in entry.items():
+            state[f"optim.{index}.{key}"] = sharded.local(value).clone()
+    return state
+
+
+def _plain_hsdp(rank: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=REPLICAS * SHARDS)
+    mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
+    replica, shard = divmod(rank, SHARDS)
+    model = _model()
+    _shard(model, mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(STEPS):
+        model(_batch(step, replica, shard)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save(_local_state(model, optimizer), os.path.join(out, f"plain_{replica}_{shard}.pt"))
+    dist.destroy_process_group()
+
+
+def _with_ftcomm(rank: int, ports: list[int], out: str, apart: bool) -> None:
+    import ftcomm
+    from torch.distributed.device_mesh import init_device_mesh
+    replica, shard = divmod(rank, SHARDS)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[replica]}", rank=shard,
+                            world_size=SHARDS)  # the replica's own process group
+    mesh = init_device_mesh("cpu", (SHARDS,))
+    gossip = ports[REPLICAS:]
+    group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[shard * REPLICAS + replica]}",
+                        peers=[f"127.0.0.1:{gossip[shard * REPLICAS]}"] if replica else [],
+                        min_workers=REPLICAS, cluster=f"sharded-test-{shard}", handle_signals=False,
+                        settle_interval=0.3, init_timeout=60)
+    model = _model(seed=replica if apart else 0)
+    _shard(model, mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    group.register_state(model=model, optimizer=optimizer)
+    committed = []
+    for step in range(STEPS):
+        group.step_boundary()  # the first: apart, shard i of the group's rank 0 reaches the other replica
+        model(_batch(step, replica, shard)).pow(2).mean().backward()
+        commit = torch.tensor([int(group.wait_gradients_ready(model))])
+        dist.all_reduce(commit, op=dist.ReduceOp.MIN)  # the replica's shards commit as one
+        if commit.item():
+            optimizer.step()
+        committed.append(bool(commit.item()))
+        optimizer.zero_grad()
+    torch.save({"state": _local_state(model, optimizer), "committed": committed, "step": group.step,
+                "world": group.world_size}, os.path.join(out, f"ft_{replica}_{shard}.pt"))
+    group.shutdown()
+    dist.destroy_process_group()
+
+
+def test_fsdp2_shards_averaged_across_replicas_train_exactly_as_plain_hsdp(tmp_path):
+    """2 replicas x 2 shards train 3 steps with Adam: every parameter and optimizer shard
+    ends as plain HSDP's."""
+    mp = torch.multiprocessing
+    mp.spawn(_plain_hsdp, args=(free_port(), str(tmp_path)), nprocs=REPLICAS * SHARDS)
+    ports = [free_port() for _ in range(REPLICAS + REPLICAS * SHARDS)]
+    mp.spawn(_with_ftcomm, args=(ports, str(tmp_path), False), nprocs=REPLICAS * SHARDS)
+    for replica in range(REPLICAS):
+        for shard in range(SHARDS):
+            plain = torch.load(tmp_path / f"plain_{replica}_{shard}.pt")
+            ours = torch.load(tmp_path / f"ft_{replica}_{shard}.pt")
+            assert ours["committed"] == [True] * STEPS and ours["step"] == STEPS and ours["world"] == REPLICAS
+            assert set(ours["state"]) == set(plain) and len(plain) > 4  # parameters and Adam's state
+            for name, expected in plain.items():
+                torch.testing.assert_close(ours["state"][name], expected, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_replicas_started_apart_hold_equal_shards_once_reconciled(tmp_path):
+    """Started from different weights, each shard group reconciles its shard from its rank 0
+    before the first step: shard for shard, parameters and optimizer state end equal."""
+    ports = [free_port() for _ in range(REPLICAS + REPLICAS * SHARDS)]
+    torch.multiprocessing.spawn(_with_ftcomm, args=(ports, str(tmp_path), True), nprocs=REPLICAS * SHARDS)
+    for shard in range(SHARDS):
+        states = [torch.load(tmp_path / f"ft_{replica}_{shard}.pt")["state"] for replica in range(REPLICAS)]
+        for name, value in states[0].items():
+            for other in states[1:]:
+                torch.testing.assert_close(other[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_sharded_state_is_this_process_shards_and_loads_back_into_dtensors(tmp_path):
+    """One process, a mesh of one: the snapshot holds local tensors (plain data, no
+    DTensor), and a state received from a peer is rebuilt as DTensors to load."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ftcomm.training.state import TrainingState
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = _model()
+        _shard(model, mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        model(_batch(0, 0, 0)).sum().backward()
+        optimizer.step()
+        state = TrainingState()
+        state.register(model=model, optimizer=optimizer)
+        snapshot = state.snapshot(5)
+        tensors = [v for v in snapshot["objects"]["model"].values()]
+        assert tensors and not any(sharded.is_sharded(t) for t in tensors)
+        manifest, data = state.pack(5)
+        other = _model(seed=1)
+        _shard(other, mesh)
+        other_optimizer = torch.optim.Adam(other.parameters(), lr=0.01)
+        other(_batch(1, 0, 0)).sum().backward()
+        other_optimizer.step()
+        receiver = TrainingState()
+        receiver.register(model=other, optimizer=other_optimizer)
+        assert receiver.digest(5) != state.digest(5)
+        assert receiver.unpack(manifest, data) == 5
+        assert receiver.digest(5) == state.digest(5)
+        assert all(sharded.is_sharded(p) for p in other.parameters())  # still sharded parameters
+    finally:
+        dist.destroy_process_group()
