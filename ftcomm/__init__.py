@@ -72,7 +72,8 @@ def _default_bind() -> str:
 
 def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: str | None = None,
          min_workers: int = 1, max_workers: int | None = None, cluster: str | None = None,
-         secret: str | None = None, insecure: bool | None = None, **options: Any) -> FaultTolerantGroup:
+         secret: str | None = None, insecure: bool | None = None, replica_size: int | None = None,
+         shard_rank: int | None = None, replica_addr: str | None = None, **options: Any) -> FaultTolerantGroup:
     """Join (or start) a fault-tolerant group and return once its first view is formed.
 
     ``peers``: gossip addresses (``"host:port"``) of any existing or starting members, or
@@ -86,6 +87,13 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     defaults to ``$FTCOMM_NETWORK_CHECK``. ``options``
     are :class:`GroupOptions` fields (``init_timeout``, ``max_retries``, ...); a
     ``gossip`` entry may be a :class:`GossipConfig` or a dict of its fields.
+    ``replica_size`` (default ``$FTCOMM_REPLICA_SIZE``, else 1): with K > 1 this process is
+    shard ``shard_rank`` (``$FTCOMM_SHARD_RANK``) of a replica of K processes that shards the
+    model with FSDP2 over ``ft.shard_mesh``; they meet at ``replica_addr``
+    (``$FTCOMM_REPLICA_ADDR``: shard 0's ``HOST:PORT``) in torch's default process group,
+    and this process joins the group of its shard (cluster ``f"{cluster}-shard{shard_rank}"``;
+    ``peers``: that group's; ``min_workers``/``max_workers`` then count replicas). See
+    docs/API.md, "Sharded models", for what is and is not built yet.
     Raises :class:`FtcommTimeout` when no view with ``min_workers`` members forms within
     ``init_timeout`` and :class:`ConfigMismatch` when the group runs other settings.
     Before anything starts: TypeError or ValueError naming the argument or option and
@@ -137,8 +145,12 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     if isinstance(options.get("gossip"), dict):
         options["gossip"] = GossipConfig().with_overrides(**options["gossip"])
     group_options = GroupOptions(**options)  # checks every option before anything starts
+    from .training.replica import replica_settings
+    replica = replica_settings(replica_size, shard_rank, replica_addr)
+    if replica[0] > 1:
+        cluster = f"{cluster}-shard{replica[1]}"
     return FaultTolerantGroup(backend, peers, bind, min_workers, max_workers, cluster, secret, group_options,
-                              insecure=insecure)
+                              insecure=insecure, replica=replica)
 
 
 def _loopback(host: str) -> bool:

@@ -40,6 +40,7 @@ from .runtime.lifecycle import Lifecycle
 from .runtime.rendezvous import Rendezvous
 from .runtime.steps import StepProtocol
 from .runtime.stragglers import StragglerReport, Stragglers
+from .training.replica import Replica
 from .training.state import TrainingState
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class FaultTolerantGroup:
     def __init__(self, backend: str = "gloo", peers: Iterable[str] = (), bind: str = "127.0.0.1:0",
                  min_workers: int = 1, max_workers: int | None = None, cluster: str = "ftcomm",
                  secret: str | bytes | None = None, options: GroupOptions | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, replica: tuple[int, int, str | None] = (1, 0, None)) -> None:
         backend_class = communicator_class(backend)  # NcclUnavailable here, before joining anyone
         check_worker_counts(min_workers, max_workers)
         self.options = opts = options or GroupOptions()  # GroupOptions checks its own fields
@@ -85,7 +86,11 @@ class FaultTolerantGroup:
         self._steps = StepProtocol(life, self.state, opts, self._stragglers, secret, min_workers)
         self.id = ""
         self._metrics = None
+        self.replica_size, self.shard_rank = replica[0], replica[1]
+        self._replica: Replica | None = None
         try:
+            if self.replica_size > 1:  # first: the replica's K processes meet (torch's process group)
+                self._replica = self._steps.replica = Replica(*replica, backend, opts.init_timeout)
             life.gossip = GossipNode((host, port), cluster=cluster, secret=secret,
                                      config=member_cap(opts.gossip, max_workers), metadata=life.status_record(),
                                      fault_filter=opts.fault_filter)
@@ -105,6 +110,8 @@ class FaultTolerantGroup:
                 life.gossip.stop()
             if self._metrics is not None:
                 self._metrics.close()
+            if self._replica is not None:
+                self._replica.close()
             life.rendezvous.close()
             raise
 
@@ -156,6 +163,22 @@ class FaultTolerantGroup:
             raise NotInView(f"this worker is in no view now ({why}); rank and world_size have a value again once "
                             f"it joins one (its training thread does so inside its current call to the group)")
         return view
+
+    @property
+    def shard_mesh(self) -> Any:
+        """The 1-D torch ``DeviceMesh`` over this replica's ``replica_size`` processes (hand it
+        to ``fully_shard``); None without ``replica_size`` > 1."""
+        return self._replica.mesh if self._replica is not None else None
+
+    @property
+    def replica_rank(self) -> int:
+        """This replica's rank among the live replicas (this process's rank in its shard's group)."""
+        return self.rank
+
+    @property
+    def num_replicas(self) -> int:
+        """Live replicas (the members of this process's shard group's view)."""
+        return self.world_size
 
     @property
     def gossip(self) -> GossipNode:

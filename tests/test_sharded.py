@@ -64,29 +64,27 @@ def _plain_hsdp(rank: int, port: int, out: str) -> None:
 
 def _with_ftcomm(rank: int, ports: list[int], out: str, apart: bool) -> None:
     import ftcomm
-    from torch.distributed.device_mesh import init_device_mesh
     replica, shard = divmod(rank, SHARDS)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[replica]}", rank=shard,
-                            world_size=SHARDS)  # the replica's own process group
-    mesh = init_device_mesh("cpu", (SHARDS,))
     gossip = ports[REPLICAS:]
     group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[shard * REPLICAS + replica]}",
                         peers=[f"127.0.0.1:{gossip[shard * REPLICAS]}"] if replica else [],
-                        min_workers=REPLICAS, cluster=f"sharded-test-{shard}", handle_signals=False,
-                        settle_interval=0.3, init_timeout=60)
+                        min_workers=REPLICAS, cluster="sharded-test", handle_signals=False,
+                        settle_interval=0.3, init_timeout=60,
+                        replica_size=SHARDS, shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
+    assert (group.replica_size, group.shard_rank, group.num_replicas) == (SHARDS, shard, REPLICAS)
+    assert group.shard_mesh.size() == SHARDS and dist.get_world_size() == SHARDS  # torch's group: the replica's
     model = _model(seed=replica if apart else 0)
-    _shard(model, mesh)
+    _shard(model, group.shard_mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     group.register_state(model=model, optimizer=optimizer)
     committed = []
     for step in range(STEPS):
         group.step_boundary()  # the first: apart, shard i of the group's rank 0 reaches the other replica
         model(_batch(step, replica, shard)).pow(2).mean().backward()
-        commit = torch.tensor([int(group.wait_gradients_ready(model))])
-        dist.all_reduce(commit, op=dist.ReduceOp.MIN)  # the replica's shards commit as one
-        if commit.item():
+        commit = group.wait_gradients_ready(model)  # the replica's shards commit as one
+        if commit:
             optimizer.step()
-        committed.append(bool(commit.item()))
+        committed.append(commit)
         optimizer.zero_grad()
     torch.save({"state": _local_state(model, optimizer), "committed": committed, "step": group.step,
                 "world": group.world_size}, os.path.join(out, f"ft_{replica}_{shard}.pt"))
@@ -156,3 +154,29 @@ def test_sharded_state_is_this_process_shards_and_loads_back_into_dtensors(tmp_p
         assert all(sharded.is_sharded(p) for p in other.parameters())  # still sharded parameters
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arguments, env, error", [
+    ({"replica_size": 0}, {}, "replica_size must be >= 1"),
+    ({"replica_size": 2, "shard_rank": 2}, {}, "shard_rank must be in 0..1"),
+    ({"replica_size": "2"}, {}, "replica_size must be an int"),
+    ({}, {"FTCOMM_REPLICA_SIZE": "two"}, "FTCOMM_REPLICA_SIZE must be an integer"),
+    ({"replica_size": 2, "replica_addr": 5}, {}, "replica_addr must be"),
+])
+def test_replica_settings_are_checked_before_anything_starts(monkeypatch, arguments, env, error):
+    from ftcomm.training.replica import replica_settings
+    for name in ("FTCOMM_REPLICA_SIZE", "FTCOMM_SHARD_RANK", "FTCOMM_REPLICA_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises((TypeError, ValueError), match=error):
+        replica_settings(arguments.get("replica_size"), arguments.get("shard_rank"), arguments.get("replica_addr"))
+
+
+def test_replica_settings_come_from_the_launcher_environment(monkeypatch):
+    from ftcomm.training.replica import replica_settings
+    monkeypatch.setenv("FTCOMM_REPLICA_SIZE", "4")
+    monkeypatch.setenv("FTCOMM_SHARD_RANK", "3")
+    monkeypatch.setenv("FTCOMM_REPLICA_ADDR", "10.0.0.2:29500")
+    assert replica_settings(None, None, None) == (4, 3, "10.0.0.2:29500")
+    assert replica_settings(2, 1, "h:1") == (2, 1, "h:1")

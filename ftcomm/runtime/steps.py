@@ -41,6 +41,7 @@ class StepProtocol:
                  secret: bytes | None, min_workers: int) -> None:
         self.life, self.state, self.options, self.stragglers = life, state, options, stragglers
         self.secret, self.min_workers = secret, min_workers
+        self.replica = None  # a sharded replica's processes commit as one (ftcomm.training.replica)
         self.step = 0  # committed steps
         self.owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         self.buckets: GradientBuckets | None = None
@@ -124,6 +125,8 @@ class StepProtocol:
         asking = [rank for rank, flag in enumerate(tail[2:].tolist()) if flag > 0.5]
         commit = life.driver.step_reduced(contributors, float(tail[1]), asking, bool(self.participants("batch_valid")),
                                           self.min_workers)
+        if self.replica is not None:
+            commit = self.replica.agree(commit)  # committed by every shard's group, or by none
         if commit:
             buckets.hand_back(contributors)
         else:

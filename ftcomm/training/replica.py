@@ -1,0 +1,87 @@
+"""A replica of K processes that shards the model among themselves (FSDP2 over ``shard_mesh``).
+
+The K processes share torch's default process group, which FSDP2's own collectives use
+(all-gather, reduce-scatter); it is not fault-tolerant. Across replicas, the shard-*i*
+processes form the ftcomm group of shard *i* (see :mod:`ftcomm.training.sharded`). A step
+commits only when it committed in every shard's group: :meth:`Replica.agree`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+
+from ..errors import FtcommError
+
+
+class Replica:
+    """This process's replica: ``size`` processes, this one shard ``shard_rank``, meeting at
+    ``address`` (``HOST:PORT``, shard 0's; torch's TCP store). An already initialized default
+    process group is used as it is when it has ``size`` ranks and this is rank
+    ``shard_rank``. ``timeout``: how long its collectives wait for a process."""
+
+    def __init__(self, size: int, shard_rank: int, address: str | None, backend: str, timeout: float) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.size, self.shard_rank = size, shard_rank
+        self._owned = False
+        if dist.is_initialized():
+            if (dist.get_world_size(), dist.get_rank()) != (size, shard_rank):
+                raise FtcommError(f"torch.distributed is initialized with rank {dist.get_rank()} of "
+                                  f"{dist.get_world_size()}, not shard {shard_rank} of a replica of {size}")
+        else:
+            if not address:
+                raise ValueError("replica_size > 1 needs the replica's address (replica_addr='HOST:PORT' of its "
+                                 "shard 0, or $FTCOMM_REPLICA_ADDR)")
+            dist.init_process_group("nccl" if backend == "nccl" else "gloo", init_method=f"tcp://{address}",
+                                    rank=shard_rank, world_size=size, timeout=datetime.timedelta(seconds=timeout))
+            self._owned = True
+        device = "cuda" if backend == "nccl" else "cpu"
+        self.device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.mesh = init_device_mesh(device, (size,), mesh_dim_names=("shard",))
+
+    def agree(self, committed: bool) -> bool:
+        """Whether every shard of this replica committed the step (one tiny all-reduce)."""
+        import torch.distributed as dist
+        flag = torch.tensor([int(committed)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        """Destroy the process group this replica created (not one the caller initialized)."""
+        import torch.distributed as dist
+        if self._owned and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owned = False
+
+
+def replica_settings(replica_size: Any, shard_rank: Any, replica_addr: Any) -> tuple[int, int, str | None]:
+    """The replica size, this process's shard rank and the replica's address, from the
+    arguments or else ``$FTCOMM_REPLICA_SIZE``, ``$FTCOMM_SHARD_RANK``, ``$FTCOMM_REPLICA_ADDR``;
+    TypeError or ValueError naming what is wrong."""
+    def number(value: Any, env: str, name: str, default: int) -> int:
+        if value is None:
+            raw = os.environ.get(env, "")
+            if not raw:
+                return default
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ValueError(f"${env} must be an integer, got {raw!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        return value
+    size = number(replica_size, "FTCOMM_REPLICA_SIZE", "replica_size", 1)
+    if size < 1:
+        raise ValueError(f"replica_size must be >= 1, got {size}")
+    rank = number(shard_rank, "FTCOMM_SHARD_RANK", "shard_rank", 0)
+    if not 0 <= rank < size:
+        raise ValueError(f"shard_rank must be in 0..{size - 1} (replica_size={size}), got {rank}")
+    address = replica_addr if replica_addr is not None else os.environ.get("FTCOMM_REPLICA_ADDR") or None
+    if address is not None and not isinstance(address, str):
+        raise TypeError(f"replica_addr must be a 'HOST:PORT' string, got {type(address).__name__}")
+    return size, rank, address
