@@ -180,3 +180,46 @@ def test_replica_settings_come_from_the_launcher_environment(monkeypatch):
     monkeypatch.setenv("FTCOMM_REPLICA_ADDR", "10.0.0.2:29500")
     assert replica_settings(None, None, None) == (4, 3, "10.0.0.2:29500")
     assert replica_settings(2, 1, "h:1") == (2, 1, "h:1")
+
+
+def test_a_flash_checkpoint_of_sharded_state_restores_into_a_new_group(tmp_path):
+    """One process, a mesh of one: a group saves its sharded model and Adam state; a new
+    group (a restarted job) restores them into a freshly sharded model, as DTensors."""
+    import ftcomm
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def trained(seed: int, steps: int):
+            model = _model(seed)
+            _shard(model, mesh)
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+            for step in range(steps):
+                model(_batch(step, 0, 0)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            return model, optimizer
+
+        group = ftcomm.init(bind=f"127.0.0.1:{free_port()}", handle_signals=False, cluster="sharded-ckpt")
+        model, optimizer = trained(0, 2)
+        group.register_state(model=model, optimizer=optimizer)
+        group.step = 2
+        checkpointer = ftcomm.FlashCheckpointer(group, tmp_path / "ckpt", keep=1)
+        checkpointer.save()
+        checkpointer.wait()
+        saved = _local_state(model, optimizer)
+        group.shutdown()
+
+        group = ftcomm.init(bind=f"127.0.0.1:{free_port()}", handle_signals=False, cluster="sharded-ckpt")
+        model, optimizer = trained(1, 1)  # other weights, and Adam state of another step
+        group.register_state(model=model, optimizer=optimizer)
+        assert ftcomm.FlashCheckpointer(group, tmp_path / "ckpt", keep=1).restore() == 2
+        restored = _local_state(model, optimizer)
+        assert set(restored) == set(saved)
+        for name, value in saved.items():
+            torch.testing.assert_close(restored[name], value, rtol=0, atol=0, msg=name)
+        assert all(sharded.is_sharded(p) for p in model.parameters())
+        group.shutdown()
+    finally:
+        dist.destroy_process_group()

@@ -49,7 +49,7 @@ import xxhash
 
 from ..errors import FtcommError, FtcommTimeout, StateError
 from . import checkpoint_files as files
-from . import plain
+from . import plain, sharded
 from .state import tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -508,7 +508,7 @@ class FlashCheckpointer:
         for name, obj in self.group.state.objects.items():
             if not isinstance(obj, torch.nn.Module):
                 continue
-            saved, mine = saved_objects.get(name), obj.state_dict()
+            saved, mine = saved_objects.get(name), sharded.to_local(obj.state_dict())
             if type(saved) is not dict or set(saved) != set(mine):
                 raise StateError(f"the checkpoint of step {meta.step} holds other parameters for module {name!r} "
                                  f"than it has: restore with the model the checkpoint was saved from")
@@ -556,5 +556,5 @@ class FlashCheckpointer:
             if in_place and isinstance(obj, torch.nn.Module) and all(
                     isinstance(v, torch.Tensor) for v in module_state.values()):
                 continue  # every tensor of its state dict was read into the module's own tensors
-            obj.load_state_dict(module_state)
+            obj.load_state_dict(sharded.like(obj.state_dict(), module_state))
         state.values.update(snapshot["values"])
