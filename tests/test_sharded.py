@@ -209,6 +209,9 @@ def test_a_flash_checkpoint_of_sharded_state_restores_into_a_new_group(tmp_path)
         checkpointer.save()
         checkpointer.wait()
         saved = _local_state(model, optimizer)
+        model(_batch(7, 0, 0)).pow(2).mean().backward()  # the step after the checkpoint, for reference
+        optimizer.step()
+        after = _local_state(model, optimizer)
         group.shutdown()
 
         group = ftcomm.init(bind=f"127.0.0.1:{free_port()}", handle_signals=False, cluster="sharded-ckpt")
@@ -220,6 +223,11 @@ def test_a_flash_checkpoint_of_sharded_state_restores_into_a_new_group(tmp_path)
         for name, value in saved.items():
             torch.testing.assert_close(restored[name], value, rtol=0, atol=0, msg=name)
         assert all(sharded.is_sharded(p) for p in model.parameters())
+        optimizer.zero_grad()
+        model(_batch(7, 0, 0)).pow(2).mean().backward()  # training goes on from the restored state
+        optimizer.step()
+        for name, value in _local_state(model, optimizer).items():
+            torch.testing.assert_close(value, after[name], rtol=1e-6, atol=1e-7, msg=name)
         group.shutdown()
     finally:
         dist.destroy_process_group()
