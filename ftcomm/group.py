@@ -203,8 +203,11 @@ class FaultTolerantGroup:
         """Register what must be identical on every worker (``state_dict`` objects or plain values).
 
         Objects that follow the group's steps (an :class:`ftcomm.ElasticSampler`, a
-        :class:`ftcomm.LinearLRScaling`) are bound to it here; see docs/API.md.
-        """
+        :class:`ftcomm.LinearLRScaling`) are bound to it here; see docs/API.md. With
+        ``replica_size`` > 1, StateError for a module with a parameter not sharded over
+        :attr:`shard_mesh` (its shards would not match the other replicas')."""
+        if self._replica is not None:
+            self._replica.check_sharded({"model": model, **extras})
         self.state.register(model=model, optimizer=optimizer, sampler=sampler, **extras)
         for obj in self.state.objects.values():
             if hasattr(obj, "bind_group"):

@@ -73,6 +73,9 @@ def _with_ftcomm(rank: int, ports: list[int], out: str, apart: bool) -> None:
                         replica_size=SHARDS, shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
     assert (group.replica_size, group.shard_rank, group.num_replicas) == (SHARDS, shard, REPLICAS)
     assert group.shard_mesh.size() == SHARDS and dist.get_world_size() == SHARDS  # torch's group: the replica's
+    with pytest.raises(ftcomm.StateError, match=r"model\.0\.weight is not sharded over ft.shard_mesh"):
+        group.register_state(model=_model())  # not sharded: refused before anything is registered
+    assert not group.state.registered
     model = _model(seed=replica if apart else 0)
     _shard(model, group.shard_mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ..errors import FtcommError
+from ..errors import FtcommError, StateError
+from . import sharded
 
 
 class Replica:
@@ -43,6 +44,18 @@ class Replica:
         device = "cuda" if backend == "nccl" else "cpu"
         self.device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.mesh = init_device_mesh(device, (size,), mesh_dim_names=("shard",))
+
+    def check_sharded(self, entries: dict[str, Any]) -> None:
+        """StateError naming the first parameter of a module in ``entries`` that is not a
+        DTensor on this replica's mesh (sharded with ``fully_shard(..., mesh=ft.shard_mesh)``)."""
+        for name, entry in entries.items():
+            if not isinstance(entry, torch.nn.Module):
+                continue
+            for path, param in entry.named_parameters():
+                if not sharded.is_sharded(param) or param.device_mesh != self.mesh:
+                    raise StateError(f"{name}.{path} is not sharded over ft.shard_mesh: with replica_size="
+                                     f"{self.size}, shard the model with fully_shard(module, mesh=ft.shard_mesh) "
+                                     f"before registering it")
 
     def agree(self, committed: bool) -> bool:
         """Whether every shard of this replica committed the step (one tiny all-reduce)."""
