@@ -329,12 +329,19 @@ def test_a_reconcile_that_timed_out_agrees_again():
     assert driver.advance() and driver.engine.agreeing
 
 
-def test_begin_recovery_breaks_a_running_view_and_drops_its_communicator():
-    driver, _, _, clock, comms = agreed_pair()
+def running_pair():
+    """A driver whose member runs view 1 with "b" (formed and reconciled through its ports)."""
+    driver, membership, prober, clock, comms = agreed_pair()
     comms.forming[-1][1].result = Formed(False, False)
     driver.advance()
     comms.reconciling[-1][1].result = Reconciled(False, 99)
     driver.advance()
+    assert driver.engine.state == core.RUNNING
+    return driver, membership, prober, clock, comms
+
+
+def test_begin_recovery_breaks_a_running_view_and_drops_its_communicator():
+    driver, _, _, clock, comms = running_pair()
     abandoned = comms.abandoned
     clock.t += 1.0
     driver.begin_recovery("crash")
@@ -349,11 +356,7 @@ def test_blocking_ports_return_done_or_failed_operations():
 
 
 def test_completed_operations_count_in_the_record_and_feed_the_stall_watch():
-    driver, membership, _, clock, comms = agreed_pair()
-    comms.forming[-1][1].result = Formed(False, False)
-    driver.advance()
-    comms.reconciling[-1][1].result = Reconciled(False, 1)
-    driver.advance()
+    driver, membership, _, clock, _ = running_pair()
     driver.operation_done(0.01)
     driver.operation_done(0.01)
     view = driver.engine.view
