@@ -93,3 +93,9 @@ def test_members_watch_redraws_with_steps_per_second_until_interrupted(member):
     watch.send_signal(signal.SIGINT)
     assert watch.wait(10) == 130
     assert sum("STEPS/S" in line for line in lines) >= 2 and any(member.id in line for line in lines)
+
+
+def test_the_demo_finds_its_training_script():
+    """``ftcomm demo`` runs the repository's example (installed with ``pip install -e .``)."""
+    from ftcomm.ops import demo
+    assert demo.EXAMPLE.is_file() and demo.EXAMPLE.name == "train_elastic.py"

@@ -13,7 +13,7 @@ from ..gossip.config import GossipConfig
 from ..gossip.local import LocalCluster
 from ..localproc import ChildProcess
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_elastic.py"  # the repository's
 
 
 def gossip_demo(members: int = 8, out=print) -> int:
