@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -347,3 +349,37 @@ def test_the_member_table_is_capped_from_max_workers_unless_set():
     assert member_cap(GossipConfig(), None).max_members == GossipConfig().max_members
     assert member_cap(GossipConfig(max_members=100), 4).max_members == 100
     assert member_cap(GossipConfig(), 10_000).max_members == GossipConfig().max_members
+
+
+def test_a_deeply_nested_skeleton_is_refused_not_a_crash():
+    """Nested tuples (each its own msgpack buffer, decoded through a hook) and nested lists
+    from a peer or a planted checkpoint: StateError, in a child process so that a crash of
+    the interpreter fails this test instead of ending the run."""
+    code = (
+        "import msgpack\n"
+        "from ftcomm.errors import StateError\n"
+        "from ftcomm.training import plain\n"
+        "data = plain._pack([])\n"
+        "for _ in range(300):\n"
+        "    data = plain._pack([msgpack.ExtType(plain._TUPLE, data)])\n"
+        "for skeleton in (data, b'\\x91' * 900 + b'\\xc0', b'\\x81\\xa1k' * 500 + b'\\xc0'):\n"
+        "    try:\n"
+        "        plain.join(skeleton, [])\n"
+        "    except StateError as exc:\n"
+        "        print('refused:', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.count("refused: skeleton nested more than 64 levels deep") == 3
+
+
+def test_state_nested_deeper_than_the_limit_is_refused_when_registered():
+    from ftcomm.training import plain
+    value: list = []
+    for _ in range(plain.MAX_DEPTH + 5):
+        value = [value]
+    with pytest.raises(StateError, match="nested more than 64 levels deep"):
+        plain.split({"deep": value})
+    shallow = {"a": [(1, 2.0, "x")], "b": {"c": {"d": [None]}}}
+    skeleton, tensors = plain.split(shallow)
+    assert plain.join(skeleton, tensors) == shallow

@@ -25,6 +25,10 @@ ALIGN = 64  # byte alignment of each tensor in a flat buffer (any dtype can view
 MAX_SKELETON_BYTES = 64 << 20
 MAX_TENSORS = 1 << 20
 _TENSOR, _TUPLE = 1, 2  # msgpack extension type codes
+MAX_DEPTH = 64
+"""The deepest nesting of lists, tuples and dicts a state may have (a model's and an
+optimizer's state dicts nest a few levels): decoding deeper data from a peer or a file
+would exhaust the stack."""
 _INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what msgpack can carry
 
 DTYPES: dict[str, torch.dtype] = {
@@ -51,7 +55,9 @@ def split(value: Any, where: str = "state") -> tuple[bytes, list[torch.Tensor]]:
     """
     tensors: list[torch.Tensor] = []
 
-    def convert(item: Any, path: str) -> Any:
+    def convert(item: Any, path: str, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise StateError(f"{path}: nested more than {MAX_DEPTH} levels deep")
         if isinstance(item, torch.Tensor):
             if type(item) not in (torch.Tensor, torch.nn.Parameter) or item.layout != torch.strided \
                     or item.is_quantized or item.device.type == "meta":
@@ -72,12 +78,12 @@ def split(value: Any, where: str = "state") -> tuple[bytes, list[torch.Tensor]]:
                 if not (key is None or type(key) in (bool, int, float, str)):
                     raise StateError(f"{path}: a dict key of type {type(key).__name__} ({key!r:.60}); "
                                      f"keys must be strings, numbers, bools or None")
-                out[key] = convert(sub, f"{path}[{key!r}]")
+                out[key] = convert(sub, f"{path}[{key!r}]", depth + 1)
             return out
         if type(item) is list:
-            return [convert(sub, f"{path}[{i}]") for i, sub in enumerate(item)]
+            return [convert(sub, f"{path}[{i}]", depth + 1) for i, sub in enumerate(item)]
         if type(item) is tuple:
-            items = [convert(sub, f"{path}[{i}]") for i, sub in enumerate(item)]
+            items = [convert(sub, f"{path}[{i}]", depth + 1) for i, sub in enumerate(item)]
             return msgpack.ExtType(_TUPLE, _pack(items))
         raise StateError(f"{path}: a {type(item).__module__}.{type(item).__qualname__} is not a tensor or plain "
                          f"data (None, bool, int, float, str, bytes, list, tuple, dict); convert it (for example "
@@ -95,21 +101,44 @@ def join(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
 
     Raises StateError for anything malformed (the bytes may come from anywhere).
     """
+    tuples = 0  # tuples being decoded, one inside the other (each is its own msgpack buffer)
+
     def hook(code: int, data: bytes) -> Any:
+        nonlocal tuples
         if code == _TENSOR and len(data) == 4:
             index = int.from_bytes(data, "little")
             if index < len(tensors):
                 return tensors[index]
             raise StateError(f"skeleton refers to tensor {index} of {len(tensors)}")
         if code == _TUPLE:
-            items = _unpack(data, hook)
+            if tuples >= MAX_DEPTH:
+                raise StateError(f"skeleton nested more than {MAX_DEPTH} levels deep")
+            tuples += 1
+            try:
+                items = _unpack(data, hook)
+            finally:
+                tuples -= 1
             if type(items) is list:
                 return tuple(items)
         raise StateError(f"skeleton holds an unknown extension (type {code})")
 
     if len(skeleton) > MAX_SKELETON_BYTES:
         raise StateError("skeleton too large")
-    return _unpack(skeleton, hook)
+    value = _unpack(skeleton, hook)
+    _check_depth(value)
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    """StateError when ``value`` nests lists, tuples and dicts more than MAX_DEPTH levels
+    (checked without recursion: what walks it later recurses)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, tuple, dict)):
+            if depth > MAX_DEPTH:
+                raise StateError(f"skeleton nested more than {MAX_DEPTH} levels deep")
+            stack.extend((sub, depth + 1) for sub in (item.values() if isinstance(item, dict) else item))
 
 
 def layout(tensors: list[torch.Tensor]) -> tuple[list[list], int]:
