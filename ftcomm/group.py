@@ -318,7 +318,7 @@ class FaultTolerantGroup:
                                                self.options.network_check_factor)
         except (MembershipChanged, FtcommTimeout, CommunicatorError) as exc:
             log.warning("network check abandoned: %s", exc)
-            self._life.perform(self._life.engine.failed("backend"))  # the others stop waiting at once
+            self._life.driver.perform(self._life.engine.failed("backend"))  # the others stop waiting at once
             return
         netcheck.publish(self.network_report, os.environ.get("FTCOMM_NETWORK_REPORT"))
 

@@ -124,39 +124,47 @@ def test_replicas_started_apart_hold_equal_shards_once_reconciled(tmp_path):
                 torch.testing.assert_close(other[name], value, rtol=0, atol=0, msg=name)
 
 
-def test_sharded_state_is_this_process_shards_and_loads_back_into_dtensors(tmp_path):
-    """One process, a mesh of one: the snapshot holds local tensors (plain data, no
-    DTensor), and a state received from a peer is rebuilt as DTensors to load."""
+@pytest.fixture
+def one_process_mesh():
+    """torch's default process group over this process alone, and its mesh of one."""
     from torch.distributed.device_mesh import init_device_mesh
-
-    from ftcomm.training.state import TrainingState
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        mesh = init_device_mesh("cpu", (1,))
-        model = _model()
-        _shard(model, mesh)
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-        model(_batch(0, 0, 0)).sum().backward()
-        optimizer.step()
-        state = TrainingState()
-        state.register(model=model, optimizer=optimizer)
-        snapshot = state.snapshot(5)
-        tensors = [v for v in snapshot["objects"]["model"].values()]
-        assert tensors and not any(sharded.is_sharded(t) for t in tensors)
-        manifest, data = state.pack(5)
-        other = _model(seed=1)
-        _shard(other, mesh)
-        other_optimizer = torch.optim.Adam(other.parameters(), lr=0.01)
-        other(_batch(1, 0, 0)).sum().backward()
-        other_optimizer.step()
-        receiver = TrainingState()
-        receiver.register(model=other, optimizer=other_optimizer)
-        assert receiver.digest(5) != state.digest(5)
-        assert receiver.unpack(manifest, data) == 5
-        assert receiver.digest(5) == state.digest(5)
-        assert all(sharded.is_sharded(p) for p in other.parameters())  # still sharded parameters
+        yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+def _trained(mesh, seed: int, steps: int):
+    """A model sharded over ``mesh`` and its Adam optimizer, after ``steps`` steps."""
+    model = _model(seed)
+    _shard(model, mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(steps):
+        model(_batch(step, 0, 0)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def test_sharded_state_is_this_process_shards_and_loads_back_into_dtensors(one_process_mesh):
+    """One process, a mesh of one: the snapshot holds local tensors (plain data, no
+    DTensor), and a state received from a peer is rebuilt as DTensors to load."""
+    from ftcomm.training.state import TrainingState
+    model, optimizer = _trained(one_process_mesh, 0, 1)
+    state = TrainingState()
+    state.register(model=model, optimizer=optimizer)
+    snapshot = state.snapshot(5)
+    tensors = [v for v in snapshot["objects"]["model"].values()]
+    assert tensors and not any(sharded.is_sharded(t) for t in tensors)
+    manifest, data = state.pack(5)
+    other, other_optimizer = _trained(one_process_mesh, 1, 2)
+    receiver = TrainingState()
+    receiver.register(model=other, optimizer=other_optimizer)
+    assert receiver.digest(5) != state.digest(5)
+    assert receiver.unpack(manifest, data) == 5
+    assert receiver.digest(5) == state.digest(5)
+    assert all(sharded.is_sharded(p) for p in other.parameters())  # still sharded parameters
 
 
 @pytest.mark.parametrize("arguments, env, error", [
@@ -185,52 +193,35 @@ def test_replica_settings_come_from_the_launcher_environment(monkeypatch):
     assert replica_settings(2, 1, "h:1") == (2, 1, "h:1")
 
 
-def test_a_flash_checkpoint_of_sharded_state_restores_into_a_new_group(tmp_path):
+def test_a_flash_checkpoint_of_sharded_state_restores_into_a_new_group(tmp_path, one_process_mesh):
     """One process, a mesh of one: a group saves its sharded model and Adam state; a new
     group (a restarted job) restores them into a freshly sharded model, as DTensors."""
     import ftcomm
-    from torch.distributed.device_mesh import init_device_mesh
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
+    group = ftcomm.init(bind=f"127.0.0.1:{free_port()}", handle_signals=False, cluster="sharded-ckpt")
+    model, optimizer = _trained(one_process_mesh, 0, 2)
+    group.register_state(model=model, optimizer=optimizer)
+    group.step = 2
+    checkpointer = ftcomm.FlashCheckpointer(group, tmp_path / "ckpt", keep=1)
+    checkpointer.save()
+    checkpointer.wait()
+    saved = _local_state(model, optimizer)
+    model(_batch(7, 0, 0)).pow(2).mean().backward()  # the step after the checkpoint, for reference
+    optimizer.step()
+    after = _local_state(model, optimizer)
+    group.shutdown()
 
-        def trained(seed: int, steps: int):
-            model = _model(seed)
-            _shard(model, mesh)
-            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-            for step in range(steps):
-                model(_batch(step, 0, 0)).pow(2).mean().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            return model, optimizer
-
-        group = ftcomm.init(bind=f"127.0.0.1:{free_port()}", handle_signals=False, cluster="sharded-ckpt")
-        model, optimizer = trained(0, 2)
-        group.register_state(model=model, optimizer=optimizer)
-        group.step = 2
-        checkpointer = ftcomm.FlashCheckpointer(group, tmp_path / "ckpt", keep=1)
-        checkpointer.save()
-        checkpointer.wait()
-        saved = _local_state(model, optimizer)
-        model(_batch(7, 0, 0)).pow(2).mean().backward()  # the step after the checkpoint, for reference
-        optimizer.step()
-        after = _local_state(model, optimizer)
-        group.shutdown()
-
-        group = ftcomm.init(bind=f"127.0.0.1:{free_port()}", handle_signals=False, cluster="sharded-ckpt")
-        model, optimizer = trained(1, 1)  # other weights, and Adam state of another step
-        group.register_state(model=model, optimizer=optimizer)
-        assert ftcomm.FlashCheckpointer(group, tmp_path / "ckpt", keep=1).restore() == 2
-        restored = _local_state(model, optimizer)
-        assert set(restored) == set(saved)
-        for name, value in saved.items():
-            torch.testing.assert_close(restored[name], value, rtol=0, atol=0, msg=name)
-        assert all(sharded.is_sharded(p) for p in model.parameters())
-        optimizer.zero_grad()
-        model(_batch(7, 0, 0)).pow(2).mean().backward()  # training goes on from the restored state
-        optimizer.step()
-        for name, value in _local_state(model, optimizer).items():
-            torch.testing.assert_close(value, after[name], rtol=1e-6, atol=1e-7, msg=name)
-        group.shutdown()
-    finally:
-        dist.destroy_process_group()
+    group = ftcomm.init(bind=f"127.0.0.1:{free_port()}", handle_signals=False, cluster="sharded-ckpt")
+    model, optimizer = _trained(one_process_mesh, 1, 1)  # other weights, and Adam state of another step
+    group.register_state(model=model, optimizer=optimizer)
+    assert ftcomm.FlashCheckpointer(group, tmp_path / "ckpt", keep=1).restore() == 2
+    restored = _local_state(model, optimizer)
+    assert set(restored) == set(saved)
+    for name, value in saved.items():
+        torch.testing.assert_close(restored[name], value, rtol=0, atol=0, msg=name)
+    assert all(sharded.is_sharded(p) for p in model.parameters())
+    optimizer.zero_grad()
+    model(_batch(7, 0, 0)).pow(2).mean().backward()  # training goes on from the restored state
+    optimizer.step()
+    for name, value in _local_state(model, optimizer).items():
+        torch.testing.assert_close(value, after[name], rtol=1e-6, atol=1e-7, msg=name)
+    group.shutdown()

@@ -155,13 +155,11 @@ class Driver:
         dropped and the member agrees again (a formation under way is given up)."""
         engine = self.engine
         self.reason, self.reconciled = reason, []
-        self.ports.communicators.abandon()
         if engine.state == core.FORMING:
             self.perform(engine.form_failed())
         elif engine.state in core.IN_VIEW or engine.state == core.RECONCILING:
             self.perform(engine.broken())
-        self._pending = None
-        self.agreeing_since = self.ports.clock.now()
+        self._again()
 
     @property
     def recovering(self) -> bool:

@@ -139,10 +139,6 @@ class Lifecycle:
                  change.form_s, change.reconcile_s)
         return change
 
-    def perform(self, actions: list) -> None:
-        """Carry out the engine's actions (see Driver.perform)."""
-        self.driver.perform(actions)
-
     # ------------------------------------------------------------------ the communicators port
     def reconcile(self, view: View) -> Pending[Reconciled]:
         """Reconcile the registered state over the view just formed (ftcomm.runtime.ports.Communicators)."""
@@ -258,11 +254,7 @@ class Lifecycle:
         if exchange is not None:
             self.driver.confirmed(exchange.poll())
 
-    # ------------------------------------------------------------------ what broke
-    def classify(self, exc: BaseException) -> str:
-        """Why the view broke (see Driver.classify)."""
-        return self.driver.classify(exc)
-
+    # ------------------------------------------------------------------ shut down, or stuck
     def check_open(self) -> None:
         """The worker left the group (``shutdown`` from another thread, or the exit hook)
         while this thread recovers: nothing is left to recover."""

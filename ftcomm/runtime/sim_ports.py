@@ -46,31 +46,38 @@ class SimMembership:
         # Members are found by id (see SimProposals.fetch): no addresses are needed.
         return self.sim._statuses(self.w), {}
 
+    @property
+    def _protocol(self):
+        """This worker's gossip core."""
+        return self.sim.sim.nodes[self.w.node].protocol
+
     def records(self) -> list[MemberRecord]:
-        host = self.sim.sim.nodes[self.w.node].protocol.address
+        host = self._protocol.address
         return [MemberRecord(member_id, state, *member_host(member_id, host), self.sim._status(member_id, state, meta))
-                for member_id, state, meta, _ in self.sim.sim.nodes[self.w.node].protocol.member_states()]
+                for member_id, state, meta, _ in self._protocol.member_states()]
+
+    def _send(self, call, *args) -> None:
+        """``protocol.call(*args, now)`` on this worker's gossip core, its datagrams sent at once."""
+        call(*args, self.sim.sim.now)
+        self.sim.sim.flush(self.w.node)
 
     def publish(self, record: dict) -> None:
-        sim, w = self.sim, self.w
-        sim.sim.nodes[w.node].protocol.set_metadata(encode_metadata(record), sim.sim.now)
-        sim.sim.flush(w.node)
+        w = self.w
+        self._send(self._protocol.set_metadata, encode_metadata(record))
         if w.news is not None:
             w.news.setdefault(w.engine.id, False)
 
     def announce(self, members) -> None:
-        self.sim.sim.nodes[self.w.node].protocol.announce(list(members), self.sim.sim.now)
-        self.sim.sim.flush(self.w.node)
+        self._send(self._protocol.announce, list(members))
 
     def sync(self, member: str) -> None:
-        self.sim.sim.nodes[self.w.node].protocol.sync_with(member, self.sim.sim.now)
-        self.sim.sim.flush(self.w.node)
+        self._send(self._protocol.sync_with, member)
 
     def recontact_seeds(self) -> None:
         """A join request to each worker (its seeds: the workers a joiner may join through)
         that is not a live member in this worker's table."""
         sim, w = self.sim, self.w
-        live = {member_id for member_id, state, _, _ in sim.sim.nodes[w.node].protocol.member_states()
+        live = {member_id for member_id, state, _, _ in self._protocol.member_states()
                 if state in ("alive", "suspect")}
         for x in sim._live():
             if x is not w and x.engine.id not in live:
@@ -82,19 +89,16 @@ class SimMembership:
             self.sim.sim.join_through(self.w.node, other.node)
 
     def probe_now(self, members) -> None:
-        self.sim.sim.nodes[self.w.node].protocol.probe_now(list(members), self.sim.sim.now)
-        self.sim.sim.flush(self.w.node)
+        self._send(self._protocol.probe_now, list(members))
 
     def declare_dead(self, member: str) -> None:
-        self.sim.sim.nodes[self.w.node].protocol.declare_dead(member, self.sim.sim.now)
-        self.sim.sim.flush(self.w.node)
+        self._send(self._protocol.declare_dead, member)
 
     def exchange(self, members) -> "SimOperation":
         """A state exchange with the first of ``members``, over after a few ticks; answered
         when one of them runs and is reachable."""
         sim, w = self.sim, self.w
-        sim.sim.nodes[w.node].protocol.sync_with(members[0], sim.sim.now)
-        sim.sim.flush(w.node)
+        self.sync(members[0])
         until = sim.sim.now + EXCHANGE_TICKS * TICK
         answers = [sim.by_id[m] for m in members if m in sim.by_id]
         return SimOperation(lambda: None if sim.sim.now < until else any(
@@ -104,7 +108,7 @@ class SimMembership:
         return self.w.resumed_at
 
     def refuted_at(self) -> float:
-        return self.sim.sim.nodes[self.w.node].protocol.last_refuted
+        return self._protocol.last_refuted
 
 
 class SimProposals:

@@ -106,11 +106,11 @@ class StepProtocol:
             buckets.discard()
             life.check_open()  # shut down from another thread: FtcommError, nothing to re-form
             self.failed_in_a_row += 1
-            fault = self.engine.fault or life.classify(exc)
+            fault = self.engine.fault or life.driver.classify(exc)
             if self.failed_in_a_row > self.options.max_retries:
                 self.failed_in_a_row = 0  # a caller that goes on gets max_retries more
                 if self.engine.state in (core.RUNNING, core.RECONCILE_DUE):
-                    life.perform(self.engine.failed(fault))  # re-formed at the next call
+                    life.driver.perform(self.engine.failed(fault))  # re-formed at the next call
                 self.end_step(False)
                 raise RetryLimitExceeded(
                     f"wait_gradients_ready failed {self.options.max_retries + 1} steps in a row because the "
@@ -155,7 +155,7 @@ class StepProtocol:
                     raise RetryLimitExceeded(
                         f"execute failed {failures} times in a row because the membership kept changing "
                         f"(last: {exc}); raise max_retries or investigate the unstable workers") from exc
-                self.recover(self.engine.fault or self.life.classify(exc), self.waiting_since)
+                self.recover(self.engine.fault or self.life.driver.classify(exc), self.waiting_since)
 
     def run(self, start: Callable[[], Any]) -> Any:
         """One collective: ``start`` enqueues it on the communicator; its handle is waited on here."""
@@ -263,7 +263,7 @@ class StepProtocol:
         re-formed before the next collective. Raises FtcommError when another thread shut
         the group down meanwhile (nothing is left to re-form)."""
         self.life.check_open()
-        self.life.perform(self.engine.failed(self.life.classify(exc)))
+        self.life.driver.perform(self.engine.failed(self.life.driver.classify(exc)))
 
     def participants(self, hook: str) -> list[Any]:
         """Registered objects that follow the group's steps through ``hook``."""
