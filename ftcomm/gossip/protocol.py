@@ -125,6 +125,7 @@ class Protocol:
         self._probe: _Probe | None = None
         self._urgent: dict[int, _Probe] = {}  # seq -> probe started by probe_now
         self._confirmations: dict[int, tuple[str, tuple[str, int], float]] = {}  # seq -> (id, address, deadline)
+        self._corrected: dict[str, float] = {}  # member -> when it was last sent this member's record
         self._seq = self._rng.getrandbits(32)  # unpredictable: an ack must answer a ping that was seen
         self._now = 0.0
         self.wall_offset = 0.0
@@ -357,8 +358,10 @@ class Protocol:
             elif kind == ALIVE:
                 self._on_alive(message[1], message[2], message[3], message[4], message[5], sender, now)
             elif kind == SUSPECT:
+                self._correct_stale(message, sender, now)
                 self._on_suspect(message[1], message[2], message[3], now)
             elif kind == DEAD:
+                self._correct_stale(message, sender, now)
                 self._on_dead(message[1], message[2], message[3], now, message[4] if len(message) > 4 else None)
 
     def handle_stream(self, data: bytes, now: float) -> bytes:
@@ -711,6 +714,24 @@ class Protocol:
         self._emit("left" if left else "dead", m, now, reporter)
         notice = [DEAD, member_id, incarnation, reporter] + ([m.meta] if left else [])
         self._broadcasts.queue(member_id, wire.encode(notice))
+
+    def _correct_stale(self, message: list, sender: str, now: float) -> None:
+        """A suspicion or death notice of an incarnation of this member older than its own:
+        whoever sent or started it missed the refutation, and nobody gossips that again (the
+        others know the newer incarnation and drop the stale notice), so its suspicion would
+        run out and bury a live member. Both get this member's current record straight away,
+        at most once per probe interval each."""
+        if message[1] != self.id or message[2] >= self._self.incarnation or self.leaving:
+            return
+        if len(self._corrected) > 64:
+            self._corrected = {k: t for k, t in self._corrected.items() if now - t < self.config.probe_interval}
+        for holder in {sender, message[3]}:
+            m = self._table.get(holder)
+            if m is None or now - self._corrected.get(holder, float("-inf")) < self.config.probe_interval:
+                continue
+            self._corrected[holder] = now
+            self._send(m.address, m.id, [self._alive_self_message()], piggyback=False)
+            self.stats["stale_news_corrected"] += 1
 
     def _declare_dead(self, member_id: str, incarnation: int, now: float) -> None:
         if self._table.get(member_id) is None:  # forgotten while suspected, to make room in a full table

@@ -304,3 +304,31 @@ def test_an_announcement_with_long_departure_notices_stays_within_the_datagram_l
         messages = decode(datagram.data)
         assert messages[0][:2] == [ALIVE, member_id(0)]
         assert [DEAD, member_id(7), 0, member_id(0)] in messages  # a short notice is not kept out by long ones
+
+
+def test_a_member_that_missed_a_refutation_is_told_directly_and_never_buries_the_member():
+    # Member 1 refutes a suspicion and every datagram carrying the refutation to member 2 is
+    # lost; once the broadcasts are spent, member 2 alone holds the old incarnation. Its
+    # suspicion of that incarnation is stale to everyone else, so nobody gossips the
+    # refutation again: member 1 must answer the stale notice itself (no anti-entropy here
+    # to repair it sooner or later).
+    net = MiniNet(5, GossipConfig(push_pull_interval=0))
+    net.run(0.5)
+    node = net.nodes[2]
+    receive = node.receive
+
+    def lossy(data, source, now):
+        if not any(m[0] == ALIVE and m[1] == member_id(1) for m in decode(data)):
+            receive(data, source, now)
+
+    node.receive = lossy
+    net.nodes[1].receive(packet([SUSPECT, member_id(1), 0, member_id(0)], sender=member_id(0)), address(0), net.now)
+    net.run(6.0)
+    node.receive = receive
+    assert net.nodes[1].incarnation == 1
+    assert node.member(member_id(1)).incarnation == 0 and "suspect" not in net.kinds(2, 1)
+    node.receive(packet([SUSPECT, member_id(1), 0, member_id(3)], sender=member_id(3)), address(3), net.now)
+    net.run(CFG.max_suspicion_timeout(5) + 1.0)
+    assert "dead" not in net.kinds(2, 1)
+    info = node.member(member_id(1))
+    assert (info.state, info.incarnation) == ("alive", 1)
