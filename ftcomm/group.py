@@ -318,7 +318,10 @@ class FaultTolerantGroup:
                                                self.options.network_check_factor)
         except (MembershipChanged, FtcommTimeout, CommunicatorError) as exc:
             log.warning("network check abandoned: %s", exc)
-            self._life.driver.perform(self._life.engine.failed("backend"))  # the others stop waiting at once
+            # What broke it is classified as for any collective (a crashed member is probed and
+            # declared dead at once); the others stop waiting at once.
+            fault = self._life.driver.classify(exc)
+            self._life.driver.perform(self._life.engine.failed(fault))
             return
         netcheck.publish(self.network_report, os.environ.get("FTCOMM_NETWORK_REPORT"))
 

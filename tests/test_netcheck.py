@@ -163,3 +163,31 @@ def test_founding_members_check_their_links_and_a_joiner_does_not(tmp_path, monk
     finally:
         for g in groups + ([joiner] if joiner else []):
             g.shutdown()
+
+
+def test_a_member_that_crashes_during_the_check_is_named_a_crash_at_once(monkeypatch):
+    # The check runs right after the founding view formed: a member killed then must be
+    # probed and declared dead as after any collective, not left to its suspicion timeout
+    # (the view after it would be named a hang).
+    from ftcomm.errors import CommunicatorError
+    from ftcomm.ops import netcheck
+
+    from .test_group_threads import start_groups
+
+    groups = start_groups(2)
+    try:
+        g, other = groups
+        probed = []
+
+        def refused(addresses, timeout, settle=0.0):
+            probed.extend(addresses)
+            return [True] * len(addresses)
+
+        monkeypatch.setattr(g._life.driver.ports.prober, "refused", refused)
+        monkeypatch.setattr(netcheck, "run", lambda *a: (_ for _ in ()).throw(CommunicatorError("connection reset")))
+        g._check_network()
+        assert [f"{host}:{port}" for host, port in probed] == [other.gossip.address]
+        assert g._life.engine.fault == "crash"
+    finally:
+        for group in groups:
+            group.shutdown()
