@@ -24,8 +24,8 @@ from . import netif
 from .backends import BACKENDS
 from .core.view import View
 from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
-                     MembershipChanged, NcclUnavailable, NotInView, QuorumLost, RetryLimitExceeded, SecretRequired,
-                     StateError)
+                     MembershipChanged, NcclUnavailable, NotInView, QuorumLost, ReplicaLost, RetryLimitExceeded,
+                     SecretRequired, StateError)
 from .gossip import GossipConfig
 from .gossip.addresses import parse_address, parse_seed
 
@@ -55,7 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup",
     "FlashCheckpointer", "FtcommError", "FtcommTimeout", "GroupOptions", "LinearLRScaling", "MembershipChanged",
-    "NcclUnavailable", "NotInView", "QuorumLost", "RetryLimitExceeded", "SecretRequired", "StateError", "View", "ViewChange", "init",
+    "NcclUnavailable", "NotInView", "QuorumLost", "ReplicaLost", "RetryLimitExceeded", "SecretRequired", "StateError", "View", "ViewChange", "init",
 ]
 
 
@@ -90,10 +90,11 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     ``replica_size`` (default ``$FTCOMM_REPLICA_SIZE``, else 1): with K > 1 this process is
     shard ``shard_rank`` (``$FTCOMM_SHARD_RANK``) of a replica of K processes that shards the
     model with FSDP2 over ``ft.shard_mesh``; they meet at ``replica_addr``
-    (``$FTCOMM_REPLICA_ADDR``: shard 0's ``HOST:PORT``) in torch's default process group,
-    and this process joins the group of its shard (cluster ``f"{cluster}-shard{shard_rank}"``;
-    ``peers``: that group's; ``min_workers``/``max_workers`` then count replicas). See
-    docs/API.md, "Sharded models", for what is and is not built yet.
+    (``$FTCOMM_REPLICA_ADDR``: shard 0's ``HOST:PORT``) in torch's default process group.
+    Every process of every replica is a member of the group; views hold whole replicas only
+    (``min_workers``/``max_workers`` count replicas) and a replica that loses a process
+    leaves as a whole (:class:`ReplicaLost` on its other processes). See docs/API.md,
+    "Sharded models".
     Raises :class:`FtcommTimeout` when no view with ``min_workers`` members forms within
     ``init_timeout`` and :class:`ConfigMismatch` when the group runs other settings.
     Before anything starts: TypeError or ValueError naming the argument or option and
@@ -147,8 +148,9 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     group_options = GroupOptions(**options)  # checks every option before anything starts
     from .training.replica import replica_settings
     replica = replica_settings(replica_size, shard_rank, replica_addr)
-    if replica[0] > 1:
-        cluster = f"{cluster}-shard{replica[1]}"
+    if replica[0] > 1 and group_options.straggler_policy == "exclude":
+        raise ValueError("straggler_policy='exclude' stands one process aside, and a sharded replica "
+                         "(replica_size > 1) trains only whole: use straggler_policy='warn'")
     return FaultTolerantGroup(backend, peers, bind, min_workers, max_workers, cluster, secret, group_options,
                               insecure=insecure, replica=replica)
 

@@ -43,6 +43,12 @@ class ConfigMismatch(FtcommError):
     """Workers of one group were started with incompatible settings."""
 
 
+class ReplicaLost(FtcommError):
+    """A process of this worker's sharded replica died or left: torch's process group inside
+    the replica is broken, so this process cannot train again. Exit; the launcher
+    (``ftcomm run --replica-size K``) starts the whole replica again, and it rejoins."""
+
+
 class RetryLimitExceeded(FtcommError):
     """``execute``, or ``wait_gradients_ready``, failed more than ``max_retries`` times in a
     row because the membership kept changing."""

@@ -64,8 +64,9 @@ class FaultTolerantGroup:
         check_worker_counts(min_workers, max_workers)
         self.options = opts = options or GroupOptions()  # GroupOptions checks its own fields
         self.min_workers, self.max_workers = min_workers, max_workers
+        size = replica[0]
         self.settings = {"backend": backend, "min_workers": min_workers, "max_workers": max_workers,
-                         "partition_policy": opts.partition_policy, "protocol": PROTOCOL}
+                         "partition_policy": opts.partition_policy, "protocol": PROTOCOL, "replica_size": size}
         self._config = hashlib.blake2b(json.dumps(self.settings, sort_keys=True).encode(), digest_size=4).hexdigest()
         self.state = TrainingState()
         self.network_report: NetworkReport | None = None  # GroupOptions.network_check
@@ -77,7 +78,9 @@ class FaultTolerantGroup:
         secret = check_secret(secret)
         self.insecure = check_protection(host, secret, insecure)
         rendezvous = Rendezvous(host, opts.formation_timeout, secret)
-        engine = Engine("", self._config, min_workers, max_workers, opts.partition_policy, opts.settle_interval,
+        # A sharded replica's K processes are K members: the engine counts processes.
+        engine = Engine("", self._config, min_workers * size, max_workers and max_workers * size,
+                        opts.partition_policy, opts.settle_interval,
                         3 * opts.gossip.gossip_interval, joined_at=time.time(),
                         settings=tuple(self.settings[n] for n in core.SETTING_NAMES),
                         rendezvous_port=rendezvous.port, insecure=self.insecure)
@@ -90,7 +93,8 @@ class FaultTolerantGroup:
         self._replica: Replica | None = None
         try:
             if self.replica_size > 1:  # first: the replica's K processes meet (torch's process group)
-                self._replica = self._steps.replica = Replica(*replica, backend, opts.init_timeout)
+                self._replica = self._steps.replica = life.replica = Replica(*replica, backend, opts.init_timeout)
+                engine.replica = (self._replica.key, self.shard_rank, self.replica_size)
             life.gossip = GossipNode((host, port), cluster=cluster, secret=secret,
                                      config=member_cap(opts.gossip, max_workers), metadata=life.status_record(),
                                      fault_filter=opts.fault_filter)
@@ -172,13 +176,14 @@ class FaultTolerantGroup:
 
     @property
     def replica_rank(self) -> int:
-        """This replica's rank among the live replicas (this process's rank in its shard's group)."""
-        return self.rank
+        """This replica's rank among the replicas of the current view (``rank // replica_size``:
+        a view holds whole replicas, each as ``replica_size`` consecutive ranks in shard order)."""
+        return self.rank // self.replica_size
 
     @property
     def num_replicas(self) -> int:
-        """Live replicas (the members of this process's shard group's view)."""
-        return self.world_size
+        """Replicas in the current view (``world_size // replica_size``)."""
+        return self.world_size // self.replica_size
 
     @property
     def gossip(self) -> GossipNode:

@@ -1,7 +1,8 @@
 """Sharded models (FSDP2) under ftcomm: each replica shards the model over its own K
-processes (torch's process group); the shard-i processes of the replicas form one ftcomm
-group that averages shard i's gradients and reconciles shard i's state. Without faults this
-must train exactly as plain HSDP on a ("replicate", "shard") mesh."""
+processes (torch's process group); every process is a member of the group, whose views
+hold whole replicas, and the shard-i processes of a view average shard i's gradients and
+reconcile shard i's state over a communicator of their own. Without faults this must train
+exactly as plain HSDP on a ("replicate", "shard") mesh."""
 
 from __future__ import annotations
 
@@ -66,12 +67,13 @@ def _with_ftcomm(rank: int, ports: list[int], out: str, apart: bool) -> None:
     import ftcomm
     replica, shard = divmod(rank, SHARDS)
     gossip = ports[REPLICAS:]
-    group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[shard * REPLICAS + replica]}",
-                        peers=[f"127.0.0.1:{gossip[shard * REPLICAS]}"] if replica else [],
+    group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[rank]}",
+                        peers=[f"127.0.0.1:{gossip[0]}"] if rank else [],
                         min_workers=REPLICAS, cluster="sharded-test", handle_signals=False,
                         settle_interval=0.3, init_timeout=60,
                         replica_size=SHARDS, shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
     assert (group.replica_size, group.shard_rank, group.num_replicas) == (SHARDS, shard, REPLICAS)
+    assert group.world_size == REPLICAS * SHARDS and group.rank % SHARDS == shard  # whole replicas, in shard order
     assert group.shard_mesh.size() == SHARDS and dist.get_world_size() == SHARDS  # torch's group: the replica's
     with pytest.raises(ftcomm.StateError, match=r"model\.0\.weight is not sharded over ft.shard_mesh"):
         group.register_state(model=_model())  # not sharded: refused before anything is registered
@@ -106,14 +108,14 @@ def test_fsdp2_shards_averaged_across_replicas_train_exactly_as_plain_hsdp(tmp_p
         for shard in range(SHARDS):
             plain = torch.load(tmp_path / f"plain_{replica}_{shard}.pt")
             ours = torch.load(tmp_path / f"ft_{replica}_{shard}.pt")
-            assert ours["committed"] == [True] * STEPS and ours["step"] == STEPS and ours["world"] == REPLICAS
+            assert ours["committed"] == [True] * STEPS and ours["step"] == STEPS and ours["world"] == REPLICAS * SHARDS
             assert set(ours["state"]) == set(plain) and len(plain) > 4  # parameters and Adam's state
             for name, expected in plain.items():
                 torch.testing.assert_close(ours["state"][name], expected, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_replicas_started_apart_hold_equal_shards_once_reconciled(tmp_path):
-    """Started from different weights, each shard group reconciles its shard from its rank 0
+    """Started from different weights, the shard-i processes take shard i from one replica
     before the first step: shard for shard, parameters and optimizer state end equal."""
     ports = [free_port() for _ in range(REPLICAS + REPLICAS * SHARDS)]
     torch.multiprocessing.spawn(_with_ftcomm, args=(ports, str(tmp_path), True), nprocs=REPLICAS * SHARDS)

@@ -16,6 +16,7 @@ from ftcomm.core.view import (
     candidate,
     gone_from,
     has_quorum,
+    replica_broken,
     superseded,
 )
 
@@ -149,3 +150,44 @@ def test_a_departure_counts_as_gone_only_by_a_final_record_from_that_view_or_an_
     assert gone_from(previous, statuses) == {"x"}
     # m alone is not a majority of m, n, a, b (x gone): the stale side gets no quorum
     assert not candidate("m", previous, {**statuses, "m": st("m", cv=4)}, CFG, None).quorum
+
+
+def rp(member_id, key, shard, size=2, **fields):
+    """A status of shard ``shard`` of sharded replica ``key``."""
+    return dataclasses.replace(st(member_id, **fields), replica=(key, shard, size))
+
+
+def test_views_hold_whole_replicas_in_shard_order_and_a_replica_missing_a_process_is_left_out():
+    previous = View(4, ("a0", "a1", "b0", "b1", "c0", "c1"))
+    statuses = table(rp("a0", "A", 0, cv=4), rp("a1", "A", 1, cv=4), rp("b0", "B", 0, cv=4),
+                     rp("b1", "B", 1, cv=4, alive=False), rp("c0", "C", 0, cv=4), rp("c1", "C", 1, cv=4),
+                     # a replica joining: its shard 1 came first, and another replica's only process
+                     rp("d1", "D", 1, phase=JOINING, cv=0, joined_at=1.0), rp("d0", "D", 0, phase=JOINING, cv=0, joined_at=2.0),
+                     rp("e0", "E", 0, phase=JOINING, cv=0, joined_at=0.5))
+    cand = candidate("a0", previous, statuses, CFG, max_workers=None)
+    assert cand.members == ("a0", "a1", "c0", "c1", "d0", "d1")  # B lost a process; E is not whole yet
+    assert [m for m in cand.members if m in statuses] == list(cand.members)
+    assert [statuses[m].replica[1] for m in cand.members] == [0, 1] * 3
+    # max_workers (in processes) cuts at whole replicas: 5 processes hold two replicas
+    assert candidate("a0", previous, statuses, CFG, max_workers=5).members == ("a0", "a1", "c0", "c1")
+    # two processes claiming one shard of a replica are no whole replica
+    twice = table(rp("x0", "X", 0, phase=JOINING, cv=0), rp("x1", "X", 0, phase=JOINING, cv=0))
+    assert candidate("x0", None, twice, CFG, max_workers=None).members == ()
+
+
+def test_a_replica_whose_process_died_or_left_is_broken_and_one_merely_suspected_is_not():
+    own = ("A", 0, 2)
+    assert replica_broken(own, table(rp("a0", "A", 0), rp("a1", "A", 1, alive=False))) is None  # suspect
+    died = dataclasses.replace(rp("a1", "A", 1, alive=False), dead=True)
+    assert replica_broken(own, table(rp("a0", "A", 0), died)) == "a1"
+    assert replica_broken(own, table(rp("a0", "A", 0), rp("a1", "A", 1, alive=False, left=True))) == "a1"
+    # a process of an earlier start of the replica (another key), or of another replica, is not its
+    assert replica_broken(own, table(dataclasses.replace(rp("z1", "Z", 1, alive=False), dead=True))) is None
+    assert replica_broken(None, table(died)) is None
+
+
+def test_a_replica_record_round_trips_and_a_malformed_one_reads_as_absent():
+    encoded = StatusRecord(ACTIVE, 3, None, 1.5, CFG, replica=("0f3a", 1, 4)).encode()
+    assert Status.from_metadata("a", "alive", encoded).replica == ("0f3a", 1, 4)
+    for bad in (["k", 4, 4], ["k", -1, 2], ["", 0, 2], ["k", 0, 1], ["k", 0, 5000], [1, 0, 2], ["k", True, 2]):
+        assert Status.from_metadata("a", "alive", {**encoded, "rp": bad}).replica is None, bad

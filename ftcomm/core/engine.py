@@ -36,7 +36,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .view import (ACTIVE, JOINING as PHASE_JOINING, LEAVING as PHASE_LEAVING, Candidate, Status, StatusRecord, View,
-                   agreed, candidate, gone_from, has_quorum, superseded)
+                   agreed, candidate, gone_from, has_quorum, superseded, whole_replicas)
 
 JOINING, HOLDING_BACK, STANDING_ASIDE, REJOINING = "JOINING", "HOLDING_BACK", "STANDING_ASIDE", "REJOINING"
 AGREEING, FORMING, RECONCILING, RUNNING, LEAVING, CLOSED = (
@@ -247,6 +247,7 @@ class Engine:
     settings: tuple = ()  # the settings that must match (SETTING_NAMES), named in a peer's mismatch error
     rendezvous_port: int = 0  # where its rendezvous store serves (proposals, formation)
     insecure: bool = False  # started without a secret on a reachable address
+    replica: tuple[str, int, int] | None = None  # a sharded replica's process: (replica key, shard rank, size)
     _recontacted_at: float = float("-inf")
     _recontact_after: float = 0.0  # the wait before the next Recontact (doubles; see RECONTACT_MAX_S)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -304,7 +305,7 @@ class Engine:
                             self.rendezvous_port, self.floor, self.settings,
                             (named.id, ops) if named is not None and self.state == LEAVING else None,
                             self.insecure, named.digest if named is not None else None, compute_s, self.benched,
-                            self.aside, self.witnessed, self.holding)
+                            self.aside, self.witnessed, self.holding, self.replica)
 
     def broken(self) -> list[Action]:
         """Re-agree: the view (the one being reconciled, or run) can no longer be used, or is
@@ -682,8 +683,9 @@ class Engine:
         view = self.view
         if view is None or (self.max_workers is not None and view.size >= self.max_workers):
             return False
-        return any(s.alive and s.phase == PHASE_JOINING and not s.aside and s.config == self.config
-                   and s.id not in view.member_set for s in statuses.values())
+        waiting = {s.id: s for s in statuses.values()
+                   if s.alive and s.phase == PHASE_JOINING and not s.aside and s.config == self.config}
+        return any(m not in view.member_set for m in whole_replicas(waiting))
 
     # ------------------------------------------------------------------ what breaks a view
     def entry_damage(self, view: View, statuses: dict[str, Status], ops_done: int = 0) -> list["Damage"]:
@@ -779,6 +781,32 @@ def reconcile_source(states: list[tuple[int, int]]) -> int | None:
     return min(rank for rank, (step, _) in enumerate(states) if step == top)
 
 
+def shard_sources(states: list[tuple[int, int]], shards: int) -> tuple[int, list[int | None]]:
+    """Sharded replicas: rank ``r`` of a view holds shard ``r % shards``; ``states`` is each
+    rank's (step, state digest). Returns the step every process goes on from, and for each
+    shard the rank whose state that shard's processes take (None: they hold one state).
+
+    The step is the newest one every shard holds on some process. A step that completed on
+    some processes only (the view broke as its last collective ended) may have completed
+    for one shard and for no process of another: the processes of the first shard that
+    did commit it take the state of one that did not, so a replica never goes on with its
+    shards a step apart. Where no step is common to every shard (each process of one shard
+    committed, none of another: the commit of a single collective cannot split like this)
+    each shard takes its newest state, and the step is the newest of all.
+    """
+    groups = [[(r, states[r]) for r in range(i, len(states), shards)] for i in range(shards)]
+    common = set.intersection(*({step for _, (step, _) in g} for g in groups))
+    target = max(common) if common else max(step for step, _ in states)
+    sources: list[int | None] = []
+    for group in groups:
+        if len({state for _, state in group}) <= 1:
+            sources.append(None)
+            continue
+        step = target if target in {s for _, (s, _) in group} else max(s for _, (s, _) in group)
+        sources.append(min(r for r, (s, _) in group if s == step))
+    return target, sources
+
+
 def step_verdict(contributors: float, joiners: float, world: int, batches_checked: bool) -> tuple[bool, bool]:
     """What a reduced gradient step means, from the two counters reduced with it: how many
     members contributed valid gradients and how many saw a joiner waiting. Returns (commit,
@@ -827,7 +855,7 @@ def reason_for(noticed: str, before: tuple[str, ...], after: tuple[str, ...], go
     return "crash" if "dead" in kinds else noticed
 
 
-SETTING_NAMES = ("backend", "min_workers", "max_workers", "partition_policy", "protocol")
+SETTING_NAMES = ("backend", "min_workers", "max_workers", "partition_policy", "protocol", "replica_size")
 
 
 def settings_conflict(engine: "Engine", settings: tuple, statuses: dict[str, Status]) -> str | None:

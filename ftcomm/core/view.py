@@ -23,6 +23,11 @@ The rule (see docs/ARCHITECTURE.md):
    view N failed withdraws its proposal and raises its floor to N + 1, so a retry
    never reuses the rendezvous keys of an abandoned attempt (members retrying out of
    step would otherwise meet each other's stale addresses).
+4. Sharded replicas (``replica_size`` K > 1): each member is one process of a replica.
+   Only whole replicas are usable: a member whose replica misses a process among the
+   usable members is left out with it. A view therefore holds whole replicas, each as K
+   consecutive members in shard order (rank ``r`` is shard ``r % K`` of replica ``r // K``):
+   the survivors keep their order and joiners come replica by replica.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ MAX_VIEW_ID = 2**31  # far beyond any group's lifetime; larger ids in a record a
 # The group protocol's version: this record, the view verification probe and the step rounds.
 # Workers that speak different versions never form a group (it is one of the settings that
 # must match); a record from before the version was carried reads as version 1.
-PROTOCOL = 2
+PROTOCOL = 3
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class Status:
     benched: int | None = None  # a straggler (straggler_policy "exclude"): the view it stood aside from, until it forms a newer one
     aside: bool = False  # standing aside now (its cooldown is not over), or a joiner holding back (Engine._may_found)
     agreed: tuple[int, str] | None = None  # as rank 0 of this proposal, it saw every member make it (ftcomm.core.engine)
+    replica: tuple[str, int, int] | None = None  # a sharded replica's process: (replica key, shard rank, replica size)
 
     @property
     def last_view(self) -> int:
@@ -125,7 +131,7 @@ class Status:
         if _is_int(meta.get("rz")) and 0 < meta["rz"] < 65536:
             extra["rendezvous_port"] = meta["rz"]
         if isinstance(meta.get("set"), (list, tuple)):
-            extra["settings"] = tuple(meta["set"][:5]) + ((1,) if len(meta["set"]) == 4 else ())
+            extra["settings"] = tuple(meta["set"][:6]) + ((1,) if len(meta["set"]) == 4 else ())
         ops = meta.get("op")
         if isinstance(ops, (list, tuple)) and len(ops) == 2 and all(_is_int(x) and 0 <= x <= MAX_VIEW_ID for x in ops):
             extra["done_ops"] = (ops[0], ops[1])
@@ -142,12 +148,20 @@ class Status:
             extra["aside"] = meta.get("ba") is True
         if meta.get("hd") is True:
             extra["aside"] = True  # a joiner holding back: no candidate view includes it
+        replica = meta.get("rp")
+        if (isinstance(replica, (list, tuple)) and len(replica) == 3 and isinstance(replica[0], str)
+                and 0 < len(replica[0]) <= 64 and _is_int(replica[2]) and 1 < replica[2] <= MAX_REPLICA_SIZE
+                and _is_int(replica[1]) and 0 <= replica[1] < replica[2]):
+            extra["replica"] = (replica[0], replica[1], replica[2])
         agreed = meta.get("ag")
         if (isinstance(agreed, (list, tuple)) and len(agreed) == 2 and _is_int(agreed[0])
                 and 0 < agreed[0] <= MAX_VIEW_ID and isinstance(agreed[1], str) and len(agreed[1]) <= 64):
             extra["agreed"] = (agreed[0], agreed[1])
         return dataclasses.replace(status, **extra) if extra else status
 
+
+MAX_REPLICA_SIZE = 1024
+"""Processes in one sharded replica: a record claiming more is malformed."""
 
 MAX_COMPUTE_MS = 1 << 30
 """A published compute time above this (about 12 days) is not a figure any member measured."""
@@ -180,6 +194,7 @@ class StatusRecord:
     aside: bool = False  # a straggler standing aside now (with ``benched``)
     agreed: tuple[int, str] | None = None
     holding: bool = False  # a joiner that founds no group (Engine._may_found): reads as standing aside
+    replica: tuple[str, int, int] | None = None  # see Status.replica
 
     def encode(self) -> dict:
         meta = {"ph": self.phase, "cv": self.current_view, "jt": self.joined_at, "cf": self.config, "st": self.step,
@@ -206,6 +221,8 @@ class StatusRecord:
             meta["ag"] = list(self.agreed)
         if self.holding:
             meta["hd"] = True
+        if self.replica is not None:
+            meta["rp"] = list(self.replica)
         return meta
 
 
@@ -255,17 +272,18 @@ class Candidate:
 def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], config: str,
               max_workers: int | None) -> Candidate:
     """The view this member proposes, computed only from ``previous`` and gossip."""
-    usable = {s.id: s for s in statuses.values()
-              if s.alive and s.phase != LEAVING and not s.aside and s.config == config}
+    usable = whole_replicas({s.id: s for s in statuses.values()
+                             if s.alive and s.phase != LEAVING and not s.aside and s.config == config})
     if previous is not None:
         survivors = [m for m in previous.members if m in usable]
     else:
         survivors = []
     kept = set(survivors)
-    joiners = sorted((s for s in usable.values() if s.phase == JOINING and s.id not in kept),
-                     key=lambda s: (s.joined_at, s.id))
-    ordered = survivors + [s.id for s in joiners]
+    joiners = [s for s in usable.values() if s.phase == JOINING and s.id not in kept]
+    ordered = survivors + [s.id for s in sorted(joiners, key=joiner_order(joiners))]
     limit = len(ordered) if max_workers is None else max_workers
+    if ordered and statuses[ordered[0]].replica is not None:
+        limit -= limit % statuses[ordered[0]].replica[2]  # whole replicas only
     members, standby = tuple(ordered[:limit]), tuple(ordered[limit:])
     gone = gone_from(previous, statuses)
     quorum = has_quorum(previous, members, gone)
@@ -273,6 +291,46 @@ def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], c
                       [previous.id if previous else 0])
     view_id = max([view_id] + [statuses[m].floor for m in members if m in statuses])
     return Candidate(members, view_id, quorum, standby)
+
+
+def whole_replicas(usable: dict[str, Status]) -> dict[str, Status]:
+    """``usable`` without the processes of sharded replicas that miss one of their processes
+    (or hold two claiming one shard rank). A member of no replica is whole on its own."""
+    shards: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for s in usable.values():
+        if s.replica is not None:
+            shards.setdefault(s.replica[0], []).append(s.replica[1])
+            sizes[s.replica[0]] = s.replica[2]
+    whole = {key for key, ranks in shards.items() if sorted(ranks) == list(range(sizes[key]))}
+    return {m: s for m, s in usable.items() if s.replica is None or s.replica[0] in whole}
+
+
+def joiner_order(joiners: list[Status]):
+    """The sort key of joiners: by join time, then id; a sharded replica's processes
+    together, in shard order, at the time its first process joined."""
+    first: dict[str, tuple[float, str]] = {}
+    for s in joiners:
+        if s.replica is not None:
+            first[s.replica[0]] = min(first.get(s.replica[0], (s.joined_at, s.replica[0])), (s.joined_at, s.replica[0]))
+
+    def key(s: Status) -> tuple:
+        if s.replica is None:
+            return (s.joined_at, s.id, 0)
+        return (*first[s.replica[0]], s.replica[1])
+    return key
+
+
+def replica_broken(own: tuple[str, int, int] | None, statuses: dict[str, Status]) -> str | None:
+    """A process of this member's sharded replica (``own``: its replica key, shard rank and
+    size) is confirmed gone (dead, or left): the replica cannot train again, for torch's
+    process group inside it is broken. The member that is gone, or None."""
+    if own is None:
+        return None
+    for s in statuses.values():
+        if s.replica is not None and s.replica[0] == own[0] and s.replica[1] != own[1] and (s.dead or s.left):
+            return s.id
+    return None
 
 
 def agreed(proposal: Candidate, statuses: dict[str, Status]) -> bool:

@@ -30,8 +30,9 @@ from typing import Callable, Iterable, NamedTuple
 from ..core import engine as core
 from ..core.engine import (Action, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Recontact,
                            Rejoined, Sync)
-from ..core.view import Status, View
-from ..errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, MembershipChanged
+from ..core.view import Status, View, replica_broken
+from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, MembershipChanged,
+                      ReplicaLost)
 from ..gossip.addresses import parse_address
 from .news import GossipNews
 from .ports import Address, Done, Pending, Ports, Reconciled
@@ -110,13 +111,20 @@ class Driver:
 
     def look(self) -> Look:
         """One look at the membership while the engine is agreeing: every action but
-        forming is performed here; the view to form comes back. Raises ConfigMismatch when
+        forming is performed here; the view to form comes back. Raises ReplicaLost when a
+        process of this sharded replica is gone, ConfigMismatch when
         a live member of the group was started with other settings."""
         engine = self.engine
         statuses, addresses = self.statuses()
         conflict = core.settings_conflict(engine, engine.settings, statuses)
         if conflict is not None:
             raise ConfigMismatch(conflict)
+        gone = replica_broken(engine.replica, statuses)
+        if gone is not None:
+            raise ReplicaLost(f"{gone}, a process of this worker's sharded replica, "
+                              f"{'left' if statuses[gone].left else 'died'}: torch's process group inside the "
+                              f"replica is broken, so this process cannot train on; exit, and start the whole "
+                              f"replica again (ftcomm run --replica-size does) to rejoin")
         actions = engine.agree(self.ports.clock.now(), statuses)
         form = actions.pop().view if actions and isinstance(actions[-1], Form) else None
         self.perform(actions, addresses)

@@ -61,6 +61,8 @@ class Lifecycle:
         self.reconcile_state: Callable[[], Reconciled] = lambda: Reconciled(False, None, deferred=True)
         """Reconciles the registered state in a view just formed (set by the step protocol)."""
         self.comm: Communicator | None = None  # the backend's communicator of the current view
+        self.replica = None  # a sharded replica's process (ftcomm.training.replica.Replica), or None
+        self.shard_comm: Communicator | None = None  # with a replica: the view's shard-i processes' communicator
         self.events: list[ViewChange] = []
         self.op_began = time.monotonic()  # when the operation in flight began (the previous one ended)
         self.contributed_at = time.monotonic()  # when this worker's share of it was handed to the backend
@@ -173,22 +175,42 @@ class Lifecycle:
                                                   view.rank_of(self.engine.id), view.size, view.id)
         check = int(view.digest, 16) >> 1
         first = int(self.engine.view is None)  # this worker's first view
-        probe = torch.tensor([check, -check, first, int(self.options.network_check), int(not self.engine.started)],
-                             dtype=torch.int64, device=comm.device)
+        rank, replica = view.rank_of(self.engine.id), self.replica
+        misplaced = int(replica is not None and (view.size % replica.size or rank % replica.size != replica.shard_rank))
+        probe = torch.tensor([check, -check, first, int(self.options.network_check), int(not self.engine.started),
+                              -misplaced], dtype=torch.int64, device=comm.device)
         comm.allreduce([probe], "min").wait(self.abort, timeout)
         verified = probe.tolist()
         if verified[:2] != [check, -check]:
             raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
+        if verified[5] < 0:
+            raise CommunicatorError(f"view {view.id} failed verification: a sharded replica's processes are not "
+                                    f"consecutive ranks in shard order")
+        if replica is not None:
+            self.shard_comm = self._form_shard(view, rank, replica.size, addresses)
         return Formed(verified[2] == 1 and verified[3] == 1, verified[4] == 1)
+
+    def _form_shard(self, view: View, rank: int, size: int, addresses: dict) -> Communicator:
+        """The communicator of this process's shard index in ``view``: ranks ``rank % size``,
+        ``rank % size + size``, ... (one process of each replica), through the store of its
+        first member."""
+        first = view.members[rank % size]
+        if first not in addresses:
+            raise CommunicatorError(f"{first}, first of shard {rank % size} in view {view.id}, is not reachable "
+                                    f"through gossip")
+        store = self.rendezvous.shard_store(view, rank % size, *addresses[first])
+        return self._backend.form(store, rank // size, view.size // size, view.id, self.abort,
+                                  self.options.formation_timeout, host=self.rendezvous.host)
 
     def form_communicator(self, store, rank: int, size: int, view_id: int) -> Communicator:
         return self._backend.form(store, rank, size, view_id, self.abort, self.options.formation_timeout,
                                   host=self.rendezvous.host)
 
     def abandon(self) -> None:
-        if self.comm is not None:
-            self.comm.abandon()
-            self.comm = None
+        for comm in (self.comm, self.shard_comm):
+            if comm is not None:
+                comm.abandon()
+        self.comm = self.shard_comm = None
 
     def leave(self) -> None:
         """Leave the group gracefully: the record says so, then the departure notice.

@@ -490,6 +490,11 @@ class Rendezvous:
         """
         return self._connect(host, port, prefix=f"view/{view.id}/{view.digest}")
 
+    def shard_store(self, view: View, shard: int, host: str, port: int) -> Any:
+        """The store through which the shard-``shard`` processes of ``view``'s sharded
+        replicas form their communicator (served by the first of them)."""
+        return self._connect(host, port, prefix=f"shard/{view.id}/{view.digest}/{shard}")
+
     def pair_store(self, view: View, a: str, b: str, host: str, port: int) -> Any:
         """The store through which members ``a`` and ``b`` of ``view`` form a two-rank
         communicator of their own (the network check), served by ``a``."""

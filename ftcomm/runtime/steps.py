@@ -41,7 +41,7 @@ class StepProtocol:
                  secret: bytes | None, min_workers: int) -> None:
         self.life, self.state, self.options, self.stragglers = life, state, options, stragglers
         self.secret, self.min_workers = secret, min_workers
-        self.replica = None  # a sharded replica's processes commit as one (ftcomm.training.replica)
+        self.replica = None  # a sharded replica's process (ftcomm.training.replica): gradients go by shard
         self.step = 0  # committed steps
         self.owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         self.buckets: GradientBuckets | None = None
@@ -101,6 +101,7 @@ class StepProtocol:
             self.waiting_since = life.contributed_at
             for h in handles:
                 h.wait(life.abort)
+            verdict = self.replica_verdict(tail) if self.replica is not None else None
             life.confirm_after_stall()
         except MembershipChanged as exc:
             buckets.discard()
@@ -123,10 +124,8 @@ class StepProtocol:
         life.completed()
         contributors = float(tail[0])
         asking = [rank for rank, flag in enumerate(tail[2:].tolist()) if flag > 0.5]
-        commit = life.driver.step_reduced(contributors, float(tail[1]), asking, bool(self.participants("batch_valid")),
-                                          self.min_workers)
-        if self.replica is not None:
-            commit = self.replica.agree(commit)  # committed by every shard's group, or by none
+        counters = (contributors, float(tail[1])) if verdict is None else tuple(verdict)
+        commit = life.driver.step_reduced(*counters, asking, bool(self.participants("batch_valid")), self.min_workers)
         if commit:
             buckets.hand_back(contributors)
         else:
@@ -135,6 +134,16 @@ class StepProtocol:
         if commit:
             self.commit()
         return commit
+
+    def replica_verdict(self, tail: torch.Tensor) -> list[float]:
+        """With sharded replicas, each shard index reduced its gradient shards, and the
+        step's counters with them, over its own communicator. The step commits for every
+        process or for none: the counters of every shard are summed over the whole view
+        (one tiny allreduce; each shard's sum arrives once from each of its processes)."""
+        life = self.life
+        counters = (tail[:2].to(torch.float64) / life.shard_comm.size).to(life.comm.device)
+        life.comm.allreduce([counters], "sum").wait(life.abort)
+        return [round(x) for x in counters.tolist()]
 
     def no_sync(self):
         if self.buckets is None:
@@ -241,8 +250,12 @@ class StepProtocol:
     def transfer_state(self) -> tuple[bool, int]:
         """Whether this worker loaded another member's state, and the digest all now hold."""
         life = self.life
-        self.step, loaded, digest = transfer.reconcile(life.comm, life.abort, self.state, self.step, life.view,
-                                                       self.secret)
+        if self.replica is not None:
+            self.step, loaded, digest = transfer.reconcile_sharded(life.comm, life.shard_comm, life.abort, self.state,
+                                                                   self.step, life.view, self.secret, self.replica.size)
+        else:
+            self.step, loaded, digest = transfer.reconcile(life.comm, life.abort, self.state, self.step, life.view,
+                                                           self.secret)
         return loaded, digest
 
     def record_reconciled(self, digest: int | None) -> None:
@@ -298,16 +311,22 @@ class StepProtocol:
                 buckets.remove()
             buckets = self.buckets = GradientBuckets(
                 params, self.options.bucket_mb, self.options.overlap,
-                launch=lambda flat: life.comm.allreduce([flat], "sum"),
-                may_overlap=self.may_overlap, world_size=lambda: life.comm.size,
+                launch=lambda flat: self.gradient_comm.allreduce([flat], "sum"),
+                may_overlap=self.may_overlap, world_size=lambda: self.gradient_comm.size,
                 join=lambda: 1.0 if life.engine.admits_joiner(life.statuses()[0]) else 0.0,
                 data_valid=lambda: all(obj.batch_valid() for obj in self.participants("batch_valid")),
                 aside=lambda: (self.rank, self.stragglers.asking))
         return buckets
 
+    @property
+    def gradient_comm(self):
+        """The communicator gradients are averaged over: the view's, or with sharded replicas
+        this shard index's (the same shard of every replica)."""
+        return self.life.comm if self.replica is None else self.life.shard_comm
+
     def may_overlap(self) -> bool:
         """Backward may start reducing: nothing has to happen before this step's collectives."""
         life = self.life
         life.news.judge()
-        return (life.comm is not None and self.engine.state == core.RUNNING and life.abort.reason is None
-                and not self.closed)
+        return (self.gradient_comm is not None and self.engine.state == core.RUNNING
+                and life.abort.reason is None and not self.closed)

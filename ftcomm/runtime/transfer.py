@@ -14,7 +14,7 @@ import msgpack
 import torch
 
 from ..backends.base import AbortSignal, Communicator
-from ..core.engine import reconcile_source
+from ..core.engine import reconcile_source, shard_sources
 from ..core.view import View
 from ..errors import CommunicatorError, ConfigMismatch, StateError
 from ..training.state import TrainingState, tensor_bytes
@@ -38,6 +38,34 @@ def reconcile(comm: Communicator, abort: AbortSignal, state: TrainingState, step
         return step, False, int(mine[1])
     load = gathered[comm.rank][:2] != gathered[source][:2]
     received = broadcast_state(comm, abort, state, step, view, secret, source, load)
+    if received is None:
+        return step, False, int(mine[1])
+    return received, True, state.digest(received)
+
+
+def reconcile_sharded(comm: Communicator, shard_comm: Communicator, abort: AbortSignal, state: TrainingState,
+                      step: int, view: View, secret: bytes | None, shards: int) -> tuple[int, bool, int]:
+    """:func:`reconcile` for sharded replicas: the view's ``shards`` shard indices compare
+    their states over the whole view (``comm``) and each shard's processes take one state
+    over their own communicator (``shard_comm``), every shard at once: a replica that joins
+    receives each shard from another replica's process of that shard. Every process ends on
+    the same step (:func:`ftcomm.core.engine.shard_sources`)."""
+    mine = torch.tensor([step, state.digest(step), state.signature()], dtype=torch.int64, device=comm.device)
+    gathered = [tuple(t.tolist()) for t in comm.allgather(mine).wait(abort)]
+    shard = comm.rank % shards
+    for i in range(shards):
+        if len({g[2] for g in gathered[i::shards]}) > 1:
+            if i == shard:
+                raise_model_mismatch(shard_comm, abort, state, View(view.id, view.members[i::shards]),
+                                     gathered[i::shards])
+            raise ConfigMismatch(f"the registered model of shard {i} differs between the replicas of view "
+                                 f"{view.id}: start every replica with the same model, sharded the same way")
+    _, sources = shard_sources([g[:2] for g in gathered], shards)
+    source = sources[shard]
+    if source is None:
+        return step, False, int(mine[1])
+    load = gathered[comm.rank][:2] != gathered[source][:2]
+    received = broadcast_state(shard_comm, abort, state, step, view, secret, source // shards, load)
     if received is None:
         return step, False, int(mine[1])
     return received, True, state.digest(received)

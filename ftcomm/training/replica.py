@@ -1,9 +1,11 @@
 """A replica of K processes that shards the model among themselves (FSDP2 over ``shard_mesh``).
 
 The K processes share torch's default process group, which FSDP2's own collectives use
-(all-gather, reduce-scatter); it is not fault-tolerant. Across replicas, the shard-*i*
-processes form the ftcomm group of shard *i* (see :mod:`ftcomm.training.sharded`). A step
-commits only when it committed in every shard's group: :meth:`Replica.agree`.
+(all-gather, reduce-scatter); it is not fault-tolerant. Each process is a member of the
+ftcomm group; views hold whole replicas (:func:`ftcomm.core.view.whole_replicas`), and
+the shard-*i* processes of a view reduce their gradient shards over a communicator of
+their own (see :mod:`ftcomm.training.sharded`). The replica's key, drawn by shard 0 when
+the replica starts, tells its processes from those of an earlier start of the same replica.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class Replica:
         device = "cuda" if backend == "nccl" else "cpu"
         self.device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.mesh = init_device_mesh(device, (size,), mesh_dim_names=("shard",))
+        drawn = torch.tensor(list(os.urandom(8)) if shard_rank == 0 else [0] * 8, dtype=torch.uint8,
+                             device=self.device)
+        dist.broadcast(drawn, 0)  # raw bytes: nothing from another process is unpickled
+        self.key = bytes(drawn.cpu().tolist()).hex()
 
     def check_sharded(self, entries: dict[str, Any]) -> None:
         """StateError naming the first parameter of a module in ``entries`` that is not a
@@ -56,13 +62,6 @@ class Replica:
                     raise StateError(f"{name}.{path} is not sharded over ft.shard_mesh: with replica_size="
                                      f"{self.size}, shard the model with fully_shard(module, mesh=ft.shard_mesh) "
                                      f"before registering it")
-
-    def agree(self, committed: bool) -> bool:
-        """Whether every shard of this replica committed the step (one tiny all-reduce)."""
-        import torch.distributed as dist
-        flag = torch.tensor([int(committed)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
 
     def close(self) -> None:
         """Destroy the process group this replica created (not one the caller initialized)."""
