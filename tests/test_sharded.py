@@ -169,6 +169,28 @@ def test_sharded_state_is_this_process_shards_and_loads_back_into_dtensors(one_p
     assert all(sharded.is_sharded(p) for p in other.parameters())  # still sharded parameters
 
 
+def test_an_optimizer_that_never_stepped_loads_sharded_state_and_steps_on(one_process_mesh):
+    """A replica that joins has a fresh optimizer (no state yet): the Adam state it receives
+    is rebuilt as DTensors like its parameters, and the next step runs."""
+    from ftcomm.training.state import TrainingState
+    model, optimizer = _trained(one_process_mesh, 0, 2)
+    state = TrainingState()
+    state.register(model=model, optimizer=optimizer)
+    manifest, data = state.pack(2)
+    fresh, fresh_optimizer = _trained(one_process_mesh, 1, 0)
+    assert not fresh_optimizer.state
+    receiver = TrainingState()
+    receiver.register(model=fresh, optimizer=fresh_optimizer)
+    assert receiver.unpack(manifest, data) == 2 and receiver.digest(2) == state.digest(2)
+    assert all(sharded.is_sharded(v) for entry in fresh_optimizer.state.values() for k, v in entry.items()
+               if k != "step")
+    for m, o in ((model, optimizer), (fresh, fresh_optimizer)):
+        m(_batch(9, 0, 0)).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+    assert receiver.digest(3) == state.digest(3)
+
+
 @pytest.mark.parametrize("arguments, env, error", [
     ({"replica_size": 0}, {}, "replica_size must be >= 1"),
     ({"replica_size": 2, "shard_rank": 2}, {}, "shard_rank must be in 0..1"),

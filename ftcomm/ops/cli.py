@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
                           stop_timeout=args.stop_timeout, status_interval=args.status_interval,
                           cluster=args.cluster, save_at_breakpoint=args.save_at_breakpoint,
                           checkpoint_name=args.checkpoint_name, checkpoint_dir=args.checkpoint_dir,
-                          network_check=args.network_check)
+                          network_check=args.network_check, replica_size=args.replica_size)
     return Launcher(config).run()
 
 
@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "fails; forward SIGTERM/SIGINT as a graceful leave. Exit status: 0 when every worker "
                     "finished, 128+N when stopped by signal N, 1 when a worker ran out of restarts.")
     run.add_argument("--nproc-per-node", type=_count(1), default=1, help="workers on this node (>= 1)")
+    run.add_argument("--replica-size", type=_count(1), default=1, metavar="K",
+                     help="each K consecutive local ranks are one sharded replica (FSDP2 over ft.shard_mesh), "
+                          "restarted as a whole when one of its processes fails; K divides --nproc-per-node")
     run.add_argument("--bind", default=None, metavar="HOST",
                      help="IPv4 address the workers bind (default: the host of $FTCOMM_BIND, else 127.0.0.1)")
     run.add_argument("--port", type=_count(0), default=0,

@@ -25,6 +25,14 @@ again afterwards: it may belong to another process by then), and a worker receiv
 SIGTERM from the kernel if the launcher dies (Linux's parent-death signal; a worker whose
 launcher died while it was being started does not start).
 
+With ``replica_size`` K > 1 each K consecutive local ranks are one sharded replica
+(``FTCOMM_REPLICA_SIZE``, ``FTCOMM_SHARD_RANK`` = local rank mod K, and
+``FTCOMM_REPLICA_ADDR``: a fresh port for torch's process group inside the replica at each
+start of it). The replica is the unit of failure: when one of its processes exits other
+than finished, the others are stopped (SIGTERM, then SIGKILL after ``REPLICA_HALT_S``: a
+process blocked in a collective with the dead one may never reach its signal handler),
+and the whole replica starts again once all have exited, counted as one restart of each.
+
 Exit status: 0 when every worker finished, 128 + N when stopped by signal N, 1 otherwise
 (a worker failed more than ``max_restarts`` times).
 """
@@ -53,6 +61,9 @@ from ..gossip.addresses import parse_seed
 from ..options import check_addresses, check_protection
 
 MAX_BACKOFF_S = 60.0
+REPLICA_HALT_S = 5.0
+"""How long the other processes of a sharded replica that lost one have to leave the group
+after SIGTERM before they are killed."""
 POLL_S = 0.05
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 PR_SET_PDEATHSIG = 1
@@ -76,6 +87,7 @@ class LaunchConfig:
     checkpoint_name: str | None = None  # FlashCheckpointer's name (default: the cluster name)
     checkpoint_dir: str | None = None
     network_check: bool = False  # the workers measure their links when they found the group; shown here
+    replica_size: int = 1  # K > 1: each K consecutive local ranks are one sharded replica
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -86,6 +98,9 @@ class LaunchConfig:
             raise ValueError("max_restarts and restart_backoff must be >= 0")
         if not 0 < self.stop_timeout < float("inf") or not 0 < self.status_interval < float("inf"):
             raise ValueError("stop_timeout and status_interval must be positive")
+        if self.replica_size < 1 or self.nproc % self.replica_size:
+            raise ValueError(f"--replica-size {self.replica_size} must divide --nproc-per-node {self.nproc}: each "
+                             f"replica is that many consecutive local ranks")
         if not 0 <= self.port <= 65535 - self.nproc + 1:
             raise ValueError(f"port {self.port}: the ports {self.port}..{self.port + self.nproc - 1} must be valid")
         ipaddress.IPv4Address(self.host)  # ValueError names a bad address
@@ -106,7 +121,9 @@ class Worker:
     started_at: float = 0.0
     restart_at: float | None = None  # a restart is due then
     saving: threading.Thread | None = None  # persisting a checkpoint at its breakpoint: the restart waits
-    status: str = "starting"  # running, waiting (for a restart), finished, failed, stopped
+    status: str = "starting"  # running, halting (its replica lost a process), waiting (for a restart), finished, failed, stopped
+    halt_by: float = 0.0  # halting: killed if still running then
+    replica_addr: str = ""  # a sharded replica's processes: where they meet (torch's store), per start
 
 
 def free_ports(host: str, count: int) -> list[int]:
@@ -190,7 +207,7 @@ class Launcher:
         try:
             for worker in self.workers:
                 self._start(worker)
-            while any(w.status in ("running", "waiting", "starting") for w in self.workers):
+            while any(w.status in ("running", "halting", "waiting", "starting") for w in self.workers):
                 self._step(time.monotonic())
                 time.sleep(POLL_S)
         finally:
@@ -231,12 +248,17 @@ class Launcher:
         for worker in self.workers:
             if worker.status == "running" and worker.process.poll() is not None:
                 self._exited(worker, worker.process.returncode, now)
+            elif worker.status == "halting":
+                self._halting(worker, now)
             elif worker.status == "waiting" and self._ending_at is not None:
                 worker.status = "failed"
                 self.say(f"worker {worker.local_rank} is not restarted: the job is ending")
             elif worker.status == "waiting" and worker.restart_at is not None and now >= worker.restart_at and \
-                    (worker.saving is None or not worker.saving.is_alive()):
-                self._start(worker)
+                    (worker.saving is None or not worker.saving.is_alive()) and \
+                    not any(w.status in ("running", "halting") for w in self.replica(worker)):
+                for w in self.replica(worker):  # a sharded replica starts as a whole, shard 0 first
+                    if w.status == "waiting":
+                        self._start(w)
         if self._report_dir is not None:
             self._show_network_report()
         self._status.update(now)
@@ -290,16 +312,73 @@ class Launcher:
             worker.status = "failed"
             self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
                      f"no restarts left (--max-restarts {self.config.max_restarts})")
+            self._halt_replica(worker, now)
             return
         delay = min(MAX_BACKOFF_S, self.config.restart_backoff * 2 ** min(worker.restarts, 16))
         worker.status, worker.restart_at = "waiting", now + delay
         self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
-                 f"restart {worker.restarts + 1} of {self.config.max_restarts} in {delay:g} s")
+                 f"restart {worker.restarts + 1} of {self.config.max_restarts} in {delay:g} s"
+                 + (", with the rest of its replica" if self.config.replica_size > 1 else ""))
+        self._halt_replica(worker, now)
+
+    # ------------------------------------------------------------------ sharded replicas
+    def replica(self, worker: Worker) -> list[Worker]:
+        """The local workers of ``worker``'s sharded replica (itself alone without one)."""
+        k = self.config.replica_size
+        first = worker.local_rank - worker.local_rank % k
+        return self.workers[first:first + k]
+
+    def _halt_replica(self, worker: Worker, now: float) -> None:
+        """``worker`` failed: the other processes of its replica are stopped, and the replica
+        restarts as a whole once every one of them exited (or fails with it)."""
+        for other in self.replica(worker):
+            if other is worker:
+                continue
+            if other.status == "running":
+                other.status, other.halt_by = "halting", now + REPLICA_HALT_S
+                other.process.send_signal(signal.SIGTERM)  # its handler leaves the group
+            elif other.status == "waiting" and worker.status == "failed":
+                other.status = "stopped"
+        if worker.status == "waiting":
+            self._sync_restart(worker)
+
+    def _halting(self, worker: Worker, now: float) -> None:
+        code = worker.process.poll()
+        if code is None:
+            if now >= worker.halt_by:
+                self.say(f"worker {worker.local_rank} (pid {worker.process.pid}) did not leave within "
+                         f"{REPLICA_HALT_S:g} s of its replica losing a process: killed")
+                _kill_group(worker.process, signal.SIGKILL)
+                worker.halt_by = float("inf")  # reaped at a later poll
+            return
+        _kill_group(worker.process, signal.SIGKILL)
+        failed = any(w.status == "failed" for w in self.replica(worker))
+        worker.status = "stopped" if failed or self._ending_at is not None or self._stop_deadline is not None \
+            else "waiting"
+        self.say(f"worker {worker.local_rank} left with its replica ({describe_exit(code)})")
+        if worker.status == "waiting":
+            self._sync_restart(worker)
+
+    def _sync_restart(self, worker: Worker) -> None:
+        """Once no process of the replica runs, all restart together, when the last of them
+        is due."""
+        replica = self.replica(worker)
+        if any(w.status in ("running", "halting") for w in replica):
+            return  # (_step starts none of them meanwhile)
+        due = [w.restart_at for w in replica if w.restart_at is not None]
+        at = max(due) if due else time.monotonic()
+        for w in replica:
+            if w.status == "waiting":
+                w.restart_at = at
 
     def _start(self, worker: Worker) -> None:
         if worker.status == "waiting":
             worker.restarts += 1
         worker.restart_at = None
+        if self.config.replica_size > 1 and worker.local_rank % self.config.replica_size == 0:
+            address = f"{self.config.host}:{free_ports(self.config.host, 1)[0]}"  # torch's store: fresh each start
+            for w in self.replica(worker):
+                w.replica_addr = address
         try:
             worker.process = subprocess.Popen(self.config.command, env=self.worker_env(worker),
                                               start_new_session=True,
@@ -327,6 +406,10 @@ class Launcher:
             "FTCOMM_RESTARTS": str(worker.restarts),
             "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
         })
+        if self.config.replica_size > 1:
+            env.update({"FTCOMM_REPLICA_SIZE": str(self.config.replica_size),
+                        "FTCOMM_SHARD_RANK": str(worker.local_rank % self.config.replica_size),
+                        "FTCOMM_REPLICA_ADDR": worker.replica_addr})
         if self.config.nproc > 1:  # as torchrun: workers sharing a node's cores do not each spawn one per core
             env.setdefault("OMP_NUM_THREADS", "1")
         if self.secret is not None:

@@ -556,5 +556,5 @@ class FlashCheckpointer:
             if in_place and isinstance(obj, torch.nn.Module) and all(
                     isinstance(v, torch.Tensor) for v in module_state.values()):
                 continue  # every tensor of its state dict was read into the module's own tensors
-            obj.load_state_dict(sharded.like(obj.state_dict(), module_state))
+            obj.load_state_dict(sharded.like(sharded.template(obj), module_state))
         state.values.update(snapshot["values"])

@@ -58,3 +58,34 @@ def like(template: Any, received: Any) -> Any:
     if isinstance(template, (list, tuple)) and isinstance(received, (list, tuple)) and len(template) == len(received):
         return type(received)(like(t, r) for t, r in zip(template, received))
     return received
+
+
+def template(obj: Any) -> Any:
+    """The live state of ``obj`` to rebuild a received state on (see :func:`like`). An
+    optimizer that has not stepped yet holds no state for its parameters (a replica that
+    joins has not): each state tensor received with the local shape of its sharded
+    parameter is rebuilt like that parameter."""
+    state = obj.state_dict()
+    if not isinstance(obj, torch.optim.Optimizer):
+        return state
+    params = [p for group in obj.param_groups for p in group["params"]]
+    per_param = dict(state.get("state", {}))
+    for index, param in enumerate(params):
+        if index not in per_param and is_sharded(param):
+            per_param[index] = _ParamLike(param)
+    return {**state, "state": per_param}
+
+
+class _ParamLike(dict):
+    """The template of a sharded parameter's optimizer state not created yet: every entry
+    is the parameter (see :func:`like`, which keeps entries of another shape as they are)."""
+
+    def __init__(self, param: torch.Tensor) -> None:
+        super().__init__()
+        self.param = param
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: object) -> torch.Tensor:
+        return self.param

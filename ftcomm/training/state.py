@@ -134,7 +134,7 @@ class TrainingState:
             if name not in modules:  # kept by the object: its own memory, not a view of ``data``
                 state = _detach_from(state, data)
             try:
-                self.objects[name].load_state_dict(sharded.like(self.objects[name].state_dict(), state))
+                self.objects[name].load_state_dict(sharded.like(sharded.template(self.objects[name]), state))
             except Exception as exc:  # noqa: BLE001 - whatever the object's own check raises
                 raise StateError(f"the state received for {name!r} does not load: {exc}"[:500]) from None
         self.values.update(_detach_from(snapshot["values"], data))

@@ -1,0 +1,161 @@
+"""Fault-tolerant HSDP: FSDP2 inside each replica, ftcomm across replicas.
+
+Each replica is K processes that shard one MLP with FSDP2 over ``ft.shard_mesh``; the
+replicas average their gradient shards through ftcomm. Run it under the launcher, which
+makes each K consecutive local ranks one replica and restarts a replica as a whole when
+one of its processes fails:
+
+    ftcomm run --nproc-per-node 4 --replica-size 2 examples/train_hsdp.py --steps 200
+
+Kill any process (``kill -9``): its replica leaves, the other replicas commit again, and
+the launcher starts the replica again, which rejoins and receives every shard from a live
+replica. Data comes from an ``ftcomm.ElasticSampler`` over all ``replicas x K`` processes:
+every sample of an epoch is trained on exactly once across the failures.
+
+Every line on stdout is a JSON object: ``ready``, one ``view`` per view change, ``batch``
+for every committed step with ``--log-indices``, a ``step`` every ``--report-every``
+committed steps, and ``done`` with this process's shard digest. ``--plain-rank``/
+``--plain-world``/``--plain-port`` run the same training as plain FSDP2 HSDP on a fixed
+``("replicate", "shard")`` mesh instead (the baseline of benchmarks/hsdp.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+import ftcomm
+
+
+def make_task(seed: int, samples: int = 8192, features: int = 32, classes: int = 4):
+    """Inputs and teacher labels, identical on every process for a given seed."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=g)
+    teacher = torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.Tanh(), torch.nn.Linear(64, classes))
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        y = teacher(x).argmax(dim=1)
+    return x, y
+
+
+def make_model(mesh, seed: int, hidden: int, features: int = 32, classes: int = 4) -> torch.nn.Module:
+    """The MLP, each linear layer sharded over ``mesh`` (FSDP2), then the whole."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def emit(**fields) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="committed steps to train")
+    parser.add_argument("--global-batch", type=int, default=256, help="samples per step over all processes")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden width of the MLP")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the task and the initial model")
+    parser.add_argument("--min-workers", type=int, default=1, help="replicas needed to train")
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of work per step")
+    parser.add_argument("--report-every", type=int, default=50)
+    parser.add_argument("--log-indices", action="store_true", help="emit each committed step's sample indices")
+    parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
+    parser.add_argument("--plain-rank", type=int, default=None, help="run as plain FSDP2 HSDP, this rank")
+    parser.add_argument("--plain-world", type=int, default=None)
+    parser.add_argument("--plain-shards", type=int, default=2, help="plain HSDP: processes per replica")
+    parser.add_argument("--plain-port", type=int, default=None, help="plain HSDP: TCP port of the rendezvous")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    x, y = make_task(args.seed)
+    if args.plain_rank is not None:
+        return train_plain(args, x, y)
+
+    ft = ftcomm.init(backend="gloo", min_workers=args.min_workers)  # the replica comes from `ftcomm run`
+    model = make_model(ft.shard_mesh, args.seed, args.hidden)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    sampler = ftcomm.ElasticSampler(len(x), global_batch=args.global_batch, seed=args.seed)
+    ft.register_state(model=model, optimizer=optimizer, sampler=sampler)
+    emit(ev="ready", id=ft.id, pid=os.getpid(), rank=ft.rank, world=ft.world_size, shard=ft.shard_rank,
+         replica=ft.replica_rank, replicas=ft.num_replicas, restarts=int(os.environ.get("FTCOMM_RESTARTS", "0")),
+         t=time.time())
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
+    reported = 0
+    loss = torch.zeros(())
+    while ft.step < args.steps:
+        for inputs, targets in sampler.steps(loader):
+            loss = F.cross_entropy(model(inputs), targets)
+            loss.backward()
+            if args.step_time:
+                time.sleep(args.step_time)  # stands in for a heavier model's compute
+            if ft.wait_gradients_ready(model):
+                optimizer.step()
+                if args.log_indices:
+                    share = sampler.committed
+                    emit(ev="batch", step=ft.step, epoch=share.epoch, start=share.start, size=share.size,
+                         world=share.world, rank=ft.rank, idx=sampler.indices(share) if share.count else [])
+            optimizer.zero_grad()
+            while reported < len(ft.events):
+                emit(ev="view", shard=ft.shard_rank, t=time.time(), **dataclasses.asdict(ft.events[reported]))
+                reported += 1
+            if ft.step % args.report_every == 0:
+                emit(ev="step", step=ft.step, rank=ft.rank, world=ft.world_size, loss=round(loss.item(), 4),
+                     t=time.time())
+            if ft.step >= args.steps:
+                break
+    emit(ev="done", id=ft.id, step=ft.step, rank=ft.rank, world=ft.world_size, shard=ft.shard_rank,
+         digest=ft.state.digest(ft.step), views=len(ft.events), loss=round(loss.item(), 5), t=time.time())
+    ft.shutdown()
+    return 0
+
+
+def train_plain(args, x, y) -> int:
+    """The same training as plain FSDP2 HSDP on a fixed ("replicate", "shard") mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.plain_port}", rank=args.plain_rank,
+                            world_size=args.plain_world)
+    shards = args.plain_shards
+    mesh = init_device_mesh("cpu", (args.plain_world // shards, shards), mesh_dim_names=("replicate", "shard"))
+    model = make_model(mesh, args.seed, args.hidden)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    sampler = ftcomm.ElasticSampler(len(x), global_batch=args.global_batch, seed=args.seed, rank=args.plain_rank,
+                                    world_size=args.plain_world)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
+    step = 0
+    while step < args.steps:
+        for inputs, targets in sampler.steps(loader):
+            F.cross_entropy(model(inputs), targets).backward()
+            if args.step_time:
+                time.sleep(args.step_time)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if step % args.report_every == 0:
+                emit(ev="step", step=step, rank=args.plain_rank, world=args.plain_world, t=time.time())
+            if step >= args.steps:
+                break
+    emit(ev="done", step=step, rank=args.plain_rank, world=args.plain_world, t=time.time())
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
