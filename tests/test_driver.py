@@ -368,3 +368,22 @@ def test_completed_operations_count_in_the_record_and_feed_the_stall_watch():
     assert probed == [["b"]]  # at most once per probe interval
     driver.perform(driver.engine.leave())  # a leave names the operations completed in the view
     assert Status.from_metadata("a", "alive", membership.published[-1]).done_ops == (view.id, 2)
+
+
+def test_when_a_process_of_a_sharded_replica_leaves_the_rest_of_its_replica_is_probed_for_a_crash():
+    # The launcher stops the other processes of a replica whose process crashed: the view
+    # may break on the graceful leave first. The crashed one is found all the same.
+    view = View(3, ("a0", "a1", "b0", "b1"))
+    statuses = {m: status(m, cv=3, replica=(m[0].upper(), int(m[1]), 2)) for m in view.members}
+    driver, membership, _, prober, _ = driver_for("a0", statuses, replica=("A", 0, 2))
+    driver.engine.view, driver.engine.state = view, core.RUNNING
+    prober.answers = {("10.0.0.1", 7000): True}
+    driver.news.fault("left", "b0")
+    assert driver.classify(CollectiveAborted("b0 left")) == "leave"
+    assert membership.declared == ["b1"] and len(prober.probed) == 1  # b1 alone: a1 shares no replica with b0
+    states = {"b0": "left", "b1": "dead"}
+    assert core.reason_for("leave", view.members, ("a0", "a1"), states, replica_size=2) == "crash"
+    # one replica of two lost is no partition; two of three are
+    assert core.classify([("suspect", "b0"), ("suspect", "b1")], 4, replica_size=2) == "hang"
+    assert core.reason_for("hang", ("a0", "a1", "b0", "b1", "c0", "c1"), ("a0", "a1"),
+                           {m: "suspect" for m in ("b0", "b1", "c0", "c1")}, replica_size=2) == "partition"

@@ -75,6 +75,7 @@ def test_each_worker_gets_its_address_the_others_a_secret_and_a_local_rank():
     ({"save_at_breakpoint": True}, "checkpoint-dir"),
     ({"port": 65535, "nproc": 2}, "ports"),
     ({"restart_backoff": -1.0}, ">= 0"),
+    ({"nproc": 6, "replica_size": 4}, "must divide --nproc-per-node 6"),
 ])
 def test_bad_options_are_refused_with_a_clear_error(options, message):
     with pytest.raises(ValueError, match=message):
@@ -93,6 +94,38 @@ def test_a_non_loopback_node_without_a_secret_is_refused_unless_insecure_is_aske
     Launcher(config, environ={"FTCOMM_INSECURE": "1"}, out=io.StringIO())
     with pytest.raises(ValueError, match="empty"):
         Launcher(LaunchConfig(command=["true"]), environ={"FTCOMM_SECRET": ""}, out=io.StringIO())
+
+
+def test_sharded_replicas_get_their_shard_rank_and_one_store_address_each():
+    launcher = Launcher(LaunchConfig(command=["true"], nproc=4, replica_size=2), environ={}, out=io.StringIO())
+    for worker in launcher.workers:  # what starting shard 0 of each replica draws
+        worker.replica_addr = f"127.0.0.1:{29500 + worker.local_rank - worker.local_rank % 2}"
+    envs = [launcher.worker_env(w) for w in launcher.workers]
+    assert [e["FTCOMM_SHARD_RANK"] for e in envs] == ["0", "1", "0", "1"]
+    assert {e["FTCOMM_REPLICA_SIZE"] for e in envs} == {"2"}
+    assert [e["FTCOMM_REPLICA_ADDR"] for e in envs] == ["127.0.0.1:29500"] * 2 + ["127.0.0.1:29502"] * 2
+    plain = Launcher(LaunchConfig(command=["true"], nproc=2), environ={}, out=io.StringIO())
+    assert "FTCOMM_REPLICA_SIZE" not in plain.worker_env(plain.workers[0])
+
+
+def test_a_replica_whose_process_fails_is_stopped_and_restarted_as_a_whole(tmp_path):
+    # Replica 1's shard 1 fails on its first start; shard 0 of that replica must be stopped
+    # and both must start again together, on a new store address; replica 0 is untouched.
+    log_dir = tmp_path / "starts"
+    log_dir.mkdir()
+    body = ("import signal\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+            "rank, restarts = os.environ['LOCAL_RANK'], os.environ['FTCOMM_RESTARTS']\n"
+            f"open(os.path.join({str(log_dir)!r}, rank + '-' + restarts), 'w').write(os.environ['FTCOMM_REPLICA_ADDR'])\n"
+            "if rank == '3' and restarts == '0': time.sleep(0.5); sys.exit(7)\n"
+            "time.sleep(2.0)\n")
+    code, log = launch(tmp_path, body, nproc=4, replica_size=2, restart_backoff=0.0)
+    assert code == 0, log
+    assert "worker 3 exited with status 7" in log and "with the rest of its replica" in log
+    assert "worker 2 left with its replica" in log
+    starts = {p.name: p.read_text() for p in log_dir.iterdir()}
+    assert set(starts) == {"0-0", "1-0", "2-0", "3-0", "2-1", "3-1"}  # replica 0 never restarted
+    assert starts["0-0"] == starts["1-0"] != starts["2-0"] == starts["3-0"] != starts["2-1"] == starts["3-1"]
 
 
 def test_a_failing_worker_is_restarted_with_backoff_until_it_finishes(tmp_path):

@@ -817,10 +817,11 @@ def step_verdict(contributors: float, joiners: float, world: int, batches_checke
     return commit, joiners > 0
 
 
-def classify(faults: list[tuple[str, str]], view_size: int | None) -> str:
+def classify(faults: list[tuple[str, str]], view_size: int | None, replica_size: int = 1) -> str:
     """Why a view broke, from the faults seen in it, as (kind, member) pairs: leave,
     superseded, crash (a refused connection or a death), partition (half the view or more
-    lost at once), hang (suspected only) or backend (the communicator failed alone)."""
+    lost at once, more than one member, or sharded replica of ``replica_size`` processes),
+    hang (suspected only) or backend (the communicator failed alone)."""
     kinds = {kind for kind, _ in faults}
     lost = {member for kind, member in faults if kind != "superseded"}
     if "left" in kinds:
@@ -829,17 +830,19 @@ def classify(faults: list[tuple[str, str]], view_size: int | None) -> str:
         return "superseded"
     if "crash" in kinds:
         return "crash"
-    if len(lost) > 1 and view_size is not None and 2 * len(lost) >= view_size:
+    if len(lost) > replica_size and view_size is not None and 2 * len(lost) >= view_size:
         return "partition"
     if "suspect" in kinds:
         return "hang"
     return "crash" if "dead" in kinds else "backend"
 
 
-def reason_for(noticed: str, before: tuple[str, ...], after: tuple[str, ...], gossip_states: dict[str, str]) -> str:
+def reason_for(noticed: str, before: tuple[str, ...], after: tuple[str, ...], gossip_states: dict[str, str],
+               replica_size: int = 1) -> str:
     """Name a re-formation from ``before`` to ``after`` by what happened to the members it
     dropped (their gossip states, or ``benched`` for a straggler standing aside; one not
-    known reads as dead)."""
+    known reads as dead). A partition drops more than one member (sharded replica of
+    ``replica_size`` processes) and half the view or more."""
     removed = [m for m in before if m not in after]
     if not removed:
         return "join" if noticed != "init" and len(after) > len(before) else noticed
@@ -848,7 +851,7 @@ def reason_for(noticed: str, before: tuple[str, ...], after: tuple[str, ...], go
         return "leave"
     if all(k in ("benched", "left") for k in kinds):
         return "straggler"
-    if len(removed) > 1 and 2 * len(removed) >= len(before):
+    if len(removed) > replica_size and 2 * len(removed) >= len(before):
         return "partition"
     if "suspect" in kinds or noticed == "hang":
         return "hang"

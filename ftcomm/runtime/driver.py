@@ -255,10 +255,27 @@ class Driver:
             suspects = {member for _, kind, member in self.news.faults if kind == "suspect"}
             if suspects:
                 self.probe_crashed([m for m in view.members if m in suspects], timeout=0.05)
+        if view is not None and self.engine.replica is not None:
+            # A process of a sharded replica that leaves often does so because another process
+            # of its replica crashed (the launcher stops the rest): that one is probed too.
+            self.probe_crashed(self._partners_of_leavers(view), timeout=0.05)
         faults = [(kind, member) for _, kind, member in self.news.faults]
-        reason = core.classify(faults, view.size if view is not None else None)
+        reason = core.classify(faults, view.size if view is not None else None, self.replica_size)
         log.debug("view broke (%s: %s); faults %s: %s", type(exc).__name__, exc, faults, reason)
         return reason
+
+    @property
+    def replica_size(self) -> int:
+        """Processes per sharded replica: the unit members come and go in (1: none)."""
+        return self.engine.replica[2] if self.engine.replica is not None else 1
+
+    def _partners_of_leavers(self, view: View) -> list[str]:
+        """The members of ``view`` in the same sharded replica as a member that left it."""
+        statuses = self.statuses()[0]
+        left = {member for _, kind, member in self.news.faults if kind == "left"}
+        keys = {statuses[m].replica[0] for m in left if m in statuses and statuses[m].replica is not None}
+        return [m for m in view.members if m not in left and m in statuses and statuses[m].replica is not None
+                and statuses[m].replica[0] in keys]
 
     def probe_crashed(self, members: Iterable[str], timeout: float = 0.25, settle: float = 0.0) -> None:
         """Crash fast path: members whose host refuses a connection at their gossip port are

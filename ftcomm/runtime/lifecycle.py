@@ -128,7 +128,7 @@ class Lifecycle:
         done = time.monotonic()
         before = previous.members if previous else ()
         reason = ("rejoin" if self.engine.formed_from == core.REJOINING
-                  else core.reason_for(driver.reason, before, view.members, self.gossip_states()))
+                  else core.reason_for(driver.reason, before, view.members, self.gossip_states(), driver.replica_size))
         change = ViewChange(view.id, view.members, reason, tuple(m for m in view.members if m not in before),
                             tuple(m for m in before if m not in view.members), round(noticed - detected_at, 4),
                             round(driver.agreed_at - driver.agreeing_since, 4),

@@ -1,0 +1,155 @@
+"""Sharded replicas under ``ftcomm run --replica-size 2``: examples/train_hsdp.py, an FSDP2
+script that uses only the public interface, trains as 3 replicas of 2 processes.
+
+Each test asserts DESIGN §2 per shard: after every view change and at the end, the
+processes of one shard index hold one state in every replica; every sample of the epoch
+is trained on exactly once by committed steps; every process exits 0. And the replica is
+the unit of failure: its processes leave and come back together.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.polling import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_hsdp.py")
+REPLICAS, SHARDS = 3, 2
+
+
+class Job:
+    """``ftcomm run`` of the example; every JSON line the processes print, with its arrival time."""
+
+    def __init__(self, steps: int) -> None:
+        command = [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", str(REPLICAS * SHARDS),
+                   "--replica-size", str(SHARDS), "--restart-backoff", "0.2", EXAMPLE, "--steps", str(steps),
+                   "--min-workers", "2", "--step-time", "0.03", "--report-every", "10", "--log-indices"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.events: list[tuple[float, dict]] = []
+        self.log: list[str] = []
+        self._threads = [threading.Thread(target=self._read, daemon=True),
+                         threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                self.events.append((time.time(), json.loads(line)))
+            except ValueError:
+                pass
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for _, e in list(self.events) if e["ev"] == kind]
+
+    def committed_step(self) -> int:
+        return max([e["step"] for e in self.of("batch")] + [0])
+
+    def finish(self, timeout: float = 180) -> int:
+        try:
+            code = self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        for t in self._threads:
+            t.join(10)
+        return code
+
+
+def started(job: Job) -> list[dict]:
+    """The first start of the six processes, once every one is in a view of all and trains."""
+    wait_until(lambda: len(job.of("ready")) >= REPLICAS * SHARDS and job.committed_step() >= 20, 120,
+               lambda: f"the job did not start: {''.join(job.log[-40:])}")
+    return job.of("ready")
+
+
+def assert_per_shard_invariants(job: Job, steps: int) -> None:
+    """Equal state per shard in every view and at the end; exactly-once samples; exit 0."""
+    done = job.of("done")
+    assert len(done) == REPLICAS * SHARDS, f"{len(done)} processes finished: {''.join(job.log[-40:])}"
+    assert {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {REPLICAS * SHARDS}
+    for shard in range(SHARDS):
+        digests = {d["digest"] for d in done if d["shard"] == shard}
+        assert len(digests) == 1, f"shard {shard} ends with {len(digests)} states"
+    assert len({d["digest"] for d in done}) == SHARDS  # the shards hold different parts of the model
+    views = collections.defaultdict(list)
+    for e in job.of("view"):
+        views[(e["view_id"], e["shard"])].append(e)
+    for (view_id, shard), events in views.items():
+        assert len({tuple(e["members"]) for e in events}) == 1, f"view {view_id} has two member lists"
+        assert len({(e["step"], e["state_digest"]) for e in events}) == 1, \
+            f"view {view_id}: shard {shard} holds different states {events}"
+        assert len(events[0]["members"]) % SHARDS == 0  # whole replicas only
+    # Exactly once: each committed step took the next slice of the epoch's permutation,
+    # split over the ranks of its view, and every rank of the view trained on its share.
+    by_step = collections.defaultdict(dict)
+    for b in job.of("batch"):
+        by_step[b["step"]].setdefault(b["rank"], b)
+    assert sorted(by_step) == list(range(1, steps + 1))
+    position = (0, 0)
+    seen: dict[int, set] = collections.defaultdict(set)
+    for step in range(1, steps + 1):
+        shares = by_step[step]
+        plans = {(b["epoch"], b["start"], b["size"], b["world"]) for b in shares.values()}
+        assert len(plans) == 1, f"step {step} was planned differently: {plans}"
+        epoch, start, size, world = plans.pop()
+        assert set(shares) == set(range(world)), f"step {step}: ranks {sorted(shares)} of {world} reported"
+        if (epoch, start) != position:
+            assert start == 0 and epoch == position[0] + 1, f"step {step} starts at {(epoch, start)}, not {position}"
+        indices = [i for b in shares.values() for i in b["idx"]]
+        assert len(indices) == size and not seen[epoch] & set(indices), f"step {step}: samples repeated"
+        seen[epoch] |= set(indices)
+        position = (epoch, start + size)
+
+
+def test_a_replica_that_loses_a_process_to_kill_9_leaves_whole_and_comes_back():
+    steps = 160
+    job = Job(steps)
+    try:
+        ready = started(job)
+        victim = next(e for e in ready if e["rank"] == 3)  # shard 1 of the replica of rank 1
+        partner = next(e for e in ready if e["rank"] == 2)
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert job.finish() == 0, "".join(job.log[-60:])
+    finally:
+        job.finish(30)
+    log = "".join(job.log)
+    assert "exited with signal SIGKILL" in log and "with the rest of its replica" in log
+    views = job.of("view")
+    without = [e for e in views if len(e["members"]) == (REPLICAS - 1) * SHARDS]
+    assert without and {e["reason"] for e in without} == {"crash"}
+    assert victim["id"] not in without[0]["members"] and partner["id"] not in without[0]["members"]
+    back = [e for e in views if e["view_id"] > without[0]["view_id"] and len(e["members"]) == REPLICAS * SHARDS]
+    assert back, "the replica never came back"
+    assert [e["restarts"] for e in job.of("ready") if e["restarts"]] == [1, 1]  # both of its processes, once
+    assert_per_shard_invariants(job, steps)
+
+
+def test_sigterm_to_a_whole_replica_is_a_graceful_leave():
+    steps = 120
+    job = Job(steps)
+    try:
+        ready = started(job)
+        leaving = [e for e in ready if e["rank"] in (4, 5)]
+        for e in leaving:
+            os.kill(e["pid"], signal.SIGTERM)
+        assert job.finish() == 0, "".join(job.log[-60:])
+    finally:
+        job.finish(30)
+    without = [e for e in job.of("view") if len(e["members"]) == (REPLICAS - 1) * SHARDS]
+    assert without and {e["reason"] for e in without} == {"leave"}
+    assert not {e["id"] for e in leaving} & set(without[0]["members"])
+    assert_per_shard_invariants(job, steps)
