@@ -10,11 +10,15 @@ one of its processes fails:
 Kill any process (``kill -9``): its replica leaves, the other replicas commit again, and
 the launcher starts the replica again, which rejoins and receives every shard from a live
 replica. Data comes from an ``ftcomm.ElasticSampler`` over all ``replicas x K`` processes:
-every sample of an epoch is trained on exactly once across the failures.
+every sample of an epoch is trained on exactly once across the failures. With
+``--checkpoint-dir`` each process flash-checkpoints its own shards every
+``--checkpoint-every`` steps, and a whole-job restart restores the newest step that every
+shard can load.
 
 Every line on stdout is a JSON object: ``ready``, one ``view`` per view change, ``batch``
 for every committed step with ``--log-indices``, a ``step`` every ``--report-every``
-committed steps, and ``done`` with this process's shard digest. ``--plain-rank``/
+committed steps, ``restored`` after a checkpoint restore, and ``done`` with this
+process's shard digest. ``--plain-rank``/
 ``--plain-world``/``--plain-port`` run the same training as plain FSDP2 HSDP on a fixed
 ``("replicate", "shard")`` mesh instead (the baseline of benchmarks/hsdp.py).
 """
@@ -76,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of work per step")
     parser.add_argument("--report-every", type=int, default=50)
     parser.add_argument("--log-indices", action="store_true", help="emit each committed step's sample indices")
+    parser.add_argument("--checkpoint-dir", default=None, help="flash checkpoints persisted here (one per shard)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    parser.add_argument("--checkpoint-name", default="train-hsdp", help="the job's name in /dev/shm")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     parser.add_argument("--plain-rank", type=int, default=None, help="run as plain FSDP2 HSDP, this rank")
     parser.add_argument("--plain-world", type=int, default=None)
@@ -92,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     sampler = ftcomm.ElasticSampler(len(x), global_batch=args.global_batch, seed=args.seed)
     ft.register_state(model=model, optimizer=optimizer, sampler=sampler)
+    checkpoints = None
+    if args.checkpoint_dir:  # a whole-job restart restores the newest step every shard can load
+        checkpoints = ftcomm.FlashCheckpointer(ft, args.checkpoint_dir, name=args.checkpoint_name)
+        emit(ev="restored", step=checkpoints.restore(), shard=ft.shard_rank, t=time.time())
     emit(ev="ready", id=ft.id, pid=os.getpid(), rank=ft.rank, world=ft.world_size, shard=ft.shard_rank,
          replica=ft.replica_rank, replicas=ft.num_replicas, restarts=int(os.environ.get("FTCOMM_RESTARTS", "0")),
          t=time.time())
@@ -110,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                     share = sampler.committed
                     emit(ev="batch", step=ft.step, epoch=share.epoch, start=share.start, size=share.size,
                          world=share.world, rank=ft.rank, idx=sampler.indices(share) if share.count else [])
+                if checkpoints is not None and args.checkpoint_every and ft.step % args.checkpoint_every == 0:
+                    checkpoints.save()
             optimizer.zero_grad()
             while reported < len(ft.events):
                 emit(ev="view", shard=ft.shard_rank, t=time.time(), **dataclasses.asdict(ft.events[reported]))
@@ -119,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                      t=time.time())
             if ft.step >= args.steps:
                 break
+    if checkpoints is not None:
+        checkpoints.close()
     emit(ev="done", id=ft.id, step=ft.step, rank=ft.rank, world=ft.world_size, shard=ft.shard_rank,
          digest=ft.state.digest(ft.step), views=len(ft.events), loss=round(loss.item(), 5), t=time.time())
     ft.shutdown()

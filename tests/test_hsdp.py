@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,10 +32,10 @@ REPLICAS, SHARDS = 3, 2
 class Job:
     """``ftcomm run`` of the example; every JSON line the processes print, with its arrival time."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, *extra: str) -> None:
         command = [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", str(REPLICAS * SHARDS),
                    "--replica-size", str(SHARDS), "--restart-backoff", "0.2", EXAMPLE, "--steps", str(steps),
-                   "--min-workers", "2", "--step-time", "0.03", "--report-every", "10", "--log-indices"]
+                   "--min-workers", "2", "--step-time", "0.03", "--report-every", "10", "--log-indices", *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.events: list[tuple[float, dict]] = []
@@ -76,7 +77,7 @@ def started(job: Job) -> list[dict]:
     return job.of("ready")
 
 
-def assert_per_shard_invariants(job: Job, steps: int) -> None:
+def assert_per_shard_invariants(job: Job, steps: int, first_step: int = 1) -> None:
     """Equal state per shard in every view and at the end; exactly-once samples; exit 0."""
     done = job.of("done")
     assert len(done) == REPLICAS * SHARDS, f"{len(done)} processes finished: {''.join(job.log[-40:])}"
@@ -98,10 +99,11 @@ def assert_per_shard_invariants(job: Job, steps: int) -> None:
     by_step = collections.defaultdict(dict)
     for b in job.of("batch"):
         by_step[b["step"]].setdefault(b["rank"], b)
-    assert sorted(by_step) == list(range(1, steps + 1))
-    position = (0, 0)
+    assert sorted(by_step) == list(range(first_step, steps + 1))
+    first = by_step[first_step][0]
+    position = (first["epoch"], first["start"]) if first_step > 1 else (0, 0)
     seen: dict[int, set] = collections.defaultdict(set)
-    for step in range(1, steps + 1):
+    for step in range(first_step, steps + 1):
         shares = by_step[step]
         plans = {(b["epoch"], b["start"], b["size"], b["world"]) for b in shares.values()}
         assert len(plans) == 1, f"step {step} was planned differently: {plans}"
@@ -153,3 +155,25 @@ def test_sigterm_to_a_whole_replica_is_a_graceful_leave():
     assert without and {e["reason"] for e in without} == {"leave"}
     assert not {e["id"] for e in leaving} & set(without[0]["members"])
     assert_per_shard_invariants(job, steps)
+
+
+def test_a_whole_job_restart_restores_every_shard_at_the_newest_step_all_can_load(tmp_path):
+    name = f"hsdp-test-{os.getpid()}"
+    flags = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "20", "--checkpoint-name", name]
+    try:
+        first = Job(60, *flags)
+        assert first.finish() == 0, "".join(first.log[-60:])
+        assert {e["step"] for e in first.of("restored")} == {None}  # nothing to restore yet
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["shard0", "shard1"]
+        ended = {d["shard"]: d["digest"] for d in first.of("done")}
+        for shard in ("shard0", "shard1"):  # the shared-memory copies go: the shards' directories remain
+            shutil.rmtree(f"/dev/shm/ftcomm-{name}-{shard}", ignore_errors=True)
+        second = Job(80, *flags)
+        assert second.finish() == 0, "".join(second.log[-60:])
+    finally:
+        for shard in ("shard0", "shard1"):
+            shutil.rmtree(f"/dev/shm/ftcomm-{name}-{shard}", ignore_errors=True)
+    assert [e["step"] for e in second.of("restored")] == [60] * (REPLICAS * SHARDS)
+    first_views = [e for e in second.of("view") if e["view_id"] == 1]
+    assert {(e["shard"], e["state_digest"]) for e in first_views} == set(ended.items())  # restored, shard for shard
+    assert_per_shard_invariants(second, 80, first_step=61)

@@ -430,18 +430,22 @@ class Launcher:
         return 0 if all(w.status == "finished" for w in self.workers) else 1
 
     def _save_at_breakpoint(self) -> None:
-        from ..training.checkpoint_files import persist_newest  # torch-free
+        from ..training.checkpoint_files import persist_newest, shard_suffix  # torch-free
 
         name = self.config.checkpoint_name or self.config.cluster
-        try:
-            with self._saving:  # workers failing together: the later copies find it persisted
-                step = persist_newest(pathlib.Path("/dev/shm") / f"ftcomm-{name}",
-                                      pathlib.Path(self.config.checkpoint_dir))
-        except (OSError, ValueError, FtcommError) as exc:  # the workers go on: only the copy is lost
-            self.say(f"saving at the breakpoint failed: {exc}")
-            return
-        if step is not None:
-            self.say(f"saved the newest checkpoint (step {step}) to {self.config.checkpoint_dir}")
+        places = [(f"ftcomm-{name}", pathlib.Path(self.config.checkpoint_dir))]
+        if self.config.replica_size > 1:  # each shard index keeps its own copies
+            places = [(f"ftcomm-{name}-{shard_suffix(i)}", pathlib.Path(self.config.checkpoint_dir, shard_suffix(i)))
+                      for i in range(self.config.replica_size)]
+        for shm, directory in places:
+            try:
+                with self._saving:  # workers failing together: the later copies find it persisted
+                    step = persist_newest(pathlib.Path("/dev/shm") / shm, directory)
+            except (OSError, ValueError, FtcommError) as exc:  # the workers go on: only the copy is lost
+                self.say(f"saving at the breakpoint failed: {exc}")
+                continue
+            if step is not None:
+                self.say(f"saved the newest checkpoint (step {step}) to {directory}")
 
     def say(self, text: str) -> None:
         try:

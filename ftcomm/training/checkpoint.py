@@ -92,6 +92,11 @@ class FlashCheckpointer:
             raise ValueError("keep must be at least 1, write_timeout positive, and name free of '/' and NUL")
         self.group, self.keep, self.sync, self.write_timeout = group, keep, sync, write_timeout
         self.directory = pathlib.Path(directory) if directory is not None else None
+        self.shards = getattr(group, "replica_size", 1)
+        if self.shards > 1:  # a sharded replica's processes each hold one shard: one copy per shard index
+            job = f"{job}-{files.shard_suffix(group.shard_rank)}"
+            if self.directory is not None:
+                self.directory = self.directory / files.shard_suffix(group.shard_rank)
         self.shm = files.private_directory(pathlib.Path(shm_root) / f"ftcomm-{job}")
         files.remove_abandoned(self.shm)
         if self.directory is not None:
@@ -110,11 +115,13 @@ class FlashCheckpointer:
 
     # ------------------------------------------------------------------ save
     def is_writer(self) -> bool:
-        """The member with the lowest rank on this host writes the host's copy."""
+        """The member with the lowest rank on this host writes the host's copy (with sharded
+        replicas: of its shard index, among the host's processes of that shard)."""
         group = self.group
         hosts = {m.id: m.host for m in group.gossip.members()}
         mine = hosts.get(group.id, group.gossip.address.rsplit(":", 1)[0])
-        local = [m for m in group.view.members if hosts.get(m, mine if m == group.id else None) == mine]
+        members = group.view.members[group.view.rank_of(group.id) % self.shards::self.shards]
+        local = [m for m in members if hosts.get(m, mine if m == group.id else None) == mine]
         return not local or local[0] == group.id
 
     def save(self) -> float:
@@ -413,7 +420,8 @@ class FlashCheckpointer:
         the members that started the group together). Returns the restored step, or None
         when no member has a loadable checkpoint. When no step is loadable everywhere, the
         members that can load the newest loadable step do, and the group's reconciliation
-        gives it to the others. Unloadable copies are skipped with a warning; corrupt ones
+        gives it to the others (with sharded replicas: the newest step some process of every
+        shard index can load, each shard reconciled on its own). Unloadable copies are skipped with a warning; corrupt ones
         are deleted by the next save's pruning.
 
         Only in a view whose members have not begun training (``FaultTolerantGroup.restorable``:
@@ -428,7 +436,7 @@ class FlashCheckpointer:
                 return None
             step, everywhere, loaded, outcome = agreed
             ok = [o[0] for o in outcome]
-            if (everywhere and not all(ok)) or not any(ok):
+            if (everywhere and not all(ok)) or not all(any(ok[i::self.shards]) for i in range(self.shards)):
                 if loaded is not None:
                     loaded[1].close()
                 continue  # someone could not load it after all: agree again without that copy
@@ -449,7 +457,10 @@ class FlashCheckpointer:
         mine = [s for s in self.available() if s not in rejected][:MAX_CANDIDATES]
         offers = self._gather(mine)
         common = set.intersection(*(set(o) for o in offers)) if offers else set()
-        pool = common or set().union(*(set(o) for o in offers))
+        # Else the newest step some member can load, of every shard index with sharded
+        # replicas (rank r holds shard r % shards): reconciling hands each shard's copy on.
+        by_shard = [set().union(*(set(o) for o in offers[i::self.shards])) for i in range(self.shards)]
+        pool = common or (set.intersection(*by_shard) if offers else set())
         if not pool:
             self.group.state_restored(None, same_everywhere=True)  # nothing to load, anywhere
             return None

@@ -63,6 +63,12 @@ class Meta:
     tree: dict  # the skeleton decoded with a TensorIndex in place of each tensor
 
 
+def shard_suffix(shard_rank: int) -> str:
+    """Where a sharded replica's shard ``shard_rank`` keeps its checkpoints (a name beside
+    the job's in shared memory, a subdirectory of the persistent directory)."""
+    return f"shard{shard_rank}"
+
+
 def leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """Every leaf of a nested dict/list/tuple structure with its path of keys and indices."""
     if isinstance(tree, dict):
