@@ -15,7 +15,7 @@ every sample of an epoch is trained on exactly once across the failures. With
 ``--checkpoint-every`` steps, and a whole-job restart restores the newest step that every
 shard can load.
 
-Every line on stdout is a JSON object: ``ready``, one ``view`` per view change, ``batch``
+Every line on stdout is a JSON object: ``init`` (``ftcomm.init`` is next), ``ready``, one ``view`` per view change, ``batch``
 for every committed step with ``--log-indices``, a ``step`` every ``--report-every``
 committed steps, ``restored`` after a checkpoint restore, and ``done`` with this
 process's shard digest. ``--plain-rank``/
@@ -53,10 +53,13 @@ def make_task(seed: int, samples: int = 8192, features: int = 32, classes: int =
 
 
 def make_model(mesh, seed: int, hidden: int, features: int = 32, classes: int = 4) -> torch.nn.Module:
-    """The MLP, each linear layer sharded over ``mesh`` (FSDP2), then the whole."""
+    """The MLP, each linear layer sharded over ``mesh`` (FSDP2), then the whole; without a
+    mesh (a replica of one process) not sharded."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes))
+    if mesh is None:
+        return model
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -94,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plain_rank is not None:
         return train_plain(args, x, y)
 
+    emit(ev="init", pid=os.getpid(), t=time.time())
     ft = ftcomm.init(backend="gloo", min_workers=args.min_workers)  # the replica comes from `ftcomm run`
-    model = make_model(ft.shard_mesh, args.seed, args.hidden)
+    model = make_model(ft.shard_mesh, args.seed, args.hidden)  # (replicas of one process: not sharded)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     sampler = ftcomm.ElasticSampler(len(x), global_batch=args.global_batch, seed=args.seed)
     ft.register_state(model=model, optimizer=optimizer, sampler=sampler)
@@ -103,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint_dir:  # a whole-job restart restores the newest step every shard can load
         checkpoints = ftcomm.FlashCheckpointer(ft, args.checkpoint_dir, name=args.checkpoint_name)
         emit(ev="restored", step=checkpoints.restore(), shard=ft.shard_rank, t=time.time())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     emit(ev="ready", id=ft.id, pid=os.getpid(), rank=ft.rank, world=ft.world_size, shard=ft.shard_rank,
+         param_bytes=sum(t.numel() * t.element_size() for t in local),
          replica=ft.replica_rank, replicas=ft.num_replicas, restarts=int(os.environ.get("FTCOMM_RESTARTS", "0")),
          t=time.time())
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)

@@ -241,10 +241,11 @@ class StepProtocol:
         """Make every member's registered state identical (RECONCILE_DUE: before the first
         collective once registered, or after a checkpoint was restored); whether this worker
         loaded another's, and the digest every member now holds."""
+        began = time.monotonic()
         loaded, digest = self.transfer_state()
         self.life.check_open()
         self.engine.reconciled()
-        self.record_reconciled(digest)
+        self.record_reconciled(digest, time.monotonic() - began)
         return loaded, digest
 
     def transfer_state(self) -> tuple[bool, int]:
@@ -258,16 +259,18 @@ class StepProtocol:
                                                            self.secret)
         return loaded, digest
 
-    def record_reconciled(self, digest: int | None) -> None:
-        """Stamp the latest view change with the state every member holds after reconciling, and
-        let the batch-size / learning-rate policies adapt to the view (same state, same result)."""
+    def record_reconciled(self, digest: int | None, deferred_s: float | None = None) -> None:
+        """Stamp the latest view change with the state every member holds after reconciling
+        (and, for a reconcile deferred until the state was registered, its duration), and let
+        the batch-size / learning-rate policies adapt to the view (same state, same result)."""
         events = self.life.events
         if self.state.registered and events:
             policy: dict = {}
             for obj in self.participants("view_changed"):
                 policy.update(obj.view_changed(self.rank, self.life.view.size, self.step) or {})
+            timing = {"reconcile_s": round(deferred_s, 4)} if deferred_s is not None else {}
             events[-1] = dataclasses.replace(events[-1], step=self.step, state_digest=digest,
-                                             policy=policy or None)
+                                             policy=policy or None, **timing)
             if policy:
                 log.info("view %d: policy %s", self.life.view.id, policy)
 

@@ -1,0 +1,216 @@
+"""Sharded replicas (HSDP): recovery after kill -9 of one process, replica join time by K,
+and the steady step against plain FSDP2 HSDP.
+
+    python benchmarks/hsdp.py [--runs 3] [--only recovery,join,steady]
+
+Every job is ``examples/train_hsdp.py`` under ``ftcomm run --replica-size K`` on 127.0.0.1.
+
+*Recovery*: 3 replicas of 2 processes train (hidden 256, 0.02 s of extra work per step);
+one process of a replica is killed with SIGKILL. Reported: the time from the kill to the
+next step committed by the other replicas ("others commit again"), and to the view that
+holds the replica again after the launcher restarted it as a whole ("replica back").
+
+*Join by K*: one replica of K processes trains a model of about 4.3M parameters (hidden
+2048, Adam: 52 MB of state); a second replica of K processes is started by a second
+launcher and joins. Reported: the state each process receives (its shard of the
+parameters and Adam's moments), the state transfer (the reconcile of the joiners' first
+view: each shard's processes receive their shard at once) and the join, from the
+joiners' ``ftcomm.init()`` to their first committed step. K = 1 is the same model
+unsharded (each replica one process). All 2K processes share this machine's cores, so
+the shards' transfers run in parallel only as far as its cores allow.
+
+*Steady step*: 2 replicas of 2 processes under ftcomm against plain FSDP2 HSDP on a
+``("replicate", "shard")`` mesh of the same 4 processes, the same model (hidden 1024) and
+batches: the median step time over steps 10 to 80 of rank 0, the baseline run first in
+the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_hsdp.py")
+
+
+class Job:
+    """One ``ftcomm run`` (or plain processes); every JSON line printed, with its arrival time."""
+
+    def __init__(self, command: list[str], env: dict | None = None) -> None:
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                        env={**{k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")},
+                                             **(env or {})}, start_new_session=True)
+        self.events: list[tuple[float, dict]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                self.events.append((time.time(), json.loads(line)))
+            except ValueError:
+                pass
+
+    def of(self, kind: str) -> list[tuple[float, dict]]:
+        return [(t, e) for t, e in list(self.events) if e["ev"] == kind]
+
+    def wait_for(self, test, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not test():
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise RuntimeError(f"{what} did not happen within {timeout:g} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._reader.join(5)
+
+
+def launcher(nproc: int, k: int, args: list[str], extra: list[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", str(nproc), "--replica-size", str(k),
+            "--restart-backoff", "0.2", *extra, EXAMPLE, "--steps", "100000000", *args]
+
+
+def recovery_run() -> dict:
+    job = Job(launcher(6, 2, ["--hidden", "256", "--step-time", "0.02", "--report-every", "1", "--min-workers", "2"]))
+    try:
+        job.wait_for(lambda: len(job.of("ready")) >= 6 and len(job.of("step")) >= 6 * 20, 120, "six processes training")
+        ready = [e for _, e in job.of("ready")]
+        victim = next(e for e in ready if e["rank"] == 3)
+        at_kill = max(e["step"] for _, e in job.of("step"))
+        killed = time.time()
+        os.kill(victim["pid"], signal.SIGKILL)
+        job.wait_for(lambda: any(t > killed and e["world"] == 4 and e["step"] > at_kill for t, e in job.of("step")),
+                     60, "the other replicas committing")
+        job.wait_for(lambda: any(t > killed and len(e["members"]) == 6 for t, e in job.of("view")), 120,
+                     "the replica coming back")
+        others = min(t for t, e in job.of("step") if t > killed and e["world"] == 4 and e["step"] > at_kill)
+        back = min(t for t, e in job.of("view") if t > killed and len(e["members"]) == 6)
+        broken = [e for t, e in job.of("view") if t > killed and len(e["members"]) == 4]
+        phases = {k: statistics.median(e[k] for e in broken) for k in ("detect_s", "agree_s", "form_s", "reconcile_s")}
+        return {"others_commit_s": round(others - killed, 3), "replica_back_s": round(back - killed, 3),
+                "reason": sorted({e["reason"] for e in broken}), **{k: round(v, 4) for k, v in phases.items()}}
+    finally:
+        job.stop()
+
+
+def join_run(k: int) -> dict:
+    env = {"FTCOMM_SECRET": os.urandom(16).hex()}
+    port = free_port_block(k)
+    args = ["--hidden", "2048", "--step-time", "0.05", "--report-every", "1", "--min-workers", "1"]
+    first = Job(launcher(k, k, args, ["--port", str(port)]), env)
+    second = None
+    try:
+        first.wait_for(lambda: len(first.of("step")) >= 10 * k, 180, "the first replica training")
+        second = Job(launcher(k, k, args, ["--peers", f"127.0.0.1:{port}"]), env)
+        second.wait_for(lambda: len(second.of("step")) >= k, 180, "the second replica committing")
+        init = min(t for t, _ in second.of("init"))
+        committed = min(t for t, _ in second.of("step"))
+        views = [e for _, e in second.of("view")]
+        shard_bytes = max(e["param_bytes"] for _, e in second.of("ready")) * 3  # parameters and Adam's two moments
+        return {"k": k, "transfer_s": round(statistics.median(e["reconcile_s"] for e in views[:k]), 4),
+                "join_s": round(committed - init, 3), "state_bytes_per_process": shard_bytes}
+    finally:
+        for job in (second, first):
+            if job is not None:
+                job.stop()
+
+
+def steady_run() -> dict:
+    common = ["--hidden", "1024", "--report-every", "1", "--steps", "80"]
+    port = free_port_block(1)
+    plain = [Job([sys.executable, "-u", EXAMPLE, *common, "--plain-rank", str(r), "--plain-world", "4",
+                  "--plain-port", str(port)]) for r in range(4)]
+    for job in plain:
+        job.process.wait(600)
+        job.stop()
+    ours = Job([sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "4", "--replica-size", "2", EXAMPLE,
+                *common, "--min-workers", "2"])
+    ours.process.wait(600)
+    ours.stop()
+
+    def median_step(events: list[tuple[float, dict]]) -> float:
+        times = {e["step"]: t for t, e in events if e["rank"] == 0}
+        return statistics.median(times[s + 1] - times[s] for s in range(10, 80) if s in times and s + 1 in times)
+
+    base, mine = median_step(plain[0].of("step")), median_step(ours.of("step"))
+    return {"plain_hsdp_step_s": round(base, 4), "ftcomm_step_s": round(mine, 4),
+            "throughput_vs_plain": round(base / mine, 3)}
+
+
+def free_port_block(n: int) -> int:
+    """A port with the ``n`` - 1 above it free too (the launcher counts up from ``--port``)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + n > 65535:
+            continue
+        try:
+            sockets = []
+            for p in range(port, port + n):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no block of free ports")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--only", default="recovery,join,steady")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "hsdp.json"))
+    args = parser.parse_args()
+    parts = set(args.only.split(","))
+    report: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
+    if "recovery" in parts:
+        runs = [recovery_run() for _ in range(args.runs)]
+        report["recovery_kill9"] = {
+            "runs": runs, "median_others_commit_s": statistics.median(r["others_commit_s"] for r in runs),
+            "median_replica_back_s": statistics.median(r["replica_back_s"] for r in runs)}
+        print(json.dumps({k: v for k, v in report["recovery_kill9"].items() if k != "runs"}), flush=True)
+    if "join" in parts:
+        by_k = []
+        for k in (1, 2, 4):
+            runs = [join_run(k) for _ in range(args.runs)]
+            by_k.append({"k": k, "runs": runs, "median_transfer_s": statistics.median(r["transfer_s"] for r in runs),
+                         "median_join_s": statistics.median(r["join_s"] for r in runs),
+                         "state_bytes_per_process": runs[0]["state_bytes_per_process"]})
+            print(json.dumps({m: v for m, v in by_k[-1].items() if m != "runs"}), flush=True)
+        report["join_by_k"] = by_k
+    if "steady" in parts:
+        runs = [steady_run() for _ in range(args.runs)]
+        report["steady"] = {"runs": runs,
+                            "median_plain_hsdp_step_s": statistics.median(r["plain_hsdp_step_s"] for r in runs),
+                            "median_ftcomm_step_s": statistics.median(r["ftcomm_step_s"] for r in runs),
+                            "median_throughput_vs_plain": statistics.median(r["throughput_vs_plain"] for r in runs)}
+        print(json.dumps({k: v for k, v in report["steady"].items() if k != "runs"}), flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
