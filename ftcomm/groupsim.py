@@ -57,9 +57,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .core.engine import ANNOUNCE_LIMIT, ASIDE_DUE, JOIN_DUE, RUNNING, Engine, reconcile_source
+from .core.engine import ANNOUNCE_LIMIT, ASIDE_DUE, JOIN_DUE, RUNNING, Engine, reconcile_source, shard_sources
 from .core.view import Status, View, gone_from, has_quorum
-from .errors import CollectiveAborted, CommunicatorError, FtcommTimeout
+from .errors import CollectiveAborted, CommunicatorError, FtcommTimeout, ReplicaLost
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
@@ -73,6 +73,8 @@ from .runtime.sim_ports import (TICK, SimClock, SimCommunicators, SimMembership,
 CONFIG = "simcfg"
 OPTIONS = GroupOptions()  # the defaults a worker runs with (stall_probe_after, leave_grace, ...)
 FORM_LATENCY = 0.01
+REPLICA_RESTART_S = 3.0  # a launcher starting a sharded replica's processes again, until they join
+REPLICA_HALT_S = 5.0  # ftcomm.ops.launcher's: a process of a replica that lost one, SIGTERM to SIGKILL
 CRASH_ERROR_DELAY = 0.005
 _UNDECODED = object()
 _NO_EXCHANGE = object()  # a completed step that counts without confirming
@@ -114,6 +116,12 @@ class Worker:
     read_view: View | None = None  # its view at the last read (whose members count although unconfirmed)
     busy_until: float = 0.0  # its driver waits for a read from a store that does not answer until then
     driver: Driver | None = None  # the driver that ships, over this simulation's ports
+    replica: tuple[str, int] | None = None  # a sharded replica's process: (replica key, shard rank)
+    agreeing: tuple | None = None  # (view key, op, join, asking): its step completed, the replica agrees (Replica.agree)
+
+    @property
+    def shard(self) -> int:
+        return self.replica[1] if self.replica is not None else 0
 
 
 @dataclass
@@ -140,22 +148,30 @@ class GroupSimulation:
     and its first status record (the gossip cluster has converged; the first view is still
     to be agreed), instead of joining through the first worker; ``exclude_stragglers``: a
     slow member asks to stand aside (``straggler_policy="exclude"``) and, chosen, does so for
-    ``straggler_cooldown`` seconds (None: drawn, for half the seeds)."""
+    ``straggler_cooldown`` seconds (None: drawn, for half the seeds); ``replica_size`` K > 1:
+    the workers are sharded replicas of K processes (``n`` counts processes), faults strike
+    a replica as they do on hosts (see :meth:`_fault`), and a launcher starts a replica
+    whose process failed again as a whole."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
                  loss: float | None = None, leave_grace: float = OPTIONS.leave_grace,
                  stall_probe_after: float = OPTIONS.stall_probe_after,
                  formation_timeout: float = 10.0, gossip: GossipConfig | None = None,
                  announce_limit: int = ANNOUNCE_LIMIT, converged: bool = False,
-                 exclude_stragglers: bool | None = None, straggler_cooldown: float = 2.0) -> None:
+                 exclude_stragglers: bool | None = None, straggler_cooldown: float = 2.0,
+                 replica_size: int = 1) -> None:
         self.seed = seed
+        self.k = replica_size
         # (drawn apart, so the seeds' other draws do not depend on it)
         self.exclude_stragglers = (random.Random(f"{seed}/stragglers").random() < 0.5
-                                   if exclude_stragglers is None else exclude_stragglers)
+                                   if exclude_stragglers is None else exclude_stragglers) and replica_size == 1
         self.straggler_cooldown = straggler_cooldown
         self.announce_limit = announce_limit
         self.rng = random.Random(seed)
-        self.n = n if n is not None else self.rng.randint(3, 7)
+        self.n = n if n is not None else self.rng.randint(3, 7) if self.k == 1 else self.k * self.rng.randint(2, 4)
+        self.replica_of: dict[int, tuple[str, int]] = {i: (f"R{i // self.k}", i % self.k)
+                                                      for i in range(self.n)} if self.k > 1 else {}
+        self.replicas_started = self.n // self.k
         self.loss = loss if loss is not None else self.rng.choice([0.0, 0.0, 0.01, 0.03])
         delay = self.rng.choice([(0.0002, 0.002), (0.001, 0.01), (0.002, 0.03)])
         self.config = gossip or GossipConfig()
@@ -204,6 +220,8 @@ class GroupSimulation:
         self._completed: dict[tuple, tuple[float, bool]] = {}  # see _completion
         self._down_cache: tuple = (None, False)  # see _connected
         self.rolled_back = 0
+        self.restarting: set[str] = set()  # replicas the launcher stopped, to start again
+        self.replica_votes: dict[tuple, dict[str, bool]] = {}  # (view key, op, replica) -> member -> committed
         self.newest: View | None = None  # the newest view formed by anyone
         self.quorum_survived = True
         for t, kind, args in self.faults:
@@ -212,13 +230,17 @@ class GroupSimulation:
 
     # ------------------------------------------------------------------ setup
     def _engine(self, member: str, node: int, now: float) -> Engine:
-        return Engine(member, CONFIG, min_workers=1, settle_interval=0.05,
+        replica = self.replica_of.get(node)
+        return Engine(member, CONFIG, min_workers=self.k, settle_interval=0.05,
                       chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6,
-                      announce_limit=self.announce_limit, rendezvous_port=1)
+                      announce_limit=self.announce_limit, rendezvous_port=1,
+                      replica=(*replica, self.k) if replica is not None else None)
 
     def _start_worker(self, node: int, now: float) -> Worker:
         member = self.sim.member_id(node)
-        w = Worker(node, self._engine(member, node, now), step_time=self.rng.uniform(0.02, 0.05), joined=node == 0)
+        w = Worker(node, self._engine(member, node, now), step_time=self.rng.uniform(0.02, 0.05), joined=node == 0,
+                   replica=self.replica_of.get(node))
+        w.digest = w.shard  # the shards of a sharded replica hold different parts of the state
         protocol = self.sim.nodes[node].protocol
         w.inbox = GossipNews(w.engine, lambda: [(m, state, meta) for m, state, meta, _ in protocol.member_states()],
                              lambda: w.driver.ops, self.leave_grace, decode=self._status, clock=self.clock.now)
@@ -258,14 +280,24 @@ class GroupSimulation:
 
     def _pick(self, frac: float, exclude_last: bool = True) -> Worker | None:
         live = self._live()
+        if self.k > 1:  # a process of a replica that is whole and not being started again
+            live = [w for w in live if w.replica[0] not in self.restarting]
+            if exclude_last and len({w.replica[0] for w in live}) <= 2:  # keep a group to recover
+                return None
         if len(live) <= 2 and exclude_last:  # keep a group to recover
             return None
         return live[int(frac * len(live)) % len(live)]
 
     def _fault(self, kind: str, args: dict) -> None:
+        """One fault of the schedule. With sharded replicas a fault strikes as it does where
+        each replica is one host: a crash or hang strikes one process, a node loss and a
+        partition whole replicas, a join and a leave (scaling) a whole replica."""
         now = self.sim.now
         if kind != "slow":  # a recovery still under way waits for this fault too: not isolated
             self.pending_recovery = [(t, k, survivors, False) for t, k, survivors, _ in self.pending_recovery]
+        if self.k > 1 and kind in ("join", "partition", "node_loss", "leave", "leave_after_commit"):
+            self._replica_fault(kind, args)
+            return
         if kind == "join":
             node = self.sim.add_node(seed_index=self._live()[0].node)
             w = self._start_worker(node, now)
@@ -300,9 +332,13 @@ class GroupSimulation:
         isolated = self._isolated(w)
         if kind in ("hang", "node_loss"):
             self.disturbed_until = max(self.disturbed_until, now + args["length"])
+        if self.k > 1:  # the other replicas survive it
+            survivors = {x.engine.id for x in self._live() if x.replica[0] != w.replica[0]}
         if kind == "crash":
             self._crash(w)
             self.pending_recovery.append((now, kind, survivors, isolated))
+            if self.k > 1:
+                self._replica_failed(w.replica[0])
         elif kind == "hang":
             w.hung = True
             self.sim.nodes[w.node].stalled = True
@@ -317,6 +353,89 @@ class GroupSimulation:
             else:
                 w.leave_after_commit = True
             self.pending_recovery.append((now, "leave", survivors, isolated))
+
+    # ------------------------------------------------------------------ sharded replicas
+    def _replicas(self) -> dict[str, list[Worker]]:
+        """The live workers of each replica, by key, in start order."""
+        out: dict[str, list[Worker]] = {}
+        for w in self._live():
+            out.setdefault(w.replica[0], []).append(w)
+        return out
+
+    def _replica_fault(self, kind: str, args: dict) -> None:
+        now = self.sim.now
+        if kind == "join":
+            self._start_replica(now)
+            return
+        replicas = [r for key, r in self._replicas().items() if key not in self.restarting]
+        if kind == "partition":
+            if len(replicas) < 2:
+                return
+            cut = max(1, min(len(replicas) - 1, int(args["split"] * len(replicas)) or 1))
+            side_a = {w.node for r in replicas[:cut] for w in r}
+            self.disturbed_until = max(self.disturbed_until, now + args["length"])
+            self._cut(now, side_a, set(range(len(self.sim.nodes))) - side_a, args["length"], kind)
+            return
+        if len(replicas) <= 2:  # keep a group to recover
+            return
+        victims = replicas[int(args["pick"] * len(replicas)) % len(replicas)]
+        self.fault_log.append((now, kind, f"replica {victims[0].replica[0]}"))
+        ids = {w.engine.id for w in victims}
+        survivors = {x.engine.id for x in self._live() if x.engine.id not in ids}
+        isolated = all(self._isolated(w) for w in victims)
+        if kind == "node_loss":
+            self.disturbed_until = max(self.disturbed_until, now + args["length"])
+            nodes = {w.node for w in victims}
+            self._cut(now, nodes, set(range(len(self.sim.nodes))) - nodes, args["length"], kind,
+                      (survivors, isolated))
+            return
+        for w in victims:  # scaled down: the whole replica leaves
+            if kind == "leave":
+                self._leave(w)
+            else:
+                w.leave_after_commit = True
+        self.pending_recovery.append((now, "leave", survivors, isolated))
+
+    def _start_replica(self, now: float) -> list[Worker]:
+        """A replica's K processes start (a new one, or a failed one started again): each
+        joins through a live worker and retries as ``ftcomm.init`` does."""
+        key = f"R{self.replicas_started}"
+        self.replicas_started += 1
+        seed = self._live()[0].node
+        started = []
+        for shard in range(self.k):
+            node = self.sim.add_node(seed_index=seed)
+            self.replica_of[node] = (key, shard)
+            w = self._start_worker(node, now)
+            self.sim.at(now + 1.0, lambda w=w: self._retry_join(w, 1))
+            started.append(w)
+        self.fault_log.append((now, "replica_start", key))
+        return started
+
+    def _replica_failed(self, key: str) -> None:
+        """A process of replica ``key`` crashed, or exited on ReplicaLost: the launcher stops
+        the others (SIGTERM: a graceful leave; one that is stopped cannot leave and is killed
+        after REPLICA_HALT_S) and starts the replica again once none of them runs."""
+        if key in self.restarting:
+            return
+        self.restarting.add(key)
+        now = self.sim.now
+        for w in self.workers.values():
+            if w.replica is not None and w.replica[0] == key and not w.crashed and not w.gone:
+                if w.hung:
+                    self.sim.at(now + REPLICA_HALT_S, lambda w=w: None if w.crashed or w.gone else self._crash(w))
+                else:
+                    self.sim.at(now + 0.05, lambda w=w: self._leave(w))
+
+        def restart() -> None:
+            if any(w.replica is not None and w.replica[0] == key and not w.crashed and not w.gone
+                   for w in self.workers.values()):
+                self.sim.at(self.sim.now + 0.5, restart)
+                return
+            self.restarting.discard(key)
+            if self._live():
+                self._start_replica(self.sim.now)
+        self.sim.at(now + REPLICA_RESTART_S, restart)
 
     def _isolated(self, victim: Worker) -> bool:
         """The fault strikes a settled group: every live member runs one view of all of them,
@@ -481,7 +600,12 @@ class GroupSimulation:
                 w.joined = True
             state = w.engine.state
             if w.driver.recovering:
-                w.driver.advance()
+                try:
+                    w.driver.advance()
+                except ReplicaLost as exc:  # the script ends on it; its exit hook leaves the group
+                    self.log.append(f"{self.sim.now:.3f} {w.engine.id}: {exc}")
+                    self._leave(w)
+                    self._replica_failed(w.replica[0])
             elif state == RUNNING:
                 self._running(w)
             elif state == JOIN_DUE:
@@ -567,7 +691,10 @@ class GroupSimulation:
         gathered.setdefault(w.engine.id, (w.step, w.digest))
         if w.inbox.abort.reason is None and self._connected(w, view) and all(m in gathered for m in view.members):
             pairs = [gathered[m] for m in view.members]
-            source = reconcile_source(pairs)
+            if self.k > 1:  # shard by shard, as ftcomm.runtime.transfer.reconcile_sharded
+                source = shard_sources(pairs, self.k)[1][view.rank_of(w.engine.id) % self.k]
+            else:
+                source = reconcile_source(pairs)
             replaced = source is not None and pairs[source] != (w.step, w.digest)
             if source is not None:
                 w.step, w.digest = pairs[source]
@@ -584,7 +711,12 @@ class GroupSimulation:
     def _break(self, w: Worker, error: Exception | None = None) -> None:
         """The view broke under a step: what broke it is classified (a connection error, or
         the abort signal: the crash fast path probes the members behind it) and the driver
-        re-agrees, as the step protocol does."""
+        re-agrees, as the step protocol does (a sharded replica's process first tells its
+        replica that the step does not commit here)."""
+        if self.k > 1 and w.engine.view is not None:
+            view = w.engine.view
+            self.replica_votes.setdefault(((view.id, view.digest), w.driver.ops + 1, w.replica[0]),
+                                          {})[w.engine.id] = False
         error = error or CollectiveAborted(w.inbox.abort.reason or "the view moved on")
         w.driver.begin_recovery(w.driver.classify(error))
 
@@ -599,6 +731,9 @@ class GroupSimulation:
         now = self.sim.now
         view = w.engine.view
         key = (view.id, view.digest)
+        if w.agreeing is not None:  # blocked in the replica's agreement (torch's collective): nothing else
+            self._replica_agreement(w)
+            return
         if w.contributed is None:
             if w.inbox.abort.reason is not None:
                 self._break(w)
@@ -629,6 +764,12 @@ class GroupSimulation:
                         self._break(w)  # discarded: the view moved on while it was stopped
                         return
                 w.confirming = None
+                if self.k > 1:  # every process of the replica commits it, or none (Replica.agree)
+                    op = w.driver.ops + 1
+                    self.replica_votes.setdefault((key, op, w.replica[0]), {})[w.engine.id] = True
+                    w.agreeing = (key, op, join, asking)
+                    self._replica_agreement(w)
+                    return
                 self._commit(w, view, join, asking)
                 return
         w.inbox.judge()  # an abort held for a member that left after the step fires at its deadline
@@ -638,6 +779,37 @@ class GroupSimulation:
             return
         # still waiting on the step: hang detection on demand, as a waiting worker's thread does it
         w.driver.watch_stall(w.contributed, w.op_began, self.stall_probe_after, self.config.probe_interval)
+
+    def _replica_agreement(self, w: Worker) -> None:
+        """``w``'s step completed; it waits for the rest of its replica (Replica.agree): it
+        commits when all did, discards the step when one did not, and gets ReplicaLost when
+        one is gone (its connection resets). A hung one keeps it waiting."""
+        key, op, join, asking = w.agreeing
+        votes = self.replica_votes.get((key, op, w.replica[0]), {})
+        partners = [x for x in self.workers.values() if x.replica is not None and x.replica[0] == w.replica[0]
+                    and x is not w]
+        view = w.engine.view
+        if any(x.crashed or x.gone for x in partners):
+            w.agreeing = None
+            self.log.append(f"{self.sim.now:.3f} {w.engine.id}: ReplicaLost in the replica's agreement")
+            self._leave(w)
+            self._replica_failed(w.replica[0])
+        elif any(votes.get(x.engine.id) is False for x in partners):
+            self._discard(w, view, join, asking)
+        elif all(votes.get(x.engine.id) for x in partners):
+            self._commit(w, view, join, asking)
+
+    def _discard(self, w: Worker, view: View, join: bool, asking: list[int]) -> None:
+        """The step completed here, and not on another process of the replica: nobody in the
+        replica commits it (the operation is over, its verdict read)."""
+        now = self.sim.now
+        w.agreeing = None
+        w.driver.operation_done(now - w.contributed)
+        w.contributed = None
+        w.op_began = now
+        w.ready_at = now + w.step_time * w.slow
+        w.inbox.operation_ended()
+        w.driver.step_reduced(view.size, float(join), asking, False, 1)
 
     def _completion(self, step: tuple, contributions: dict) -> tuple[float, bool, list[int]]:
         """When the last member contributed to a complete step, whether any saw a joiner
@@ -663,9 +835,10 @@ class GroupSimulation:
 
     def _commit(self, w: Worker, view: View, join: bool, asking: list[int]) -> None:
         now = self.sim.now
+        w.agreeing = None
         step = w.step + 1
         if w.fresh_view:
-            first = self.view_digest.setdefault((view.id, view.digest), (w.step, w.digest))
+            first = self.view_digest.setdefault((view.id, view.digest, w.shard), (w.step, w.digest))
             if first != (w.step, w.digest):
                 self._violation(3, f"{w.engine.id} starts view {view.id} at {(w.step, w.digest)}, another member "
                                    f"at {first}")
@@ -674,10 +847,10 @@ class GroupSimulation:
                                 "big")
         if w.committed and step <= w.committed[-1][1]:
             self._violation(2, f"{w.engine.id} commits step {step} after step {w.committed[-1][1]}")
-        known = self.contents.setdefault((step, view.id, view.digest), digest)
+        known = self.contents.setdefault((step, view.id, view.digest, w.shard), digest)
         if known != digest:
             self._violation(1, f"step {step} committed with two contents in view {view.id} (by {w.engine.id})")
-        first, first_members = self.history.setdefault(step, (digest, frozenset(view.members)))
+        first, first_members = self.history.setdefault((step, w.shard), (digest, frozenset(view.members)))
         if first != digest:
             if not first_members & set(view.members):
                 self._violation(4, f"step {step} committed by two disjoint groups: view {view.id} "
@@ -724,8 +897,9 @@ class GroupSimulation:
         return commits[-1][2] if commits else 0
 
     def _violation(self, number: int, text: str) -> None:
-        how = (f"GroupSimulation({self.seed}, n={self.n}, faults=<this run's scripted schedule>).run()" if self.scripted
-               else f"python -m ftcomm.groupsim --seed {self.seed}")
+        how = (f"GroupSimulation({self.seed}, n={self.n}, replica_size={self.k}, faults=<this run's scripted schedule>).run()"
+               if self.scripted
+               else f"python -m ftcomm.groupsim --seed {self.seed}" + (f" --replica-size {self.k}" if self.k > 1 else ""))
         raise InvariantViolation(f"invariant {number} violated at t={self.sim.now:.3f} (seed {self.seed}): {text}; "
                                  f"reproduce: {how}")
 
@@ -747,7 +921,7 @@ class GroupSimulation:
                        round(time.perf_counter() - started, 3))
 
     def _check_end(self) -> None:
-        steps = sorted(self.history)
+        steps = sorted({step for step, _ in self.history})
         if steps and steps != list(range(1, steps[-1] + 1)):
             missing = sorted(set(range(1, steps[-1] + 1)) - set(steps))[:5]
             self._violation(5, f"committed steps are not contiguous: missing {missing}")
@@ -826,10 +1000,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=100, help="run seeds 0..N-1 (without --seed)")
     parser.add_argument("--first", type=int, default=0, help="first seed of --seeds")
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--replica-size", type=int, default=1, help="sharded replicas of this many processes")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.seed is not None:
-        sim = GroupSimulation(args.seed)
+        sim = GroupSimulation(args.seed, replica_size=args.replica_size)
         outcome = sim.run()
         if args.json:
             print(json.dumps(outcome.__dict__))
@@ -846,7 +1021,8 @@ def main(argv: list[str] | None = None) -> int:
                   "settle:", outcome.settle_s)
             print("OK" if outcome.ok else outcome.violation)
         return 0 if outcome.ok else 1
-    outcomes = run_seeds(list(range(args.first, args.first + args.seeds)), args.processes)
+    outcomes = run_seeds(list(range(args.first, args.first + args.seeds)), args.processes,
+                         replica_size=args.replica_size)
     summary = summarize(outcomes)
     print(json.dumps(summary, indent=None if args.json else 2))
     return 0 if summary["violations"] == 0 else 1

@@ -26,6 +26,31 @@ def test_five_hundred_random_seeds_keep_every_invariant():
     assert {"crash", "hang", "node_loss", "leave"} <= set(summary["recovery_to_next_commit"])
 
 
+def test_sharded_replicas_keep_every_invariant_shard_by_shard():
+    """Replicas of 2 processes: crashes and hangs strike one process, node losses,
+    partitions, joins and leaves whole replicas; a replica whose process failed is started
+    again as a whole. The invariants hold per shard (the shards' states differ)."""
+    summary = summarize(run_seeds(list(range(150)), processes=2, replica_size=2))
+    assert summary["violations"] == 0, summary["first_violation"]
+    assert {"crash", "hang", "node_loss", "leave"} <= set(summary["recovery_to_next_commit"])
+
+
+def test_a_replica_that_loses_a_process_leaves_whole_and_comes_back_with_every_shard():
+    sim = GroupSimulation(2, n=6, faults=[(3.0, "crash", {"pick": 0.3})], duration=8.0, replica_size=2)
+    outcome = sim.run()
+    assert outcome.ok, outcome.violation
+    crashed = next(w for w in sim.workers.values() if w.crashed)
+    partner = next(w for w in sim.workers.values() if w.replica == (crashed.replica[0], 1 - crashed.replica[1]))
+    assert partner.gone  # stopped by the launcher, or on ReplicaLost: it left
+    restarted = [w for w in sim._live() if w.replica[0] == "R3"]
+    assert [w.replica[1] for w in restarted] == [0, 1]
+    final = sim._live()[0].engine.view
+    assert len(final.members) == 6 and all(w.engine.view == final for w in sim._live())
+    for shard in (0, 1):  # the restarted replica holds every other replica's shard
+        assert len({(w.step, w.digest) for w in sim._live() if w.shard == shard}) == 1
+    assert {w.digest for w in sim._live() if w.shard == 0} != {w.digest for w in sim._live() if w.shard == 1}
+
+
 def test_seeds_agreeing_through_rank_0_keep_every_invariant():
     """With an announce limit of 1, every view of two or more agrees as a view above
     ANNOUNCE_LIMIT does: each member announces its proposal to the view's rank 0 only, and

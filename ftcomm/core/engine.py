@@ -783,28 +783,16 @@ def reconcile_source(states: list[tuple[int, int]]) -> int | None:
 
 def shard_sources(states: list[tuple[int, int]], shards: int) -> tuple[int, list[int | None]]:
     """Sharded replicas: rank ``r`` of a view holds shard ``r % shards``; ``states`` is each
-    rank's (step, state digest). Returns the step every process goes on from, and for each
-    shard the rank whose state that shard's processes take (None: they hold one state).
-
-    The step is the newest one every shard holds on some process. A step that completed on
-    some processes only (the view broke as its last collective ended) may have completed
-    for one shard and for no process of another: the processes of the first shard that
-    did commit it take the state of one that did not, so a replica never goes on with its
-    shards a step apart. Where no step is common to every shard (each process of one shard
-    committed, none of another: the commit of a single collective cannot split like this)
-    each shard takes its newest state, and the step is the newest of all.
-    """
-    groups = [[(r, states[r]) for r in range(i, len(states), shards)] for i in range(shards)]
-    common = set.intersection(*({step for _, (step, _) in g} for g in groups))
-    target = max(common) if common else max(step for step, _ in states)
+    rank's (step, state digest). Returns the newest step, and for each shard the rank whose
+    state that shard's processes take (None: they hold one state already): as
+    :func:`reconcile_source` among the shard's processes, the newest state wins. Every
+    process of a replica commits a step or none does (``Replica.agree``), so the replicas
+    that hold the newest step hold it for every shard, and every process ends on it."""
     sources: list[int | None] = []
-    for group in groups:
-        if len({state for _, state in group}) <= 1:
-            sources.append(None)
-            continue
-        step = target if target in {s for _, (s, _) in group} else max(s for _, (s, _) in group)
-        sources.append(min(r for r, (s, _) in group if s == step))
-    return target, sources
+    for shard in range(shards):
+        source = reconcile_source(states[shard::shards])
+        sources.append(None if source is None else shard + source * shards)
+    return max(step for step, _ in states), sources
 
 
 def step_verdict(contributors: float, joiners: float, world: int, batches_checked: bool) -> tuple[bool, bool]:

@@ -87,6 +87,7 @@ class StepProtocol:
             obj.check_step()
         if buckets.lost:  # the group re-formed (in execute) after backward began reducing
             buckets.discard()
+            self.replica_agrees(False)
             self.end_step(False)
             return False
         self.waiting_since = time.monotonic()
@@ -106,6 +107,7 @@ class StepProtocol:
         except MembershipChanged as exc:
             buckets.discard()
             life.check_open()  # shut down from another thread: FtcommError, nothing to re-form
+            self.replica_agrees(False)
             self.failed_in_a_row += 1
             fault = self.engine.fault or life.driver.classify(exc)
             if self.failed_in_a_row > self.options.max_retries:
@@ -126,6 +128,7 @@ class StepProtocol:
         asking = [rank for rank, flag in enumerate(tail[2:].tolist()) if flag > 0.5]
         counters = (contributors, float(tail[1])) if verdict is None else tuple(verdict)
         commit = life.driver.step_reduced(*counters, asking, bool(self.participants("batch_valid")), self.min_workers)
+        commit = self.replica_agrees(commit)
         if commit:
             buckets.hand_back(contributors)
         else:
@@ -134,6 +137,11 @@ class StepProtocol:
         if commit:
             self.commit()
         return commit
+
+    def replica_agrees(self, committed: bool) -> bool:
+        """With a sharded replica, whether all of its processes commit the step (every one of
+        them asks once per gradient step, see Replica.agree); ``committed`` without one."""
+        return self.replica.agree(committed) if self.replica is not None else committed
 
     def replica_verdict(self, tail: torch.Tensor) -> list[float]:
         """With sharded replicas, each shard index reduced its gradient shards, and the

@@ -6,6 +6,7 @@ ftcomm group; views hold whole replicas (:func:`ftcomm.core.view.whole_replicas`
 the shard-*i* processes of a view reduce their gradient shards over a communicator of
 their own (see :mod:`ftcomm.training.sharded`). The replica's key, drawn by shard 0 when
 the replica starts, tells its processes from those of an earlier start of the same replica.
+Every process of a replica commits a gradient step or none does (:meth:`Replica.agree`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import FtcommError, StateError
+from ..errors import FtcommError, ReplicaLost, StateError
 from . import sharded
 
 
@@ -62,6 +63,22 @@ class Replica:
                     raise StateError(f"{name}.{path} is not sharded over ft.shard_mesh: with replica_size="
                                      f"{self.size}, shard the model with fully_shard(module, mesh=ft.shard_mesh) "
                                      f"before registering it")
+
+    def agree(self, committed: bool) -> bool:
+        """Whether every process of this replica commits the step (one tiny all-reduce MIN
+        over the replica's process group, which every process of the replica runs once per
+        gradient step, whether its step completed or failed). A step that completed on some
+        processes of the replica only (the view broke as it ended) is discarded by all of
+        them: the replica never goes on with its shards a step apart. ReplicaLost when a
+        process of the replica is gone (torch's collective fails)."""
+        import torch.distributed as dist
+        flag = torch.tensor([int(committed)], dtype=torch.int32, device=self.device)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        except RuntimeError as exc:  # a process of the replica died: its connections reset
+            raise ReplicaLost(f"a process of this worker's sharded replica is gone ({str(exc).splitlines()[0][:200]}): "
+                              f"exit, and start the whole replica again (ftcomm run --replica-size does)") from None
+        return bool(flag.item())
 
     def close(self) -> None:
         """Destroy the process group this replica created (not one the caller initialized)."""
