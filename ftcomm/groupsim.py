@@ -136,7 +136,7 @@ class Outcome:
     recovery: dict  # fault kind -> [seconds from the fault to the next commit of every survivor]
     recovery_overlapping: dict  # the same, for faults that struck while another fault was active
     settle_s: float | None  # from the last fault to one view of everyone, committing
-    quorum_survived: bool  # a quorum of the newest view outlived the faults (else no liveness is owed)
+    quorum_survived: bool  # a quorum of the newest view, and the group's state, outlived the faults (else no liveness is owed)
     rolled_back: int  # commits of a step whose contents differ from its first commit (see invariant 1)
     wall_s: float
 
@@ -933,6 +933,12 @@ class GroupSimulation:
         left = set().union(*(gone_from(newest, self._read_statuses(w)) for w in self._live()))
         survivors = [m for m in newest.members if m in live_ids] if newest is not None else []
         self.quorum_survived = newest is None or (bool(survivors) and has_quorum(newest, survivors, left))
+        # Nor when the group's state died with the members that held it (every live member
+        # holds an older one, beyond a step that committed on some members only): going on
+        # from an older state would commit its steps again.
+        newest_step = max((step for step, _ in self.history), default=0)
+        if self.quorum_survived and newest_step and not any(w.step >= newest_step - 1 for w in self._live()):
+            self.quorum_survived = False
         # Without a quorum of the newest view alive the quorum policy must stop (and wait for
         # the lost members) rather than go on: liveness is owed only when a quorum survived.
         # When every member of the newest view left, the group ended with them: the members

@@ -32,11 +32,13 @@ REPLICAS, SHARDS = 3, 2
 class Job:
     """``ftcomm run`` of the example; every JSON line the processes print, with its arrival time."""
 
-    def __init__(self, steps: int, *extra: str) -> None:
-        command = [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", str(REPLICAS * SHARDS),
-                   "--replica-size", str(SHARDS), "--restart-backoff", "0.2", EXAMPLE, "--steps", str(steps),
-                   "--min-workers", "2", "--step-time", "0.03", "--report-every", "10", "--log-indices", *extra]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}
+    def __init__(self, steps: int, *extra: str, command: list[str] | None = None, env: dict | None = None) -> None:
+        """``command``: instead of one launcher for every replica (``env``: added to its environment)."""
+        command = command or [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", str(REPLICAS * SHARDS),
+                              "--replica-size", str(SHARDS), "--restart-backoff", "0.2", EXAMPLE,
+                              "--steps", str(steps), "--min-workers", "2", "--step-time", "0.03",
+                              "--report-every", "10", "--log-indices", *extra]
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}, **(env or {})}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.events: list[tuple[float, dict]] = []
         self.log: list[str] = []

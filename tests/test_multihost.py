@@ -189,3 +189,55 @@ def test_every_plane_binds_the_ipv4_address_a_name_resolves_to():
         assert ft.gossip.host == "127.0.0.1" and ft.id.startswith("127.0.0.1:")
     finally:
         ft.shutdown()
+
+
+@needs_netns
+def test_three_hosts_each_running_a_sharded_replica_lose_one_and_take_it_back_when_its_link_returns():
+    """Each namespace runs one replica of 2 processes under its own ``ftcomm run
+    --replica-size 2``. Host 2's link goes down: the other replicas go on without its
+    replica (found by probes and suspicion), which waits, cut off from the quorum, and
+    rejoins as a whole when the link returns; every view holds one state per shard."""
+    import secrets
+    import sys
+
+    from .test_hsdp import EXAMPLE, Job
+
+    with netns.Lab(3) as lab:
+        env = {"FTCOMM_SECRET": secrets.token_hex(16)}
+        jobs = []
+        try:
+            for host in range(3):
+                command = [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "2", "--replica-size", "2",
+                           "--bind", lab.address(host), "--port", "7946",
+                           *(["--peers", f"{lab.address(0)}:7946"] if host else []),
+                           EXAMPLE, "--steps", "100000000", "--min-workers", "2", "--step-time", "0.03",
+                           "--report-every", "1"]
+                jobs.append(Job(0, command=lab.command(host, command), env=env))
+            everyone = lambda: [e for job in jobs for e in job.of("view")]  # noqa: E731
+            wait_until(lambda: sum(len(e["members"]) == 6 for e in everyone()) >= 6, 120,
+                       lambda: "the three replicas never trained together: " + "".join(jobs[0].log[-30:]))
+            lab.set_host_link(2, False)
+            cut = lambda: [e for job in jobs[:2] for e in job.of("view") if len(e["members"]) == 4]  # noqa: E731
+            wait_until(lambda: len(cut()) >= 4, 60, "the other replicas going on without the lost one")
+            assert {e["reason"] for e in cut()} == {"hang"}
+            at_cut = max(e["step"] for e in jobs[0].of("step"))
+            wait_until(lambda: max(e["step"] for e in jobs[0].of("step")) > at_cut + 20, 60, "progress without it")
+            cut_view = max(e["view_id"] for e in cut())
+            lab.set_host_link(2, True)
+            wait_until(lambda: sum(len(e["members"]) == 6 and e["view_id"] > cut_view for e in everyone()) >= 6, 120,
+                       lambda: "the lost replica never came back: " + "".join(jobs[2].log[-30:]))
+            wait_until(lambda: min(max([e["step"] for e in job.of("step")] + [0]) for job in jobs) > at_cut + 40,
+                       60, "the replicas training together again")
+        finally:
+            for job in jobs:
+                if job.process.poll() is None:
+                    job.process.send_signal(signal.SIGTERM)  # a graceful leave of every worker
+            for job in jobs:
+                job.finish(90)
+        views: dict = {}
+        for e in everyone():
+            views.setdefault((e["view_id"], e["shard"]), []).append(e)
+        for (view_id, shard), events in views.items():
+            assert len({tuple(e["members"]) for e in events}) == 1, f"view {view_id} has two member lists"
+            assert len({(e["step"], e["state_digest"]) for e in events}) == 1, f"view {view_id}, shard {shard}"
+        assert not any("Traceback" in line for job in jobs[:2] for line in job.log), "".join(jobs[0].log[-40:])

@@ -170,6 +170,10 @@ def test_views_hold_whole_replicas_in_shard_order_and_a_replica_missing_a_proces
     assert [statuses[m].replica[1] for m in cand.members] == [0, 1] * 3
     # max_workers (in processes) cuts at whole replicas: 5 processes hold two replicas
     assert candidate("a0", previous, statuses, CFG, max_workers=5).members == ("a0", "a1", "c0", "c1")
+    # replicas whose other process shows an older view (neither a survivor nor a joiner)
+    stale = table(rp("a0", "A", 0, cv=4), rp("a1", "A", 1, cv=4), rp("f0", "F", 0, phase=JOINING, cv=0),
+                  rp("f1", "F", 1, cv=2), rp("g0", "G", 0, phase=JOINING, cv=0), rp("g1", "G", 1, cv=2))
+    assert candidate("a0", View(4, ("a0", "a1")), stale, CFG, max_workers=None).members == ("a0", "a1")
     # two processes claiming one shard of a replica are no whole replica
     twice = table(rp("x0", "X", 0, phase=JOINING, cv=0), rp("x1", "X", 0, phase=JOINING, cv=0))
     assert candidate("x0", None, twice, CFG, max_workers=None).members == ()

@@ -272,14 +272,18 @@ class Candidate:
 def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], config: str,
               max_workers: int | None) -> Candidate:
     """The view this member proposes, computed only from ``previous`` and gossip."""
-    usable = whole_replicas({s.id: s for s in statuses.values()
-                             if s.alive and s.phase != LEAVING and not s.aside and s.config == config})
+    usable = {s.id: s for s in statuses.values()
+              if s.alive and s.phase != LEAVING and not s.aside and s.config == config}
     if previous is not None:
         survivors = [m for m in previous.members if m in usable]
     else:
         survivors = []
     kept = set(survivors)
     joiners = [s for s in usable.values() if s.phase == JOINING and s.id not in kept]
+    # Sharded replicas enter and stay whole: of a replica whose process neither survives
+    # nor joins (it still shows an older view, say), none is a candidate.
+    whole = whole_replicas({m: usable[m] for m in survivors} | {s.id: s for s in joiners})
+    survivors, joiners = [m for m in survivors if m in whole], [s for s in joiners if s.id in whole]
     ordered = survivors + [s.id for s in sorted(joiners, key=joiner_order(joiners))]
     limit = len(ordered) if max_workers is None else max_workers
     if ordered and statuses[ordered[0]].replica is not None:
