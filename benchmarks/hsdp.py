@@ -22,7 +22,8 @@ the shards' transfers run in parallel only as far as its cores allow.
 *Steady step*: 2 replicas of 2 processes under ftcomm against plain FSDP2 HSDP on a
 ``("replicate", "shard")`` mesh of the same 4 processes, the same model (hidden 1024) and
 batches: the median step time over steps 10 to 80 of rank 0, the baseline run first in
-the same invocation.
+the same invocation; and ftcomm once more with the cross-replica reduction after
+backward instead of during it (``--no-overlap``).
 """
 
 from __future__ import annotations
@@ -139,18 +140,21 @@ def steady_run() -> dict:
     for job in plain:
         job.process.wait(600)
         job.stop()
-    ours = Job([sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "4", "--replica-size", "2", EXAMPLE,
-                *common, "--min-workers", "2"])
-    ours.process.wait(600)
-    ours.stop()
+    runs = {}
+    for name, extra in (("overlap", []), ("after_backward", ["--no-overlap"])):  # one at a time
+        runs[name] = Job([sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "4", "--replica-size", "2",
+                          EXAMPLE, *common, "--min-workers", "2", *extra])
+        runs[name].process.wait(600)
+        runs[name].stop()
 
     def median_step(events: list[tuple[float, dict]]) -> float:
         times = {e["step"]: t for t, e in events if e["rank"] == 0}
         return statistics.median(times[s + 1] - times[s] for s in range(10, 80) if s in times and s + 1 in times)
 
-    base, mine = median_step(plain[0].of("step")), median_step(ours.of("step"))
+    base, mine = median_step(plain[0].of("step")), median_step(runs["overlap"].of("step"))
+    after = median_step(runs["after_backward"].of("step"))
     return {"plain_hsdp_step_s": round(base, 4), "ftcomm_step_s": round(mine, 4),
-            "throughput_vs_plain": round(base / mine, 3)}
+            "throughput_vs_plain": round(base / mine, 3), "ftcomm_no_overlap_step_s": round(after, 4)}
 
 
 def free_port_block(n: int) -> int:
@@ -204,7 +208,9 @@ def main() -> int:
         report["steady"] = {"runs": runs,
                             "median_plain_hsdp_step_s": statistics.median(r["plain_hsdp_step_s"] for r in runs),
                             "median_ftcomm_step_s": statistics.median(r["ftcomm_step_s"] for r in runs),
-                            "median_throughput_vs_plain": statistics.median(r["throughput_vs_plain"] for r in runs)}
+                            "median_throughput_vs_plain": statistics.median(r["throughput_vs_plain"] for r in runs),
+                            "median_ftcomm_no_overlap_step_s": statistics.median(r["ftcomm_no_overlap_step_s"]
+                                                                                 for r in runs)}
         print(json.dumps({k: v for k, v in report["steady"].items() if k != "runs"}), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of work per step")
     parser.add_argument("--report-every", type=int, default=50)
     parser.add_argument("--log-indices", action="store_true", help="emit each committed step's sample indices")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="reduce the gradient shards across replicas after backward, not during it")
     parser.add_argument("--checkpoint-dir", default=None, help="flash checkpoints persisted here (one per shard)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     parser.add_argument("--checkpoint-name", default="train-hsdp", help="the job's name in /dev/shm")
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         return train_plain(args, x, y)
 
     emit(ev="init", pid=os.getpid(), t=time.time())
-    ft = ftcomm.init(backend="gloo", min_workers=args.min_workers)  # the replica comes from `ftcomm run`
+    ft = ftcomm.init(backend="gloo", min_workers=args.min_workers,  # the replica comes from `ftcomm run`
+                     overlap=not args.no_overlap)
     model = make_model(ft.shard_mesh, args.seed, args.hidden)  # (replicas of one process: not sharded)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     sampler = ftcomm.ElasticSampler(len(x), global_batch=args.global_batch, seed=args.seed)

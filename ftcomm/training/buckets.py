@@ -77,9 +77,9 @@ class GradientBuckets:
         self._flats: list[torch.Tensor] = []
         self._lock = threading.Lock()  # hooks may run on autograd's device threads
         self._suspended = 0
-        # A sharded model's gradients arrive from its own reduce-scatter, after backward:
-        # they are reduced across replicas in ``finish``.
-        overlap = overlap and not any(sharded.is_sharded(p) for p in params)
+        # A sharded model's gradient shards arrive from FSDP2's reduce-scatter of each of its
+        # parameter groups, during backward: FSDP2 runs the parameters' post-accumulate-grad
+        # hooks then, and the shards go into their buckets as plain gradients do.
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params] if overlap else []
         self._new_step()
 
