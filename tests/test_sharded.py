@@ -22,9 +22,9 @@ pytestmark = pytest.mark.timeout(300)
 REPLICAS, SHARDS, STEPS = 2, 2, 3
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
+def _model(seed: int = 0, hidden: int = 16) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6))
+    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 6))
 
 
 def _shard(model: torch.nn.Module, mesh) -> None:
@@ -124,6 +124,36 @@ def test_replicas_started_apart_hold_equal_shards_once_reconciled(tmp_path):
         for name, value in states[0].items():
             for other in states[1:]:
                 torch.testing.assert_close(other[name], value, rtol=0, atol=0, msg=name)
+
+
+def _other_widths(rank: int, ports: list[int], out: str) -> None:
+    import ftcomm
+    replica, shard = divmod(rank, SHARDS)
+    gossip = ports[REPLICAS:]
+    group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[rank]}",
+                        peers=[f"127.0.0.1:{gossip[0]}"] if rank else [], min_workers=REPLICAS,
+                        cluster="sharded-mismatch", handle_signals=False, settle_interval=0.3, init_timeout=60,
+                        replica_size=SHARDS, shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
+    model = _model(hidden=16 if replica == 0 else 24)  # replica 1 runs a wider model
+    _shard(model, group.shard_mesh)
+    try:
+        group.register_state(model=model)
+        group.step_boundary()  # the first reconcile compares every shard's model
+        error = "none"
+    except ftcomm.ConfigMismatch as exc:
+        error = str(exc)
+    with open(os.path.join(out, f"mismatch_{rank}.txt"), "w") as f:
+        f.write(error)
+    group.shutdown()
+    dist.destroy_process_group()
+
+
+def test_replicas_whose_shards_differ_are_refused_naming_the_shard(tmp_path):
+    ports = [free_port() for _ in range(REPLICAS + REPLICAS * SHARDS)]
+    torch.multiprocessing.spawn(_other_widths, args=(ports, str(tmp_path)), nprocs=REPLICAS * SHARDS)
+    errors = [(tmp_path / f"mismatch_{rank}.txt").read_text() for rank in range(REPLICAS * SHARDS)]
+    assert all("differs" in e for e in errors), errors
+    assert any("shard" in e and "0.weight" in e for e in errors), errors  # a process of the shard names the tensor
 
 
 @pytest.fixture

@@ -53,13 +53,17 @@ def reconcile_sharded(comm: Communicator, shard_comm: Communicator, abort: Abort
     mine = torch.tensor([step, state.digest(step), state.signature()], dtype=torch.int64, device=comm.device)
     gathered = [tuple(t.tolist()) for t in comm.allgather(mine).wait(abort)]
     shard = comm.rank % shards
-    for i in range(shards):
-        if len({g[2] for g in gathered[i::shards]}) > 1:
-            if i == shard:
-                raise_model_mismatch(shard_comm, abort, state, View(view.id, view.members[i::shards]),
-                                     gathered[i::shards])
-            raise ConfigMismatch(f"the registered model of shard {i} differs between the replicas of view "
-                                 f"{view.id}: start every replica with the same model, sharded the same way")
+    if any(len({g[2] for g in gathered[i::shards]}) > 1 for i in range(shards)):
+        models = describe_all(comm, abort, state)  # every process takes part, then every one raises
+        for i in range(shards):
+            ranks = range(i, len(gathered), shards)
+            other = next((r for r in ranks if gathered[r][2] != gathered[i][2]), None)
+            if other is not None:
+                raise ConfigMismatch(
+                    f"the registered model of shard {i} differs between the replicas of view {view.id}: "
+                    f"{first_difference(models[i], models[other])} on member {view.members[i]} (rank {i}) and "
+                    f"member {view.members[other]} (rank {other}); start every replica with the same model, "
+                    f"sharded the same way")
     _, sources = shard_sources([g[:2] for g in gathered], shards)
     source = sources[shard]
     if source is None:
@@ -121,23 +125,28 @@ def state_tag(secret: bytes | None, view: View, manifest: bytes, data: torch.Ten
     return mac.digest()
 
 
-def raise_model_mismatch(comm: Communicator, abort: AbortSignal, state: TrainingState, view: View,
-                         gathered: list[tuple[int, int, int]]) -> None:
-    """Every member raises ConfigMismatch saying how the models differ (one more allgather)."""
-    mine_list = state.describe()
-    mine = msgpack.packb(mine_list)
+def describe_all(comm: Communicator, abort: AbortSignal, state: TrainingState) -> list[list]:
+    """Every member's :meth:`TrainingState.describe`, in rank order (two allgathers)."""
+    mine = msgpack.packb(state.describe())
     lengths = comm.allgather(torch.tensor([len(mine)], dtype=torch.int64, device=comm.device)).wait(abort)
     longest = max(int(t.item()) for t in lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=comm.device)
     padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     theirs = comm.allgather(padded).wait(abort)
-    for rank, (blob, length) in enumerate(zip(theirs, lengths)):
+    return [msgpack.unpackb(blob.cpu().numpy().tobytes()[:int(length.item())], raw=False)
+            for blob, length in zip(theirs, lengths)]
+
+
+def raise_model_mismatch(comm: Communicator, abort: AbortSignal, state: TrainingState, view: View,
+                         gathered: list[tuple[int, int, int]]) -> None:
+    """Every member raises ConfigMismatch saying how the models differ (one more allgather)."""
+    models = describe_all(comm, abort, state)
+    for rank, other in enumerate(models):
         if gathered[rank][2] == gathered[comm.rank][2]:
             continue
-        other = msgpack.unpackb(blob.cpu().numpy().tobytes()[:int(length.item())], raw=False)
         raise ConfigMismatch(f"the registered model of member {view.members[rank]} (rank {rank}) differs from "
-                             f"this worker's: {first_difference(mine_list, other)}; start every worker with the "
-                             f"same model")
+                             f"this worker's: {first_difference(models[comm.rank], other)}; start every worker "
+                             f"with the same model")
 
 
 def first_difference(mine: list, theirs: list) -> str:

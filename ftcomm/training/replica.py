@@ -70,7 +70,9 @@ class Replica:
         gradient step, whether its step completed or failed). A step that completed on some
         processes of the replica only (the view broke as it ended) is discarded by all of
         them: the replica never goes on with its shards a step apart. ReplicaLost when a
-        process of the replica is gone (torch's collective fails)."""
+        process of the replica is gone (torch's collective fails at once: its connections
+        reset); a process of the replica that hangs holds this call until torch's timeout
+        for the replica's group (``init_timeout``), then ReplicaLost too."""
         import torch.distributed as dist
         flag = torch.tensor([int(committed)], dtype=torch.int32, device=self.device)
         try:
