@@ -423,6 +423,36 @@ def test_a_malformed_record_is_skipped_with_a_warning(name, caplog, group, chang
     checkpoints.close()
 
 
+def _lr_not_a_number(optimizer: dict) -> None:
+    optimizer["param_groups"][0]["lr"] = "not-a-number"
+
+
+def _param_groups_a_string(optimizer: dict) -> None:
+    optimizer["param_groups"] = "param_groups"
+
+
+def _a_group_missing(optimizer: dict) -> None:
+    del optimizer["param_groups"][0]["betas"]
+
+
+@pytest.mark.parametrize("change", [_lr_not_a_number, _param_groups_a_string, _a_group_missing])
+def test_optimizer_state_of_another_shape_is_skipped_and_the_older_step_restored(name, caplog, group, change):
+    """A record whose checksums are valid but whose optimizer state is not what the live
+    optimizer holds (planted, or saved by other code): loading it would raise or train
+    on nonsense. It is skipped like a corrupt copy, and the step before it restored."""
+    from ftcomm.training import plain
+    checkpoints, expected = saved_once(group, name, 14)
+    snapshot = group.state.snapshot(2)  # planted as step 2
+    change(snapshot["objects"]["optimizer"])
+    skeleton, _ = plain.split(snapshot)
+    plant(checkpoints.shm, 2, lambda r: {**r, "structure": skeleton})
+    assert checkpoints.restore() == 1
+    assert group.state.digest(1) == expected
+    assert group.state.objects["optimizer"].param_groups[0]["lr"] == 0.01
+    assert "skipping checkpoint of step 2" in caplog.text and "optimizer.param_groups" in caplog.text
+    checkpoints.close()
+
+
 def test_checkpoint_files_are_private(tmp_path, group):
     trained_state(group, 13)
     checkpoints = FlashCheckpointer(group, tmp_path / "persisted", name="job", shm_root=tmp_path)

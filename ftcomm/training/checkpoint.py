@@ -488,7 +488,10 @@ class FlashCheckpointer:
         copy (shared memory, then the directory) that verifies; None when none does.
 
         Never raises: a copy that fails is skipped with a warning, and one that is
-        malformed or corrupt is remembered so that the next save's pruning deletes it.
+        malformed or corrupt is remembered so that the next save's pruning deletes it. A copy
+        whose optimizer or sampler state has another shape than the live one (a string where
+        the live state holds a number, a missing field) is malformed too: loading it would
+        fail, or train on nonsense.
         """
         for place in (self.shm, self.directory):
             if place is None or not (place / files.file_name(step, "meta")).exists():
@@ -508,6 +511,9 @@ class FlashCheckpointer:
         missing = sorted(set(self.group.state.objects) - set(meta.tree["objects"]), key=str)
         if missing:
             raise ValueError(f"it holds no state for {', '.join(missing)} (registered now)")
+        for name, obj in self.group.state.objects.items():  # an optimizer's, a sampler's: what it would load
+            if not isinstance(obj, torch.nn.Module):
+                files.check_like(sharded.to_local(obj.state_dict()), meta.tree["objects"][name], name)
         buffer = files.map_data(place / files.file_name(step, "data"), meta.size)
         if files.checksums_of(buffer, meta.tensors) != meta.checksums:
             buffer.close()

@@ -69,6 +69,47 @@ def shard_suffix(shard_rank: int) -> str:
     return f"shard{shard_rank}"
 
 
+def _kind(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, (list, tuple)):
+        return "sequence"
+    if isinstance(value, TensorIndex) or type(value).__name__ in ("Tensor", "Parameter"):
+        return "tensor"
+    return type(value).__name__
+
+
+def check_like(live: Any, saved: Any, path: str) -> None:
+    """StateError unless ``saved`` (a checkpoint's structure, tensors as TensorIndex) has the
+    shape of ``live`` (the state dict it would be loaded over): the same kinds of values
+    (numbers where numbers are, a string nowhere a number is), the same keys and lengths.
+    An empty live dict (an optimizer that has not stepped yet) takes any entries, and None
+    on either side stands for an optional value. A tensor and a number may stand for each
+    other (an optimizer's step count is either)."""
+    kinds = {_kind(live), _kind(saved)}
+    if "none" in kinds or kinds <= {"tensor", "number"}:
+        return
+    if len(kinds) > 1:
+        raise StateError(f"{path} is a {_kind(saved)} where the registered state holds a {_kind(live)}")
+    if isinstance(live, dict):
+        if not live:
+            return
+        if set(live) != set(saved):
+            raise StateError(f"{path} has the keys {sorted(map(str, saved))[:8]} where the registered state has "
+                             f"{sorted(map(str, live))[:8]}")
+        for key in live:
+            check_like(live[key], saved[key], f"{path}.{key}")
+    elif isinstance(live, (list, tuple)):
+        if len(live) != len(saved):
+            raise StateError(f"{path} holds {len(saved)} entries where the registered state holds {len(live)}")
+        for i, (a, b) in enumerate(zip(live, saved)):
+            check_like(a, b, f"{path}[{i}]")
+
+
 def leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """Every leaf of a nested dict/list/tuple structure with its path of keys and indices."""
     if isinstance(tree, dict):
