@@ -128,6 +128,18 @@ def test_a_replica_whose_process_fails_is_stopped_and_restarted_as_a_whole(tmp_p
     assert starts["0-0"] == starts["1-0"] != starts["2-0"] == starts["3-0"] != starts["2-1"] == starts["3-1"]
 
 
+def test_a_replica_partner_that_finishes_as_it_is_stopped_is_finished_not_restarted(tmp_path):
+    # Shard 0 fails; shard 1 takes the stop as the end of its work and exits 0: it finished,
+    # the job is ending, and nobody is started again.
+    body = ("import signal\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+            "if os.environ['FTCOMM_SHARD_RANK'] == '0': time.sleep(0.5); sys.exit(3)\n"
+            "time.sleep(30)\n")
+    code, log = launch(tmp_path, body, nproc=2, replica_size=2, restart_backoff=0.0)
+    assert "worker 1 finished" in log and "worker 0 is not restarted: the job is ending" in log, log
+    assert len(re.findall(r"worker \d started", log)) == 2 and code == 1, log  # nobody started again
+
+
 def test_a_failing_worker_is_restarted_with_backoff_until_it_finishes(tmp_path):
     code, log = launch(tmp_path, "sys.exit(0 if int(os.environ['FTCOMM_RESTARTS']) >= 2 else 3)\n",
                        restart_backoff=0.05)

@@ -18,6 +18,7 @@ from ftcomm.core.view import (
     has_quorum,
     replica_broken,
     superseded,
+    whole_replicas,
 )
 
 CFG = "cfg1"
@@ -174,6 +175,13 @@ def test_views_hold_whole_replicas_in_shard_order_and_a_replica_missing_a_proces
     stale = table(rp("a0", "A", 0, cv=4), rp("a1", "A", 1, cv=4), rp("f0", "F", 0, phase=JOINING, cv=0),
                   rp("f1", "F", 1, cv=2), rp("g0", "G", 0, phase=JOINING, cv=0), rp("g1", "G", 1, cv=2))
     assert candidate("a0", View(4, ("a0", "a1")), stale, CFG, max_workers=None).members == ("a0", "a1")
+    # in a group of replicas a member without one (a malformed or forged record) is no candidate
+    plain = table(rp("a0", "A", 0, cv=4), rp("a1", "A", 1, cv=4), st("x", JOINING, cv=0))
+    assert candidate("a0", View(4, ("a0", "a1")), plain, CFG, max_workers=None).members == ("a0", "a1")
+    # processes of one key that disagree on its size are no whole replica, in any order
+    for order in (("b0", "b1"), ("b1", "b0")):
+        sizes = {"b0": rp("b0", "B", 0, 3, phase=JOINING, cv=0), "b1": rp("b1", "B", 1, 2, phase=JOINING, cv=0)}
+        assert whole_replicas({m: sizes[m] for m in order}) == {}
     # two processes claiming one shard of a replica are no whole replica
     twice = table(rp("x0", "X", 0, phase=JOINING, cv=0), rp("x1", "X", 0, phase=JOINING, cv=0))
     assert candidate("x0", None, twice, CFG, max_workers=None).members == ()

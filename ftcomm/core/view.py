@@ -274,6 +274,9 @@ def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], c
     """The view this member proposes, computed only from ``previous`` and gossip."""
     usable = {s.id: s for s in statuses.values()
               if s.alive and s.phase != LEAVING and not s.aside and s.config == config}
+    own = statuses.get(own_id)
+    if own is not None and own.replica is not None:  # a group of sharded replicas: replicas only
+        usable = {m: s for m, s in usable.items() if s.replica is not None and s.replica[2] == own.replica[2]}
     if previous is not None:
         survivors = [m for m in previous.members if m in usable]
     else:
@@ -299,14 +302,17 @@ def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], c
 
 def whole_replicas(usable: dict[str, Status]) -> dict[str, Status]:
     """``usable`` without the processes of sharded replicas that miss one of their processes
-    (or hold two claiming one shard rank). A member of no replica is whole on its own."""
+    (or hold two claiming one shard rank, or disagree on the replica's size): the same
+    members whatever the order of ``usable``. A member of no replica is whole on its own
+    (in a group of replicas its record is malformed: :func:`candidate` leaves it out)."""
     shards: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
+    sizes: dict[str, set[int]] = {}
     for s in usable.values():
         if s.replica is not None:
             shards.setdefault(s.replica[0], []).append(s.replica[1])
-            sizes[s.replica[0]] = s.replica[2]
-    whole = {key for key, ranks in shards.items() if sorted(ranks) == list(range(sizes[key]))}
+            sizes.setdefault(s.replica[0], set()).add(s.replica[2])
+    whole = {key for key, ranks in shards.items()
+             if len(sizes[key]) == 1 and sorted(ranks) == list(range(next(iter(sizes[key]))))}
     return {m: s for m, s in usable.items() if s.replica is None or s.replica[0] in whole}
 
 

@@ -334,7 +334,7 @@ class Launcher:
         for other in self.replica(worker):
             if other is worker:
                 continue
-            if other.status == "running":
+            if other.status == "running" and other.process.poll() is None:  # (one that exited: see _exited)
                 other.status, other.halt_by = "halting", now + REPLICA_HALT_S
                 other.process.send_signal(signal.SIGTERM)  # its handler leaves the group
             elif other.status == "waiting" and worker.status == "failed":
@@ -350,6 +350,10 @@ class Launcher:
                          f"{REPLICA_HALT_S:g} s of its replica losing a process: killed")
                 _kill_group(worker.process, signal.SIGKILL)
                 worker.halt_by = float("inf")  # reaped at a later poll
+            return
+        if code == 0:  # it finished before the stop reached it: the job is ending
+            worker.status = "running"
+            self._exited(worker, code, now)
             return
         _kill_group(worker.process, signal.SIGKILL)
         failed = any(w.status == "failed" for w in self.replica(worker))

@@ -9,6 +9,7 @@ view, manifest and bytes (keyed BLAKE2b) and the others verify before loading an
 from __future__ import annotations
 
 import hashlib
+import logging
 import hmac
 import msgpack
 import torch
@@ -18,6 +19,8 @@ from ..core.engine import reconcile_source, shard_sources
 from ..core.view import View
 from ..errors import CommunicatorError, ConfigMismatch, StateError
 from ..training.state import TrainingState, tensor_bytes
+
+log = logging.getLogger(__name__)
 
 STATE_TAG_BYTES = 32
 MAX_MANIFEST_BYTES = 256 << 20
@@ -65,6 +68,10 @@ def reconcile_sharded(comm: Communicator, shard_comm: Communicator, abort: Abort
                     f"member {view.members[other]} (rank {other}); start every replica with the same model, "
                     f"sharded the same way")
     _, sources = shard_sources([g[:2] for g in gathered], shards)
+    newest = {max(g[0] for g in gathered[i::shards]) for i in range(shards)}
+    if len(newest) > 1:  # every process of a replica commits a step or none does (Replica.agree)
+        log.error("the shards of view %d hold different newest steps %s: a replica committed a step on some of "
+                  "its processes only", view.id, sorted(newest))
     source = sources[shard]
     if source is None:
         return step, False, int(mine[1])
