@@ -24,7 +24,7 @@ from . import netif
 from .backends import BACKENDS
 from .core.view import View
 from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
-                     MembershipChanged, NcclUnavailable, NotInView, QuorumLost, ReplicaLost, RetryLimitExceeded,
+                     GroupEnded, MembershipChanged, NcclUnavailable, NotInView, QuorumLost, ReplicaLost, RetryLimitExceeded,
                      SecretRequired, StateError)
 from .gossip import GossipConfig
 from .gossip.addresses import parse_address, parse_seed
@@ -54,7 +54,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 __all__ = [
     "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup",
-    "FlashCheckpointer", "FtcommError", "FtcommTimeout", "GroupOptions", "LinearLRScaling", "MembershipChanged",
+    "FlashCheckpointer", "FtcommError", "FtcommTimeout", "GroupEnded", "GroupOptions", "LinearLRScaling", "MembershipChanged",
     "NcclUnavailable", "NotInView", "QuorumLost", "ReplicaLost", "RetryLimitExceeded", "SecretRequired", "StateError", "View", "ViewChange", "init",
 ]
 

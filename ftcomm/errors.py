@@ -43,6 +43,13 @@ class ConfigMismatch(FtcommError):
     """Workers of one group were started with incompatible settings."""
 
 
+class GroupEnded(FtcommError):
+    """This worker joined a group whose members then all left gracefully (the job finished,
+    or was scaled to zero) before it was admitted: there is no group to join, and founding
+    a new one would train from scratch beside the job's result. Exit; a job started again
+    founds its group anew."""
+
+
 class ReplicaLost(FtcommError):
     """A process of this worker's sharded replica died or left: torch's process group inside
     the replica is broken, so this process cannot train again. Exit; the launcher

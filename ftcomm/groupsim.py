@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 from .core.engine import ANNOUNCE_LIMIT, ASIDE_DUE, JOIN_DUE, RUNNING, Engine, reconcile_source, shard_sources
 from .core.view import Status, View, gone_from, has_quorum
-from .errors import CollectiveAborted, CommunicatorError, FtcommTimeout, ReplicaLost
+from .errors import CollectiveAborted, CommunicatorError, FtcommTimeout, GroupEnded, ReplicaLost
 from .gossip.config import GossipConfig
 from .gossip.runtime import decode_metadata, encode_metadata
 from .gossip.sim import Simulation
@@ -602,10 +602,11 @@ class GroupSimulation:
             if w.driver.recovering:
                 try:
                     w.driver.advance()
-                except ReplicaLost as exc:  # the script ends on it; its exit hook leaves the group
+                except (ReplicaLost, GroupEnded) as exc:  # the script ends on it; its exit hook leaves the group
                     self.log.append(f"{self.sim.now:.3f} {w.engine.id}: {exc}")
                     self._leave(w)
-                    self._replica_failed(w.replica[0])
+                    if isinstance(exc, ReplicaLost):
+                        self._replica_failed(w.replica[0])
             elif state == RUNNING:
                 self._running(w)
             elif state == JOIN_DUE:

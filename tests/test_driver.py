@@ -11,8 +11,8 @@ import pytest
 
 from ftcomm.core import engine as core
 from ftcomm.core.engine import Engine, Form, Recontact, Rejoined
-from ftcomm.core.view import JOINING, Status, View
-from ftcomm.errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout
+from ftcomm.core.view import JOINING, LEAVING, Status, View
+from ftcomm.errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, GroupEnded
 from ftcomm.runtime.driver import Driver, member_address
 from ftcomm.runtime.news import GossipNews
 from ftcomm.runtime.ports import Done, Failed, Formed, MemberRecord, Ports, Reconciled
@@ -387,3 +387,16 @@ def test_when_a_process_of_a_sharded_replica_leaves_the_rest_of_its_replica_is_p
     assert core.classify([("suspect", "b0"), ("suspect", "b1")], 4, replica_size=2) == "hang"
     assert core.reason_for("hang", ("a0", "a1", "b0", "b1", "c0", "c1"), ("a0", "a1"),
                            {m: "suspect" for m in ("b0", "b1", "c0", "c1")}, replica_size=2) == "partition"
+
+
+def test_a_joiner_whose_group_ended_by_leaving_raises_rather_than_founding_one():
+    # It saw view 3 of a group; every member of it then left gracefully (the job finished):
+    # founding a group of its own would train from scratch beside the job's result.
+    left = {m: dataclasses.replace(status(m, LEAVING, done_ops=(3, 40)), alive=False, left=True) for m in "ab"}
+    driver, membership, _, _, _ = driver_for("j", {"j": status("j", JOINING, joined_at=5.0), **left},
+                                             joined_at=5.0, saw_group=3)
+    with pytest.raises(GroupEnded, match="left before it was admitted"):
+        driver.look()
+    # a member that died instead is no end of the group: the joiner probes and waits as before
+    membership.table["b"] = dataclasses.replace(left["b"], left=False, dead=True)
+    driver.look()

@@ -343,6 +343,14 @@ def replica_broken(own: tuple[str, int, int] | None, statuses: dict[str, Status]
     return None
 
 
+def group_ended(own: Status, statuses: dict[str, Status], saw_view: int) -> bool:
+    """A joiner saw a group (its newest view ``saw_view``), and every member of it that held
+    that view or a newer one has since left gracefully (none died: a crash of the rest is
+    not an end). The group ended before admitting it."""
+    members = [s for s in statuses.values() if s.id != own.id and s.config == own.config and s.last_view >= saw_view]
+    return saw_view > 0 and bool(members) and all(s.left for s in members)
+
+
 def agreed(proposal: Candidate, statuses: dict[str, Status]) -> bool:
     """Every member of the proposal is alive and publishes exactly this proposal."""
     key = (proposal.view_id, proposal.digest)

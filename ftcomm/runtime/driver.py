@@ -30,9 +30,9 @@ from typing import Callable, Iterable, NamedTuple
 from ..core import engine as core
 from ..core.engine import (Action, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Recontact,
                            Rejoined, Sync)
-from ..core.view import Status, View, replica_broken
-from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, MembershipChanged,
-                      ReplicaLost)
+from ..core.view import Status, View, group_ended, replica_broken
+from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, GroupEnded,
+                      MembershipChanged, ReplicaLost)
 from ..gossip.addresses import parse_address
 from .news import GossipNews
 from .ports import Address, Done, Pending, Ports, Reconciled
@@ -111,14 +111,20 @@ class Driver:
 
     def look(self) -> Look:
         """One look at the membership while the engine is agreeing: every action but
-        forming is performed here; the view to form comes back. Raises ReplicaLost when a
-        process of this sharded replica is gone, ConfigMismatch when
+        forming is performed here; the view to form comes back. Raises GroupEnded when the
+        group a joiner saw ended before admitting it, ReplicaLost when a process of this
+        sharded replica is gone, ConfigMismatch when
         a live member of the group was started with other settings."""
         engine = self.engine
         statuses, addresses = self.statuses()
         conflict = core.settings_conflict(engine, engine.settings, statuses)
         if conflict is not None:
             raise ConfigMismatch(conflict)
+        own = statuses.get(engine.id)
+        if engine.state == core.JOINING and own is not None and group_ended(own, statuses, engine.saw_group):
+            raise GroupEnded("every member of the group this worker joined left before it was admitted (the "
+                             "job finished, or was scaled to zero): there is no group to join, and founding one "
+                             "would train from scratch")
         gone = replica_broken(engine.replica, statuses)
         if gone is not None:
             raise ReplicaLost(f"{gone}, a process of this worker's sharded replica, "
