@@ -34,6 +34,9 @@ from .config import GossipConfig
 from .faults import FaultFilter
 from .protocol import MemberEvent, MemberInfo, Protocol
 
+AUTH_FAILURES = ("bad_hmac", "unauthenticated", "unexpected_auth")
+"""Why a packet that another secret (or none, against one) sealed is dropped."""
+
 log = logging.getLogger(__name__)
 
 STALL_S = 0.25
@@ -176,6 +179,11 @@ class GossipNode:
             except BaseException:
                 self.stop()
                 raise
+            if joined == "secret":
+                self.stop()
+                raise JoinError(
+                    f"the seeds answered, but their answers failed authentication (seeds {', '.join(map(str, seeds))}): "
+                    f"this worker and the group use different secrets (FTCOMM_SECRET), or one of them has none")
             if not joined:
                 self.stop()
                 tried = ", ".join(f"{h}:{p}" for h, p in resolve(seeds, self._resolver)) or "no address"
@@ -540,11 +548,15 @@ class GossipNode:
         if reply is None:
             self._protocol.stats["push_pull_failed"] += 1
             return False
+        stats = self._protocol.stats
+        refused = sum(stats[f"dropped.{reason}"] for reason in AUTH_FAILURES)
         try:
             merged = self._protocol.handle_stream_reply(reply, self._now(), address)
         except Exception as exc:
             self._contain("stream_reply", exc)
             merged = False
+        if sum(stats[f"dropped.{reason}"] for reason in AUTH_FAILURES) > refused:
+            stats["replies_failed_authentication"] += 1  # the member there holds another secret
         self._protocol.stats["push_pull_done"] += 1
         self._flush()
         return merged
@@ -555,10 +567,15 @@ class GossipNode:
             return resolve(self._seeds)  # no lookup: no thread
         return await self._loop.run_in_executor(None, resolve, self._seeds, self._resolver)
 
-    async def _join(self) -> bool:
+    async def _join(self) -> bool | str:
+        """True once a seed answered; "secret" when none did but answers came back that
+        failed authentication (another secret: said at once rather than after the join
+        timeout); False after ``join_timeout``."""
         deadline = time.monotonic() + self.config.join_timeout
         own = (self.host, self.port)
         dns = any(is_dns(s) for s in self._seeds)
+        stats = self._protocol.stats
+        refused = stats["replies_failed_authentication"]
         while True:
             addresses = await self._resolve_seeds()
             others = [a for a in addresses if a != own]
@@ -568,6 +585,8 @@ class GossipNode:
                 *(self._push_pull(seed, self._protocol.join_request(self._now())) for seed in others))
             if any(results):
                 return True
+            if stats["replies_failed_authentication"] > refused:
+                return "secret"
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(self.config.join_retry_interval)

@@ -66,14 +66,17 @@ def test_join_with_no_live_seed_fails_clearly_and_cleans_up():
     assert threading.active_count() == before
 
 
-def test_wrong_secret_members_never_join():
+@pytest.mark.parametrize("theirs", ["two", None])
+def test_wrong_secret_members_never_join_and_are_told_so_at_once(theirs):
     a = GossipNode(config=FAST, secret="one").start()
-    b = GossipNode(config=FAST.with_overrides(join_timeout=0.6, request_timeout=0.2), secret="two")
+    b = GossipNode(config=FAST.with_overrides(join_timeout=30.0, request_timeout=0.5), secret=theirs)
     try:
-        with pytest.raises(JoinError):
+        started = time.monotonic()
+        with pytest.raises(JoinError, match="use different secrets"):
             b.start([a.address])
+        assert time.monotonic() - started < 25  # the first answer says it, not the 30 s join timeout
         assert [m.id for m in a.members()] == [a.id]
-        assert a.stats()["dropped.bad_hmac"] >= 1
+        assert a.stats()["dropped.bad_hmac" if theirs else "dropped.unauthenticated"] >= 1
     finally:
         a.stop()
 
