@@ -210,7 +210,9 @@ class FaultTolerantGroup:
         Objects that follow the group's steps (an :class:`ftcomm.ElasticSampler`, a
         :class:`ftcomm.LinearLRScaling`) are bound to it here; see docs/API.md. With
         ``replica_size`` > 1, StateError for a module with a parameter not sharded over
-        :attr:`shard_mesh` (its shards would not match the other replicas')."""
+        :attr:`shard_mesh` (its shards would not match the other replicas'). FtcommError after
+        ``shutdown``."""
+        self._life.check_open()
         if self._replica is not None:
             self._replica.check_sharded({"model": model, **extras})
         self.state.register(model=model, optimizer=optimizer, sampler=sampler, **extras)

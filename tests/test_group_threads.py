@@ -503,6 +503,8 @@ def test_shutdown_from_another_thread_during_a_step_ends_it_as_shut_down_not_as_
         assert life.engine.state == core.CLOSED
         with pytest.raises(ftcomm.FtcommError, match="shut down"):
             groups[0].state_restored(3)
+        with pytest.raises(ftcomm.FtcommError, match="shut down"):
+            groups[0].register_state(model=torch.nn.Linear(4, 2))
     finally:
         for g in groups:
             g.shutdown()
