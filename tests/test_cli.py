@@ -37,6 +37,17 @@ def test_members_shows_a_training_workers_committed_step(capsys):
     assert row[4] == "42" and "ph=active" in row[5:]
 
 
+def test_members_reads_the_secret_from_a_file_and_warns_about_one_on_the_command_line(member, capsys, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("topsecret\n")
+    assert main(["members", "--peer", member.address, "--secret-file", str(secret)]) == 0
+    out, err = capsys.readouterr()
+    assert member.id in out and "visible" not in err
+    assert main(["members", "--peer", member.address, "--secret", "topsecret"]) == 0
+    assert "visible to every user of this host" in capsys.readouterr().err
+    assert main(["members", "--peer", member.address, "--secret-file", str(tmp_path / "missing")]) == 2
+
+
 def test_members_json(member, capsys):
     assert main(["members", "--peer", member.address, "--secret", "topsecret", "--json"]) == 0
     (record,) = json.loads(capsys.readouterr().out)
@@ -46,9 +57,8 @@ def test_members_json(member, capsys):
 @pytest.mark.parametrize("secret", [None, "wrong"])
 def test_wrong_or_missing_secret_is_one_clear_line(member, secret):
     args = [sys.executable, "-m", "ftcomm", "members", "--peer", member.address]
-    if secret:
-        args += ["--secret", secret]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=30, env={"PATH": ""})
+    env = {"PATH": "", **({"FTCOMM_SECRET": secret} if secret else {})}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=30, env=env)
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0
     assert "authentication failed" in result.stderr

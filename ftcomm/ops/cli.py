@@ -18,8 +18,21 @@ def _members(args: argparse.Namespace) -> int:
     from ..errors import GossipError
     from ..gossip.runtime import query_members
 
+    secret = args.secret
+    if args.secret_file is not None:
+        try:
+            with open(args.secret_file, encoding="utf-8") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read --secret-file {args.secret_file}: {exc.strerror or exc}") from None
+        if not secret:
+            raise ValueError(f"--secret-file {args.secret_file} is empty")
+    elif args.secret_given:
+        print("ftcomm: warning: --secret on the command line is visible to every user of this host (ps); "
+              "use --secret-file or $FTCOMM_SECRET", file=sys.stderr)
+
     def query():
-        return query_members(args.peer, cluster=args.cluster, secret=args.secret, timeout=args.timeout)
+        return query_members(args.peer, cluster=args.cluster, secret=secret, timeout=args.timeout)
 
     if args.json:
         print(json.dumps([m.__dict__ for m in query()]))
@@ -202,15 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
     members = commands.add_parser("members", help="print the member table of a running group")
     members.add_argument("--peer", required=True, type=_address, metavar="HOST:PORT",
                          help="gossip address of any member (0 <= PORT <= 65535)")
-    members.add_argument("--secret", default=os.environ.get("FTCOMM_SECRET"),
-                         help="shared secret of the group (default: $FTCOMM_SECRET)")
+    members.add_argument("--secret", default=os.environ.get("FTCOMM_SECRET"), action=_SecretGiven,
+                         help="shared secret of the group (default: $FTCOMM_SECRET); visible to other users in "
+                              "ps: prefer $FTCOMM_SECRET or --secret-file")
+    members.add_argument("--secret-file", default=None, metavar="PATH",
+                         help="read the group's secret from this file (its first line)")
     members.add_argument("--cluster", type=_name, default=os.environ.get("FTCOMM_CLUSTER", "ftcomm"),
                          help="cluster name (default: $FTCOMM_CLUSTER or ftcomm)")
     members.add_argument("--timeout", type=_seconds, default=2.0, help="seconds to wait for an answer (> 0)")
     members.add_argument("--json", action="store_true", help="print JSON instead of a table")
     members.add_argument("--watch", type=_seconds, nargs="?", const=2.0, default=None, metavar="SECONDS",
                          help="redraw the table every SECONDS (default 2) with steps/s, until interrupted")
-    members.set_defaults(run=_members)
+    members.set_defaults(run=_members, secret_given=False)
 
     demo = commands.add_parser("demo", help="run a local demonstration")
     demo.add_argument("which", nargs="?", choices=["train", "gossip"], default="train",
@@ -220,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_count(1), default=450, help="train demo: committed steps to train (>= 1)")
     demo.set_defaults(run=_demo)
     return parser
+
+
+class _SecretGiven(argparse.Action):
+    """Stores the value and notes that it came from the command line."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.secret_given = True
 
 
 def main(argv: list[str] | None = None) -> int:
