@@ -28,6 +28,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from .. import netif
 from ..errors import GossipError, JoinError
 from .addresses import Resolver, is_dns, parse_address, parse_seed, resolve, system_resolver
 from .config import GossipConfig
@@ -115,7 +116,12 @@ class GossipNode:
         self._seeds: list[str | tuple[str, int]] = []
         self.cluster = cluster
         self._secret = secret.encode() if isinstance(secret, str) else secret
-        self._bind = parse_address(bind)
+        host, port = parse_address(bind)
+        try:  # records carry the address as an IPv4 literal: peers never look a name up to send
+            self._bind = (netif.resolve(host), port)
+        except OSError as exc:
+            raise GossipError(f"cannot bind gossip to {host!r}: it does not resolve to an IPv4 address "
+                              f"({exc.strerror or exc})") from None
         self._initial_metadata = encode_metadata(metadata or {})
         if len(self._initial_metadata) > self.config.max_metadata_bytes:
             raise ValueError(f"metadata is {len(self._initial_metadata)} bytes; the limit is "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import hmac
+import ipaddress
 import struct
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -321,3 +322,12 @@ def _check_fields(values: Sequence[object], schema: tuple[_Field, ...], where: s
                 raise WireError("out_of_range", f"{where}: {name} holds unprintable or non-ASCII characters")
         if not low <= size <= high:
             raise WireError("out_of_range", f"{where}: {name} {size} outside [{low}, {high}]")
+        if name == "host" and not _ipv4_literal(value):  # a name would be looked up, blocking, on send
+            raise WireError("out_of_range", f"{where}: host {value[:40]!r} is not an IPv4 address")
+
+
+def _ipv4_literal(text: str) -> bool:
+    try:
+        return str(ipaddress.IPv4Address(text)) == text
+    except ValueError:
+        return False

@@ -182,6 +182,10 @@ OUT_OF_RANGE = {
     "id length": [DEAD, "x" * (wire.MAX_ID_CHARS + 1), 1, member_id(4)],
     "empty id": [DEAD, "", 1, member_id(4)],
     "unprintable host": [ALIVE, member_id(3), 1, "10.0.0.3\x00", 7946, b""],
+    # a name would be looked up, blocking the gossip thread, each time something is sent there
+    "host name": [ALIVE, member_id(3), 1, "localhost", 7946, b""],
+    "host name in a ping request": [PING_REQ, 1, member_id(3), "example.com", 7946],
+    "host not in canonical form": [ALIVE, member_id(3), 1, "010.0.0.3", 7946, b""],
 }
 
 
@@ -197,6 +201,7 @@ def test_every_numeric_and_size_field_is_range_checked(case):
     [member_id(3), *address(3), 2**63, wire.STATE_ALIVE, b""],
     [member_id(3), *address(3), 1, 4, b""],
     [member_id(3), *address(3), 1, wire.STATE_ALIVE, b"x" * (wire.MAX_METADATA_BYTES + 1)],
+    [member_id(3), "localhost", 7946, 1, wire.STATE_ALIVE, b""],
 ])
 def test_stream_records_are_range_checked_too(record):
     n = node()
