@@ -94,6 +94,9 @@ class _Relay:
 
 
 CONFIRMATION_ATTEMPTS = 3  # confirmation pings per unconfirmed member; then only regular probes
+MAX_INCARNATION_STEP = 1 << 20
+"""How far above the incarnation known here news of a member may be: each refutation adds
+one, so no member ever gets near this; a larger jump is forged (see Protocol._implausible)."""
 
 
 @dataclass
@@ -626,8 +629,21 @@ class Protocol:
             self._send(relay.origin, relay.origin_id, [wire.encode([NACK, relay.origin_seq])])
 
     # ---------------------------------------------------------------- state changes
+    def _implausible(self, member_id: str, incarnation: int) -> bool:
+        """News of ``member_id`` at an incarnation further above the one known here than any
+        member ever refutes (``MAX_INCARNATION_STEP``): forged (with the secret, or in a group
+        without one), it would put the member at the top of the range, beyond refutation.
+        Dropped and counted; a member not known yet is judged by nothing."""
+        known = self._self if member_id == self.id else self._table.get(member_id)
+        if known is None or incarnation <= known.incarnation + MAX_INCARNATION_STEP:
+            return False
+        self.stats["rejected.incarnation_jump"] += 1
+        return True
+
     def _on_alive(self, member_id: str, incarnation: int, host: str, port: int, meta: bytes,
                   source: str, now: float) -> None:
+        if self._implausible(member_id, incarnation):
+            return
         if member_id == self.id:
             if incarnation > self._self.incarnation and not self.leaving:
                 self._refute(incarnation)
@@ -663,6 +679,8 @@ class Protocol:
         self._broadcasts.queue(member_id, wire.encode([ALIVE, member_id, incarnation, host, port, meta]))
 
     def _on_suspect(self, member_id: str, incarnation: int, suspecter: str, now: float) -> None:
+        if self._implausible(member_id, incarnation):
+            return
         if member_id == self.id:
             if not self.leaving and incarnation >= self._self.incarnation:
                 self._refute(incarnation)
@@ -688,6 +706,8 @@ class Protocol:
                  meta: bytes | None = None) -> None:
         """``meta``: a leaving member's final metadata, carried by its notice (so that every
         member learns how it left even where the update sent just before was lost)."""
+        if self._implausible(member_id, incarnation):
+            return
         if member_id == self.id:
             if not self.leaving and incarnation >= self._self.incarnation:
                 self._refute(incarnation)

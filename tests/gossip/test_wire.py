@@ -211,14 +211,21 @@ def test_stream_records_are_range_checked_too(record):
     assert n.member(member_id(3)) is None
 
 
-def test_an_accusation_at_the_top_of_the_range_is_refuted_within_the_range():
+def test_news_at_an_implausible_incarnation_is_refused_and_nobody_is_put_beyond_refutation():
+    # A death notice at the top of the range could never be refuted (a refutation needs a
+    # higher incarnation): forged with the secret, or in a group without one, it would bury
+    # a live member for good. Each refutation adds one: a jump this large is never real.
     n = node()
-    n.receive(packet([SUSPECT, member_id(0), wire.MAX_INCARNATION, member_id(5)]), address(5), 0.5)
-    assert n.incarnation == wire.MAX_INCARNATION and n.stats["incarnation_exhausted"] == 1
-    n.set_metadata(b"later", 0.6)
-    assert n.incarnation == wire.MAX_INCARNATION
-    reply = node().handle_stream(n.join_request(0.7), 0.7)
-    assert decode_stream(reply)[0][0] == wire.PUSH_PULL  # a peer accepts the record at the cap
+    n.receive(packet([ALIVE, member_id(1), 0, *address(1), b""]), address(5), 0.4)  # known at incarnation 0
+    for kind in (SUSPECT, DEAD):
+        n.receive(packet([kind, member_id(0), wire.MAX_INCARNATION, member_id(5)]), address(5), 0.5)
+        n.receive(packet([kind, member_id(1), wire.MAX_INCARNATION, member_id(5)]), address(5), 0.5)
+    n.receive(packet([ALIVE, member_id(1), wire.MAX_INCARNATION, *address(1), b""]), address(5), 0.5)
+    assert n.incarnation == 0 and n.stats["refutations"] == 0
+    assert n.member(member_id(1)).state == "alive" and n.member(member_id(1)).incarnation == 0
+    assert n.stats["rejected.incarnation_jump"] == 5
+    n.receive(packet([SUSPECT, member_id(1), 3, member_id(5)]), address(5), 0.6)  # a plausible one counts
+    assert n.member(member_id(1)).state == "suspect"
 
 
 # ---------------------------------------------------------------- checksum (finding: without a secret
