@@ -170,6 +170,51 @@ def test_the_store_is_bounded(store, monkeypatch):
     client.set("k0", b"replaced")  # an existing key may still change
 
 
+def test_one_client_cannot_jam_the_waiting_requests_of_the_others(store, monkeypatch):
+    """A client may hold a few waiting requests; when every slot is taken, a newcomer's wait
+    evicts the oldest one of the client holding the most (a group without a secret is open
+    to every local user, who could otherwise hold every slot and stall formations)."""
+    monkeypatch.setattr(rendezvous, "MAX_WAITERS", 6)
+    monkeypatch.setattr(rendezvous, "MAX_WAITERS_PER_CLIENT", 4)
+    context = zmq.Context.instance()
+    flooders = []
+    for count in (5, 2):
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{store.port}")
+        for i in range(count):
+            sock.send(Framing(SECRET).seal(msgpack.packb(["wait", [f"never{i}"], 60_000]))[0])
+        flooders.append(sock)
+    try:
+        first = flooders[0]
+        assert first.poll(2000), "the fifth wait of one client was not refused"
+        assert store.drops["waiter_quota"] == 1
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(
+            StoreClient("127.0.0.1", store.port, SECRET, 5.0).wait(["k"], datetime.timedelta(seconds=5))))
+        waiter.start()
+        wait_until_evicted = time.monotonic() + 5
+        while store.drops["waiter_evicted"] < 1 and time.monotonic() < wait_until_evicted:
+            time.sleep(0.01)
+        assert store.drops["waiter_evicted"] == 1  # the oldest of the client holding the most
+        StoreClient("127.0.0.1", store.port, SECRET, 1.0).set("k", b"v")
+        waiter.join(5)
+        assert done == [None]  # the newcomer's wait was held and answered
+    finally:
+        for sock in flooders:
+            sock.close()
+
+
+@pytest.mark.timeout(10)
+def test_a_wait_is_held_at_most_max_held_ms(store, monkeypatch):
+    monkeypatch.setattr(rendezvous, "MAX_HELD_MS", 200)
+    client = StoreClient("127.0.0.1", store.port, SECRET, 30.0)
+    started = time.monotonic()
+    with pytest.raises(CommunicatorError, match="timeout"):
+        client.wait(["never"], datetime.timedelta(seconds=30))
+    assert time.monotonic() - started < 20  # answered by the store's bound, not the client's 30 s
+
+
 def test_a_wait_is_answered_when_the_key_appears_and_times_out_otherwise(store):
     client = StoreClient("127.0.0.1", store.port, SECRET, 0.3)
     threading.Timer(0.1, lambda: StoreClient("127.0.0.1", store.port, SECRET, 1.0).set("late", b"x")).start()

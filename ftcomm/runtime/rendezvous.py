@@ -59,7 +59,15 @@ MAX_VALUE_BYTES = 1 << 20
 MAX_KEYS = 65536
 MAX_STORED_BYTES = 64 << 20
 MAX_WAITERS = 4096
+MAX_WAITERS_PER_CLIENT = 256
+"""Waiting requests of one connection: a worker forming a view waits on a few keys at a
+time. Beyond it a request is refused; and when all MAX_WAITERS are taken, a new request
+evicts the oldest of the connection that holds the most (one client cannot jam the store
+for the others: a group without a secret is open to every local user)."""
 MAX_WAIT_MS = 1 << 31  # about 25 days: a longer wait is clamped to this
+MAX_HELD_MS = 600_000
+"""The longest the store holds a waiting request (10 minutes): a longer wait is answered
+``timeout`` then, and the client asks again."""
 CANCEL_POLL_S = 0.05
 """How soon a :meth:`StoreClient.cancel` ends the request in flight."""
 REPLAY_CACHE = 1 << 16
@@ -227,15 +235,34 @@ class StoreServer:
             keys = [args[0]] if op == "get" else args[0]
             if all(k in self._data for k in keys):
                 self._reply(peer, nonce, True, self._data[keys[0]] if op == "get" else None)
-            elif len(self._waiters) >= MAX_WAITERS:
-                self._reply(peer, nonce, False, "too many waiting requests")
+            elif self._make_room(peer):
+                self._waiters.append((peer, nonce, op, keys, time.monotonic() + min(args[1], MAX_HELD_MS) / 1000))
             else:
-                self._waiters.append((peer, nonce, op, keys, time.monotonic() + args[1] / 1000))
+                self._reply(peer, nonce, False, "too many waiting requests")
             return
         ok, value = self._apply(op, args)
         self._reply(peer, nonce, ok, value)
         if op in ("set", "add", "cas"):
             self._wake()
+
+    def _make_room(self, peer: bytes) -> bool:
+        """Whether a waiting request of ``peer`` may be held: under its own quota, and, when
+        the store holds MAX_WAITERS, after evicting (answered as refused) the oldest waiter
+        of the connection that holds more than ``peer`` would."""
+        held = collections.Counter(w[0] for w in self._waiters)
+        if held[peer] >= MAX_WAITERS_PER_CLIENT:
+            self.drops["waiter_quota"] += 1
+            return False
+        if len(self._waiters) < MAX_WAITERS:
+            return True
+        heaviest, count = held.most_common(1)[0]
+        if count <= held[peer] + 1:
+            return False
+        evicted = next(w for w in self._waiters if w[0] == heaviest)
+        self._waiters.remove(evicted)
+        self.drops["waiter_evicted"] += 1
+        self._reply(evicted[0], evicted[1], False, "too many waiting requests")
+        return True
 
     def _apply(self, op: str, args: list) -> tuple[bool, Any]:
         data = self._data
