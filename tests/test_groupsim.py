@@ -194,7 +194,7 @@ def test_a_joiner_whose_only_contact_is_gone_founds_nothing_while_the_group_may_
     on (two groups committing the same steps). Now it founds one only when every member
     of the group is gone for sure (refuses a connection), and sends a join request to the
     members of the view it read that it had never heard from: they admit it."""
-    seeds = [10027, 11074, 11879]
+    seeds = [16466, 11074, 11879]  # (10027, the first found, no longer strikes the race on today's timing)
     outcomes = run_seeds(seeds)
     assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
     monkeypatch.setattr(core.Engine, "_may_found", lambda self: True)
