@@ -38,18 +38,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import ftcomm
-
-
-def make_task(seed: int, samples: int = 8192, features: int = 32, classes: int = 4):
-    """Inputs and teacher labels, identical on every process for a given seed."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(samples, features, generator=g)
-    teacher = torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.Tanh(), torch.nn.Linear(64, classes))
-    with torch.no_grad():
-        for p in teacher.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-        y = teacher(x).argmax(dim=1)
-    return x, y
+from train_elastic import make_task  # the same synthetic task (this directory is on the path when run)
 
 
 def make_model(mesh, seed: int, hidden: int, features: int = 32, classes: int = 4) -> torch.nn.Module:

@@ -90,11 +90,10 @@ class FaultTolerantGroup:
         self.id = ""
         self._metrics = None
         self.replica_size, self.shard_rank = replica[0], replica[1]
-        self._replica: Replica | None = None
         try:
             if self.replica_size > 1:  # first: the replica's K processes meet (torch's process group)
-                self._replica = self._steps.replica = life.replica = Replica(*replica, backend, opts.init_timeout)
-                engine.replica = (self._replica.key, self.shard_rank, self.replica_size)
+                life.replica = Replica(*replica, backend, opts.init_timeout)
+                engine.replica = (life.replica.key, self.shard_rank, self.replica_size)
             life.gossip = GossipNode((host, port), cluster=cluster, secret=secret,
                                      config=member_cap(opts.gossip, max_workers), metadata=life.status_record(),
                                      fault_filter=opts.fault_filter)
@@ -167,6 +166,10 @@ class FaultTolerantGroup:
             raise NotInView(f"this worker is in no view now ({why}); rank and world_size have a value again once "
                             f"it joins one (its training thread does so inside its current call to the group)")
         return view
+
+    @property
+    def _replica(self) -> Replica | None:
+        return self._life.replica
 
     @property
     def shard_mesh(self) -> Any:

@@ -57,7 +57,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .core.engine import ANNOUNCE_LIMIT, ASIDE_DUE, JOIN_DUE, RUNNING, Engine, reconcile_source, shard_sources
+from .core.engine import ANNOUNCE_LIMIT, ASIDE_DUE, JOIN_DUE, RUNNING, Engine, shard_sources
 from .core.view import Status, View, gone_from, has_quorum
 from .errors import CollectiveAborted, CommunicatorError, FtcommTimeout, GroupEnded, ReplicaLost
 from .gossip.config import GossipConfig
@@ -692,10 +692,8 @@ class GroupSimulation:
         gathered.setdefault(w.engine.id, (w.step, w.digest))
         if w.inbox.abort.reason is None and self._connected(w, view) and all(m in gathered for m in view.members):
             pairs = [gathered[m] for m in view.members]
-            if self.k > 1:  # shard by shard, as ftcomm.runtime.transfer.reconcile_sharded
-                source = shard_sources(pairs, self.k)[1][view.rank_of(w.engine.id) % self.k]
-            else:
-                source = reconcile_source(pairs)
+            # shard by shard with sharded replicas, as ftcomm.runtime.transfer.reconcile picks its source
+            source = shard_sources(pairs, self.k)[1][view.rank_of(w.engine.id) % self.k]
             replaced = source is not None and pairs[source] != (w.step, w.digest)
             if source is not None:
                 w.step, w.digest = pairs[source]

@@ -41,7 +41,6 @@ class StepProtocol:
                  secret: bytes | None, min_workers: int) -> None:
         self.life, self.state, self.options, self.stragglers = life, state, options, stragglers
         self.secret, self.min_workers = secret, min_workers
-        self.replica = None  # a sharded replica's process (ftcomm.training.replica): gradients go by shard
         self.step = 0  # committed steps
         self.owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         self.buckets: GradientBuckets | None = None
@@ -52,6 +51,12 @@ class StepProtocol:
     @property
     def rank(self) -> int:
         return self.life.view.rank_of(self.life.engine.id)
+
+    @property
+    def replica(self):
+        """This process's sharded replica (ftcomm.training.replica.Replica), or None: its
+        gradients go by shard, and its steps commit as one."""
+        return self.life.replica
 
     @property
     def engine(self) -> core.Engine:
@@ -259,12 +264,9 @@ class StepProtocol:
     def transfer_state(self) -> tuple[bool, int]:
         """Whether this worker loaded another member's state, and the digest all now hold."""
         life = self.life
-        if self.replica is not None:
-            self.step, loaded, digest = transfer.reconcile_sharded(life.comm, life.shard_comm, life.abort, self.state,
-                                                                   self.step, life.view, self.secret, self.replica.size)
-        else:
-            self.step, loaded, digest = transfer.reconcile(life.comm, life.abort, self.state, self.step, life.view,
-                                                           self.secret)
+        self.step, loaded, digest = transfer.reconcile(life.comm, life.abort, self.state, self.step, life.view,
+                                                       self.secret, life.shard_comm,
+                                                       self.replica.size if self.replica is not None else 1)
         return loaded, digest
 
     def record_reconciled(self, digest: int | None, deferred_s: float | None = None) -> None:

@@ -15,7 +15,7 @@ import msgpack
 import torch
 
 from ..backends.base import AbortSignal, Communicator
-from ..core.engine import reconcile_source, shard_sources
+from ..core.engine import shard_sources
 from ..core.view import View
 from ..errors import CommunicatorError, ConfigMismatch, StateError
 from ..training.state import TrainingState, tensor_bytes
@@ -27,59 +27,53 @@ MAX_MANIFEST_BYTES = 256 << 20
 
 
 def reconcile(comm: Communicator, abort: AbortSignal, state: TrainingState, step: int, view: View,
-              secret: bytes | None) -> tuple[int, bool, int]:
+              secret: bytes | None, shard_comm: Communicator | None = None, shards: int = 1) -> tuple[int, bool, int]:
     """Make every member's state identical. Returns (step, whether this member loaded
     another's state, the digest every member now holds). Raises ConfigMismatch when the
     members registered different models, CommunicatorError for a transfer that fails
-    verification, MembershipChanged when the view breaks meanwhile."""
+    verification, MembershipChanged when the view breaks meanwhile.
+
+    With sharded replicas (``shards`` > 1; rank ``r`` holds shard ``r % shards``), the
+    shard indices compare their states over the whole view (``comm``) and each shard's
+    processes take one state over their own communicator (``shard_comm``), every shard at
+    once: a replica that joins receives each shard from another replica's process of that
+    shard (:func:`ftcomm.core.engine.shard_sources`)."""
     mine = torch.tensor([step, state.digest(step), state.signature()], dtype=torch.int64, device=comm.device)
     gathered = [tuple(t.tolist()) for t in comm.allgather(mine).wait(abort)]
-    if len({g[2] for g in gathered}) > 1:
+    if shards == 1 and len({g[2] for g in gathered}) > 1:
         raise_model_mismatch(comm, abort, state, view, gathered)
-    source = reconcile_source([g[:2] for g in gathered])
+    if shards > 1:
+        raise_shard_mismatch(comm, abort, state, view, gathered, shards)
+        newest = {max(g[0] for g in gathered[i::shards]) for i in range(shards)}
+        if len(newest) > 1:  # every process of a replica commits a step or none does (Replica.agree)
+            log.error("the shards of view %d hold different newest steps %s: a replica committed a step on some "
+                      "of its processes only", view.id, sorted(newest))
+    source = shard_sources([g[:2] for g in gathered], shards)[1][comm.rank % shards]
     if source is None:
         return step, False, int(mine[1])
     load = gathered[comm.rank][:2] != gathered[source][:2]
-    received = broadcast_state(comm, abort, state, step, view, secret, source, load)
+    received = broadcast_state(shard_comm or comm, abort, state, step, view, secret, source // shards, load)
     if received is None:
         return step, False, int(mine[1])
     return received, True, state.digest(received)
 
 
-def reconcile_sharded(comm: Communicator, shard_comm: Communicator, abort: AbortSignal, state: TrainingState,
-                      step: int, view: View, secret: bytes | None, shards: int) -> tuple[int, bool, int]:
-    """:func:`reconcile` for sharded replicas: the view's ``shards`` shard indices compare
-    their states over the whole view (``comm``) and each shard's processes take one state
-    over their own communicator (``shard_comm``), every shard at once: a replica that joins
-    receives each shard from another replica's process of that shard. Every process ends on
-    the same step (:func:`ftcomm.core.engine.shard_sources`)."""
-    mine = torch.tensor([step, state.digest(step), state.signature()], dtype=torch.int64, device=comm.device)
-    gathered = [tuple(t.tolist()) for t in comm.allgather(mine).wait(abort)]
-    shard = comm.rank % shards
-    if any(len({g[2] for g in gathered[i::shards]}) > 1 for i in range(shards)):
-        models = describe_all(comm, abort, state)  # every process takes part, then every one raises
-        for i in range(shards):
-            ranks = range(i, len(gathered), shards)
-            other = next((r for r in ranks if gathered[r][2] != gathered[i][2]), None)
-            if other is not None:
-                raise ConfigMismatch(
-                    f"the registered model of shard {i} differs between the replicas of view {view.id}: "
-                    f"{first_difference(models[i], models[other])} on member {view.members[i]} (rank {i}) and "
-                    f"member {view.members[other]} (rank {other}); start every replica with the same model, "
-                    f"sharded the same way")
-    _, sources = shard_sources([g[:2] for g in gathered], shards)
-    newest = {max(g[0] for g in gathered[i::shards]) for i in range(shards)}
-    if len(newest) > 1:  # every process of a replica commits a step or none does (Replica.agree)
-        log.error("the shards of view %d hold different newest steps %s: a replica committed a step on some of "
-                  "its processes only", view.id, sorted(newest))
-    source = sources[shard]
-    if source is None:
-        return step, False, int(mine[1])
-    load = gathered[comm.rank][:2] != gathered[source][:2]
-    received = broadcast_state(shard_comm, abort, state, step, view, secret, source // shards, load)
-    if received is None:
-        return step, False, int(mine[1])
-    return received, True, state.digest(received)
+def raise_shard_mismatch(comm: Communicator, abort: AbortSignal, state: TrainingState, view: View,
+                         gathered: list[tuple[int, int, int]], shards: int) -> None:
+    """When the processes of some shard index registered different models: every process
+    takes part in exchanging their descriptions over the whole view, then every one raises
+    ConfigMismatch naming the shard and the first tensor that differs."""
+    if not any(len({g[2] for g in gathered[i::shards]}) > 1 for i in range(shards)):
+        return
+    models = describe_all(comm, abort, state)
+    for i in range(shards):
+        other = next((r for r in range(i, len(gathered), shards) if gathered[r][2] != gathered[i][2]), None)
+        if other is not None:
+            raise ConfigMismatch(
+                f"the registered model of shard {i} differs between the replicas of view {view.id}: "
+                f"{first_difference(models[i], models[other])} on member {view.members[i]} (rank {i}) and "
+                f"member {view.members[other]} (rank {other}); start every replica with the same model, "
+                f"sharded the same way")
 
 
 def broadcast_state(comm: Communicator, abort: AbortSignal, state: TrainingState, step: int, view: View,
