@@ -117,6 +117,16 @@ class GroupOptions:
     """A member whose links are this many times worse (bandwidth or latency) than the
     others', or a link this many times worse than the median, is named slow."""
 
+    listener_admission: str = "members"
+    """Who may connect to the listening socket of this worker's data plane (Gloo) while a
+    communicator forms: ``members``, only the addresses of the view's members (and
+    127.0.0.1 in a group on loopback addresses); ``formation``, any address. Between
+    formations nobody may, in both cases: a socket filter in the kernel drops every
+    packet from elsewhere before a connection exists (Linux; see docs/SECURITY.md).
+    ``formation`` is for hosts whose connections to the others do not leave from the
+    address they bind (a multi-homed host whose route to a peer goes through another
+    interface): there, ``members`` would keep communicators from forming."""
+
     metrics_port: int | None = None
     """Serve Prometheus metrics on this TCP port of the bind address (0: a free port, see
     ``group.metrics_port``); None: no endpoint. Needs ``pip install 'ftcomm[metrics]'``.
@@ -172,6 +182,8 @@ class GroupOptions:
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.straggler_policy not in ("warn", "exclude"):
             raise ValueError(f"straggler_policy must be 'warn' or 'exclude', got {self.straggler_policy!r}")
+        if self.listener_admission not in ("members", "formation"):
+            raise ValueError(f"listener_admission must be 'members' or 'formation', got {self.listener_admission!r}")
         if self.partition_policy not in ("quorum", "availability"):
             raise ValueError(f"partition_policy must be 'quorum' or 'availability', got {self.partition_policy!r}")
         if not isinstance(self.gossip, GossipConfig):

@@ -225,9 +225,19 @@ class Communicator(Protocol):
 
     @classmethod
     def form(cls, store: Any, rank: int, size: int, view_id: int, abort: AbortSignal, timeout: float,
-             host: str | None = None) -> "Communicator":
+             host: str | None = None, sources: Any = None) -> "Communicator":
         """Form the communicator of view ``view_id`` through ``store``; abandoned when
-        ``abort`` fires, FtcommTimeout after ``timeout`` seconds."""
+        ``abort`` fires, FtcommTimeout after ``timeout`` seconds. ``host``: the address to
+        listen on; ``sources``: the IPv4 addresses the other members connect from (a backend
+        that can, admits only these while forming)."""
+
+    @staticmethod
+    def retain(host: str | None) -> None:
+        """A group of this process forms communicators bound to ``host`` until ``release``."""
+
+    @staticmethod
+    def release(host: str | None) -> None:
+        """That group forms nothing more: what listens for its formations may close."""
 
     def allreduce(self, tensors: list[Any], op: str = "sum") -> Handle:
         """Start reducing each tensor in place (``op``: sum, mean, max, min; ValueError for

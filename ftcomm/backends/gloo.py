@@ -19,13 +19,14 @@ import ctypes
 import datetime
 import logging
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 import torch._C._distributed_c10d as c10d
 
 from .. import netif
+from . import admission
 from ..errors import CommunicatorError
 from .base import AbortSignal, Completion, Handle, check_root, start_lingering
 
@@ -76,26 +77,36 @@ class GlooCommunicator:
 
     @classmethod
     def form(cls, store: Any, rank: int, size: int, view_id: int, abort: AbortSignal, timeout: float,
-             host: str | None = None, op_timeout: float = 600.0) -> "GlooCommunicator":
+             host: str | None = None, op_timeout: float = 600.0,
+             sources: Iterable[str] | None = None) -> "GlooCommunicator":
         """Build the group in a helper thread; abandon it if the signal fires or time runs out.
 
         ``host``: the address the group is bound to. Gloo listens on it and tells the other
         ranks to connect there (without it Gloo takes the address of the host name, which
-        is loopback on many hosts: no group could form across machines).
+        is loopback on many hosts: no group could form across machines). ``sources``: the
+        IPv4 addresses the other ranks connect from; while the group forms, the listener
+        admits these alone (None: any address), and nobody once no formation runs (see
+        :mod:`ftcomm.backends.admission`).
         """
         options = dist.ProcessGroupGloo._Options()
         # Bounds the rendezvous inside the constructor (a builder that is given up on ends
         # by then); collectives get op_timeout each.
         options._timeout = datetime.timedelta(seconds=timeout)
-        options._devices = [device(host)]
+        gloo_device, door = _device(host)
+        options._devices = [gloo_device]
         outcome: dict[str, Any] = {}
         wake = threading.Event()
+        # The door opens for this formation until its builder ends, not until the waiting
+        # thread gives up on it: a builder still connecting must not be shut out half-way.
+        shut = door.open_for(sources) if door is not None else (lambda: None)
 
         def build() -> None:
             try:
                 outcome["group"] = dist.ProcessGroupGloo(store, rank, size, options)
             except Exception as exc:  # noqa: BLE001 - reported to the waiting thread
                 outcome["error"] = exc
+            finally:
+                shut()
             wake.set()
 
         what = f"forming the gloo group of view {view_id}"
@@ -170,6 +181,16 @@ class GlooCommunicator:
         bury((self.group, self._pending))
         self._pending = []
 
+    @staticmethod
+    def retain(host: str | None) -> None:
+        """A group forms its communicators on ``host`` until ``release`` (see :func:`retain`)."""
+        retain(host)
+
+    @staticmethod
+    def release(host: str | None) -> None:
+        """The group that retained ``host`` forms nothing more (see :func:`release`)."""
+        release(host)
+
     def close(self) -> None:
         """Release a healthy communicator whose ops all completed; otherwise abandon it."""
         if any(not h.completed for h in self._pending):
@@ -183,24 +204,61 @@ class GlooCommunicator:
         self.group = None
 
 
-_DEVICES: dict[str, Any] = {}
+_DEVICES: dict[str, tuple[Any, admission.Door | None]] = {}
 _DEVICES_LOCK = threading.Lock()
 
 
-def device(host: str | None) -> Any:
-    """The Gloo transport device for groups bound to ``host``: listening on that address
-    alone. A wildcard or absent host falls back to Gloo's default (the host name's address).
+def _device(host: str | None) -> tuple[Any, admission.Door | None]:
+    """The Gloo transport device for groups bound to ``host`` (listening on that address
+    alone; a wildcard or absent host falls back to Gloo's default, the host name's
+    address), with the door of its listener.
 
     One device per address, shared by every group of the process: a device holds a
     listener, a thread and a few descriptors, and groups of abandoned views are never
     destroyed (see :func:`bury`), so a device per group leaked them at every re-formation.
     """
     if host is None or netif.is_wildcard(host):
-        key, make = "", dist.ProcessGroupGloo.create_default_device
+        key, make, address = "", dist.ProcessGroupGloo.create_default_device, None
     else:
         address = netif.resolve(host)
         key, make = address, lambda: dist.ProcessGroupGloo.create_device(hostname=address)
     with _DEVICES_LOCK:
         if key not in _DEVICES:
-            _DEVICES[key] = make()
+            made, door = admission.guard(make, f"the gloo device of {address or 'this host'}", address)
+            bury(made)  # a device is never destroyed: buried groups use it, and its listener may be sealed
+            _DEVICES[key] = (made, door)
         return _DEVICES[key]
+
+
+def device(host: str | None) -> Any:
+    """The Gloo transport device for groups bound to ``host`` (see :func:`_device`)."""
+    return _device(host)[0]
+
+
+_USERS: dict[str, int] = {}
+
+
+def _key(host: str | None) -> str:
+    return "" if host is None or netif.is_wildcard(host) else netif.resolve(host)
+
+
+def retain(host: str | None) -> None:
+    """A group of this process forms its communicators on ``host`` until :func:`release`."""
+    with _DEVICES_LOCK:
+        _USERS[_key(host)] = _USERS.get(_key(host), 0) + 1
+
+
+def release(host: str | None) -> None:
+    """A group that retained ``host`` forms nothing more (it shut down). When it was the
+    last, the listening socket of the device on ``host`` is closed (a later group makes a
+    new device); communicators already formed keep their connections."""
+    key = _key(host)
+    with _DEVICES_LOCK:
+        users = _USERS.get(key, 0) - 1
+        if users > 0:
+            _USERS[key] = users
+            return
+        _USERS.pop(key, None)
+        made_door = _DEVICES.pop(key, None)
+    if made_door is not None and made_door[1] is not None:
+        made_door[1].seal()

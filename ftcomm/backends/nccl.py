@@ -275,13 +275,23 @@ class NcclCommunicator:
         self._pending: list[Handle] = []
         self._gone = False
 
+    @staticmethod
+    def retain(host: str | None) -> None:
+        """Nothing to keep: NCCL's listeners belong to its communicators."""
+
+    @staticmethod
+    def release(host: str | None) -> None:
+        """Nothing to close: each communicator's ``close``/``abandon`` ends its own sockets."""
+
     @classmethod
     def form(cls, store: Any, rank: int, size: int, view_id: int, abort: AbortSignal, timeout: float,
-             host: str | None = None) -> "NcclCommunicator":
+             host: str | None = None, sources: Any = None) -> "NcclCommunicator":
         """Rank 0 publishes a fresh unique id in its store; every rank initialises non-blocking.
 
         ``host``: the address the group is bound to; NCCL's bootstrap and socket transport
-        use the interface that holds it (see :func:`select_interface`).
+        use the interface that holds it (see :func:`select_interface`). ``sources`` is not
+        used: NCCL opens its listening sockets in its own threads (docs/SECURITY.md says
+        which ports to firewall).
         """
         lib = load()
         if not torch.cuda.is_available():

@@ -219,7 +219,7 @@ def run(life: Any, probe_bytes: int, factor: float) -> NetworkReport:
             from ..errors import CommunicatorError
             raise CommunicatorError(f"{a} is not reachable through gossip")
         return life.form_communicator(life.rendezvous.pair_store(view, a, b, *addresses[a]),
-                                      0 if me == a else 1, 2, view.id)
+                                      0 if me == a else 1, 2, view.id, (a, b))
 
     def gather(rows: Any) -> list:
         return [r.cpu() for r in comm.allgather(rows.to(comm.device)).wait(life.abort, timeout)]

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
+from .. import netif
 from ..backends.base import AbortSignal, Communicator
 from ..core import engine as core
 from ..core.engine import Engine
@@ -54,6 +55,8 @@ class Lifecycle:
         self.options = options
         self._backend = backend
         self.rendezvous = rendezvous
+        backend.retain(rendezvous.host)  # until close_listeners
+        self._listeners_closed = False
         self.news = GossipNews(engine, lambda: [(m.id, m.state, m.metadata) for m in self.gossip.members()],
                                lambda: self.driver.ops, options.leave_grace, self._watch_stall)
         self.driver = Driver(engine, Ports(SystemClock(), self.membership, StoreProposals(rendezvous), TcpProber(),
@@ -172,7 +175,7 @@ class Lifecycle:
             raise CommunicatorError(f"rank 0 ({rank0}) of view {view.id} is not reachable through gossip")
         timeout = self.options.formation_timeout
         self.comm = comm = self.form_communicator(self.rendezvous.view_store(view, *addresses[rank0]),
-                                                  view.rank_of(self.engine.id), view.size, view.id)
+                                                  view.rank_of(self.engine.id), view.size, view.id, view.members)
         check = int(view.digest, 16) >> 1
         first = int(self.engine.view is None)  # this worker's first view
         rank, replica = view.rank_of(self.engine.id), self.replica
@@ -200,11 +203,28 @@ class Lifecycle:
                                     f"through gossip")
         store = self.rendezvous.shard_store(view, rank % size, *addresses[first])
         return self._backend.form(store, rank // size, view.size // size, view.id, self.abort,
-                                  self.options.formation_timeout, host=self.rendezvous.host)
+                                  self.options.formation_timeout, host=self.rendezvous.host,
+                                  sources=self.sources(view.members))
 
-    def form_communicator(self, store, rank: int, size: int, view_id: int) -> Communicator:
+    def form_communicator(self, store, rank: int, size: int, view_id: int,
+                          members: Iterable[str] = ()) -> Communicator:
+        """The backend's communicator of ``size`` ranks through ``store``; while it forms,
+        only ``members``' addresses may connect to this worker's listener."""
         return self._backend.form(store, rank, size, view_id, self.abort, self.options.formation_timeout,
-                                  host=self.rendezvous.host)
+                                  host=self.rendezvous.host, sources=self.sources(members))
+
+    def sources(self, members: Iterable[str]) -> set[str] | None:
+        """The addresses ``members`` connect from: their bind addresses (a member on this
+        host connects from the address it connects to), and the loopback address when
+        they use loopback addresses (a connection to 127.0.0.x comes from 127.0.0.1).
+        None when ``GroupOptions.listener_admission`` is ``formation``."""
+        if self.options.listener_admission == "formation":
+            return None
+        _, addresses = self.statuses()
+        hosts = {addresses[m][0] for m in members if m in addresses} | {self.rendezvous.host}
+        if any(netif.is_loopback(h) for h in hosts):
+            hosts.add("127.0.0.1")
+        return hosts
 
     def abandon(self) -> None:
         for comm in (self.comm, self.shard_comm):
@@ -233,6 +253,13 @@ class Lifecycle:
             log.debug("leaving: %s", exc)
         self.abandon()
         self.engine.closed()
+
+    def close_listeners(self) -> None:
+        """This worker forms nothing more: the backend may close what listens for its
+        formations (once, at shutdown; communicators already formed keep working)."""
+        if not self._listeners_closed:
+            self._listeners_closed = True
+            self._backend.release(self.rendezvous.host)
 
     def _others_moved_on(self, view: View | None) -> bool:
         """No other live member still runs ``view`` (asked directly: news about a member that

@@ -71,6 +71,8 @@ class StepProtocol:
     def boundary(self) -> None:
         """See :meth:`ftcomm.FaultTolerantGroup.step_boundary`."""
         life = self.life
+        if self.engine.state == core.CLOSED and threading.get_ident() == self.owner:
+            raise FtcommError("the group was shut down")
         if self.closed or threading.get_ident() != self.owner or (self.buckets is not None and self.buckets.touched):
             return
         self.engine.began()
@@ -159,6 +161,8 @@ class StepProtocol:
         return [round(x) for x in counters.tolist()]
 
     def no_sync(self):
+        if self.engine.state == core.CLOSED:
+            raise FtcommError("the group was shut down")
         if self.buckets is None:
             return contextlib.nullcontext()
         return self.buckets.no_sync()

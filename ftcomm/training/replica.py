@@ -12,13 +12,17 @@ Every process of a replica commits a gradient step or none does (:meth:`Replica.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from typing import Any
 
 import torch
 
 from ..errors import FtcommError, ReplicaLost, StateError
+from ..backends import admission
 from . import sharded
+
+log = logging.getLogger(__name__)
 
 
 class Replica:
@@ -41,6 +45,7 @@ class Replica:
             if not address:
                 raise ValueError("replica_size > 1 needs the replica's address (replica_addr='HOST:PORT' of its "
                                  "shard 0, or $FTCOMM_REPLICA_ADDR)")
+            listening = set(admission.listening_sockets())
             dist.init_process_group("nccl" if backend == "nccl" else "gloo", init_method=f"tcp://{address}",
                                     rank=shard_rank, world_size=size, timeout=datetime.timedelta(seconds=timeout))
             self._owned = True
@@ -51,6 +56,18 @@ class Replica:
                              device=self.device)
         dist.broadcast(drawn, 0)  # raw bytes: nothing from another process is unpickled
         self.key = bytes(drawn.cpu().tolist()).hex()
+        self._doors: list[admission.Door] = []
+        if self._owned and backend != "nccl":
+            # Every process of the replica is connected now (torch's store, Gloo's pairs):
+            # the listeners torch opened for them admit nobody from here on. (NCCL connects
+            # lazily, through its listeners, at later collectives: those stay open.)
+            for fd, place in admission.listening_sockets().items():
+                if fd not in listening:
+                    try:
+                        self._doors.append(admission.Door(fd, *place))
+                    except OSError as exc:
+                        log.warning("the replica's listener on %s:%d stays open to every host that reaches it: "
+                                    "the kernel refused a socket filter (%s)", place[2], place[3], exc)
 
     def check_sharded(self, entries: dict[str, Any]) -> None:
         """StateError naming the first parameter of a module in ``entries`` that is not a
