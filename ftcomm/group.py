@@ -76,6 +76,11 @@ class FaultTolerantGroup:
         host, port = parse_address(bind)
         host = check_addresses(host, peers)  # every plane uses this one IPv4 address
         secret = check_secret(secret)
+        drawn = os.environ.get("FTCOMM_SECRET_DRAWN") == "1" and secret is not None and \
+            secret == os.environ.get("FTCOMM_SECRET", "").encode()
+        self.checkpoint_secret = None if drawn else secret
+        """What signs this worker's checkpoints (FlashCheckpointer): the group's secret, but
+        for one ``ftcomm run`` drew for a single run on loopback."""
         self.insecure = check_protection(host, secret, insecure)
         rendezvous = Rendezvous(host, opts.formation_timeout, secret)
         # A sharded replica's K processes are K members: the engine counts processes.
@@ -115,6 +120,7 @@ class FaultTolerantGroup:
                 self._metrics.close()
             if self._replica is not None:
                 self._replica.close()
+            life.close_listeners()
             life.rendezvous.close()
             raise
 
@@ -235,7 +241,8 @@ class FaultTolerantGroup:
         it). Only the thread that trains acts (the last to run a step or a collective, else
         the one that created the group; a loader's thread does nothing here), and never
         inside a step. Raises what ``wait_gradients_ready`` raises for a
-        re-formation (``QuorumLost``, ``FtcommTimeout``, ``ConfigMismatch``)."""
+        re-formation (``QuorumLost``, ``FtcommTimeout``, ``ConfigMismatch``), and
+        FtcommError on the training thread after ``shutdown``."""
         self._steps.boundary()
 
     def state_restored(self, step: int | None, same_everywhere: bool = False) -> None:
@@ -273,7 +280,8 @@ class FaultTolerantGroup:
 
     def no_sync(self):
         """Context manager: backward passes inside accumulate gradients locally and start
-        no reduction (as DDP's ``no_sync``); the backward after it reduces the total."""
+        no reduction (as DDP's ``no_sync``); the backward after it reduces the total.
+        FtcommError after ``shutdown``."""
         return self._steps.no_sync()
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -314,6 +322,7 @@ class FaultTolerantGroup:
         if self._closed:
             return
         self._life.leave()
+        self._life.close_listeners()
         self._life.rendezvous.close()
         if self._metrics is not None:
             self._metrics.close()

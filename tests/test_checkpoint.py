@@ -688,3 +688,70 @@ def test_the_newest_checkpoint_in_shared_memory_is_persisted_at_a_breakpoint(tmp
         restorer.close()
         shutil.rmtree(restorer.shm, ignore_errors=True)
     assert checkpoint_files.persist_newest(tmp_path / "no-such-shm", target) is None
+
+
+def test_in_a_group_with_a_secret_a_checkpoint_planted_without_it_is_skipped(name, caplog):
+    (group,) = start_groups(1, secret="the-group-secret")
+    try:
+        checkpoints, expected = saved_once(group, name, 12)
+        group.step = 6
+        checkpoints.save()
+        checkpoints.wait()
+        place = checkpoints.shm
+        raw = (place / "step-000000000001.meta").read_bytes()
+        assert raw[:4] == b"FTCS"  # signed
+        record = msgpack.unpackb(raw[36:], raw=False)
+        data = bytearray((place / "step-000000000001.data").read_bytes())
+        data[record["tensors"][0][0]] ^= 0x40  # a planted tensor value
+        for step, meta in ((2, meta_bytes({**record, "step": 2})),  # well formed, unsigned
+                           (3, meta_bytes({**record, "step": 3}, checkpoint_files.checkpoint_key(b"another"))),
+                           (4, meta_bytes({**record, "step": 4, "checksums": checkpoint_files.checksums_of(
+                               data, record["tensors"])}, None)),
+                           (5, raw[:4] + raw[4:36] + msgpack.packb({**record, "step": 5}))):  # tag of step 1
+            (place / f"step-{step:012d}.meta").write_bytes(meta)
+            (place / f"step-{step:012d}.data").write_bytes(bytes(data))
+        # A genuine signed checkpoint whose tensor bytes were altered: the seeded checksums catch it.
+        (place / "step-000000000006.data").write_bytes(bytes(data))
+        group.step = 0
+        assert checkpoints.restore() == 1
+        assert group.state.digest(1) == expected
+        for step, why in ((6, "data checksum mismatch"), (5, "does not verify"), (4, "not signed"),
+                          (3, "written with another secret"), (2, "not signed")):
+            said = [r.getMessage() for r in caplog.records if f"skipping checkpoint of step {step} " in r.getMessage()]
+            assert said and why in said[0], (step, said)
+        checkpoints.close()
+    finally:
+        group.shutdown()
+
+
+def test_a_group_without_a_secret_skips_a_signed_checkpoint_and_says_why(name, caplog):
+    (signed,) = start_groups(1, secret="s3")
+    try:
+        checkpoints, _ = saved_once(signed, name, 13)
+        checkpoints.close()
+    finally:
+        signed.shutdown()
+    (plain_group,) = start_groups(1)
+    try:
+        trained_state(plain_group, 13)
+        reader = FlashCheckpointer(plain_group, None, keep=3, name=name)
+        assert reader.restore() is None
+        assert "signed with a group's secret and this group has none" in caplog.text
+        reader.close()
+    finally:
+        plain_group.shutdown()
+
+
+def test_a_secret_the_launcher_drew_for_one_run_does_not_sign_checkpoints(monkeypatch):
+    monkeypatch.setenv("FTCOMM_SECRET", "drawn-for-this-run")
+    monkeypatch.setenv("FTCOMM_SECRET_DRAWN", "1")
+    (group,) = start_groups(1, secret="drawn-for-this-run")
+    try:
+        assert group.checkpoint_secret is None
+    finally:
+        group.shutdown()
+    (group,) = start_groups(1, secret="the-users-own")
+    try:
+        assert group.checkpoint_secret == b"the-users-own"
+    finally:
+        group.shutdown()

@@ -5,7 +5,9 @@ Each worker is the user's command with ftcomm's environment:
 - ``FTCOMM_BIND``: its own gossip address, ``HOST:PORT``, kept across its restarts;
 - ``FTCOMM_PEERS``: the node's other workers and ``--peers`` (workers on other nodes);
 - ``FTCOMM_SECRET``: the launcher's own, or, for a run confined to loopback without one,
-  a fresh random secret (nothing else on the machine can then join or disturb the group);
+  a fresh random secret (nothing else on the machine can then join or disturb the group),
+  marked by ``FTCOMM_SECRET_DRAWN=1`` (checkpoints are then not signed with it: the next
+  run draws another);
 - ``LOCAL_RANK`` / ``FTCOMM_LOCAL_RANK`` (0..N-1, for device selection) and
   ``FTCOMM_RESTARTS`` (how often this worker was restarted);
 - ``OMP_NUM_THREADS=1`` with several workers per node, unless set (as torchrun does:
@@ -184,7 +186,8 @@ class Launcher:
         if self.secret == "":
             raise ValueError("$FTCOMM_SECRET is set but empty: set the group's secret, or unset it")
         loopback = ipaddress.ip_address(config.host).is_loopback
-        if self.secret is None and loopback and not config.peers:
+        self.secret_drawn = self.secret is None and loopback and not config.peers
+        if self.secret_drawn:
             self.secret = secrets.token_hex(32)  # a run confined to this machine: its own secret
         elif self.secret is None and not loopback and \
                 self.environ.get("FTCOMM_INSECURE", "").strip().lower() not in ("1", "true", "yes"):
@@ -418,6 +421,8 @@ class Launcher:
             env.setdefault("OMP_NUM_THREADS", "1")
         if self.secret is not None:
             env["FTCOMM_SECRET"] = self.secret
+        if self.secret_drawn:  # this run's alone: checkpoints are not signed with it
+            env["FTCOMM_SECRET_DRAWN"] = "1"
         if self._report_dir is not None:
             env["FTCOMM_NETWORK_CHECK"] = "1"
             env["FTCOMM_NETWORK_REPORT"] = os.path.join(self._report_dir, "network.json")
@@ -434,7 +439,9 @@ class Launcher:
         return 0 if all(w.status == "finished" for w in self.workers) else 1
 
     def _save_at_breakpoint(self) -> None:
-        from ..training.checkpoint_files import persist_newest, shard_suffix  # torch-free
+        from ..training.checkpoint_files import checkpoint_key, persist_newest, shard_suffix  # torch-free
+
+        key = None if self.secret_drawn or self.secret is None else checkpoint_key(self.secret.encode())
 
         name = self.config.checkpoint_name or self.config.cluster
         places = [(f"ftcomm-{name}", pathlib.Path(self.config.checkpoint_dir))]
@@ -444,7 +451,7 @@ class Launcher:
         for shm, directory in places:
             try:
                 with self._saving:  # workers failing together: the later copies find it persisted
-                    step = persist_newest(pathlib.Path("/dev/shm") / shm, directory)
+                    step = persist_newest(pathlib.Path("/dev/shm") / shm, directory, key=key)
             except (OSError, ValueError, FtcommError) as exc:  # the workers go on: only the copy is lost
                 self.say(f"saving at the breakpoint failed: {exc}")
                 continue

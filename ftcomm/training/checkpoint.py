@@ -91,6 +91,9 @@ class FlashCheckpointer:
         if keep < 1 or write_timeout <= 0 or "/" in job or "\0" in job:
             raise ValueError("keep must be at least 1, write_timeout positive, and name free of '/' and NUL")
         self.group, self.keep, self.sync, self.write_timeout = group, keep, sync, write_timeout
+        # Signed with the group's secret (one the launcher drew for a single run is not kept
+        # across runs, so its checkpoints stay unsigned: a new run could not read them).
+        self.key = files.checkpoint_key(getattr(group, "checkpoint_secret", None))
         self.directory = pathlib.Path(directory) if directory is not None else None
         self.shards = getattr(group, "replica_size", 1)
         if self.shards > 1:  # a sharded replica's processes each hold one shard: one copy per shard index
@@ -319,8 +322,8 @@ class FlashCheckpointer:
         is a spare again; when only persisting failed the shared-memory copy stays.
         """
         step = record["step"]
-        record["checksums"] = files.checksums_of(slot.buffer, record["tensors"])
-        meta = files.meta_bytes(record)
+        record["checksums"] = files.checksums_of(slot.buffer, record["tensors"], self.key)
+        meta = files.meta_bytes(record, self.key)
         self._publish_shm(slot, step, meta)
         self._prune(self.shm, step)
         if self.directory is not None:
@@ -507,7 +510,7 @@ class FlashCheckpointer:
         return None
 
     def _open_verified(self, place: pathlib.Path, step: int) -> tuple[files.Meta, mmap.mmap]:
-        meta = files.read_meta(place / files.file_name(step, "meta"), step)
+        meta = files.read_meta(place / files.file_name(step, "meta"), step, self.key)
         missing = sorted(set(self.group.state.objects) - set(meta.tree["objects"]), key=str)
         if missing:
             raise ValueError(f"it holds no state for {', '.join(missing)} (registered now)")
@@ -515,7 +518,7 @@ class FlashCheckpointer:
             if not isinstance(obj, torch.nn.Module):
                 files.check_like(sharded.to_local(obj.state_dict()), meta.tree["objects"][name], name)
         buffer = files.map_data(place / files.file_name(step, "data"), meta.size)
-        if files.checksums_of(buffer, meta.tensors) != meta.checksums:
+        if files.checksums_of(buffer, meta.tensors, self.key) != meta.checksums:
             buffer.close()
             raise StateError("data checksum mismatch")
         return meta, buffer

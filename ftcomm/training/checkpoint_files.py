@@ -2,7 +2,8 @@
 
 A checkpoint of step ``S`` is ``step-S.data`` (every tensor's raw bytes, 64-byte
 aligned) and ``step-S.meta``: ``b"FTCK"``, an XXH3-64 of the body, and a msgpack record
-of plain values (format, step, time, sizes, the tensor table, a checksum per
+of plain values (in a group with a secret: ``b"FTCS"`` and a keyed BLAKE2b-256 of the
+body, the data checksums seeded from the key) (format, step, time, sizes, the tensor table, a checksum per
 ``CHUNK`` piece of each tensor, and the state's structure as a :mod:`ftcomm.training.plain`
 skeleton). Nothing is pickled; :func:`check_record` checks every field of a record read
 back, so a malformed or planted file is refused, never run.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import logging
 import mmap
 import os
@@ -122,10 +125,27 @@ def leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
         yield path, tree
 
 
-def checksums_of(buffer: Any, entries: list[list]) -> list[list[int]]:
-    """XXH3-64 of each ``CHUNK`` piece of each tensor's bytes in ``buffer``."""
+def checkpoint_key(secret: bytes | None) -> bytes | None:
+    """The key that signs a group's checkpoints, derived from its secret (None: unsigned)."""
+    if secret is None:
+        return None
+    return hashlib.blake2b(secret, digest_size=32, person=b"ftcomm-ckpt").digest()
+
+
+def _seed(key: bytes | None) -> int:
+    """The XXH3 seed of the data checksums: 0 unsigned, else drawn from the key (a writer
+    without the secret cannot compute the checksums a planted tensor would need)."""
+    if key is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(b"data-seed", digest_size=8, key=key).digest(), "little")
+
+
+def checksums_of(buffer: Any, entries: list[list], key: bytes | None = None) -> list[list[int]]:
+    """XXH3-64 of each ``CHUNK`` piece of each tensor's bytes in ``buffer`` (seeded from
+    ``key`` when the checkpoint is signed)."""
+    seed = _seed(key)
     with memoryview(buffer) as view:
-        return [[xxhash.xxh3_64_intdigest(view[lo:lo + min(CHUNK, offset + nbytes - lo)])
+        return [[xxhash.xxh3_64_intdigest(view[lo:lo + min(CHUNK, offset + nbytes - lo)], seed)
                  for lo in range(offset, offset + nbytes, CHUNK)] for offset, _, _, nbytes in entries]
 
 
@@ -228,18 +248,28 @@ def open_regular(path: pathlib.Path) -> int:
     return fd
 
 
-def meta_bytes(record: dict) -> bytes:
+def meta_bytes(record: dict, key: bytes | None = None) -> bytes:
+    """The meta file: ``FTCK`` and an XXH3-64 of the record, or, signed with ``key``,
+    ``FTCS`` and a keyed BLAKE2b-256 of it."""
     body = msgpack.packb(record, use_bin_type=True)
-    return b"FTCK" + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
+    if key is None:
+        return b"FTCK" + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
+    return b"FTCS" + _tag(key, body) + body
 
 
-def read_meta(path: pathlib.Path, step: int) -> Meta:
-    """The validated record in ``path``, the checkpoint of ``step``.
+def _tag(key: bytes, body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=32, key=key, person=b"ftcomm-ckpt-meta").digest()
+
+
+def read_meta(path: pathlib.Path, step: int, key: bytes | None = None) -> Meta:
+    """The validated record in ``path``, the checkpoint of ``step`` (signed with ``key``
+    when given, unsigned otherwise).
 
     Raises OSError when it cannot be read, ValueError when it is another version's
-    format, StateError when it is malformed or corrupt. Nothing in it is executed.
+    format, StateError when it is malformed, corrupt, or not signed as expected. Nothing
+    in it is executed.
     """
-    return decode_meta(read_raw_meta(path), step)
+    return decode_meta(read_raw_meta(path), step, key)
 
 
 def read_raw_meta(path: pathlib.Path) -> bytes:
@@ -247,15 +277,27 @@ def read_raw_meta(path: pathlib.Path) -> bytes:
         return f.read(MAX_META_BYTES + 1)
 
 
-def decode_meta(raw: bytes, step: int) -> Meta:
+def decode_meta(raw: bytes, step: int, key: bytes | None = None) -> Meta:
     """The validated record in the bytes of a meta file; errors as :func:`read_meta`."""
     if len(raw) > MAX_META_BYTES:
         raise StateError(f"record larger than {MAX_META_BYTES} bytes")
-    if len(raw) < 12 or raw[:4] != b"FTCK" or \
-            int.from_bytes(raw[4:12], "little") != xxhash.xxh3_64_intdigest(raw[12:]):
-        raise StateError("bad header or record checksum")
+    if key is None and raw[:4] == b"FTCS":
+        raise StateError("it is signed with a group's secret and this group has none")
+    if key is not None and raw[:4] == b"FTCK":
+        raise StateError("it is not signed, and this group has a secret (written by a group without one)")
+    if key is None:
+        if len(raw) < 12 or raw[:4] != b"FTCK" or \
+                int.from_bytes(raw[4:12], "little") != xxhash.xxh3_64_intdigest(raw[12:]):
+            raise StateError("bad header or record checksum")
+        body = raw[12:]
+    else:
+        if len(raw) < 36 or raw[:4] != b"FTCS":
+            raise StateError("bad header")
+        body = raw[36:]
+        if not hmac.compare_digest(raw[4:36], _tag(key, body)):
+            raise StateError("its signature does not verify: written with another secret, or altered")
     try:
-        record = msgpack.unpackb(raw[12:], raw=False)
+        record = msgpack.unpackb(body, raw=False)
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise StateError(f"malformed record ({type(exc).__name__})") from None
     return check_record(record, step)
@@ -312,14 +354,16 @@ def file_name(step: int, suffix: str) -> str:
     return f"step-{step:012d}.{suffix}"
 
 
-def persist_newest(shm: pathlib.Path, directory: pathlib.Path, sync: bool = True) -> int | None:
+def persist_newest(shm: pathlib.Path, directory: pathlib.Path, sync: bool = True,
+                   key: bytes | None = None) -> int | None:
     """Copy the newest checkpoint in ``shm`` whose record validates and whose copied data
     verifies to ``directory``, unless it is there already. For a launcher whose worker
     died: what shared memory holds is persisted before anything else can lose it. The
     data is written first and verified where it was written (a live writer may reuse the
     shared-memory buffer meanwhile), then the record. Returns the step copied, or None.
 
-    ``shm`` must be private to this user (see :func:`private_directory`); raises
+    ``key``: the group's checkpoint key (:func:`checkpoint_key`) when its checkpoints are
+    signed. ``shm`` must be private to this user (see :func:`private_directory`); raises
     FtcommError when it is not, OSError when ``directory`` cannot be written.
     """
     if not shm.exists():
@@ -331,7 +375,7 @@ def persist_newest(shm: pathlib.Path, directory: pathlib.Path, sync: bool = True
         data = directory / file_name(step, "data")
         try:
             raw = read_raw_meta(shm / file_name(step, "meta"))
-            meta = decode_meta(raw, step)
+            meta = decode_meta(raw, step, key)
             source = map_data(shm / file_name(step, "data"), meta.size)
         except (OSError, ValueError, StateError) as exc:
             log.warning("not persisting the checkpoint of step %d in %s: %s", step, shm, exc)
@@ -344,7 +388,7 @@ def persist_newest(shm: pathlib.Path, directory: pathlib.Path, sync: bool = True
             source.close()
         copy = map_data(data, meta.size)
         try:
-            intact = checksums_of(copy, meta.tensors) == meta.checksums
+            intact = checksums_of(copy, meta.tensors, key) == meta.checksums
         finally:
             copy.close()
         if not intact:
