@@ -171,6 +171,8 @@ def test_pack_and_unpack_round_trip_model_optimizer_and_values_exactly():
     # an empty tensor whose shape overflows: before, torch's RuntimeError escaped
     msgpack.packb({"step": 1, "skeleton": b"\x80", "tensors": [[0, "float32", [0, 1 << 40, 1 << 40], 0]],
                                  "size": 0}),
+    # a dtype that is a list (found by tests/test_fuzz_decoders.py): before, TypeError escaped
+    msgpack.packb({"step": 1, "skeleton": b"\x80", "tensors": [[0, ["float32"], [2], 8]], "size": 64}),
 ])
 def test_a_malformed_manifest_is_refused(manifest):
     state = TrainingState()

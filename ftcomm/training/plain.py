@@ -160,7 +160,7 @@ def check_layout(entries: Any, size: int) -> list[list]:
         if type(entry) is not list or len(entry) != 4:
             raise StateError("tensor entry is not [offset, dtype, shape, nbytes]")
         offset, dtype, shape, nbytes = entry
-        if dtype not in DTYPES or type(shape) is not list or len(shape) > 64 or \
+        if type(dtype) is not str or dtype not in DTYPES or type(shape) is not list or len(shape) > 64 or \
                 any(type(d) is not int or d < 0 for d in shape) or type(offset) is not int or \
                 type(nbytes) is not int or offset < 0 or offset % ALIGN or offset + nbytes > size:
             raise StateError(f"tensor entry {entry!r:.120} is out of range")
