@@ -191,3 +191,67 @@ def test_a_member_that_crashes_during_the_check_is_named_a_crash_at_once(monkeyp
     finally:
         for group in groups:
             group.shutdown()
+
+
+def test_a_member_leaving_right_after_the_check_does_not_abandon_it_for_a_slower_one(monkeypatch, caplog):
+    """The check's last collective (the gather of the results) completes everywhere; one
+    member leaves at once, another sees its gather complete only later. Its leave record
+    says it completed that collective, so the slower member lets it finish: the check is
+    not abandoned (before, the check's collectives did not count as operations, and it
+    was)."""
+    import threading
+    import time
+
+    import ftcomm
+    from ftcomm.backends.gloo import GlooCommunicator
+    from ftcomm.errors import CollectiveAborted
+
+    from .conftest import free_port
+
+    real_allgather = GlooCommunicator.allgather
+
+    class Late:
+        """The gather, as seen by a member whose copy of it is still arriving when the
+        leaver's news does: aborted if that news fires the abort signal."""
+
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def wait(self, abort, timeout=None):
+            deadline = time.monotonic() + 1.0  # within leave_grace (2 s)
+            while abort.check() is None and time.monotonic() < deadline:  # the news is judged meanwhile
+                time.sleep(0.01)
+            if abort.reason is not None:
+                raise CollectiveAborted(f"allgather abandoned: {abort.reason}")
+            return self.handle.wait(abort, timeout)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    def allgather(self, tensor):
+        handle = real_allgather(self, tensor)
+        return Late(handle) if threading.current_thread().name == "slow" else handle
+    monkeypatch.setattr(GlooCommunicator, "allgather", allgather)
+    ports = [free_port() for _ in range(3)]
+    groups: list = [None] * 3
+
+    def start(i: int) -> None:
+        groups[i] = ftcomm.init(peers=[f"127.0.0.1:{ports[0]}"] if i else [], bind=f"127.0.0.1:{ports[i]}",
+                                min_workers=3, handle_signals=False, init_timeout=30, settle_interval=0.5,
+                                network_check=True, network_check_mb=0.25)
+        if i == 0:
+            groups[i].shutdown()  # leaves as soon as its check is done
+    threads = [threading.Thread(target=start, args=(i,), name="slow" if i == 2 else f"g{i}", daemon=True)
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert all(g is not None for g in groups)
+        assert groups[2].network_report is not None, caplog.text[-2000:]
+        assert "network check abandoned" not in caplog.text
+    finally:
+        for g in groups:
+            if g is not None:
+                g.shutdown()

@@ -221,12 +221,20 @@ def run(life: Any, probe_bytes: int, factor: float) -> NetworkReport:
         return life.form_communicator(life.rendezvous.pair_store(view, a, b, *addresses[a]),
                                       0 if me == a else 1, 2, view.id, (a, b))
 
+    # The view-wide collectives count as the group's operations, as every member's do: a
+    # member that leaves right after the last one completed it (its record says so), and
+    # the others let theirs finish instead of abandoning the check.
     def gather(rows: Any) -> list:
-        return [r.cpu() for r in comm.allgather(rows.to(comm.device)).wait(life.abort, timeout)]
+        life.contributed()
+        gathered = [r.cpu() for r in comm.allgather(rows.to(comm.device)).wait(life.abort, timeout)]
+        life.operation_done()
+        return gathered
 
     def barrier(wait: float) -> None:
         import torch
+        life.contributed()
         comm.allreduce([torch.zeros(1, device=comm.device)]).wait(life.abort, wait)
+        life.operation_done()
     return measure(view, me, form_pair, gather, life.abort, probe_bytes, timeout, factor, barrier)
 
 
