@@ -18,6 +18,8 @@ from ftcomm.errors import CommunicatorError
 from ftcomm.runtime import rendezvous
 from ftcomm.runtime.rendezvous import Framing, Rendezvous, StoreClient
 
+from .polling import wait_until
+
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"k" * 32
 
@@ -203,6 +205,27 @@ def test_one_client_cannot_jam_the_waiting_requests_of_the_others(store, monkeyp
     finally:
         for sock in flooders:
             sock.close()
+
+
+def test_the_waiting_requests_of_a_client_that_disconnects_are_dropped(store):
+    """A client that leaves (a process that died, a formation given up on) no longer holds
+    slots: its waits are dropped when its connection closes, not at their expiry."""
+    context = zmq.Context.instance()
+    leaving, staying = (context.socket(zmq.DEALER) for _ in range(2))
+    for sock, count in ((leaving, 200), (staying, 3)):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{store.port}")
+        for i in range(count):
+            sock.send(Framing(SECRET).seal(msgpack.packb(["wait", [f"never{i}"], 600_000]))[0])
+    try:
+        wait_until(lambda: len(store._server._waiters) == 203, 5, "the waits to be held")
+        leaving.close()
+        wait_until(lambda: len(store._server._waiters) == 3, 5, "the leaving client's waits to be dropped")
+        assert store.drops["waiter_client_gone"] == 200
+        StoreClient("127.0.0.1", store.port, SECRET, 1.0).set("never0", b"v")
+        assert staying.poll(2000), "the staying client's wait was not answered"
+    finally:
+        staying.close()
 
 
 @pytest.mark.timeout(10)

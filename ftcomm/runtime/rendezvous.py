@@ -24,6 +24,7 @@ Clients implement ``torch.distributed.Store``, so Gloo and NCCL form through the
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import errno
 import hashlib
@@ -41,6 +42,7 @@ import msgpack
 import torch.distributed as dist
 import xxhash
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .. import netif
 from ..core.view import View
@@ -178,6 +180,12 @@ class StoreServer:
             self._socket.close()
             self._context.term()
             raise CommunicatorError(f"cannot serve the rendezvous store on {host}: {exc}") from None
+        # A client's waiting requests go with its connection: the socket's monitor reports
+        # each closed connection by its descriptor, and each request is tagged with the
+        # descriptor it came through (the descriptor is closed only after the event is
+        # sent, so it cannot name a newer connection yet).
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._peer_of_fd: dict[int, bytes] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="ftcomm-rendezvous", daemon=True)
         self._thread.start()
@@ -186,6 +194,8 @@ class StoreServer:
         self._stop.set()
         self._thread.join(5)
         if not self._thread.is_alive():
+            self._socket.disable_monitor()
+            self._monitor.close()
             self._socket.close()
             self._context.term()
 
@@ -193,25 +203,45 @@ class StoreServer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             timeout = 100.0
             if self._waiters:
                 timeout = min(timeout, max(0.0, (min(w[4] for w in self._waiters) - time.monotonic()) * 1000))
             if poller.poll(timeout):
                 while True:
+                    self._disconnected()  # before each request: its descriptor may be a reused one
                     try:
-                        peer, frame = self._socket.recv_multipart(zmq.NOBLOCK, copy=True)[:2]
+                        parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    except ValueError:  # a message without two frames
+                    if len(parts) < 2:
                         self.drops["malformed"] += 1
                         continue
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._peer_of_fd[parts[1].get(zmq.SRCFD)] = parts[0].bytes
                     try:
-                        self._handle(peer, frame)
+                        self._handle(parts[0].bytes, parts[1].bytes)
                     except Exception:  # one request never stops the store
                         self.drops["error"] += 1
                         log.exception("rendezvous request failed")
+            self._disconnected()
             self._expire()
+
+    def _disconnected(self) -> None:
+        """Drop the waiting requests of every connection that closed."""
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer = self._peer_of_fd.pop(event["value"], None)
+            if peer is None:
+                continue
+            gone = [w for w in self._waiters if w[0] == peer]
+            for waiter in gone:
+                self._waiters.remove(waiter)
+            self.drops["waiter_client_gone"] += len(gone)
 
     def _handle(self, peer: bytes, frame: bytes) -> None:
         try:
