@@ -11,6 +11,7 @@ import pickle
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -42,6 +43,11 @@ def trained_state(group, seed: int):
     optimizer.step()
     group.register_state(model=model, optimizer=optimizer, note="hello", counts=[1, 2])
     return model, optimizer
+
+
+def files_in(shm: pathlib.Path) -> list[str]:
+    """The checkpoints and buffers in a shared-memory directory (not its in-use marks)."""
+    return [n for n in os.listdir(shm) if not checkpoint_files.bookkeeping(n)]
 
 
 def flip(path: pathlib.Path, position: int, mask: int) -> None:
@@ -80,7 +86,7 @@ def test_save_restore_round_trip_and_keep(tmp_path, name, group):
     checkpoints.wait()
     assert steps_in(checkpoints.shm) == [9, 5] and steps_in(tmp_path) == [9, 5]
     # buffers are reused: shared memory holds the kept checkpoints plus one spare
-    assert len(os.listdir(checkpoints.shm)) <= 2 * 2 + 1
+    assert len(files_in(checkpoints.shm)) <= 2 * 2 + 1
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -570,7 +576,7 @@ def test_a_full_shared_memory_names_the_step_that_was_not_saved(name, group, mon
         checkpoints.save()
     assert "step 2" in str(failed.value) and "step 1" not in str(failed.value)
     assert str(checkpoints.shm) in str(failed.value)
-    assert sorted(os.listdir(checkpoints.shm)) == ["step-000000000001.data", "step-000000000001.meta"]
+    assert sorted(files_in(checkpoints.shm)) == ["step-000000000001.data", "step-000000000001.meta"]
     checkpoints.close()
 
 
@@ -583,7 +589,7 @@ def test_buffers_do_not_leak_across_runs(name, group):
             group.step = step
             checkpoints.save()
         checkpoints.close()
-        names = os.listdir(checkpoints.shm)
+        names = files_in(checkpoints.shm)
         assert not [n for n in names if n.startswith(".")], "a spare buffer outlived close()"
         counts.append(len(names))
     assert counts == [4] * 4  # the two kept checkpoints, nothing more
@@ -755,3 +761,62 @@ def test_a_secret_the_launcher_drew_for_one_run_does_not_sign_checkpoints(monkey
         assert group.checkpoint_secret == b"the-users-own"
     finally:
         group.shutdown()
+
+
+# ---------------------------------------------------------------------- shared-memory hygiene
+def test_the_last_checkpointer_to_close_with_discard_removes_the_shared_memory(name):
+    (a, b) = start_groups(2)
+    try:
+        for g in (a, b):
+            trained_state(g, 14)
+        first, second = (FlashCheckpointer(g, None, name=name) for g in (a, b))
+        for g, c in ((a, first), (b, second)):
+            g.step = 3
+            c.save()
+            c.wait()
+        first.close(discard=True)
+        assert steps_in(second.shm) == [3]  # the other still uses it
+        second.close(discard=True)
+        assert not second.shm.exists()
+    finally:
+        for g in (a, b):
+            g.shutdown()
+
+
+def test_only_unused_directories_of_ended_jobs_whose_newest_is_persisted_are_reclaimed(tmp_path):
+    root, kept = tmp_path / "shm", tmp_path / "kept"
+    root.mkdir()
+    kept.mkdir()
+    (kept / "step-000000000005.meta").touch()  # the newest of every job below, persisted
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    alive = f".launcher-{os.getpid()}-{checkpoint_files.process_start(os.getpid())}"
+    dead = f".launcher-{ended.pid}-1"
+
+    def job(name: str, owner: str | None, records_persisted: bool, mode: int = 0o700) -> pathlib.Path:
+        place = root / f"ftcomm-{name}"
+        place.mkdir()
+        os.chmod(place, mode)
+        (place / "step-000000000005.meta").write_bytes(b"x")
+        (place / "step-000000000005.data").write_bytes(b"y" * 4096)
+        if owner:
+            (place / owner).touch()
+        if records_persisted:
+            (place / ".persisted-to").write_text(str(kept))
+        return place
+    gone_persisted = job("a", dead, True)
+    no_launcher_persisted = job("b", None, True)
+    gone_only_copy = job("c", dead, False)
+    launcher_alive = job("d", alive, True)
+    in_use = job("e", dead, True)
+    not_private = job("f", dead, True, mode=0o755)
+    holder = checkpoint_files.occupy(in_use, kept)
+    try:
+        removed, left = checkpoint_files.reclaim_dead(root, root / "ftcomm-mine")
+    finally:
+        os.close(holder)
+    assert sorted(p.name for p, _ in removed) == ["ftcomm-a", "ftcomm-b"]
+    assert not gone_persisted.exists() and not no_launcher_persisted.exists()
+    assert sorted(p.name for p, _ in left) == ["ftcomm-c", "ftcomm-d"]
+    assert all(p.exists() for p in (gone_only_copy, launcher_alive, in_use, not_private))
+    assert all(size >= 4096 for _, size in left)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import re
 import signal
 import subprocess
@@ -269,6 +270,44 @@ def test_save_at_breakpoint_persists_shared_memory_when_a_worker_dies(tmp_path):
         shutil.rmtree(f"/dev/shm/ftcomm-{name}", ignore_errors=True)
 
 
+def test_a_completed_run_removes_its_flash_checkpoints_once_persisted_and_keeps_the_only_copy(tmp_path):
+    """A worker saves to shared memory (alone: no persistent directory); when training
+    completes, the launcher persists the newest to --checkpoint-dir and removes the shared
+    memory; without --checkpoint-dir it keeps them and says where."""
+    import pathlib
+    import uuid
+
+    from ftcomm.training.checkpoint_files import steps_in
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, ftcomm\n"
+        "from ftcomm.training.checkpoint import FlashCheckpointer\n"
+        "g = ftcomm.init()\n"
+        "g.register_state(model=torch.nn.Linear(4, 2))\n"
+        "c = FlashCheckpointer(g, None)\n"
+        "g.step = 7\n"
+        "c.save()\n"
+        "c.close()\n"
+        "g.shutdown()\n")
+    for persist in (True, False):
+        name = f"test-{uuid.uuid4().hex[:8]}"
+        shm = pathlib.Path(f"/dev/shm/ftcomm-{name}")
+        out = io.StringIO()
+        config = LaunchConfig(command=[sys.executable, str(script)], cluster=name,
+                              checkpoint_dir=str(tmp_path / name) if persist else None)
+        try:
+            assert Launcher(config, environ=dict(os.environ), out=out).run() == 0, out.getvalue()
+            if persist:
+                assert steps_in(tmp_path / name) == [7] and not shm.exists(), out.getvalue()
+                assert f"removed its flash checkpoints from {shm}" in out.getvalue()
+            else:
+                assert steps_in(shm) == [7], out.getvalue()
+                assert f"its flash checkpoints stay in {shm}" in out.getvalue()
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+
+
 def test_a_worker_waiting_for_its_restart_is_not_restarted_once_another_finished(tmp_path):
     body = ("if os.environ['LOCAL_RANK'] == '0': sys.exit(7)\n"
             "time.sleep(0.5); sys.exit(0)\n")
@@ -447,7 +486,7 @@ def test_workers_failing_together_persist_the_node_s_checkpoint_one_at_a_time(tm
     lock, copying, overlaps = threading.Lock(), [0], []
     another = threading.Event()
 
-    def persist_newest(shm, directory, sync=True):
+    def persist_newest(shm, directory, sync=True, key=None):
         with lock:
             copying[0] += 1
             if copying[0] > 1:

@@ -8,6 +8,10 @@ Each worker is the user's command with ftcomm's environment:
   a fresh random secret (nothing else on the machine can then join or disturb the group),
   marked by ``FTCOMM_SECRET_DRAWN=1`` (checkpoints are then not signed with it: the next
   run draws another);
+- ``FTCOMM_LAUNCHER``: this launcher's pid and start time; the job's shared-memory
+  checkpoints record it, and are not reclaimed by other jobs while it runs. When training
+  completes, the launcher removes them once their newest is persisted (the workers'
+  directory, or ``--checkpoint-dir``);
 - ``LOCAL_RANK`` / ``FTCOMM_LOCAL_RANK`` (0..N-1, for device selection) and
   ``FTCOMM_RESTARTS`` (how often this worker was restarted);
 - ``OMP_NUM_THREADS=1`` with several workers per node, unless set (as torchrun does:
@@ -192,6 +196,8 @@ class Launcher:
         elif self.secret is None and not loopback and \
                 self.environ.get("FTCOMM_INSECURE", "").strip().lower() not in ("1", "true", "yes"):
             check_protection(config.host, None, False)  # SecretRequired, saying how to set one or opt out
+        from ..training.checkpoint_files import process_start  # torch-free
+        self._mark = f"{os.getpid()}:{process_start(os.getpid())}"
         self._stop_signal: int | None = None
         self._signals = 0  # stop signals received: a second one kills at once
         self._stop_deadline: float | None = None
@@ -227,6 +233,8 @@ class Launcher:
             self._status.finish()
             if self._report_dir is not None:
                 shutil.rmtree(self._report_dir, ignore_errors=True)
+            if self._exit_status() == 0:
+                self._discard_flash_copies()
         return self._exit_status()
 
     def _step(self, now: float) -> None:
@@ -423,6 +431,7 @@ class Launcher:
             env["FTCOMM_SECRET"] = self.secret
         if self.secret_drawn:  # this run's alone: checkpoints are not signed with it
             env["FTCOMM_SECRET_DRAWN"] = "1"
+        env["FTCOMM_LAUNCHER"] = self._mark  # the job's shared-memory checkpoints are kept while it runs
         if self._report_dir is not None:
             env["FTCOMM_NETWORK_CHECK"] = "1"
             env["FTCOMM_NETWORK_REPORT"] = os.path.join(self._report_dir, "network.json")
@@ -438,20 +447,51 @@ class Launcher:
             return 128 + self._stop_signal
         return 0 if all(w.status == "finished" for w in self.workers) else 1
 
-    def _save_at_breakpoint(self) -> None:
-        from ..training.checkpoint_files import checkpoint_key, persist_newest, shard_suffix  # torch-free
-
-        key = None if self.secret_drawn or self.secret is None else checkpoint_key(self.secret.encode())
+    def _shm_places(self) -> list[tuple[pathlib.Path, pathlib.Path | None]]:
+        """Each shared-memory checkpoint directory of this job with the directory
+        ``--checkpoint-dir`` persists it to (one per shard index with sharded replicas)."""
+        from ..training.checkpoint_files import shard_suffix  # torch-free
 
         name = self.config.checkpoint_name or self.config.cluster
-        places = [(f"ftcomm-{name}", pathlib.Path(self.config.checkpoint_dir))]
-        if self.config.replica_size > 1:  # each shard index keeps its own copies
-            places = [(f"ftcomm-{name}-{shard_suffix(i)}", pathlib.Path(self.config.checkpoint_dir, shard_suffix(i)))
-                      for i in range(self.config.replica_size)]
-        for shm, directory in places:
+        persist = self.config.checkpoint_dir
+        if self.config.replica_size == 1:
+            return [(pathlib.Path("/dev/shm", f"ftcomm-{name}"), persist and pathlib.Path(persist))]
+        return [(pathlib.Path("/dev/shm", f"ftcomm-{name}-{shard_suffix(i)}"),
+                 persist and pathlib.Path(persist, shard_suffix(i))) for i in range(self.config.replica_size)]
+
+    def _discard_flash_copies(self) -> None:
+        """Training completed: remove this host's shared-memory checkpoints of the job once
+        their newest is persisted (the workers' own directory, or ``--checkpoint-dir``);
+        without a copy elsewhere they stay, and the launcher says where."""
+        from ..training import checkpoint_files as files  # torch-free
+
+        key = None if self.secret_drawn or self.secret is None else files.checkpoint_key(self.secret.encode())
+        for shm, persist in self._shm_places():
+            if not shm.is_dir():
+                continue
+            try:
+                newest = files.steps_in(shm)
+                if not files.persisted(shm) and persist is not None:
+                    files.persist_newest(shm, persist, key=key)
+                copied = persist is not None and (not newest or (persist / files.file_name(newest[0], "meta")).exists())
+                if files.persisted(shm) or copied:
+                    if files.discard_if_unused(shm):
+                        self.say(f"training completed: removed its flash checkpoints from {shm}")
+                    continue
+            except (OSError, ValueError, FtcommError) as exc:
+                self.say(f"could not persist or remove the flash checkpoints in {shm}: {exc}")
+                continue
+            self.say(f"training completed: its flash checkpoints stay in {shm} ({files.size_of(shm) / 2**20:.0f} MB), "
+                     f"the only copy of the newest (no persistent directory); remove it when done")
+
+    def _save_at_breakpoint(self) -> None:
+        from ..training.checkpoint_files import checkpoint_key, persist_newest  # torch-free
+
+        key = None if self.secret_drawn or self.secret is None else checkpoint_key(self.secret.encode())
+        for shm, directory in self._shm_places():
             try:
                 with self._saving:  # workers failing together: the later copies find it persisted
-                    step = persist_newest(pathlib.Path("/dev/shm") / shm, directory, key=key)
+                    step = persist_newest(shm, directory, key=key)
             except (OSError, ValueError, FtcommError) as exc:  # the workers go on: only the copy is lost
                 self.say(f"saving at the breakpoint failed: {exc}")
                 continue

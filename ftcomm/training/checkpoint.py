@@ -101,7 +101,17 @@ class FlashCheckpointer:
             if self.directory is not None:
                 self.directory = self.directory / files.shard_suffix(group.shard_rank)
         self.shm = files.private_directory(pathlib.Path(shm_root) / f"ftcomm-{job}")
+        try:
+            self._occupied = files.occupy(self.shm, self.directory)
+        except FileNotFoundError:  # reclaimed by another job's checkpointer this instant: make it again
+            self.shm = files.private_directory(self.shm)
+            self._occupied = files.occupy(self.shm, self.directory)
         files.remove_abandoned(self.shm)
+        _, left = files.reclaim_dead(pathlib.Path(shm_root), self.shm)
+        if left:
+            log.info("shared memory also holds %s: unused, kept because %s", ", ".join(
+                f"{path} ({size / 2**20:.0f} MB)" for path, size in left),
+                "a launcher that may restart their workers still runs, or their newest checkpoint is there alone")
         if self.directory is not None:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.last_pause_s: float | None = None
@@ -173,9 +183,13 @@ class FlashCheckpointer:
             self._wait_for(lambda: self._pending == 0, "the checkpoints saved so far")
         self._raise_failure()
 
-    def close(self) -> None:
+    def close(self, discard: bool = False) -> None:
         """Wait for the background writes, stop the thread and free this process's buffers:
         spare ones are deleted, those holding published checkpoints stay as checkpoints.
+
+        ``discard``: the job is over; remove this host's shared-memory copies too, once no
+        other checkpointer on the host uses them (the last process to close with
+        ``discard`` removes them; the persistent directory is left as it is).
 
         Raises what wait() raises, after freeing everything no write still uses.
         """
@@ -190,6 +204,9 @@ class FlashCheckpointer:
             with self._cond:
                 for slot in [s for s in self._slots if not s.busy]:
                     self._release(slot, delete=slot.path.name.startswith(".slot-"))
+            os.close(self._occupied)
+            if discard and not any(s.busy for s in self._slots) and files.discard_if_unused(self.shm):
+                log.info("removed the shared-memory checkpoints in %s", self.shm)
 
     def _raise_failure(self) -> None:
         error, self._error = self._error, None

@@ -211,6 +211,159 @@ def remove_abandoned(directory: pathlib.Path) -> None:
             os.close(fd)
 
 
+# ---------------------------------------------------------------------- shared-memory hygiene
+LOCK_NAME = ".lock"  # every open checkpointer of the directory holds it shared
+OWNER_NAME = re.compile(r"^\.launcher-(\d+)-(\d+)$")  # a launcher (pid, start time) whose job it is
+PERSISTED_NAME = ".persisted-to"  # the persistent directory the checkpoints are copied to
+
+
+def bookkeeping(name: str) -> bool:
+    """Whether ``name`` in a shared-memory checkpoint directory is one of these marks
+    rather than a checkpoint or a buffer."""
+    return name in (LOCK_NAME, PERSISTED_NAME) or OWNER_NAME.match(name) is not None
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot), None when it does not run:
+    with the pid, it names one process, never a later one that reuses the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    return int(stat_line.rpartition(")")[2].split()[19])
+
+
+def launcher_mark() -> str | None:
+    """The owner file name of the launcher that started this process (``$FTCOMM_LAUNCHER``)."""
+    value = os.environ.get("FTCOMM_LAUNCHER", "")
+    pid, _, start = value.partition(":")
+    return f".launcher-{pid}-{start}" if pid.isdigit() and start.isdigit() else None
+
+
+def occupy(directory: pathlib.Path, persisted_to: pathlib.Path | None) -> int:
+    """Mark ``directory`` as used by this process until the returned descriptor is closed:
+    a shared lock on its lock file; the owner file of the launcher that started this
+    process, if any; and where its checkpoints are persisted (``persisted_to``), if anywhere."""
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    mark = launcher_mark()
+    with contextlib.suppress(OSError):
+        if mark is not None:
+            os.close(os.open(directory / mark, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        if persisted_to is not None:
+            write_atomic(directory / PERSISTED_NAME, str(persisted_to.resolve()).encode(), sync=False)
+    return fd
+
+
+def unused(directory: pathlib.Path) -> int | None:
+    """An exclusive lock on ``directory``'s lock file when no process holds it (None when
+    one does, or it cannot be opened): the caller removes the directory, then closes it."""
+    try:
+        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def size_of(directory: pathlib.Path) -> int:
+    total = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            with contextlib.suppress(OSError):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
+
+
+def remove_directory(directory: pathlib.Path) -> None:
+    """Remove a checkpoint directory: records first (no reader takes a half-removed
+    checkpoint), then every other file, then the directory. Files that vanish meanwhile
+    are fine; other errors are raised (OSError)."""
+    names = sorted(os.listdir(directory), key=lambda n: (not META_NAME.match(n), n == LOCK_NAME))
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(directory / name)
+    os.rmdir(directory)
+
+
+def discard_if_unused(directory: pathlib.Path) -> bool:
+    """Remove ``directory`` (a job's shared-memory checkpoints) unless a live checkpointer
+    still uses it; whether it was removed."""
+    held = unused(directory)
+    if held is None:
+        return False
+    try:
+        remove_directory(directory)
+        return True
+    except OSError as exc:
+        log.warning("could not remove %s: %s", directory, exc)
+        return False
+    finally:
+        os.close(held)
+
+
+def persisted(directory: pathlib.Path) -> bool:
+    """Whether the newest checkpoint in ``directory`` (shared memory) is also in the
+    persistent directory its checkpointers recorded."""
+    try:
+        target = pathlib.Path((directory / PERSISTED_NAME).read_text()[:4096])
+    except (OSError, UnicodeDecodeError):
+        return False
+    newest = steps_in(directory)
+    return not newest or (target / file_name(newest[0], "meta")).exists()
+
+
+def reclaim_dead(root: pathlib.Path, keep: pathlib.Path) -> tuple[list[tuple[pathlib.Path, int]],
+                                                                    list[tuple[pathlib.Path, int]]]:
+    """Remove the shared-memory checkpoint directories under ``root`` (``ftcomm-*`` other
+    than ``keep``, private to this user) of jobs that provably ended and whose copies
+    exist elsewhere: no live checkpointer uses the directory, every ``ftcomm run`` launcher
+    that owned it has stopped (while one runs it may restart the job's workers), and its
+    newest checkpoint is in the persistent directory it was copied to. Returns the
+    directories removed and those left (unused, but holding the only copy of their newest
+    checkpoint, or owned by a live launcher), each with its size in bytes."""
+    removed: list[tuple[pathlib.Path, int]] = []
+    left: list[tuple[pathlib.Path, int]] = []
+    try:
+        entries = [e for e in os.scandir(root) if e.name.startswith("ftcomm-") and root / e.name != keep]
+    except OSError:
+        return removed, left
+    for entry in entries:
+        directory = pathlib.Path(entry.path)
+        try:
+            info = os.lstat(directory)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+                continue
+            owners = [m for m in map(OWNER_NAME.match, os.listdir(directory)) if m]
+        except OSError:
+            continue
+        held = unused(directory)
+        if held is None:
+            continue  # a live process uses it
+        try:
+            size = size_of(directory)
+            launcher_runs = any(process_start(int(m.group(1))) == int(m.group(2)) for m in owners)
+            if launcher_runs or not persisted(directory):
+                left.append((directory, size))
+                continue
+            try:
+                remove_directory(directory)
+            except OSError as exc:
+                log.warning("could not remove %s: %s", directory, exc)
+                continue
+            log.info("reclaimed %s (%.0f MB): no process uses it and its newest checkpoint is persisted",
+                     directory, size / 2**20)
+            removed.append((directory, size))
+        finally:
+            os.close(held)
+    return removed, left
+
+
 def write_atomic(path: pathlib.Path, data: Any, sync: bool) -> None:
     """Write ``data`` to ``path`` through a private (0600) temporary file: write, fsync if
     ``sync``, rename. Raises OSError on failure, with the temporary file removed and
