@@ -40,6 +40,8 @@ import sys
 import threading
 import time
 
+from ftcomm.ops.worker_output import untagged
+
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_hsdp.py")
 
 
@@ -57,7 +59,7 @@ class Job:
     def _read(self) -> None:
         for line in self.process.stdout:
             try:
-                self.events.append((time.time(), json.loads(line)))
+                self.events.append((time.time(), json.loads(untagged(line))))
             except ValueError:
                 pass
 

@@ -33,6 +33,8 @@ import sys
 import threading
 import time
 
+from ftcomm.ops.worker_output import untagged
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_elastic.py"
 
@@ -67,6 +69,7 @@ class Job:
 
     def _read_out(self) -> None:
         for line in self.process.stdout:
+            line = untagged(line)
             if line.startswith("{"):
                 event = json.loads(line)
                 event["seen"] = time.time()

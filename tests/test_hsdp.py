@@ -21,6 +21,7 @@ import time
 
 import pytest
 
+from ftcomm.ops.worker_output import untagged
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,7 +51,7 @@ class Job:
     def _read(self) -> None:
         for line in self.process.stdout:
             try:
-                self.events.append((time.time(), json.loads(line)))
+                self.events.append((time.time(), json.loads(untagged(line))))
             except ValueError:
                 pass
 

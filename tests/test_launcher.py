@@ -19,6 +19,7 @@ import pytest
 from ftcomm.errors import SecretRequired
 from ftcomm.ops import cli
 from ftcomm.ops.launcher import LaunchConfig, Launcher
+from ftcomm.ops.worker_output import untagged
 from tests.polling import wait_until
 from tests.train_cluster import EXAMPLE
 
@@ -138,7 +139,9 @@ def test_a_replica_partner_that_finishes_as_it_is_stopped_is_finished_not_restar
             "time.sleep(30)\n")
     code, log = launch(tmp_path, body, nproc=2, replica_size=2, restart_backoff=0.0)
     assert "worker 1 finished" in log and "worker 0 is not restarted: the job is ending" in log, log
-    assert len(re.findall(r"worker \d started", log)) == 2 and code == 1, log  # nobody started again
+    assert len(re.findall(r"worker \d started", log)) == 2, log  # nobody started again
+    # Training completed (a worker finished): exit 0, the lost worker named in the summary.
+    assert code == 0 and "training completed (exit status 0)" in log and "lost: 0" in log, log
 
 
 def test_a_failing_worker_is_restarted_with_backoff_until_it_finishes(tmp_path):
@@ -165,7 +168,7 @@ def test_once_a_worker_finished_no_worker_is_restarted_and_stragglers_are_stoppe
             "time.sleep(60)\n")
     started = time.monotonic()
     code, log = launch(tmp_path, body, nproc=3, restart_backoff=0.0, stop_timeout=1.0)
-    assert code == 1 and time.monotonic() - started < 30
+    assert code == 0 and time.monotonic() - started < 30 and "lost: 1, 2" in log, log
     assert "not restarted: the job is ending" in log and "stopping them" in log
     assert len(re.findall(r"worker \d started", log)) == 3
 
@@ -188,11 +191,11 @@ def test_sigterm_to_the_launcher_is_a_graceful_leave_for_every_worker(tmp_path):
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
     reader.start()
-    wait_until(lambda: lines.count("up\n") == 2, 60, "both workers up")
+    wait_until(lambda: sorted(lines) == ["[w0] up\n", "[w1] up\n"], 60, "both workers up")
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(60) == 128 + signal.SIGTERM
     reader.join(10)
-    assert sorted(lines) == ["left 0\n", "left 1\n", "up\n", "up\n"]
+    assert sorted(lines) == ["[w0] left 0\n", "[w0] up\n", "[w1] left 1\n", "[w1] up\n"]  # tagged
     assert "SIGTERM: stopping every worker" in launcher.stderr.read()
 
 
@@ -213,8 +216,8 @@ def test_a_killed_worker_is_restarted_rejoins_and_ends_with_the_others_state(tmp
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     events: list[dict] = []
     log: list[str] = []
-    readers = [threading.Thread(target=lambda: events.extend(json.loads(line) for line in launcher.stdout
-                                                             if line.startswith("{")), daemon=True),
+    readers = [threading.Thread(target=lambda: events.extend(json.loads(untagged(line)) for line in launcher.stdout
+                                                             if untagged(line).startswith("{")), daemon=True),
                threading.Thread(target=lambda: log.extend(launcher.stderr), daemon=True)]
     for reader in readers:
         reader.start()
@@ -312,7 +315,7 @@ def test_a_worker_waiting_for_its_restart_is_not_restarted_once_another_finished
     body = ("if os.environ['LOCAL_RANK'] == '0': sys.exit(7)\n"
             "time.sleep(0.5); sys.exit(0)\n")
     code, log = launch(tmp_path, body, nproc=2, restart_backoff=5.0)
-    assert code == 1 and "worker 0 is not restarted: the job is ending" in log
+    assert code == 0 and "worker 0 is not restarted: the job is ending" in log and "lost: 0" in log
     assert len(re.findall(r"worker \d started", log)) == 2
 
 
@@ -346,7 +349,7 @@ def test_a_second_sigterm_kills_workers_that_ignore_the_first(tmp_path):
                       "os.write(1, b'up\\n')\ntime.sleep(120)\n")
     launcher = subprocess.Popen([sys.executable, "-m", "ftcomm", "run", "--stop-timeout", "60", str(script)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert launcher.stdout.readline() == "up\n"
+    assert launcher.stdout.readline() == "[w0] up\n"
     launcher.send_signal(signal.SIGTERM)
     while "stopping every worker" not in launcher.stderr.readline():  # the first one was seen
         pass
@@ -364,7 +367,7 @@ def test_workers_leave_when_the_launcher_is_killed(tmp_path):
                       "os.write(1, (str(os.getpid()) + '\\n').encode())\ntime.sleep(120)\n")
     launcher = subprocess.Popen([sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "2", str(script)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    pids = [int(launcher.stdout.readline()) for _ in range(2)]
+    pids = [int(untagged(launcher.stdout.readline())) for _ in range(2)]
     launcher.kill()
     launcher.wait(10)
 
@@ -501,3 +504,68 @@ def test_workers_failing_together_persist_the_node_s_checkpoint_one_at_a_time(tm
                        checkpoint_dir=str(tmp_path / "kept"))
     assert code == 1 and log.count("no restarts left") == 3
     assert overlaps == []
+
+
+def test_worker_output_is_tagged_logged_per_start_filtered_and_the_first_failure_summarised(tmp_path):
+    """Worker 0 fails once with a traceback and finishes after its restart; worker 1
+    finishes. The console shows only worker 0 (--local-ranks-filter 0), each line tagged
+    with the start it came from; --log-dir holds one file per start, worker 1's included;
+    the summary names the first failure and its last lines."""
+    body = ("restarts = int(os.environ['FTCOMM_RESTARTS'])\n"
+            "print(f'hello from {os.environ[\"LOCAL_RANK\"]} start {restarts}', flush=True)\n"
+            "if os.environ['LOCAL_RANK'] == '0' and restarts == 0:\n"
+            "    raise RuntimeError('the first start of worker 0 breaks')\n"
+            "time.sleep(0.5)\n")
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys, time\n" + body)
+    out, stdout, stderr = io.StringIO(), io.StringIO(), io.StringIO()
+    logs = tmp_path / "logs"
+    config = LaunchConfig(command=[sys.executable, str(script)], nproc=2, restart_backoff=0.0, log_dir=str(logs),
+                          local_ranks_filter=(0,))
+    code = Launcher(config, environ={k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")},
+                    out=out, stdout=stdout, stderr=stderr).run()
+    log = out.getvalue()
+    assert code == 0, log
+    assert stdout.getvalue().splitlines() == ["[w0] hello from 0 start 0", "[w0.r1] hello from 0 start 1"]
+    assert "[w0] RuntimeError: the first start of worker 0 breaks" in stderr.getvalue()
+    assert "[w1]" not in stdout.getvalue() + stderr.getvalue()  # filtered from the console ...
+    assert sorted(p.name for p in logs.iterdir()) == ["w0.log", "w0.r1.log", "w1.log"]  # ... not from the logs
+    assert "hello from 1 start 0" in (logs / "w1.log").read_text()
+    assert "RuntimeError" in (logs / "w0.log").read_text() and "RuntimeError" not in (logs / "w0.r1.log").read_text()
+    assert oct((logs / "w0.log").stat().st_mode & 0o777) == "0o600"
+    assert "summary: training completed (exit status 0); 2 workers, 1 restarts" in log
+    assert re.search(r"first failure: worker 0 \(w0\) exited with status 1 after [\d.]+ s; log \S+w0.log", log), log
+    assert "  | RuntimeError: the first start of worker 0 breaks" in log
+    assert re.search(r"\n\[ftcomm run\]   0 +2  finished  status 0", log), log
+
+
+def test_group_options_of_the_command_line_reach_every_worker_and_init_reads_them(monkeypatch):
+    import ftcomm
+    from ftcomm.errors import FtcommTimeout
+
+    config = LaunchConfig(command=["true"], nproc=3, min_workers=2, max_workers=4, metrics_port=9400,
+                          straggler_policy="exclude")
+    launcher = Launcher(config, environ={}, out=io.StringIO())
+    envs = [launcher.worker_env(w) for w in launcher.workers]
+    assert [e["FTCOMM_METRICS_PORT"] for e in envs] == ["9400", "9401", "9402"]  # BASE + local rank
+    assert {(e["FTCOMM_MIN_WORKERS"], e["FTCOMM_MAX_WORKERS"], e["FTCOMM_STRAGGLER_POLICY"]) for e in envs} == {
+        ("2", "4", "exclude")}
+    unset = Launcher(LaunchConfig(command=["true"]), environ={}, out=io.StringIO())
+    assert not {"FTCOMM_MIN_WORKERS", "FTCOMM_METRICS_PORT"} & set(unset.worker_env(unset.workers[0]))
+    for bad in ({"min_workers": 3, "max_workers": 2}, {"metrics_port": 65535, "nproc": 2},
+                {"straggler_policy": "drop"}):
+        with pytest.raises(ValueError):
+            LaunchConfig(command=["true"], **bad)
+    # ftcomm.init takes them from the environment unless the script passes its own.
+    monkeypatch.setenv("FTCOMM_MIN_WORKERS", "2")
+    monkeypatch.setenv("FTCOMM_STRAGGLER_POLICY", "exclude")
+    with pytest.raises(FtcommTimeout):  # waits for a second worker that never comes
+        ftcomm.init(bind="127.0.0.1:0", handle_signals=False, init_timeout=1.0)
+    solo = ftcomm.init(bind="127.0.0.1:0", handle_signals=False, min_workers=1)
+    try:
+        assert solo.options.straggler_policy == "exclude" and solo.max_workers is None
+    finally:
+        solo.shutdown()
+    monkeypatch.setenv("FTCOMM_MAX_WORKERS", "many")
+    with pytest.raises(ValueError, match="FTCOMM_MAX_WORKERS"):
+        ftcomm.init(bind="127.0.0.1:0", handle_signals=False, min_workers=1)

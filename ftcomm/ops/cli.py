@@ -115,7 +115,10 @@ def _run(args: argparse.Namespace) -> int:
                           stop_timeout=args.stop_timeout, status_interval=args.status_interval,
                           cluster=args.cluster, save_at_breakpoint=args.save_at_breakpoint,
                           checkpoint_name=args.checkpoint_name, checkpoint_dir=args.checkpoint_dir,
-                          network_check=args.network_check, replica_size=args.replica_size)
+                          network_check=args.network_check, replica_size=args.replica_size,
+                          log_dir=args.log_dir, local_ranks_filter=args.local_ranks_filter,
+                          min_workers=args.min_workers, max_workers=args.max_workers,
+                          metrics_port=args.metrics_port, straggler_policy=args.straggler_policy)
     return Launcher(config).run()
 
 
@@ -126,6 +129,17 @@ def _address(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    """argparse type of ``--local-ranks-filter``: comma-separated local ranks."""
+    try:
+        ranks = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        ranks = ()
+    if not ranks or ranks[0] < 0:
+        raise argparse.ArgumentTypeError(f"expected local ranks like 0 or 0,2, got {text!r}")
+    return ranks
 
 
 def _seconds(text: str) -> float:
@@ -178,9 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="start this node's workers, restart crashed ones, stop them gracefully",
         description="Start --nproc-per-node workers of COMMAND (a .py file runs with this Python) with "
-                    "FTCOMM_BIND, FTCOMM_PEERS, FTCOMM_SECRET and LOCAL_RANK set; restart a worker whose process "
-                    "fails; forward SIGTERM/SIGINT as a graceful leave. Exit status: 0 when every worker "
-                    "finished, 128+N when stopped by signal N, 1 when a worker ran out of restarts.")
+                    "FTCOMM_BIND, FTCOMM_PEERS, FTCOMM_SECRET and LOCAL_RANK set; relay their output tagged [w3]; "
+                    "restart a worker whose process fails; forward SIGTERM/SIGINT as a graceful leave; print a "
+                    "summary at exit. Exit status: 0 when training completed (a worker finished), 128+N when "
+                    "stopped by signal N, 1 when no worker finished.")
     run.add_argument("--nproc-per-node", type=_count(1), default=1, help="workers on this node (>= 1)")
     run.add_argument("--replica-size", type=_count(1), default=1, metavar="K",
                      help="each K consecutive local ranks are one sharded replica (FSDP2 over ft.shard_mesh), "
@@ -209,6 +224,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--network-check", action="store_true",
                      help="before training, the workers that start the group measure the latency and bandwidth "
                           "between every pair of them and name slow members and links (printed here)")
+    run.add_argument("--min-workers", type=_count(1), default=None, metavar="N",
+                     help="the group's min_workers for every worker ($FTCOMM_MIN_WORKERS; a value the script "
+                          "passes to ftcomm.init wins); with --replica-size, counted in replicas")
+    run.add_argument("--max-workers", type=_count(1), default=None, metavar="N",
+                     help="the group's max_workers ($FTCOMM_MAX_WORKERS; a value the script passes wins)")
+    run.add_argument("--metrics-port", type=_count(1), default=None, metavar="BASE",
+                     help="worker i serves Prometheus metrics on port BASE+i of its address "
+                          "($FTCOMM_METRICS_PORT; needs ftcomm[metrics])")
+    run.add_argument("--straggler-policy", choices=["warn", "exclude"], default=None,
+                     help="the group's straggler_policy ($FTCOMM_STRAGGLER_POLICY; default warn)")
+    run.add_argument("--log-dir", default=None, metavar="DIR",
+                     help="write each worker start's output to its own file: DIR/w3.log, DIR/w3.r1.log after its "
+                          "first restart, ... (created 0700; files 0600)")
+    run.add_argument("--local-ranks-filter", type=_ranks, default=None, metavar="R,R,...",
+                     help="show only these local ranks' output on the console (--log-dir still gets every one)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     run.set_defaults(run=_run)
 

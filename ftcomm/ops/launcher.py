@@ -39,8 +39,13 @@ than finished, the others are stopped (SIGTERM, then SIGKILL after ``REPLICA_HAL
 process blocked in a collective with the dead one may never reach its signal handler),
 and the whole replica starts again once all have exited, counted as one restart of each.
 
-Exit status: 0 when every worker finished, 128 + N when stopped by signal N, 1 otherwise
-(a worker failed more than ``max_restarts`` times).
+Each worker's output is relayed line by line, tagged ``[w3]`` (``[w3.r1]`` after its first
+restart), written to a file per start under ``log_dir``, and the last lines of each start
+are kept for the summary printed at exit (every worker, its starts and last exit, the first
+failure with its last lines).
+
+Exit status: 0 when training completed (a worker finished; workers lost on the way are
+named in the summary), 128 + N when stopped by signal N, 1 when no worker finished.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from typing import TextIO
 from ..errors import AddressError, FtcommError
 from ..gossip.addresses import parse_seed
 from ..options import check_addresses, check_protection
+from .worker_output import Console, WorkerOutput, tag
 
 MAX_BACKOFF_S = 60.0
 REPLICA_HALT_S = 5.0
@@ -94,6 +100,12 @@ class LaunchConfig:
     checkpoint_dir: str | None = None
     network_check: bool = False  # the workers measure their links when they found the group; shown here
     replica_size: int = 1  # K > 1: each K consecutive local ranks are one sharded replica
+    log_dir: str | None = None  # one log file per worker start: w3.log, w3.r1.log, ...
+    min_workers: int | None = None  # the group's, for every worker ($FTCOMM_MIN_WORKERS); None: the script's
+    max_workers: int | None = None  # ($FTCOMM_MAX_WORKERS)
+    metrics_port: int | None = None  # worker i serves Prometheus metrics on this port + i ($FTCOMM_METRICS_PORT)
+    straggler_policy: str | None = None  # warn or exclude ($FTCOMM_STRAGGLER_POLICY)
+    local_ranks_filter: tuple[int, ...] | None = None  # only these workers' output on the console
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -114,6 +126,18 @@ class LaunchConfig:
             parse_seed(peer)
         if self.save_at_breakpoint and not self.checkpoint_dir:
             raise ValueError("--save-at-breakpoint needs --checkpoint-dir: where to persist the newest checkpoint")
+        if self.min_workers is not None and self.min_workers < 1 or \
+                self.max_workers is not None and self.max_workers < (self.min_workers or 1):
+            raise ValueError(f"--min-workers {self.min_workers} and --max-workers {self.max_workers}: need "
+                             f"1 <= min <= max")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.nproc + 1:
+            raise ValueError(f"--metrics-port {self.metrics_port}: the ports {self.metrics_port}.."
+                             f"{self.metrics_port + self.nproc - 1} must be valid")
+        if self.straggler_policy not in (None, "warn", "exclude"):
+            raise ValueError(f"--straggler-policy must be warn or exclude, got {self.straggler_policy!r}")
+        if self.local_ranks_filter is not None and not set(self.local_ranks_filter) <= set(range(self.nproc)):
+            raise ValueError(f"--local-ranks-filter {','.join(map(str, self.local_ranks_filter))}: local ranks "
+                             f"are 0..{self.nproc - 1}")
 
 
 @dataclasses.dataclass
@@ -130,6 +154,8 @@ class Worker:
     status: str = "starting"  # running, halting (its replica lost a process), waiting (for a restart), finished, failed, stopped
     halt_by: float = 0.0  # halting: killed if still running then
     replica_addr: str = ""  # a sharded replica's processes: where they meet (torch's store), per start
+    output: WorkerOutput | None = None  # the current start's output streams
+    starts: list[dict] = dataclasses.field(default_factory=list)  # each start's end: exit, seconds, last lines
 
 
 def free_ports(host: str, count: int) -> list[int]:
@@ -171,11 +197,20 @@ class Launcher:
     """Runs :class:`LaunchConfig`; :meth:`run` returns the exit status."""
 
     def __init__(self, config: LaunchConfig, environ: dict[str, str] | None = None,
-                 out: TextIO | None = None) -> None:
+                 out: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
+        """``out``: the launcher's own lines (default stderr); ``stdout``/``stderr``: where the
+        workers' streams are relayed, each line tagged with its worker (default the
+        launcher's own streams)."""
         self.config = config
         self.environ = dict(os.environ if environ is None else environ)
         self.out = out if out is not None else sys.stderr
         self._tty = hasattr(self.out, "isatty") and self.out.isatty()
+        self.console = Console(self.out, stdout if stdout is not None else sys.stdout,
+                               stderr if stderr is not None else sys.stderr, self._tty)
+        self.log_dir = None
+        if config.log_dir is not None:
+            self.log_dir = pathlib.Path(config.log_dir)
+            self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         check_addresses(config.host, list(config.peers))  # AddressError: the workers could not start either
         port = config.port
         dns_ports = [parse_seed(p)[1] for p in config.peers if parse_seed(p)[2]]
@@ -203,6 +238,7 @@ class Launcher:
         self._stop_deadline: float | None = None
         self._ending_at: float | None = None  # when a worker finished: no more restarts
         self._status = _StatusLine(self)
+        self.console.clear_status = self._status.clear
         self._saving = threading.Lock()  # one breakpoint save at a time: the workers share the checkpoint
         self._report_dir: str | None = None  # where the workers write the network check's report
         if config.network_check:
@@ -226,11 +262,15 @@ class Launcher:
                 if worker.process is not None and worker.process.poll() is None:
                     _kill_group(worker.process, signal.SIGKILL)  # what a worker started, too
                     worker.process.wait()
+                    worker.status = "stopped"
+                if worker.output is not None:
+                    self._ended(worker, worker.process.returncode, time.monotonic())
                 if worker.saving is not None:
                     worker.saving.join()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._status.finish()
+            self._summary()
             if self._report_dir is not None:
                 shutil.rmtree(self._report_dir, ignore_errors=True)
             if self._exit_status() == 0:
@@ -298,9 +338,21 @@ class Launcher:
             elif worker.process is not None and worker.process.poll() is None:
                 worker.process.send_signal(signal.SIGTERM)  # the worker's own handler leaves the group
 
+    def _ended(self, worker: Worker, code: int, now: float) -> None:
+        """Record the end of ``worker``'s current start, with its output's last lines."""
+        if worker.output is not None:
+            worker.output.finish(1.0)
+        output = worker.output
+        worker.starts.append({"restarts": worker.restarts, "exit": describe_exit(code), "code": code,
+                              "seconds": now - worker.started_at, "at": now,
+                              "lines": output.last_lines() if output is not None else [],
+                              "log": str(output.log_path) if output is not None and output.log_path else None})
+        worker.output = None
+
     def _exited(self, worker: Worker, code: int, now: float) -> None:
         ran = now - worker.started_at
         _kill_group(worker.process, signal.SIGKILL)  # whatever it started and left behind
+        self._ended(worker, code, now)
         if code == 0:
             worker.status = "finished"
             if self._ending_at is None:
@@ -367,6 +419,7 @@ class Launcher:
             self._exited(worker, code, now)
             return
         _kill_group(worker.process, signal.SIGKILL)
+        self._ended(worker, code, now)
         failed = any(w.status == "failed" for w in self.replica(worker))
         worker.status = "stopped" if failed or self._ending_at is not None or self._stop_deadline is not None \
             else "waiting"
@@ -396,12 +449,18 @@ class Launcher:
                 w.replica_addr = address
         try:
             worker.process = subprocess.Popen(self.config.command, env=self.worker_env(worker),
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                               start_new_session=True,
                                               preexec_fn=functools.partial(_leave_with_parent, os.getpid()))
         except OSError as exc:  # no such program, not executable: restarting cannot help
             worker.status = "failed"
+            worker.starts.append({"restarts": worker.restarts, "exit": f"not started: {exc.strerror or exc}",
+                                  "code": None, "seconds": 0.0, "lines": [], "log": None})
             self.say(f"worker {worker.local_rank} cannot start {self.config.command[0]!r}: {exc.strerror or exc}")
             return
+        shown = self.config.local_ranks_filter is None or worker.local_rank in self.config.local_ranks_filter
+        worker.output = WorkerOutput(self.console, worker.local_rank, worker.restarts, worker.process.stdout,
+                                     worker.process.stderr, shown, self.log_dir)
         worker.started_at = time.monotonic()
         worker.status = "running"
         self.say(f"worker {worker.local_rank} started: pid {worker.process.pid}, "
@@ -432,6 +491,13 @@ class Launcher:
         if self.secret_drawn:  # this run's alone: checkpoints are not signed with it
             env["FTCOMM_SECRET_DRAWN"] = "1"
         env["FTCOMM_LAUNCHER"] = self._mark  # the job's shared-memory checkpoints are kept while it runs
+        config = self.config
+        for name, value in (("FTCOMM_MIN_WORKERS", config.min_workers), ("FTCOMM_MAX_WORKERS", config.max_workers),
+                            ("FTCOMM_STRAGGLER_POLICY", config.straggler_policy),
+                            ("FTCOMM_METRICS_PORT", None if config.metrics_port is None
+                             else config.metrics_port + worker.local_rank)):
+            if value is not None:
+                env[name] = str(value)
         if self._report_dir is not None:
             env["FTCOMM_NETWORK_CHECK"] = "1"
             env["FTCOMM_NETWORK_REPORT"] = os.path.join(self._report_dir, "network.json")
@@ -443,9 +509,42 @@ class Launcher:
             self._stop_signal = signum
 
     def _exit_status(self) -> int:
+        """128 + N when stopped by signal N; else 0 when training completed (a worker
+        finished: the others finished too, or were lost on the way, as the summary says),
+        1 when no worker finished."""
         if self._stop_signal is not None:
             return 128 + self._stop_signal
-        return 0 if all(w.status == "finished" for w in self.workers) else 1
+        return 0 if any(w.status == "finished" for w in self.workers) else 1
+
+    def _summary(self) -> None:
+        """At exit: every worker's starts, state and last exit, and the first failure with
+        the last lines it wrote (as torchrun's root-cause report)."""
+        status = self._exit_status()
+        outcome = ("training completed" if status == 0 else
+                   f"stopped by {signal.Signals(self._stop_signal).name}" if self._stop_signal is not None else
+                   "no worker finished")
+        lost = [w.local_rank for w in self.workers if w.status in ("failed", "stopped")]
+        restarts = sum(w.restarts for w in self.workers)
+        self.say(f"summary: {outcome} (exit status {status}); {len(self.workers)} workers, {restarts} restarts"
+                 + (f", lost: {', '.join(map(str, lost))}" if lost and status == 0 else ""))
+        self.say(f"  {'worker':<7} {'starts':>6}  {'state':<9} {'last exit':<18} {'ran':>8}")
+        for worker in self.workers:
+            last = worker.starts[-1] if worker.starts else None
+            exit_text = last["exit"] if last else "-"
+            ran = f"{last['seconds']:.1f} s" if last else "-"
+            self.say(f"  {worker.local_rank:<7} {len(worker.starts):>6}  {worker.status:<9} {exit_text:<18} {ran:>8}")
+        failures = [(start["at"], worker, start) for worker in self.workers for start in worker.starts
+                    if start["code"] not in (0, None) and "at" in start]
+        if failures:
+            _, worker, start = min(failures, key=lambda f: f[0])
+            self.say(f"first failure: worker {worker.local_rank} "
+                     f"({tag(worker.local_rank, start['restarts'])}) exited with {start['exit']} after "
+                     f"{start['seconds']:.1f} s" + (f"; log {start['log']}" if start["log"] else "")
+                     + ("; its last lines:" if start["lines"] else ""))
+            for line in start["lines"][-12:]:
+                self.say(f"  | {line}")
+        if self.log_dir is not None:
+            self.say(f"logs: {self.log_dir}")
 
     def _shm_places(self) -> list[tuple[pathlib.Path, pathlib.Path | None]]:
         """Each shared-memory checkpoint directory of this job with the directory
@@ -499,11 +598,7 @@ class Launcher:
                 self.say(f"saved the newest checkpoint (step {step}) to {directory}")
 
     def say(self, text: str) -> None:
-        try:
-            self._status.clear()
-            print(f"[ftcomm run] {text}", file=self.out, flush=True)
-        except (OSError, ValueError):  # stderr closed (a pipe whose reader is gone): the workers go on
-            pass
+        self.console.write(self.out, f"[ftcomm run] {text}\n")
 
 
 class _StatusLine:
@@ -527,14 +622,15 @@ class _StatusLine:
         if line is None:
             return
         out = self.launcher.out
-        try:
-            if self.launcher._tty:
-                print(f"\r\x1b[K[ftcomm run] {line}", end="", file=out, flush=True)
-                self._drawn = True
-            else:
-                print(f"[ftcomm run] {line}", file=out, flush=True)
-        except (OSError, ValueError):
-            pass
+        with self.launcher.console.lock:
+            try:
+                if self.launcher._tty:
+                    print(f"\r\x1b[K[ftcomm run] {line}", end="", file=out, flush=True)
+                    self._drawn = True
+                else:
+                    print(f"[ftcomm run] {line}", file=out, flush=True)
+            except (OSError, ValueError):
+                pass
 
     def read(self, now: float) -> str | None:
         from ..gossip.runtime import GossipError, query_members
@@ -566,12 +662,17 @@ class _StatusLine:
                 f"(for {now - self._view[1]:.0f} s)")
 
     def clear(self) -> None:
+        """Erase the drawn line (the caller holds the console's lock)."""
         if self._drawn:
-            print("\r\x1b[K", end="", file=self.launcher.out, flush=True)
+            try:
+                print("\r\x1b[K", end="", file=self.launcher.out, flush=True)
+            except (OSError, ValueError):
+                pass
             self._drawn = False
 
     def finish(self) -> None:
-        self.clear()
+        with self.launcher.console.lock:
+            self.clear()
 
 
 def _kill_group(process: subprocess.Popen, sig: int) -> None:

@@ -1,0 +1,112 @@
+"""What ``ftcomm run`` does with its workers' output: each line on the console with the
+worker's tag (``[w3]``, ``[w3.r1]`` after its first restart), in a log file per worker
+start (``--log-dir``), and the last lines of each start kept for the exit summary.
+
+The console is shared with the launcher's own lines and its status line: every write
+takes :attr:`Console.lock` and clears the status line first, so worker output never lands
+on it. Lines are relayed as they arrive; a partial last line is relayed when the stream
+ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import re
+import threading
+from typing import Callable, TextIO
+
+TAIL_LINES = 20
+TAG = re.compile(r"^\[w\d+(?:\.r\d+)?\] ")
+
+
+def tag(local_rank: int, restarts: int) -> str:
+    return f"w{local_rank}" + (f".r{restarts}" if restarts else "")
+
+
+def untagged(line: str) -> str:
+    """A console line without its worker tag (for programs that read a job's output)."""
+    return TAG.sub("", line, count=1)
+
+
+class Console:
+    """Where the launcher writes: its own lines and the status line go to ``out``, the
+    workers' lines to ``stdout``/``stderr``. On a terminal (``tty``) one lock orders them
+    all and the status line is cleared before any other line; otherwise each stream has
+    its own lock, so that a reader that stalls one stream does not hold up the others."""
+
+    def __init__(self, out: TextIO, stdout: TextIO, stderr: TextIO, tty: bool = False) -> None:
+        self.out, self.stdout, self.stderr, self.tty = out, stdout, stderr, tty
+        self.lock = threading.Lock()  # ``out``'s (and, on a terminal, every stream's)
+        self._locks = {id(stdout): threading.Lock(), id(stderr): threading.Lock()}
+        self.clear_status: Callable[[], None] = lambda: None
+
+    def write(self, stream: TextIO, text: str) -> None:
+        lock = self.lock if self.tty or stream is self.out else self._locks.get(id(stream), self.lock)
+        with lock:
+            try:
+                if lock is self.lock:
+                    self.clear_status()
+                stream.write(text)
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: the workers go on
+                pass
+
+
+class WorkerOutput:
+    """The two output streams of one start of one worker."""
+
+    def __init__(self, console: Console, local_rank: int, restarts: int, stdout, stderr,
+                 show: bool, log_dir: pathlib.Path | None) -> None:
+        self.tag = tag(local_rank, restarts)
+        self.console, self.show = console, show
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)  # stderr's last lines
+        self.out_tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.log_path: pathlib.Path | None = None
+        self._log = None
+        self._log_lock = threading.Lock()
+        if log_dir is not None:
+            self.log_path = log_dir / f"{self.tag}.log"
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            self._log = open(fd, "w", encoding="utf-8", errors="replace", buffering=1)
+        self._threads = [threading.Thread(target=self._relay, args=(pipe, stream, tail), daemon=True,
+                                          name=f"ftcomm-run-{self.tag}-{name}")
+                         for pipe, stream, tail, name in ((stdout, console.stdout, self.out_tail, "out"),
+                                                          (stderr, console.stderr, self.tail, "err"))]
+        for thread in self._threads:
+            thread.start()
+
+    def _relay(self, pipe, stream: TextIO, tail: collections.deque[str]) -> None:
+        prefix = f"[{self.tag}] "
+        try:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", errors="replace")
+                if not line.endswith("\n"):
+                    line += "\n"
+                tail.append(line.rstrip("\n"))
+                if self._log is not None:
+                    with self._log_lock:
+                        try:
+                            self._log.write(line)
+                        except (OSError, ValueError):
+                            pass
+                if self.show:
+                    self.console.write(stream, prefix + line)
+        except (OSError, ValueError):  # the pipe closed under the reader
+            pass
+        finally:
+            pipe.close()
+
+    def finish(self, timeout: float = 2.0) -> None:
+        """Wait (at most ``timeout``) for the streams to end, then close the log file. A
+        stream still open then (a process the worker started holds it) is left to its reader."""
+        for thread in self._threads:
+            thread.join(timeout)
+        if self._log is not None and not any(t.is_alive() for t in self._threads):
+            with self._log_lock:
+                self._log.close()
+
+    def last_lines(self) -> list[str]:
+        """The last lines of its stderr, else of its stdout."""
+        return list(self.tail) or list(self.out_tail)
