@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ddp-port", type=int, default=None, help="TCP port of the DDP rendezvous on 127.0.0.1")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0, help="seed of the task and the initial model")
-    parser.add_argument("--min-workers", type=int, default=1)
-    parser.add_argument("--max-workers", type=int, default=None)
+    parser.add_argument("--min-workers", type=int, default=None, help="default: $FTCOMM_MIN_WORKERS, else 1")
+    parser.add_argument("--max-workers", type=int, default=None, help="default: $FTCOMM_MAX_WORKERS, else none")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of work per step")
     parser.add_argument("--report-every", type=int, default=50)
     parser.add_argument("--control", action="store_true", help="read fault-injection commands on stdin")
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     emit(ev="started", pid=os.getpid(), restarts=int(os.environ.get("FTCOMM_RESTARTS", "0")), t=time.time())
     init_started = time.time()
     ft = ftcomm.init(backend=args.backend, peers=args.peers, bind=args.bind, min_workers=args.min_workers,
-                     max_workers=args.max_workers, gossip=gossip, fault_filter=faults,
+                     **({"max_workers": args.max_workers} if args.max_workers is not None else {}),
+                     gossip=gossip, fault_filter=faults,
                      **({"settle_interval": args.settle_interval} if args.settle_interval is not None else {}),
                      **json.loads(args.options))
     sampler = make_sampler(args, len(x))

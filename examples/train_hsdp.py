@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256, help="hidden width of the MLP")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0, help="seed of the task and the initial model")
-    parser.add_argument("--min-workers", type=int, default=1, help="replicas needed to train")
+    parser.add_argument("--min-workers", type=int, default=None,
+                        help="replicas needed to train (default: $FTCOMM_MIN_WORKERS, else 1)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of work per step")
     parser.add_argument("--report-every", type=int, default=50)
     parser.add_argument("--log-indices", action="store_true", help="emit each committed step's sample indices")

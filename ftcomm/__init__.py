@@ -70,8 +70,11 @@ def _default_bind() -> str:
     return f"{host}:0"
 
 
+_UNSET: Any = object()
+
+
 def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: str | None = None,
-         min_workers: int = 1, max_workers: int | None = None, cluster: str | None = None,
+         min_workers: int | None = None, max_workers: Any = _UNSET, cluster: str | None = None,
          secret: str | None = None, insecure: bool | None = None, replica_size: int | None = None,
          shard_rank: int | None = None, replica_addr: str | None = None, **options: Any) -> FaultTolerantGroup:
     """Join (or start) a fault-tolerant group and return once its first view is formed.
@@ -84,7 +87,11 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     default to ``$FTCOMM_CLUSTER`` and ``$FTCOMM_SECRET``. Protected mode: a worker bound
     to an address other hosts can reach needs a secret, or ``insecure=True`` (default
     ``$FTCOMM_INSECURE``: ``1`` opts out), else :class:`SecretRequired`; ``network_check``
-    defaults to ``$FTCOMM_NETWORK_CHECK``. ``options``
+    defaults to ``$FTCOMM_NETWORK_CHECK``. ``min_workers`` defaults to
+    ``$FTCOMM_MIN_WORKERS``, else 1; ``max_workers`` to ``$FTCOMM_MAX_WORKERS``, else None
+    (no bound); the options ``metrics_port`` and ``straggler_policy`` to
+    ``$FTCOMM_METRICS_PORT`` and ``$FTCOMM_STRAGGLER_POLICY`` (``ftcomm run`` sets these
+    from its options). ``options``
     are :class:`GroupOptions` fields (``init_timeout``, ``max_retries``, ...); a
     ``gossip`` entry may be a :class:`GossipConfig` or a dict of its fields.
     ``replica_size`` (default ``$FTCOMM_REPLICA_SIZE``, else 1): with K > 1 this process is
@@ -108,6 +115,10 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     from .group import FaultTolerantGroup
     from .options import GroupOptions, check_worker_counts
 
+    if min_workers is None:
+        min_workers = _env_int("FTCOMM_MIN_WORKERS", 1)
+    if max_workers is _UNSET:
+        max_workers = _env_int("FTCOMM_MAX_WORKERS", None)
     check_worker_counts(min_workers, max_workers)
     peers = _peer_list(peers if peers is not None else os.environ.get("FTCOMM_PEERS", ""),
                        "peers" if peers is not None else "$FTCOMM_PEERS")
@@ -143,6 +154,10 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
         raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     if "network_check" not in options and _env_flag("FTCOMM_NETWORK_CHECK"):
         options["network_check"] = True
+    if "metrics_port" not in options and os.environ.get("FTCOMM_METRICS_PORT"):
+        options["metrics_port"] = _env_int("FTCOMM_METRICS_PORT", None)
+    if "straggler_policy" not in options and os.environ.get("FTCOMM_STRAGGLER_POLICY"):
+        options["straggler_policy"] = os.environ["FTCOMM_STRAGGLER_POLICY"]
     if isinstance(options.get("gossip"), dict):
         options["gossip"] = GossipConfig().with_overrides(**options["gossip"])
     group_options = GroupOptions(**options)  # checks every option before anything starts
@@ -160,6 +175,17 @@ def _loopback(host: str) -> bool:
         return netif.is_loopback(host)
     except (OSError, ValueError):  # unresolvable: the group's address check says so later
         return False
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    """``$name`` as an int (``default`` when unset or empty); ValueError naming it otherwise."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name} must be an integer, got {value!r}") from None
 
 
 def _env_flag(name: str) -> bool:

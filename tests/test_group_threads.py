@@ -617,3 +617,16 @@ def test_a_step_whose_reductions_a_re_formation_dropped_does_not_commit():
     finally:
         for g in groups:
             g.shutdown()
+
+
+def test_a_worker_waiting_below_min_workers_says_why_and_for_how_long(caplog):
+    import logging
+
+    from ftcomm.errors import FtcommTimeout
+
+    caplog.set_level(logging.WARNING, logger="ftcomm")
+    with pytest.raises(FtcommTimeout):
+        ftcomm.init(bind=f"127.0.0.1:{free_port()}", min_workers=2, handle_signals=False, init_timeout=7.0)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for a view")]
+    assert said, caplog.text
+    assert "1 live member here, fewer than min_workers=2" in said[0] and "FtcommTimeout in" in said[0], said

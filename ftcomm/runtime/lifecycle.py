@@ -41,6 +41,8 @@ from .stragglers import ComputeTimes
 
 log = logging.getLogger(__name__)
 
+WAIT_NOTICE_S = 5.0  # a re-formation still waiting this long says why (then every 30 s)
+
 class Lifecycle:
     """The views, communicators and status record of one worker (see the module docstring).
 
@@ -107,6 +109,7 @@ class Lifecycle:
         driver.begin_recovery(reason)
         deadline = noticed + (timeout if timeout is not None else self.options.quorum_timeout)
         last_debug = 0.0
+        said_at = noticed  # when this worker last said why it waits
         while driver.recovering:
             self.check_open()
             now = time.monotonic()
@@ -121,6 +124,11 @@ class Lifecycle:
                 raise
             if moved:
                 continue
+            if self.engine.agreeing and now - said_at > (WAIT_NOTICE_S if said_at == noticed else 30.0):
+                said_at = now
+                log.warning("waiting for a view (%s for %.0f s): %s; %s in %.0f s", reason, now - noticed,
+                            self._waiting_for(), "QuorumLost" if self.view is not None else "FtcommTimeout",
+                            max(0.0, deadline - now))
             if log.isEnabledFor(logging.DEBUG) and now - last_debug > 1.0:
                 last_debug = now
                 log.debug("%s: proposals %s", self.engine.state.lower(),
@@ -309,6 +317,19 @@ class Lifecycle:
         while this thread recovers: nothing is left to recover."""
         if self.engine.state in (core.LEAVING, core.CLOSED):
             raise FtcommError("the group was shut down")
+
+    def _waiting_for(self) -> str:
+        """Why no view is agreed yet, in a few words, for the waiting notice."""
+        live = len(self.gossip.live_members())
+        needed = self.engine.min_workers
+        if live < needed:
+            return (f"{live} live member{'s' if live != 1 else ''} here, fewer than min_workers={needed}: "
+                    f"waiting for more to join or come back")
+        view = self.view
+        if view is not None:
+            return (f"{live} live members, waiting to agree on the next view with a majority of view {view.id} "
+                    f"({view.size} members)")
+        return f"{live} live members, agreeing on the first view"
 
     def raise_stuck(self) -> None:
         view = self.view
