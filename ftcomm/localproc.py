@@ -136,3 +136,13 @@ class ChildProcess:
                 stream.close()
             except (OSError, ValueError):
                 pass
+
+
+def process_start(pid: int) -> int | None:
+    """Process ``pid``'s start time (clock ticks since boot), None when it does not run:
+    with the pid, it names one process, never a later one that reuses the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -4,13 +4,19 @@ them."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import tempfile
 
 from ftcomm.core.engine import Engine
 from ftcomm.core.view import ACTIVE, Status
 
 CFG = "cfg"
+
+# The launchers the tests start keep their run files (address and secret of each job) here,
+# not in the user's own directory.
+os.environ.setdefault("FTCOMM_RUN_DIR", tempfile.mkdtemp(prefix="ftcomm-test-runs-"))
 
 
 def _ephemeral_floor() -> int:

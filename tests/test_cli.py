@@ -109,3 +109,54 @@ def test_the_demo_finds_its_training_script():
     """``ftcomm demo`` runs the repository's example (installed with ``pip install -e .``)."""
     from ftcomm.ops import demo
     assert demo.EXAMPLE.is_file() and demo.EXAMPLE.name == "train_elastic.py"
+
+
+def test_ftcomm_members_finds_the_job_ftcomm_run_started_here_without_address_or_secret(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """The launcher's run file (0600, in a 0700 directory) holds the address and the secret
+    it drew; ``ftcomm members`` with no --peer reads it. With two jobs it asks which, and
+    the file goes when the launcher exits."""
+    import os
+    import signal
+    import stat
+    import subprocess
+    import sys
+
+    from ftcomm.ops import runfile
+
+    monkeypatch.setenv("FTCOMM_RUN_DIR", str(tmp_path / "runs"))
+    for name in ("FTCOMM_SECRET", "FTCOMM_PEERS", "FTCOMM_BIND", "FTCOMM_CLUSTER"):
+        monkeypatch.delenv(name, raising=False)
+    script = tmp_path / "worker.py"
+    script.write_text("import time, ftcomm\nft = ftcomm.init(settle_interval=0.3)\nprint('up', flush=True)\n"
+                      "time.sleep(60)\n")
+    jobs = [subprocess.Popen([sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "2", "--cluster", name,
+                              str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name in ("first", "second")]
+    try:
+        for job in jobs:
+            assert sorted(job.stdout.readline() for _ in range(2)) == ["[w0] up\n", "[w1] up\n"]
+        runs = runfile.running()
+        assert sorted(r.pid for r in runs) == sorted(j.pid for j in jobs)
+        assert stat.S_IMODE(os.stat(tmp_path / "runs").st_mode) == 0o700
+        assert all(stat.S_IMODE(os.stat(r.path).st_mode) == 0o600 and r.secret for r in runs)
+        assert main(["members", "--json"]) == 1  # two jobs: which one?
+        said = capsys.readouterr().err
+        assert "2 ftcomm runs on this host" in said and all(f"--run {j.pid}" in said for j in jobs), said
+        first = next(r for r in runs if r.cluster == "first")
+        out = subprocess.run([sys.executable, "-m", "ftcomm", "members", "--json", "--run", str(first.pid)],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert len(json.loads(out.stdout)) == 2
+        jobs[1].send_signal(signal.SIGTERM)
+        assert jobs[1].wait(60) == 128 + signal.SIGTERM
+        assert "watch it with: ftcomm members --watch" in jobs[1].stderr.read()
+        assert [r.pid for r in runfile.running()] == [jobs[0].pid]  # its file is gone
+        out = subprocess.run([sys.executable, "-m", "ftcomm", "members", "--json"], capture_output=True, text=True,
+                             timeout=30)  # one job left: no need to say which
+        assert out.returncode == 0 and len(json.loads(out.stdout)) == 2, out.stderr
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.send_signal(signal.SIGTERM)
+                job.wait(60)

@@ -31,8 +31,18 @@ def _members(args: argparse.Namespace) -> int:
         print("ftcomm: warning: --secret on the command line is visible to every user of this host (ps); "
               "use --secret-file or $FTCOMM_SECRET", file=sys.stderr)
 
+    peer, cluster = args.peer, args.cluster
+    if peer is None:  # a job ftcomm run started on this host: its run file has the address and secret
+        from . import runfile
+
+        run = runfile.choose(runfile.running(), args.run_pid)
+        peer = run.addresses[0]
+        cluster = run.cluster if not args.cluster_given else cluster
+        if secret is None:
+            secret = run.secret
+
     def query():
-        return query_members(args.peer, cluster=args.cluster, secret=secret, timeout=args.timeout)
+        return query_members(peer, cluster=cluster, secret=secret, timeout=args.timeout)
 
     if args.json:
         print(json.dumps([m.__dict__ for m in query()]))
@@ -52,7 +62,7 @@ def _members(args: argparse.Namespace) -> int:
             previous = (now, {m.id: m.metadata.get("st") for m in members if type(m.metadata.get("st")) is int})
         if sys.stdout.isatty():
             print("\x1b[H\x1b[2J", end="")  # redraw in place
-        print(f"{time.strftime('%H:%M:%S')}  {args.peer}\n{text}", flush=True)
+        print(f"{time.strftime('%H:%M:%S')}  {peer}\n{text}", flush=True)
         time.sleep(args.watch)
 
 
@@ -243,20 +253,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(run=_run)
 
     members = commands.add_parser("members", help="print the member table of a running group")
-    members.add_argument("--peer", required=True, type=_address, metavar="HOST:PORT",
-                         help="gossip address of any member (0 <= PORT <= 65535)")
+    members.add_argument("--peer", default=None, type=_address, metavar="HOST:PORT",
+                         help="gossip address of any member (0 <= PORT <= 65535); default: the job ftcomm run "
+                              "started on this host (its run file holds the address and the secret)")
+    members.add_argument("--run", dest="run_pid", type=_count(1), default=None, metavar="PID",
+                         help="without --peer, when several ftcomm run jobs run here: the launcher's pid")
     members.add_argument("--secret", default=os.environ.get("FTCOMM_SECRET"), action=_SecretGiven,
                          help="shared secret of the group (default: $FTCOMM_SECRET); visible to other users in "
                               "ps: prefer $FTCOMM_SECRET or --secret-file")
     members.add_argument("--secret-file", default=None, metavar="PATH",
                          help="read the group's secret from this file (its first line)")
     members.add_argument("--cluster", type=_name, default=os.environ.get("FTCOMM_CLUSTER", "ftcomm"),
-                         help="cluster name (default: $FTCOMM_CLUSTER or ftcomm)")
+                         action=_ClusterGiven, help="cluster name (default: $FTCOMM_CLUSTER or ftcomm; without "
+                                                    "--peer, the run's)")
     members.add_argument("--timeout", type=_seconds, default=2.0, help="seconds to wait for an answer (> 0)")
     members.add_argument("--json", action="store_true", help="print JSON instead of a table")
     members.add_argument("--watch", type=_seconds, nargs="?", const=2.0, default=None, metavar="SECONDS",
                          help="redraw the table every SECONDS (default 2) with steps/s, until interrupted")
-    members.set_defaults(run=_members, secret_given=False)
+    members.set_defaults(run=_members, secret_given=False, cluster_given="FTCOMM_CLUSTER" in os.environ)
 
     demo = commands.add_parser("demo", help="run a local demonstration")
     demo.add_argument("which", nargs="?", choices=["train", "gossip"], default="train",
@@ -266,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_count(1), default=450, help="train demo: committed steps to train (>= 1)")
     demo.set_defaults(run=_demo)
     return parser
+
+
+class _ClusterGiven(argparse.Action):
+    """Stores the value and notes that it was chosen (not taken from a run file)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.cluster_given = True
 
 
 class _SecretGiven(argparse.Action):

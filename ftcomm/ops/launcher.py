@@ -69,7 +69,9 @@ from typing import TextIO
 
 from ..errors import AddressError, FtcommError
 from ..gossip.addresses import parse_seed
+from ..localproc import process_start
 from ..options import check_addresses, check_protection
+from . import runfile
 from .worker_output import Console, WorkerOutput, tag
 
 MAX_BACKOFF_S = 60.0
@@ -231,7 +233,6 @@ class Launcher:
         elif self.secret is None and not loopback and \
                 self.environ.get("FTCOMM_INSECURE", "").strip().lower() not in ("1", "true", "yes"):
             check_protection(config.host, None, False)  # SecretRequired, saying how to set one or opt out
-        from ..training.checkpoint_files import process_start  # torch-free
         self._mark = f"{os.getpid()}:{process_start(os.getpid())}"
         self._stop_signal: int | None = None
         self._signals = 0  # stop signals received: a second one kills at once
@@ -249,7 +250,17 @@ class Launcher:
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        run_file = None
         try:
+            try:
+                run_file = runfile.write(os.getpid(), self.config.cluster,
+                                         [f"{self.config.host}:{w.port}" for w in self.workers], self.secret,
+                                         list(self.config.command))
+                others = [r for r in runfile.running() if r.pid != os.getpid()]
+                self.say(f"watch it with: ftcomm members --watch{f' --run {os.getpid()}' if others else ''}")
+            except (OSError, FtcommError) as exc:  # the job runs without: only the watch command is lost
+                self.say(f"no run file ({exc}): watch it with ftcomm members --peer "
+                         f"{self.config.host}:{self.workers[0].port} and the group's secret")
             for worker in self.workers:
                 self._start(worker)
             while any(w.status in ("running", "halting", "waiting", "starting") for w in self.workers):
@@ -270,6 +281,7 @@ class Launcher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._status.finish()
+            runfile.remove(run_file)
             self._summary()
             if self._report_dir is not None:
                 shutil.rmtree(self._report_dir, ignore_errors=True)
@@ -549,7 +561,7 @@ class Launcher:
     def _shm_places(self) -> list[tuple[pathlib.Path, pathlib.Path | None]]:
         """Each shared-memory checkpoint directory of this job with the directory
         ``--checkpoint-dir`` persists it to (one per shard index with sharded replicas)."""
-        from ..training.checkpoint_files import shard_suffix  # torch-free
+        from ..training.checkpoint_files import shard_suffix
 
         name = self.config.checkpoint_name or self.config.cluster
         persist = self.config.checkpoint_dir
@@ -562,7 +574,7 @@ class Launcher:
         """Training completed: remove this host's shared-memory checkpoints of the job once
         their newest is persisted (the workers' own directory, or ``--checkpoint-dir``);
         without a copy elsewhere they stay, and the launcher says where."""
-        from ..training import checkpoint_files as files  # torch-free
+        from ..training import checkpoint_files as files
 
         key = None if self.secret_drawn or self.secret is None else files.checkpoint_key(self.secret.encode())
         for shm, persist in self._shm_places():
@@ -584,7 +596,7 @@ class Launcher:
                      f"the only copy of the newest (no persistent directory); remove it when done")
 
     def _save_at_breakpoint(self) -> None:
-        from ..training.checkpoint_files import checkpoint_key, persist_newest  # torch-free
+        from ..training.checkpoint_files import checkpoint_key, persist_newest
 
         key = None if self.secret_drawn or self.secret is None else checkpoint_key(self.secret.encode())
         for shm, directory in self._shm_places():

@@ -30,6 +30,7 @@ import msgpack
 import xxhash
 
 from ..errors import FtcommError, StateError
+from ..localproc import process_start
 from . import plain
 
 log = logging.getLogger(__name__)
@@ -221,17 +222,6 @@ def bookkeeping(name: str) -> bool:
     """Whether ``name`` in a shared-memory checkpoint directory is one of these marks
     rather than a checkpoint or a buffer."""
     return name in (LOCK_NAME, PERSISTED_NAME) or OWNER_NAME.match(name) is not None
-
-
-def process_start(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks since boot), None when it does not run:
-    with the pid, it names one process, never a later one that reuses the pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat_line = f.read()
-    except OSError:
-        return None
-    return int(stat_line.rpartition(")")[2].split()[19])
 
 
 def launcher_mark() -> str | None:
