@@ -15,7 +15,7 @@ from ftcomm.gossip.addresses import parse_seed
 from ftcomm.ops.cli import build_parser
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "kubernetes"
-KINDS = {"Service": "V1Service", "Job": "V1Job"}
+KINDS = {"Service": "V1Service", "Job": "V1Job", "PersistentVolumeClaim": "V1PersistentVolumeClaim"}
 
 
 def model(document: dict):
@@ -31,7 +31,7 @@ def manifests() -> dict[str, dict]:
 
 def test_every_manifest_is_a_valid_object_of_its_kind():
     docs = manifests()
-    assert set(docs) == {"service", "job"}
+    assert set(docs) == {"service", "job", "pvc"}
     for document in docs.values():
         model(document)
 
@@ -62,3 +62,39 @@ def test_the_manifests_fit_together():
     assert env["FTCOMM_SECRET"].value_from.secret_key_ref.name == "ftcomm-job"
     assert env["POD_IP"].value_from.field_ref.field_path == "status.podIP"
     assert "ftcomm members" in " ".join(worker.readiness_probe._exec.command)
+    # Flash checkpoints need a memory-backed /dev/shm (containers get 64 MiB), persisted
+    # copies a volume every pod shares, and evictions must not use up the failure budget.
+    volumes = {v.name: v for v in pod.spec.volumes}
+    mounts = {m.mount_path: m.name for m in worker.volume_mounts}
+    assert volumes[mounts["/dev/shm"]].empty_dir.medium == "Memory"
+    claim = volumes[mounts["/checkpoints"]].persistent_volume_claim.claim_name
+    assert claim == model(docs["pvc"]).metadata.name and "ReadWriteMany" in model(docs["pvc"]).spec.access_modes
+    assert args.checkpoint_dir.startswith("/checkpoints/") and args.save_at_breakpoint
+    rules = job.spec.pod_failure_policy.rules
+    assert any(r.action == "Ignore" and r.on_pod_conditions[0].type == "DisruptionTarget" for r in rules)
+    assert worker.liveness_probe is not None and worker.resources.limits["memory"]
+
+
+def test_the_probe_command_of_the_manifest_answers_for_a_live_worker(monkeypatch):
+    """The readiness probe's command line, run as the pod runs it (``sh -c`` with $POD_IP
+    and the group's secret in the environment), against a live worker of the cluster
+    ftcomm-job on this host."""
+    import os
+    import subprocess
+
+    import ftcomm
+    from tests.conftest import free_port
+
+    (worker,) = model(manifests()["job"]).spec.template.spec.containers
+    probe = worker.readiness_probe._exec.command
+    assert probe[:2] == ["sh", "-c"] and ":7946" in probe[2]
+    port = free_port()
+    group = ftcomm.init(bind=f"127.0.0.1:{port}", cluster="ftcomm-job", secret="pod-secret", handle_signals=False)
+    try:
+        env = {**os.environ, "POD_IP": "127.0.0.1", "FTCOMM_SECRET": "pod-secret"}
+        command = [probe[0], probe[1], probe[2].replace(":7946", f":{port}")]
+        assert subprocess.run(command, env=env, timeout=60).returncode == 0
+        wrong = {**env, "FTCOMM_SECRET": "another"}
+        assert subprocess.run(command, env=wrong, timeout=60, capture_output=True).returncode != 0
+    finally:
+        group.shutdown()

@@ -569,3 +569,23 @@ def test_group_options_of_the_command_line_reach_every_worker_and_init_reads_the
     monkeypatch.setenv("FTCOMM_MAX_WORKERS", "many")
     with pytest.raises(ValueError, match="FTCOMM_MAX_WORKERS"):
         ftcomm.init(bind="127.0.0.1:0", handle_signals=False, min_workers=1)
+
+
+def test_the_status_rate_is_steady_between_publications_and_restarts_with_each_view():
+    """Members publish their step every 2 s; the line is redrawn every second. The rate is
+    taken between the moments new steps appeared, so a reading between two publications
+    shows the true 17 steps/s, not 34 then 0; after a new view (a restore jumps the step)
+    no rate is shown until two publications of it were seen."""
+    from ftcomm.ops.launcher import _StatusLine
+
+    status = _StatusLine(Launcher(LaunchConfig(command=["true"]), environ={}, out=io.StringIO()))
+    rates = []
+    for second in range(30):
+        published = 34 * (second // 2)  # 17 steps/s, published every 2 s
+        rates.append(status.rate(100.0 + second, published))
+    shown = [r for r in rates if r is not None]
+    assert len(shown) >= 20 and all(abs(r - 17.0) < 1e-9 for r in shown), rates
+    status._seen.clear()
+    status._baseline = None  # what a new view does
+    assert status.rate(200.0, 681) is None and status.rate(201.0, 700) is None  # no 681 steps/s after a restore
+    assert status.rate(203.0, 734) == 17.0

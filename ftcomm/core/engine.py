@@ -248,6 +248,7 @@ class Engine:
     rendezvous_port: int = 0  # where its rendezvous store serves (proposals, formation)
     insecure: bool = False  # started without a secret on a reachable address
     replica: tuple[str, int, int] | None = None  # a sharded replica's process: (replica key, shard rank, size)
+    view_reason: str | None = None  # why the current view formed (init, crash, join, ...): published, for operators
     _recontacted_at: float = float("-inf")
     _recontact_after: float = 0.0  # the wait before the next Recontact (doubles; see RECONTACT_MAX_S)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -305,7 +306,7 @@ class Engine:
                             self.rendezvous_port, self.floor, self.settings,
                             (named.id, ops) if named is not None and self.state == LEAVING else None,
                             self.insecure, named.digest if named is not None else None, compute_s, self.benched,
-                            self.aside, self.witnessed, self.holding, self.replica)
+                            self.aside, self.witnessed, self.holding, self.replica, self.view_reason)
 
     def broken(self) -> list[Action]:
         """Re-agree: the view (the one being reconciled, or run) can no longer be used, or is

@@ -195,6 +195,7 @@ class StatusRecord:
     agreed: tuple[int, str] | None = None
     holding: bool = False  # a joiner that founds no group (Engine._may_found): reads as standing aside
     replica: tuple[str, int, int] | None = None  # see Status.replica
+    view_reason: str | None = None  # why its current view formed (shown by ftcomm members and ftcomm run)
 
     def encode(self) -> dict:
         meta = {"ph": self.phase, "cv": self.current_view, "jt": self.joined_at, "cf": self.config, "st": self.step,
@@ -223,6 +224,8 @@ class StatusRecord:
             meta["hd"] = True
         if self.replica is not None:
             meta["rp"] = list(self.replica)
+        if self.view_reason is not None:
+            meta["vr"] = self.view_reason[:16]
         return meta
 
 

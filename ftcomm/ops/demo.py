@@ -48,6 +48,20 @@ def gossip_demo(members: int = 8, out=print) -> int:
     return 0
 
 
+def _wait_saying(out, started: float, attempt, what: str, deadline: float = 120.0):
+    """``attempt()`` (which waits a few seconds and raises TimeoutError when its event did
+    not come) until it succeeds, saying ``what`` is going on after each miss, so that a
+    slow machine shows progress instead of silence; TimeoutError after ``deadline`` s."""
+    until = time.time() + deadline
+    while True:
+        try:
+            return attempt()
+        except TimeoutError:
+            if time.time() > until:
+                raise
+            out(f"t={time.time() - started:5.1f}s  ... {what}")
+
+
 def _trainer(seed_address: str | None, steps: int) -> ChildProcess:
     command = [sys.executable, "-u", str(EXAMPLE), "--bind", "127.0.0.1:0", "--steps", str(steps),
                "--step-time", "0.015", "--report-every", "100000"]
@@ -68,12 +82,14 @@ def train_demo(steps: int = 450, out=print) -> int:
     """4 local workers train an MLP; one is killed, one is stopped, one joins; print the timeline."""
     started = time.time()
     out("starting 4 training workers on 127.0.0.1 (an MLP on a synthetic task) ...")
+    out("t=  0.0s  worker0 starts: importing torch and ftcomm, then founding the group")
     workers = [_trainer(None, steps)]
     try:
-        workers[0].wait_ready(60)
+        _wait_saying(out, started, lambda: workers[0].wait_ready(5), "worker0 is still starting")
+        out(f"t={time.time() - started:5.1f}s  worker0 founded the group; starting worker1..3, which join it")
         workers += [_trainer(workers[0].address, steps) for _ in range(3)]
-        for w in workers[1:]:
-            w.wait_ready(60)
+        for i, w in enumerate(workers[1:], 1):
+            _wait_saying(out, started, lambda w=w: w.wait_ready(5), f"worker{i} is still starting")
         out(f"t={time.time() - started:5.1f}s  all 4 workers are training")
         for w in workers:
             w.wait_for(lambda e: e["ev"] == "view" and len(e["members"]) == 4, 60, "a 4-worker view")
@@ -95,7 +111,12 @@ def train_demo(steps: int = 450, out=print) -> int:
         workers[2].signal(signal.SIGCONT)
         finishers = [w for i, w in enumerate(workers) if i != 1]
         # generous: on a loaded machine the 450 steps take minutes, not seconds
-        done = [w.wait_for(lambda e: e["ev"] == "done", 600, "the end of training") for w in finishers]
+        out(f"t={time.time() - started:5.1f}s  training to step {steps} ...")
+        done = []
+        for w in finishers:
+            done.append(_wait_saying(out, started, lambda w=w: w.wait_for(lambda e: e["ev"] == "done", 10,
+                                                                          "the end of training"),
+                                     "still training", deadline=600))
         out("\nview changes seen by worker0 (phase times in seconds):")
         out(f"  {'view':>4} {'reason':9} {'size':>4} {'detect':>7} {'agree':>6} {'form':>6} {'reconcile':>9}  change")
         for e in workers[0].snapshot():

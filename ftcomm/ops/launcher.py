@@ -50,6 +50,7 @@ named in the summary), 128 + N when stopped by signal N, 1 when no worker finish
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import functools
@@ -79,6 +80,7 @@ REPLICA_HALT_S = 5.0
 """How long the other processes of a sharded replica that lost one have to leave the group
 after SIGTERM before they are killed."""
 POLL_S = 0.05
+STARTING_NOTICE_S = 5.0  # until the group first answers, the launcher says every this often that it starts
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 PR_SET_PDEATHSIG = 1
 
@@ -614,14 +616,23 @@ class Launcher:
 
 
 class _StatusLine:
-    """Members, committed step, steps/s and the current view, read from a local worker's
-    member table: redrawn in place each second on a terminal, a log line every
-    ``status_interval`` seconds otherwise."""
+    """Members, committed step, steps/s, the current view and why it formed, and the
+    restarts left, read from a local worker's member table: redrawn in place each second
+    on a terminal, a log line every ``status_interval`` seconds otherwise.
+
+    Members publish their step every ``step_publish_interval`` (2 s), so the rate is taken
+    between the moments new steps were first seen, over the last ``RATE_WINDOW_S`` seconds:
+    a reading between two publications neither halves nor doubles it. A new view starts a
+    new window (a restore or a join may jump the step)."""
+
+    RATE_WINDOW_S = 10.0
 
     def __init__(self, launcher: Launcher) -> None:
         self.launcher = launcher
         self._next = time.monotonic() + (1.0 if launcher._tty else launcher.config.status_interval)
-        self._last: tuple[float, int] | None = None  # (time, step) of the previous reading
+        self._seen: collections.deque[tuple[float, int]] = collections.deque()  # (first seen, step) per new step
+        self._baseline: int | None = None  # the step of the window's first reading
+        self._started_said = time.monotonic()
         self._view: tuple[int, float] | None = None  # (view id, first seen)
         self._drawn = False
 
@@ -632,6 +643,7 @@ class _StatusLine:
         self._next = now + interval
         line = self.read(now)
         if line is None:
+            self._starting(now)
             return
         out = self.launcher.out
         with self.launcher.console.lock:
@@ -643,6 +655,32 @@ class _StatusLine:
                     print(f"[ftcomm run] {line}", file=out, flush=True)
             except (OSError, ValueError):
                 pass
+
+    def _starting(self, now: float) -> None:
+        """Before the group first answers: say, every few seconds, that the workers are still
+        starting (importing torch, forming the group), so that a slow start is not silence."""
+        running = [w for w in self.launcher.workers if w.status == "running"]
+        if self._view is not None or not running or now < self._started_said + STARTING_NOTICE_S:
+            return
+        self._started_said = now
+        since = now - min(w.started_at for w in running)
+        if since >= STARTING_NOTICE_S:
+            self.launcher.say(f"{len(running)} worker{'s' if len(running) > 1 else ''} starting for {since:.0f} s "
+                              f"(importing, joining the group); no member answers yet")
+
+    def rate(self, now: float, step: int) -> float | None:
+        """Steps per second over the window, between moments new steps appeared (the first
+        reading of a window only sets the baseline: when its step was published is unknown)."""
+        if self._baseline is None:
+            self._baseline = step
+        elif step != (self._seen[-1][1] if self._seen else self._baseline):
+            self._seen.append((now, step))
+        while len(self._seen) > 2 and self._seen[0][0] < now - self.RATE_WINDOW_S:
+            self._seen.popleft()
+        if len(self._seen) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._seen[0], self._seen[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 >= s0 else None
 
     def read(self, now: float) -> str | None:
         from ..gossip.runtime import GossipError, query_members
@@ -659,19 +697,24 @@ class _StatusLine:
         else:
             return None
         live = [m for m in members if m.state == "alive"]
-        steps = [int(m.metadata["st"]) for m in live if isinstance(m.metadata.get("st"), int)]
-        views = [int(m.metadata["cv"]) for m in live if isinstance(m.metadata.get("cv"), int)]
-        step = max(steps, default=0)
-        rate = ""
-        if self._last is not None and now > self._last[0] and step >= self._last[1]:
-            rate = f", {(step - self._last[1]) / (now - self._last[0]):.1f} steps/s"
-        self._last = (now, step)
-        view = max(views, default=0)
+        records = [m.metadata for m in live if isinstance(m.metadata.get("cv"), int)]
+        view = max((int(r["cv"]) for r in records), default=0)
+        newest = [r for r in records if r["cv"] == view]
+        step = max((int(r["st"]) for r in newest if isinstance(r.get("st"), int)), default=0)
+        reason = next((str(r["vr"]) for r in newest if isinstance(r.get("vr"), str)), None)
         if self._view is None or self._view[0] != view:
             self._view = (view, now)
+            self._seen.clear()
+            self._baseline = None
+        rate = self.rate(now, step)
         local = sum(1 for w in launcher.workers if w.status == "running")
-        return (f"{len(live)} members ({local} local), step {step}{rate}, view {view} "
-                f"(for {now - self._view[1]:.0f} s)")
+        left = sum(max(0, launcher.config.max_restarts - w.restarts) for w in launcher.workers
+                   if w.status not in ("failed", "finished", "stopped"))
+        return (f"{len(live)} members ({local} local), step {step}"
+                + (f", {rate:.1f} steps/s" if rate is not None else "")
+                + f", view {view}" + (f" ({reason}, {now - self._view[1]:.0f} s ago)" if reason else
+                                       f" (for {now - self._view[1]:.0f} s)")
+                + f", restarts left {left}")
 
     def clear(self) -> None:
         """Erase the drawn line (the caller holds the console's lock)."""

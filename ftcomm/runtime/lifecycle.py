@@ -146,6 +146,7 @@ class Lifecycle:
                             round(driver.formed_at - driver.agreed_at, 4), round(done - driver.formed_at, 4),
                             time.time(), abort_latency)
         self.events.append(change)
+        self.engine.view_reason = reason  # published with the next record
         self.op_began = time.monotonic()
         log.info("view %d: %d members (%s), rank %d; detect %.3f agree %.3f form %.3f reconcile %.3f s",
                  view.id, view.size, reason, view.rank_of(self.engine.id), change.detect_s, change.agree_s,
