@@ -710,7 +710,10 @@ def test_in_a_group_with_a_secret_a_checkpoint_planted_without_it_is_skipped(nam
         data = bytearray((place / "step-000000000001.data").read_bytes())
         data[record["tensors"][0][0]] ^= 0x40  # a planted tensor value
         for step, meta in ((2, meta_bytes({**record, "step": 2})),  # well formed, unsigned
-                           (3, meta_bytes({**record, "step": 3}, checkpoint_files.checkpoint_key(b"another"))),
+                           (3, meta_bytes({**record, "step": 3}, checkpoint_files.checkpoint_key(b"another", name))),
+                           # the group's own secret, but another job's checkpoint: the key is bound to the job
+                           (7, meta_bytes({**record, "step": 7},
+                                          checkpoint_files.checkpoint_key(b"the-group-secret", "another-job"))),
                            (4, meta_bytes({**record, "step": 4, "checksums": checkpoint_files.checksums_of(
                                data, record["tensors"])}, None)),
                            (5, raw[:4] + raw[4:36] + msgpack.packb({**record, "step": 5}))):  # tag of step 1
@@ -721,8 +724,9 @@ def test_in_a_group_with_a_secret_a_checkpoint_planted_without_it_is_skipped(nam
         group.step = 0
         assert checkpoints.restore() == 1
         assert group.state.digest(1) == expected
-        for step, why in ((6, "data checksum mismatch"), (5, "does not verify"), (4, "not signed"),
-                          (3, "written with another secret"), (2, "not signed")):
+        for step, why in ((7, "written with another secret"), (6, "data checksum mismatch"),
+                          (5, "does not verify"), (4, "not signed"), (3, "written with another secret"),
+                          (2, "not signed")):
             said = [r.getMessage() for r in caplog.records if f"skipping checkpoint of step {step} " in r.getMessage()]
             assert said and why in said[0], (step, said)
         checkpoints.close()

@@ -193,7 +193,7 @@ def test_a_state_transfer_manifest_is_refused_with_state_error_or_loaded_never_c
 # ---------------------------------------------------------------------- checkpoint records
 @pytest.mark.parametrize("signed", [True, False])
 def test_a_checkpoint_record_is_refused_with_state_error_or_read_never_crashes(signed):
-    key = checkpoint_files.checkpoint_key(SECRET) if signed else None
+    key = checkpoint_files.checkpoint_key(SECRET, "fuzz-job") if signed else None
     state = TrainingState()
     state.register(model=torch.nn.Linear(3, 2), note="x")
     skeleton, tensors = plain.split(state.snapshot(4), "state")

@@ -560,17 +560,21 @@ class Launcher:
         if self.log_dir is not None:
             self.say(f"logs: {self.log_dir}")
 
-    def _shm_places(self) -> list[tuple[pathlib.Path, pathlib.Path | None]]:
+    def _shm_places(self) -> list[tuple[pathlib.Path, pathlib.Path | None, bytes | None]]:
         """Each shared-memory checkpoint directory of this job with the directory
-        ``--checkpoint-dir`` persists it to (one per shard index with sharded replicas)."""
-        from ..training.checkpoint_files import shard_suffix
+        ``--checkpoint-dir`` persists it to and the key its checkpoints are signed with (one
+        per shard index with sharded replicas)."""
+        from ..training.checkpoint_files import checkpoint_key, shard_suffix
 
         name = self.config.checkpoint_name or self.config.cluster
         persist = self.config.checkpoint_dir
+        secret = None if self.secret_drawn or self.secret is None else self.secret.encode()
         if self.config.replica_size == 1:
-            return [(pathlib.Path("/dev/shm", f"ftcomm-{name}"), persist and pathlib.Path(persist))]
+            return [(pathlib.Path("/dev/shm", f"ftcomm-{name}"), persist and pathlib.Path(persist),
+                     checkpoint_key(secret, name))]
         return [(pathlib.Path("/dev/shm", f"ftcomm-{name}-{shard_suffix(i)}"),
-                 persist and pathlib.Path(persist, shard_suffix(i))) for i in range(self.config.replica_size)]
+                 persist and pathlib.Path(persist, shard_suffix(i)), checkpoint_key(secret, name, i))
+                for i in range(self.config.replica_size)]
 
     def _discard_flash_copies(self) -> None:
         """Training completed: remove this host's shared-memory checkpoints of the job once
@@ -578,8 +582,7 @@ class Launcher:
         without a copy elsewhere they stay, and the launcher says where."""
         from ..training import checkpoint_files as files
 
-        key = None if self.secret_drawn or self.secret is None else files.checkpoint_key(self.secret.encode())
-        for shm, persist in self._shm_places():
+        for shm, persist, key in self._shm_places():
             if not shm.is_dir():
                 continue
             try:
@@ -598,10 +601,9 @@ class Launcher:
                      f"the only copy of the newest (no persistent directory); remove it when done")
 
     def _save_at_breakpoint(self) -> None:
-        from ..training.checkpoint_files import checkpoint_key, persist_newest
+        from ..training.checkpoint_files import persist_newest
 
-        key = None if self.secret_drawn or self.secret is None else checkpoint_key(self.secret.encode())
-        for shm, directory in self._shm_places():
+        for shm, directory, key in self._shm_places():
             try:
                 with self._saving:  # workers failing together: the later copies find it persisted
                     step = persist_newest(shm, directory, key=key)

@@ -87,19 +87,31 @@ class FlashCheckpointer:
     def __init__(self, group: Any, directory: str | os.PathLike | None = None, *, keep: int = 2,
                  name: str | None = None, shm_root: str | os.PathLike = "/dev/shm", sync: bool = True,
                  write_timeout: float = 600.0) -> None:
+        if not all(hasattr(group, a) for a in ("state", "view", "gossip", "execute")):
+            raise TypeError(f"FlashCheckpointer needs the group ftcomm.init returned, got {type(group).__name__}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise TypeError(f"name must be a non-empty string, got {name!r:.40}")
         job = name or group.gossip.cluster
         if keep < 1 or write_timeout <= 0 or "/" in job or "\0" in job:
             raise ValueError("keep must be at least 1, write_timeout positive, and name free of '/' and NUL")
         self.group, self.keep, self.sync, self.write_timeout = group, keep, sync, write_timeout
-        # Signed with the group's secret (one the launcher drew for a single run is not kept
-        # across runs, so its checkpoints stay unsigned: a new run could not read them).
-        self.key = files.checkpoint_key(getattr(group, "checkpoint_secret", None))
         self.directory = pathlib.Path(directory) if directory is not None else None
         self.shards = getattr(group, "replica_size", 1)
+        # Signed with the group's secret, for this job and shard (one the launcher drew for a
+        # single run is not kept across runs, so its checkpoints stay unsigned: a new run
+        # could not read them).
+        self.key = files.checkpoint_key(getattr(group, "checkpoint_secret", None), job,
+                                        group.shard_rank if self.shards > 1 else None)
         if self.shards > 1:  # a sharded replica's processes each hold one shard: one copy per shard index
             job = f"{job}-{files.shard_suffix(group.shard_rank)}"
             if self.directory is not None:
                 self.directory = self.directory / files.shard_suffix(group.shard_rank)
+        if self.directory is not None:  # before shared memory is taken: a bad directory leaves nothing held
+            try:
+                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except OSError as exc:
+                raise FtcommError(f"cannot use the checkpoint directory {self.directory}: "
+                                  f"{exc.strerror or exc}") from None
         self.shm = files.private_directory(pathlib.Path(shm_root) / f"ftcomm-{job}")
         try:
             self._occupied = files.occupy(self.shm, self.directory)
@@ -112,8 +124,6 @@ class FlashCheckpointer:
             log.info("shared memory also holds %s: unused, kept because %s", ", ".join(
                 f"{path} ({size / 2**20:.0f} MB)" for path, size in left),
                 "a launcher that may restart their workers still runs, or their newest checkpoint is there alone")
-        if self.directory is not None:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.last_pause_s: float | None = None
         self._slots: list[_Slot] = []
         self._cond = threading.Condition()

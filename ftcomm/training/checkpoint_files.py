@@ -3,7 +3,7 @@
 A checkpoint of step ``S`` is ``step-S.data`` (every tensor's raw bytes, 64-byte
 aligned) and ``step-S.meta``: ``b"FTCK"``, an XXH3-64 of the body, and a msgpack record
 of plain values (in a group with a secret: ``b"FTCS"`` and a keyed BLAKE2b-256 of the
-body, the data checksums seeded from the key) (format, step, time, sizes, the tensor table, a checksum per
+body, and keyed BLAKE2b data checksums; the key is bound to the job and shard) (format, step, time, sizes, the tensor table, a checksum per
 ``CHUNK`` piece of each tensor, and the state's structure as a :mod:`ftcomm.training.plain`
 skeleton). Nothing is pickled; :func:`check_record` checks every field of a record read
 back, so a malformed or planted file is refused, never run.
@@ -126,27 +126,31 @@ def leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
         yield path, tree
 
 
-def checkpoint_key(secret: bytes | None) -> bytes | None:
-    """The key that signs a group's checkpoints, derived from its secret (None: unsigned)."""
+def checkpoint_key(secret: bytes | None, job: str, shard: int | None = None) -> bytes | None:
+    """The key that signs the checkpoints of ``job`` (a FlashCheckpointer's name) and, with
+    sharded replicas, of shard index ``shard``, derived from the group's secret (None:
+    unsigned). A checkpoint of another job or another shard, signed with the same secret,
+    does not verify."""
     if secret is None:
         return None
-    return hashlib.blake2b(secret, digest_size=32, person=b"ftcomm-ckpt").digest()
+    context = f"{job}\0{'' if shard is None else shard}".encode()
+    return hashlib.blake2b(context, digest_size=32, key=hashlib.blake2b(secret, digest_size=32).digest(),
+                           person=b"ftcomm-ckpt").digest()
 
 
-def _seed(key: bytes | None) -> int:
-    """The XXH3 seed of the data checksums: 0 unsigned, else drawn from the key (a writer
-    without the secret cannot compute the checksums a planted tensor would need)."""
+def _chunk_sum(piece: Any, key: bytes | None) -> int:
     if key is None:
-        return 0
-    return int.from_bytes(hashlib.blake2b(b"data-seed", digest_size=8, key=key).digest(), "little")
+        return xxhash.xxh3_64_intdigest(piece)
+    return int.from_bytes(hashlib.blake2b(piece, digest_size=8, key=key, person=b"ftcomm-ckpt-data").digest(),
+                          "little")
 
 
 def checksums_of(buffer: Any, entries: list[list], key: bytes | None = None) -> list[list[int]]:
-    """XXH3-64 of each ``CHUNK`` piece of each tensor's bytes in ``buffer`` (seeded from
-    ``key`` when the checkpoint is signed)."""
-    seed = _seed(key)
+    """A 64-bit checksum of each ``CHUNK`` piece of each tensor's bytes in ``buffer``: XXH3,
+    or, when the checkpoint is signed, a keyed BLAKE2b (a MAC: without the key nobody can
+    compute the sum an altered piece would need)."""
     with memoryview(buffer) as view:
-        return [[xxhash.xxh3_64_intdigest(view[lo:lo + min(CHUNK, offset + nbytes - lo)], seed)
+        return [[_chunk_sum(view[lo:lo + min(CHUNK, offset + nbytes - lo)], key)
                  for lo in range(offset, offset + nbytes, CHUNK)] for offset, _, _, nbytes in entries]
 
 
@@ -438,7 +442,8 @@ def decode_meta(raw: bytes, step: int, key: bytes | None = None) -> Meta:
             raise StateError("bad header")
         body = raw[36:]
         if not hmac.compare_digest(raw[4:36], _tag(key, body)):
-            raise StateError("its signature does not verify: written with another secret, or altered")
+            raise StateError("its signature does not verify: written with another secret (or for another job or "
+                             "shard), or altered")
     try:
         record = msgpack.unpackb(body, raw=False)
     except Exception as exc:  # msgpack raises several unrelated exception types
