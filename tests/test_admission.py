@@ -8,6 +8,7 @@ ftcomm.backends.admission): members only while a communicator forms, nobody in b
 from __future__ import annotations
 
 import errno
+import pathlib
 import os
 import resource
 import select
@@ -232,3 +233,36 @@ print("clean", flush=True)
 """
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "clean" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_filter_the_kernel_refuses_falls_back_to_admitting_any_source_while_forming(tmp_path):
+    """A filter's memory counts against net.core.optmem_max (20 kB by default before Linux
+    6.9): when the kernel refuses the list of sources, the formation still goes on, its
+    listener open to any source until it ends, and nothing escapes as an OSError."""
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare -n (root) for a network namespace of its own")
+    child = r"""
+import logging, socket, sys
+sys.path.insert(0, sys.argv[1])
+logging.basicConfig(level=logging.WARNING)
+from ftcomm.backends import admission
+from tests.test_admission import connects
+with open("/proc/sys/net/core/optmem_max", "w") as f:
+    f.write("1024")
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(16)
+door = admission.Door(listener.fileno(), *admission.listening_sockets()[listener.fileno()])
+port = listener.getsockname()[1]
+assert not connects(port)
+close = door.open_for({f"10.0.{i // 250}.{i % 250}" for i in range(300)} | {"127.0.0.1"})
+assert connects(port), "the formation's window is not open"
+close()
+assert not connects(port), "the door did not shut again"
+print("fell back", flush=True)
+"""
+    done = subprocess.run(["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1" "$2"',
+                           sys.executable, child, str(pathlib.Path(__file__).resolve().parent.parent)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "fell back" in done.stdout, done.stderr[-2000:]
+    assert "admits any source while communicators form" in done.stderr

@@ -39,7 +39,10 @@ SO_ATTACH_FILTER = 26
 SKF_NET_OFF = -0x100000  # classic BPF: offsets from the network header (the TCP layer's data starts past it)
 LOAD_WORD_ABSOLUTE, JUMP_IF_EQUAL, RETURN = 0x20, 0x15, 0x06
 KEEP_PACKET, DROP_PACKET = 0xFFFFFFFF, 0
-MAX_ADMITTED = 2000  # two instructions each; the kernel takes at most 4096
+MAX_ADMITTED = 500
+"""Sources one filter names (two instructions each). A filter's memory counts against the
+socket's ``net.core.optmem_max`` (20 kB by default before Linux 6.9, where about 850
+sources fit); beyond this, the listener admits any source while a communicator forms."""
 
 
 def _instruction(code: int, jump_true: int, jump_false: int, k: int) -> bytes:
@@ -163,7 +166,16 @@ class Door:
             sources = set().union(*self._open.values())
             if len(sources) > MAX_ADMITTED:
                 sources = None
-        attach(self.fd, program(sources))
+        try:
+            attach(self.fd, program(sources))
+        except OSError as exc:  # the kernel refused this filter (its memory bound): a smaller one
+            if sources is None:
+                log.error("the listener on %s:%d keeps its previous filter: the kernel refused to replace it "
+                          "(%s)", self.address, self.port, exc)
+                return
+            log.warning("the listener on %s:%d admits any source while communicators form: the kernel refused a "
+                        "filter naming %d sources (%s)", self.address, self.port, len(sources), exc)
+            attach(self.fd, program(None if sources else set()))
 
     def seal(self) -> None:
         """Close the listening socket for good (the process forms nothing on it again). Its

@@ -96,8 +96,7 @@ class GlooCommunicator:
         options._devices = [gloo_device]
         outcome: dict[str, Any] = {}
         wake = threading.Event()
-        # The door opens for this formation until its builder ends, not until the waiting
-        # thread gives up on it: a builder still connecting must not be shut out half-way.
+        # The door opens for this formation until its builder ends or is given up on.
         shut = door.open_for(sources) if door is not None else (lambda: None)
 
         def build() -> None:
@@ -117,7 +116,9 @@ class GlooCommunicator:
             abort.wait(wake, lambda: bool(outcome), timeout, what)
         except BaseException:
             # The builder ends soon (its store reads fail from now on; a connection attempt
-            # ends within ``timeout``); whatever it builds is never used nor destroyed.
+            # ends within ``timeout``); whatever it builds is never used nor destroyed, so
+            # the door shuts now: an abandoned formation keeps nobody's connection welcome.
+            shut()
             if cancel is not None:
                 cancel(f"{what} was given up")
             bury(outcome)
