@@ -62,6 +62,11 @@ class FaultTolerantGroup:
                  insecure: bool = False, replica: tuple[int, int, str | None] = (1, 0, None)) -> None:
         backend_class = communicator_class(backend)  # NcclUnavailable here, before joining anyone
         check_worker_counts(min_workers, max_workers)
+        if options is not None and not isinstance(options, GroupOptions):
+            raise TypeError(f"options must be a GroupOptions (ftcomm.init takes its fields as keywords), got "
+                            f"{type(options).__name__}")
+        if not isinstance(cluster, str) or not cluster:
+            raise TypeError(f"cluster must be a non-empty string, got {cluster!r:.40}")
         self.options = opts = options or GroupOptions()  # GroupOptions checks its own fields
         self.min_workers, self.max_workers = min_workers, max_workers
         size = replica[0]
@@ -82,6 +87,7 @@ class FaultTolerantGroup:
         """What signs this worker's checkpoints (FlashCheckpointer): the group's secret, but
         for one ``ftcomm run`` drew for a single run on loopback."""
         self.insecure = check_protection(host, secret, insecure)
+        raise_descriptor_limit()
         rendezvous = Rendezvous(host, opts.formation_timeout, secret)
         # A sharded replica's K processes are K members: the engine counts processes.
         engine = Engine("", self._config, min_workers * size, max_workers and max_workers * size,
@@ -366,7 +372,38 @@ class FaultTolerantGroup:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
+def raise_descriptor_limit() -> None:
+    """Raise this process's soft limit on open descriptors to its hard limit (as Ray and
+    many servers do): a process on a member's host that connects to Gloo's listener while a
+    communicator forms leaks descriptors in Gloo (docs/SECURITY.md), and reaching the limit
+    aborts the process."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.debug("descriptor limit raised from %d to %d", soft, target)
+    except (ImportError, ValueError, OSError) as exc:  # not POSIX, or not allowed: the limit stays
+        log.debug("descriptor limit unchanged: %s", exc)
+
+
 def _parameters(model_or_params: Any) -> list[torch.Tensor]:
-    if hasattr(model_or_params, "parameters"):
+    """The parameters of a module, or of an iterable of modules and tensors (TypeError
+    naming anything else)."""
+    if isinstance(model_or_params, torch.nn.Module):
         return list(model_or_params.parameters())
-    return list(model_or_params)
+    if isinstance(model_or_params, torch.Tensor) or not hasattr(model_or_params, "__iter__"):
+        raise TypeError(f"wait_gradients_ready takes a module or an iterable of parameters, got "
+                        f"{type(model_or_params).__name__}")
+    params: list[torch.Tensor] = []
+    for item in model_or_params:
+        if isinstance(item, torch.nn.Module):
+            params.extend(item.parameters())
+        elif isinstance(item, torch.Tensor):
+            params.append(item)
+        else:
+            raise TypeError(f"wait_gradients_ready takes a module or an iterable of parameters (tensors or "
+                            f"modules); got an item of type {type(item).__name__}")
+    return params

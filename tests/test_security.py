@@ -385,3 +385,44 @@ def test_state_nested_deeper_than_the_limit_is_refused_when_registered():
     shallow = {"a": [(1, 2.0, "x")], "b": {"c": {"d": [None]}}}
     skeleton, tensors = plain.split(shallow)
     assert plain.join(skeleton, tensors) == shallow
+
+
+def test_bad_arguments_to_public_classes_are_clear_errors_not_attribute_errors(tmp_path):
+    from ftcomm.errors import AddressError
+    from ftcomm.group import FaultTolerantGroup
+    from ftcomm.training.checkpoint import FlashCheckpointer
+
+    with pytest.raises(TypeError, match="GroupOptions"):
+        FaultTolerantGroup(options={"init_timeout": 1})
+    with pytest.raises(TypeError, match="cluster"):
+        FaultTolerantGroup(cluster=5)
+    with pytest.raises(TypeError, match="the group ftcomm.init returned"):
+        FlashCheckpointer(None)
+    (group,) = start_groups(1)
+    try:
+        model = torch.nn.Linear(2, 2)
+        group.register_state(model=model)
+        model(torch.ones(1, 2)).sum().backward()
+        assert group.wait_gradients_ready([model])  # a list of modules is a list of their parameters
+        with pytest.raises(TypeError, match="got an item of type str"):
+            group.wait_gradients_ready(["weights"])
+        a_file = tmp_path / "a-file"
+        a_file.write_text("x")
+        for bad in (a_file, a_file / "below"):
+            with pytest.raises(FtcommError, match="cannot use the checkpoint directory"):
+                FlashCheckpointer(group, bad, name=f"bad-{uuid_hex()}")
+    finally:
+        group.shutdown()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        with pytest.raises(AddressError, match="metrics_port"):
+            ftcomm.init(bind="127.0.0.1:0", handle_signals=False, metrics_port=taken.getsockname()[1])
+    finally:
+        taken.close()
+
+
+def uuid_hex() -> str:
+    import uuid
+    return uuid.uuid4().hex[:8]

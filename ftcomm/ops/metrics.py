@@ -29,6 +29,8 @@ import threading
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+from ..errors import AddressError
+
 log = logging.getLogger(__name__)
 
 PHASES = ("detect", "agree", "form", "reconcile")
@@ -140,7 +142,8 @@ class MetricsServer:
         try:
             self._server = _Server((host, port))
         except OSError as exc:
-            raise OSError(exc.errno, f"metrics_port {port} on {host}: {exc.strerror or exc}") from None
+            raise AddressError(f"cannot serve metrics_port {port} on {host}: {exc.strerror or exc} (with several "
+                               f"workers per host, give each its own port: ftcomm run --metrics-port BASE)") from None
         self._server.set_app(make_wsgi_app(self.registry))
         self._thread = threading.Thread(target=self._server.serve_forever, name="ftcomm-metrics", daemon=True)
         self._thread.start()
