@@ -35,6 +35,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -83,8 +84,59 @@ def _free_port(host: str) -> int:
                 return port
 
 
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What a worker's training function reported (:func:`report`), as the driver sees it."""
+
+    worker: int  # the job's index of the worker (its slot; a restarted actor keeps it)
+    rank: int | None  # its rank in the group's view then (None: no group in that process)
+    step: int | None  # the group's committed step then
+    time: float  # time.time() in the worker
+    metrics: dict
+    checkpoint: int | None = None  # the step a FlashCheckpointer saved with this report
+
+
+_REPORTS: list[dict] = []  # this actor process's reports not yet collected by the driver
+_REPORTS_LOCK = threading.Lock()
+
+
+def report(metrics: dict, checkpointer: Any = None) -> None:
+    """From a training function running under :class:`ElasticRayJob`: hand ``metrics`` (a
+    dict of plain values) to the driver, which collects them into ``job.reports`` and calls
+    ``on_report`` with each. With ``checkpointer`` (a :class:`ftcomm.FlashCheckpointer`),
+    save first and report the step saved, as Ray Train's ``train.report(checkpoint=...)``:
+    call it on every worker at the same step (``save`` copies on one worker per host).
+    Elsewhere (no job) it only saves."""
+    from .group import running_groups
+
+    group = next(iter(running_groups()), None)
+    saved = None
+    if checkpointer is not None:
+        checkpointer.save()
+        saved = checkpointer.group.step
+    entry = {"rank": group.rank if group is not None else None, "step": group.step if group is not None else None,
+             "time": time.time(), "metrics": dict(metrics), "checkpoint": saved}
+    with _REPORTS_LOCK:
+        _REPORTS.append(entry)
+        del _REPORTS[:-MAX_PENDING_REPORTS]
+
+
+MAX_PENDING_REPORTS = 10_000  # a driver that stopped collecting does not grow a worker's memory without bound
+
+
+def _worker_reports() -> list[dict]:
+    """The reports this process made since the last call (see :func:`report`)."""
+    with _REPORTS_LOCK:
+        taken = list(_REPORTS)
+        _REPORTS.clear()
+    return taken
+
+
 class _Worker:
     """One training process (a Ray actor)."""
+
+    def collect(self) -> list[dict]:
+        return _worker_reports()
 
     def prepare(self) -> str:
         """Pick this worker's gossip address on its node; returns ``HOST:PORT``."""
@@ -127,13 +179,16 @@ class ElasticRayJob:
     ``num_workers``: ``(min, max)`` or a fixed number. ``min`` workers must fit in the
     cluster before training starts (waited for up to ``start_timeout`` seconds).
     ``secret``: the group's secret (default: a fresh one per job, given to every
-    worker). ``env``: more environment variables for the workers.
+    worker). ``env``: more environment variables for the workers. ``on_report``: called on
+    the driver with each :class:`Report` a worker made with :func:`report` (they are also
+    kept in :attr:`reports`).
     """
 
     def __init__(self, train_fn: Callable[[Any], Any], num_workers: int | tuple[int, int] = (1, 4), *,
                  config: Any = None, cpus_per_worker: float = 1, gpus_per_worker: float = 0,
                  max_restarts: int = 3, scale_interval: float = 5.0, start_timeout: float = 120.0,
-                 secret: str | None = None, cluster: str = "ftcomm-ray", env: dict[str, str] | None = None) -> None:
+                 secret: str | None = None, cluster: str = "ftcomm-ray", env: dict[str, str] | None = None,
+                 on_report: Callable[[Report], None] | None = None) -> None:
         low, high = (num_workers, num_workers) if isinstance(num_workers, int) else num_workers
         if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
             raise ValueError(f"num_workers must be an int >= 1 or (min, max) with 1 <= min <= max, got {num_workers!r}")
@@ -149,8 +204,11 @@ class ElasticRayJob:
         self.restarts = 0  # training functions started again in a restarted actor
         self.failed = 0  # workers given up on (no restarts left, or the job was ending)
         self.errors: list[str] = []  # why each of them failed
-        # Two threads: ``pid`` and ``prepare`` answer while ``run`` trains.
-        self._actor_class = ray.remote(max_restarts=max_restarts, max_task_retries=0, max_concurrency=2)(_Worker)
+        self.reports: list[Report] = []  # what the training functions reported, in arrival order
+        self.on_report = on_report
+        self._collecting: dict[int, Any] = {}  # slot index -> its pending ``collect`` call
+        # Three threads: ``pid``, ``prepare`` and ``collect`` answer while ``run`` trains.
+        self._actor_class = ray.remote(max_restarts=max_restarts, max_task_retries=0, max_concurrency=3)(_Worker)
 
     # ------------------------------------------------------------------ running
     def run(self, timeout: float | None = None) -> list:
@@ -169,8 +227,10 @@ class ElasticRayJob:
                     raise TimeoutError(f"the job did not finish within {timeout:g} s")
                 running = [s.run for s in self.slots if s.run is not None]
                 done, _ = ray.wait(running, num_returns=1, timeout=0.5)
+                self._collect()
                 for ref in done:
                     slot = next(s for s in self.slots if s.run is ref)
+                    self._collect(slot, final=True)  # what it reported before it returned
                     self._finished(slot, results)
                 self._check_placing(ending=bool(results))
                 if not results and time.monotonic() >= next_scale:
@@ -183,6 +243,36 @@ class ElasticRayJob:
         if not results:
             raise RuntimeError(f"every worker failed: {'; '.join(self.errors) or 'no worker could be started'}")
         return results
+
+    def _collect(self, only: "_Slot | None" = None, final: bool = False) -> None:
+        """Gather the workers' reports: one ``collect`` call in flight per running worker,
+        read once it answered. ``final`` (``only``'s training function ended): read its
+        call in flight and one more, waiting for them (a few seconds at most)."""
+        for index, slot in enumerate(self.slots):
+            if only is not None and slot is not only:
+                continue
+            pending = self._collecting.pop(index, None)
+            if final:
+                for ref in [r for r in (pending, slot.actor.collect.remote()) if r is not None]:
+                    self._take(index, ref, 5.0)
+            elif pending is None or ray.wait([pending], timeout=0)[0]:
+                if pending is not None:
+                    self._take(index, pending, 0.0)
+                if slot.run is not None:
+                    self._collecting[index] = slot.actor.collect.remote()
+            else:
+                self._collecting[index] = pending
+
+    def _take(self, index: int, ref: Any, timeout: float) -> None:
+        try:
+            entries = ray.get(ref, timeout=timeout)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):  # its process died, or is slow
+            return
+        for entry in entries:
+            made = Report(index, entry["rank"], entry["step"], entry["time"], entry["metrics"], entry["checkpoint"])
+            self.reports.append(made)
+            if self.on_report is not None:
+                self.on_report(made)
 
     def _start_initial(self) -> None:
         waited_until = time.monotonic() + self.start_timeout

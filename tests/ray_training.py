@@ -34,6 +34,8 @@ def train(config: dict) -> dict:
                 time.sleep(config.get("step_time", 0.0))
                 if ft.wait_gradients_ready(model):
                     optimizer.step()
+                    if ft.step % 20 == 0:  # to the driver's job.reports, as Ray Train's train.report
+                        ftcomm.ray.report({"world": ft.world_size, "epoch": sampler.epoch})
                     share = sampler.committed
                     log.write(json.dumps({"step": ft.step, "epoch": share.epoch, "start": share.start,
                                           "size": share.size, "world": share.world,

@@ -117,7 +117,8 @@ def test_actors_are_added_when_resources_appear(cluster, tmp_path):
     config = {"data": cache(*dataset()), "global_batch": 64, "steps": STEPS, "log_dir": str(tmp_path),
               "step_time": 0.03}
     config["steps"] = steps = 3 * STEPS  # the added worker must start (import torch) before the end
-    job = ElasticRayJob(train, num_workers=(2, 3), config=config, scale_interval=0.5)
+    seen = []
+    job = ElasticRayJob(train, num_workers=(2, 3), config=config, scale_interval=0.5, on_report=seen.append)
     thread, out = run_in_background(job)
     wait_for_steps(tmp_path, 30, world=2)
     assert len(job.slots) == 2
@@ -129,6 +130,12 @@ def test_actors_are_added_when_resources_appear(cluster, tmp_path):
     assert len(job.slots) == 3 and len(results) == 3
     assert any(reason == "join" and len(members) == 3 for r in results for _, members, reason in r["views"])
     assert_one_state_and_exactly_once(results, tmp_path, steps)
+    # Every worker's reports reached the driver, each step once per worker, in step order.
+    assert seen == job.reports and {r.worker for r in job.reports} == {0, 1, 2}
+    for worker in range(3):
+        steps_reported = [r.step for r in job.reports if r.worker == worker]
+        assert steps_reported == sorted(set(steps_reported)) and all(s % 20 == 0 for s in steps_reported)
+    assert {r.metrics["world"] for r in job.reports} == {2, 3} and steps in {r.step for r in job.reports}
 
 
 def _nap(config: dict) -> int:
@@ -159,3 +166,24 @@ def test_a_worker_added_that_ray_cannot_place_does_not_fail_or_hold_up_the_job(c
     job = Lying(_nap, num_workers=(3, 4), config={"seconds": 10}, scale_interval=0.2, start_timeout=20)  # actors start slowly on a loaded machine
     assert job.run(timeout=120) == [1, 1, 1]
     assert job.failed == 0 and len(job.slots) >= 3
+
+
+def test_report_with_a_checkpointer_saves_and_names_the_step(tmp_path):
+    """Outside a job too: the checkpoint is saved on this worker and the report says which step."""
+    import ftcomm.ray
+    from ftcomm.training.checkpoint import FlashCheckpointer
+    from tests.test_group_threads import start_groups
+
+    (group,) = start_groups(1)
+    try:
+        group.register_state(model=torch.nn.Linear(2, 2))
+        checkpoints = FlashCheckpointer(group, tmp_path / "ckpt", name=f"ray-report-{tmp_path.name}")
+        group.step = 40
+        ftcomm.ray.report({"loss": 0.5}, checkpointer=checkpoints)
+        checkpoints.wait()
+        (entry,) = ftcomm.ray._worker_reports()
+        assert entry["checkpoint"] == 40 and entry["step"] == 40 and entry["metrics"] == {"loss": 0.5}
+        assert checkpoints.available() == [40]
+        checkpoints.close(discard=True)
+    finally:
+        group.shutdown()
