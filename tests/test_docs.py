@@ -54,3 +54,35 @@ def test_the_engine_state_diagram_in_the_architecture_is_the_table():
 
     text = (DOCS / "ARCHITECTURE.md").read_text()
     assert f"```mermaid\n{state_diagram()}\n```" in text, "regenerate the diagram: ftcomm.core.engine.state_diagram()"
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of the headings of a Markdown text."""
+    import re
+
+    anchors = set()
+    for line in markdown.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"\s", "-", re.sub(r"[^\w\- ]", "", title)))
+    return anchors
+
+
+def test_every_relative_link_of_the_docs_and_the_readme_leads_somewhere():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    broken = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target) or target.startswith("mailto:"):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked.read_text()):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken
