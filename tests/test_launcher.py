@@ -589,3 +589,32 @@ def test_the_status_rate_is_steady_between_publications_and_restarts_with_each_v
     status._baseline = None  # what a new view does
     assert status.rate(200.0, 681) is None and status.rate(201.0, 700) is None  # no 681 steps/s after a restore
     assert status.rate(203.0, 734) == 17.0
+
+
+def test_progress_bars_and_endless_lines_are_relayed_without_waiting_for_a_newline(tmp_path):
+    """A progress bar redraws itself with carriage returns and never ends its line: its
+    updates reach the console (at most one a second) and the log (every one) while it
+    runs; a line of 200 kB is cut, not held in memory until it ends."""
+    import pathlib
+
+    from ftcomm.ops.worker_output import Console, WorkerOutput
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    console = Console(io.StringIO(), stdout, stderr)
+    read_end, write_end = os.pipe()
+    err_read, err_write = os.pipe()
+    output = WorkerOutput(console, 2, 1, os.fdopen(read_end, "rb"), os.fdopen(err_read, "rb"), True,
+                          pathlib.Path(tmp_path))
+    for i in range(5):
+        os.write(write_end, f"\r{i * 20}%".encode())
+        time.sleep(0.3)
+    os.write(write_end, b"\rdone\r\nnext line\n" + b"x" * 200_000)
+    os.close(write_end)
+    os.close(err_write)
+    output.finish(5.0)
+    shown = stdout.getvalue().splitlines()
+    assert shown[0] == "[w2.r1] 0%" and "[w2.r1] done" in shown and "[w2.r1] next line" in shown, shown[:8]
+    assert 2 <= sum(line.endswith("%") for line in shown) <= 3  # 5 redraws in 1.5 s: one a second on the console
+    logged = (tmp_path / "w2.r1.log").read_text().splitlines()
+    assert [line for line in logged if line.endswith("%")] == ["0%", "20%", "40%", "60%", "80%"]
+    assert max(len(line) for line in logged) <= 70_000 and sum(len(line) for line in logged) >= 200_000

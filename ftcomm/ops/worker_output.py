@@ -15,9 +15,12 @@ import os
 import pathlib
 import re
 import threading
+import time
 from typing import Callable, TextIO
 
 TAIL_LINES = 20
+MAX_LINE = 64 << 10
+LINE_END = re.compile(rb"(?<=\n)|(?<=\r)(?!\n)")  # split after each newline, and after a lone carriage return
 TAG = re.compile(r"^\[w\d+(?:\.r\d+)?\] ")
 
 
@@ -78,25 +81,53 @@ class WorkerOutput:
             thread.start()
 
     def _relay(self, pipe, stream: TextIO, tail: collections.deque[str]) -> None:
+        """Relay ``pipe`` line by line. A line ends at a newline or a carriage return (a
+        progress bar redrawing itself); on the console, lines that end with a carriage
+        return are shown at most once a second per stream (the log file gets every one). A
+        line longer than ``MAX_LINE`` bytes is cut there."""
         prefix = f"[{self.tag}] "
+        pending, shown_at = b"", 0.0
         try:
-            for raw in iter(pipe.readline, b""):
-                line = raw.decode("utf-8", errors="replace")
-                if not line.endswith("\n"):
-                    line += "\n"
-                tail.append(line.rstrip("\n"))
-                if self._log is not None:
-                    with self._log_lock:
-                        try:
-                            self._log.write(line)
-                        except (OSError, ValueError):
-                            pass
+            while True:
+                chunk = pipe.read1(65536)
+                if not chunk:
+                    break
+                pending += chunk
+                *lines, pending = LINE_END.split(pending)
+                if not pending and lines and lines[-1].endswith(b"\r"):
+                    pending = lines.pop()  # its \n may come with the next chunk (a \r\n cut in two)
+                while len(pending) > MAX_LINE:
+                    lines.append(pending[:MAX_LINE] + b"\n")
+                    pending = pending[MAX_LINE:]
+                for raw in lines:
+                    redraw = raw.endswith(b"\r")
+                    text = raw.rstrip(b"\r\n").decode("utf-8", errors="replace")
+                    if redraw and not text:
+                        continue  # a redraw that starts with its carriage return
+                    tail.append(text)
+                    self._write_log(text + "\n")
+                    now = time.monotonic()
+                    if self.show and (not redraw or now - shown_at >= 1.0):
+                        shown_at = now if redraw else shown_at
+                        self.console.write(stream, prefix + text + "\n")
+            if pending:
+                text = pending.rstrip(b"\r\n").decode("utf-8", errors="replace")
+                tail.append(text)
+                self._write_log(text + "\n")
                 if self.show:
-                    self.console.write(stream, prefix + line)
+                    self.console.write(stream, prefix + text + "\n")
         except (OSError, ValueError):  # the pipe closed under the reader
             pass
         finally:
             pipe.close()
+
+    def _write_log(self, text: str) -> None:
+        if self._log is not None:
+            with self._log_lock:
+                try:
+                    self._log.write(text)
+                except (OSError, ValueError):
+                    pass
 
     def finish(self, timeout: float = 2.0) -> None:
         """Wait (at most ``timeout``) for the streams to end, then close the log file. A
