@@ -153,7 +153,8 @@ def test_ftcomm_members_finds_the_job_ftcomm_run_started_here_without_address_or
         assert "watch it with: ftcomm members --watch" in jobs[1].stderr.read()
         assert [r.pid for r in runfile.running()] == [jobs[0].pid]  # its file is gone
         out = subprocess.run([sys.executable, "-m", "ftcomm", "members", "--json"], capture_output=True, text=True,
-                             timeout=30)  # one job left: no need to say which
+                             timeout=30, env={**os.environ, "FTCOMM_SECRET": "another-jobs-secret"})
+        # one job left: no need to say which; its own secret wins over another job's in the environment
         assert out.returncode == 0 and len(json.loads(out.stdout)) == 2, out.stderr
     finally:
         for job in jobs:

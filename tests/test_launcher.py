@@ -141,7 +141,7 @@ def test_a_replica_partner_that_finishes_as_it_is_stopped_is_finished_not_restar
     assert "worker 1 finished" in log and "worker 0 is not restarted: the job is ending" in log, log
     assert len(re.findall(r"worker \d started", log)) == 2, log  # nobody started again
     # Training completed (a worker finished): exit 0, the lost worker named in the summary.
-    assert code == 0 and "training completed (exit status 0)" in log and "lost: 0" in log, log
+    assert code == 0 and "training completed (exit status 0)" in log and "lost worker 0" in log, log
 
 
 def test_a_failing_worker_is_restarted_with_backoff_until_it_finishes(tmp_path):
@@ -168,7 +168,7 @@ def test_once_a_worker_finished_no_worker_is_restarted_and_stragglers_are_stoppe
             "time.sleep(60)\n")
     started = time.monotonic()
     code, log = launch(tmp_path, body, nproc=3, restart_backoff=0.0, stop_timeout=1.0)
-    assert code == 0 and time.monotonic() - started < 30 and "lost: 1, 2" in log, log
+    assert code == 0 and time.monotonic() - started < 30 and "lost workers 1, 2" in log, log
     assert "not restarted: the job is ending" in log and "stopping them" in log
     assert len(re.findall(r"worker \d started", log)) == 3
 
@@ -315,7 +315,7 @@ def test_a_worker_waiting_for_its_restart_is_not_restarted_once_another_finished
     body = ("if os.environ['LOCAL_RANK'] == '0': sys.exit(7)\n"
             "time.sleep(0.5); sys.exit(0)\n")
     code, log = launch(tmp_path, body, nproc=2, restart_backoff=5.0)
-    assert code == 0 and "worker 0 is not restarted: the job is ending" in log and "lost: 0" in log
+    assert code == 0 and "worker 0 is not restarted: the job is ending" in log and "lost worker 0" in log
     assert len(re.findall(r"worker \d started", log)) == 2
 
 
@@ -618,3 +618,40 @@ def test_progress_bars_and_endless_lines_are_relayed_without_waiting_for_a_newli
     logged = (tmp_path / "w2.r1.log").read_text().splitlines()
     assert [line for line in logged if line.endswith("%")] == ["0%", "20%", "40%", "60%", "80%"]
     assert max(len(line) for line in logged) <= 70_000 and sum(len(line) for line in logged) >= 200_000
+
+
+def test_a_log_directory_others_can_write_or_plant_links_in_is_refused_and_a_lost_one_costs_only_the_log(tmp_path):
+    from ftcomm.errors import FtcommError
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(FtcommError, match="others can write"):
+        Launcher(LaunchConfig(command=["true"], log_dir=str(shared)), environ={}, out=io.StringIO())
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(FtcommError, match="cannot use --log-dir"):
+        Launcher(LaunchConfig(command=["true"], log_dir=str(a_file)), environ={}, out=io.StringIO())
+    # A name left in the directory is replaced, never followed.
+    logs, victim = tmp_path / "logs", tmp_path / "victim.txt"
+    logs.mkdir(mode=0o700)
+    victim.write_text("untouched")
+    (logs / "w0.log").symlink_to(victim)
+    # The directory vanishes before the restart: worker 0 restarts without a log file, the
+    # launcher goes on and the job completes.
+    body = (f"logs = {str(logs)!r}\n"
+            "if os.environ['FTCOMM_RESTARTS'] == '0':\n"
+            "    import shutil; print('first start', flush=True); shutil.rmtree(logs); sys.exit(3)\n"
+            "print('second start', flush=True)\n")
+    code, log = launch(tmp_path, body, restart_backoff=0.0, log_dir=str(logs))
+    assert victim.read_text() == "untouched"
+    assert code == 0 and "worker 0: no log file in" in log and "training completed" in log, log
+
+
+def test_an_exit_once_the_job_is_ending_is_no_failure_and_exclude_with_replicas_is_refused(tmp_path):
+    body = ("if os.environ['LOCAL_RANK'] == '0': sys.exit(0)\n"
+            "time.sleep(0.5); raise SystemExit('the group ended')\n")
+    code, log = launch(tmp_path, body, nproc=2)
+    assert code == 0 and "lost worker 1" in log and "first failure" not in log, log
+    with pytest.raises(ValueError, match="trains only whole"):
+        LaunchConfig(command=["true"], nproc=2, replica_size=2, straggler_policy="exclude")

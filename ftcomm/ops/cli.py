@@ -38,8 +38,8 @@ def _members(args: argparse.Namespace) -> int:
         run = runfile.choose(runfile.running(), args.run_pid)
         peer = run.addresses[0]
         cluster = run.cluster if not args.cluster_given else cluster
-        if secret is None:
-            secret = run.secret
+        if not args.secret_given and args.secret_file is None:
+            secret = run.secret  # the run's own, over $FTCOMM_SECRET (which may be another job's)
 
     def query():
         return query_members(peer, cluster=cluster, secret=secret, timeout=args.timeout)
@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the group's straggler_policy ($FTCOMM_STRAGGLER_POLICY; default warn)")
     run.add_argument("--log-dir", default=None, metavar="DIR",
                      help="write each worker start's output to its own file: DIR/w3.log, DIR/w3.r1.log after its "
-                          "first restart, ... (created 0700; files 0600)")
+                          "first restart, ... (created 0700; an existing DIR must be yours and not writable by "
+                          "others; files 0600)")
     run.add_argument("--local-ranks-filter", type=_ranks, default=None, metavar="R,R,...",
                      help="show only these local ranks' output on the console (--log-dir still gets every one)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")

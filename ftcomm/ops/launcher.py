@@ -73,7 +73,7 @@ from ..gossip.addresses import parse_seed
 from ..localproc import process_start
 from ..options import check_addresses, check_protection
 from . import runfile
-from .worker_output import Console, WorkerOutput, tag
+from .worker_output import Console, WorkerOutput, private_log_directory, tag
 
 MAX_BACKOFF_S = 60.0
 REPLICA_HALT_S = 5.0
@@ -139,6 +139,9 @@ class LaunchConfig:
                              f"{self.metrics_port + self.nproc - 1} must be valid")
         if self.straggler_policy not in (None, "warn", "exclude"):
             raise ValueError(f"--straggler-policy must be warn or exclude, got {self.straggler_policy!r}")
+        if self.straggler_policy == "exclude" and self.replica_size > 1:
+            raise ValueError("--straggler-policy exclude stands one process aside, and a sharded replica "
+                             "(--replica-size > 1) trains only whole: use warn")
         if self.local_ranks_filter is not None and not set(self.local_ranks_filter) <= set(range(self.nproc)):
             raise ValueError(f"--local-ranks-filter {','.join(map(str, self.local_ranks_filter))}: local ranks "
                              f"are 0..{self.nproc - 1}")
@@ -211,10 +214,7 @@ class Launcher:
         self._tty = hasattr(self.out, "isatty") and self.out.isatty()
         self.console = Console(self.out, stdout if stdout is not None else sys.stdout,
                                stderr if stderr is not None else sys.stderr, self._tty)
-        self.log_dir = None
-        if config.log_dir is not None:
-            self.log_dir = pathlib.Path(config.log_dir)
-            self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.log_dir = None if config.log_dir is None else private_log_directory(pathlib.Path(config.log_dir))
         check_addresses(config.host, list(config.peers))  # AddressError: the workers could not start either
         port = config.port
         dns_ports = [parse_seed(p)[1] for p in config.peers if parse_seed(p)[2]]
@@ -269,7 +269,7 @@ class Launcher:
                 self._step(time.monotonic())
                 time.sleep(POLL_S)
         finally:
-            for worker in self.workers:  # nothing outlives the launcher (its handlers still hold)
+            for worker in self.workers:  # no worker outlives the launcher (its handlers still hold)
                 # A worker that exited had its group killed then (see _exited); its pid may
                 # since belong to an unrelated process group, which must not be signalled.
                 if worker.process is not None and worker.process.poll() is None:
@@ -359,6 +359,7 @@ class Launcher:
         output = worker.output
         worker.starts.append({"restarts": worker.restarts, "exit": describe_exit(code), "code": code,
                               "seconds": now - worker.started_at, "at": now,
+                              "ending": self._ending_at is not None or self._stop_deadline is not None,
                               "lines": output.last_lines() if output is not None else [],
                               "log": str(output.log_path) if output is not None and output.log_path else None})
         worker.output = None
@@ -473,8 +474,14 @@ class Launcher:
             self.say(f"worker {worker.local_rank} cannot start {self.config.command[0]!r}: {exc.strerror or exc}")
             return
         shown = self.config.local_ranks_filter is None or worker.local_rank in self.config.local_ranks_filter
-        worker.output = WorkerOutput(self.console, worker.local_rank, worker.restarts, worker.process.stdout,
-                                     worker.process.stderr, shown, self.log_dir)
+        try:
+            worker.output = WorkerOutput(self.console, worker.local_rank, worker.restarts, worker.process.stdout,
+                                         worker.process.stderr, shown, self.log_dir)
+        except OSError as exc:  # its log file cannot be written (the directory went, a full disk): no log
+            self.say(f"worker {worker.local_rank}: no log file in {self.log_dir} ({exc.strerror or exc}); its "
+                     f"output goes to the console only")
+            worker.output = WorkerOutput(self.console, worker.local_rank, worker.restarts, worker.process.stdout,
+                                         worker.process.stderr, shown, None)
         worker.started_at = time.monotonic()
         worker.status = "running"
         self.say(f"worker {worker.local_rank} started: pid {worker.process.pid}, "
@@ -539,16 +546,19 @@ class Launcher:
                    "no worker finished")
         lost = [w.local_rank for w in self.workers if w.status in ("failed", "stopped")]
         restarts = sum(w.restarts for w in self.workers)
+        lost_text = f"lost worker{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
         self.say(f"summary: {outcome} (exit status {status}); {len(self.workers)} workers, {restarts} restarts"
-                 + (f", lost: {', '.join(map(str, lost))}" if lost and status == 0 else ""))
+                 + (f", {lost_text}" if lost and status == 0 else ""))
         self.say(f"  {'worker':<7} {'starts':>6}  {'state':<9} {'last exit':<18} {'ran':>8}")
         for worker in self.workers:
             last = worker.starts[-1] if worker.starts else None
             exit_text = last["exit"] if last else "-"
             ran = f"{last['seconds']:.1f} s" if last else "-"
             self.say(f"  {worker.local_rank:<7} {len(worker.starts):>6}  {worker.status:<9} {exit_text:<18} {ran:>8}")
+        # A failure is an exit while training went on: not one once the job was ending (a
+        # standby finding the group gone) or being stopped (the launcher's own SIGTERM).
         failures = [(start["at"], worker, start) for worker in self.workers for start in worker.starts
-                    if start["code"] not in (0, None) and "at" in start]
+                    if start["code"] not in (0, None) and "at" in start and not start.get("ending")]
         if failures:
             _, worker, start = min(failures, key=lambda f: f[0])
             self.say(f"first failure: worker {worker.local_rank} "
@@ -710,9 +720,10 @@ class _StatusLine:
             self._baseline = None
         rate = self.rate(now, step)
         local = sum(1 for w in launcher.workers if w.status == "running")
+        in_view = sum(1 for r in newest if r.get("ph") == "active")
         left = sum(max(0, launcher.config.max_restarts - w.restarts) for w in launcher.workers
                    if w.status not in ("failed", "finished", "stopped"))
-        return (f"{len(live)} members ({local} local), step {step}"
+        return (f"{len(live)} members ({local} local, {in_view} in the view), step {step}"
                 + (f", {rate:.1f} steps/s" if rate is not None else "")
                 + f", view {view}" + (f" ({reason}, {now - self._view[1]:.0f} s ago)" if reason else
                                        f" (for {now - self._view[1]:.0f} s)")

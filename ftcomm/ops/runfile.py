@@ -66,8 +66,9 @@ def write(pid: int, cluster: str, addresses: list[str], secret: str | None, comm
     directory = _private(run_directory())
     path = directory / f"run-{pid}.json"
     temporary = directory / f".run-{pid}.tmp"
+    shown = [arg[:200] for arg in command[:20]]  # to name the run, not to run it: bounded
     body = json.dumps({"pid": pid, "start": process_start(pid), "cluster": cluster, "addresses": addresses,
-                       "secret": secret, "command": command}).encode()
+                       "secret": secret, "command": shown}, ensure_ascii=False).encode()
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, body)

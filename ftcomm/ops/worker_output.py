@@ -57,6 +57,27 @@ class Console:
                 pass
 
 
+def private_log_directory(path: pathlib.Path) -> pathlib.Path:
+    """``path`` for the workers' logs: created 0700, or an existing directory of this user
+    that nobody else can write to (else another user could plant links or read the logs).
+    FtcommError saying which and why."""
+    from ..errors import FtcommError
+
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = os.lstat(path)
+    except OSError as exc:
+        raise FtcommError(f"cannot use --log-dir {path}: {exc.strerror or exc}") from None
+    import stat
+
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise FtcommError(f"--log-dir {path} is not a directory (or is a symbolic link)")
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise FtcommError(f"--log-dir {path} belongs to another user or others can write to it: they could "
+                          f"redirect or read the workers' logs; use a directory of your own")
+    return path
+
+
 class WorkerOutput:
     """The two output streams of one start of one worker."""
 
@@ -71,7 +92,12 @@ class WorkerOutput:
         self._log_lock = threading.Lock()
         if log_dir is not None:
             self.log_path = log_dir / f"{self.tag}.log"
-            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            # A name left by an earlier run is replaced, never followed (it could be a link).
+            try:
+                os.unlink(self.log_path)
+            except FileNotFoundError:
+                pass
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             self._log = open(fd, "w", encoding="utf-8", errors="replace", buffering=1)
         self._threads = [threading.Thread(target=self._relay, args=(pipe, stream, tail), daemon=True,
                                           name=f"ftcomm-run-{self.tag}-{name}")
