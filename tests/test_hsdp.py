@@ -151,7 +151,10 @@ def test_a_replica_that_loses_a_process_to_kill_9_leaves_whole_and_comes_back():
 
 
 def test_sigterm_to_a_whole_replica_is_a_graceful_leave():
-    steps = 120
+    # Long enough for the launcher's restart of the replica (Python, torch, the replica's own
+    # group) to rejoin before the others end, on a loaded machine too: with 120 steps the
+    # others once finished before it was back, and it waited alone below min_workers.
+    steps = 240
     job = Job(steps)
     try:
         ready = started(job)
