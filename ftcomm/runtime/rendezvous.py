@@ -373,7 +373,6 @@ _REQUESTS: dict[str, tuple[type, ...]] = {
     "set": (str, bytes), "get": (str, int), "check": (list,), "wait": (list, int), "add": (str, int),
     "cas": (str, bytes, bytes), "delete": (str,), "num": (),
 }
-_client_context = zmq.Context.instance
 
 
 class StoreClient(dist.Store):
@@ -382,7 +381,9 @@ class StoreClient(dist.Store):
     Failure semantics: every call is bounded by ``timeout`` (a wait by its own) and raises
     :class:`~ftcomm.errors.CommunicatorError` when no authenticated answer arrives in time
     (the server is gone, partitioned, or uses another secret), or when it reports an error.
-    Thread-safe; one request at a time. Keys are prefixed with ``prefix`` (torch's
+    Thread-safe; one request at a time. Each client has its own zmq context, terminated
+    when it closes: a socket of a shared context is closed later by zmq's I/O thread, so
+    its connection outlived the group that closed it. Keys are prefixed with ``prefix`` (torch's
     ``PrefixStore`` cannot wrap a store written in Python). :meth:`cancel`, from any
     thread, ends the request in flight and every later one with that error at once: a
     communicator builder that was given up on stops waiting on the store.
@@ -395,7 +396,8 @@ class StoreClient(dist.Store):
         self._framing = Framing(secret)
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._socket = _client_context().socket(zmq.DEALER)
+        self._context = zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._socket.connect(f"tcp://{host}:{port}")
@@ -421,7 +423,8 @@ class StoreClient(dist.Store):
     def _close_locked(self) -> None:
         if not self._closed:
             self._closed = True
-            self._socket.close()
+            self._socket.close(linger=0)
+            self._context.term()  # returns once zmq's threads closed the connection
 
     def close(self) -> None:
         with self._lock:
@@ -429,7 +432,8 @@ class StoreClient(dist.Store):
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            self._socket.close()
+            self._socket.close(linger=0)
+            self._context.term()
 
     # ------------------------------------------------------------------ torch.distributed.Store
     def set(self, key: str, value: Any) -> None:
