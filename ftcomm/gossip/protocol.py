@@ -523,7 +523,7 @@ class Protocol:
     def probe_now(self, member_ids: list[str], now: float) -> int:
         """Probe these members at once, directly and through ``indirect_checks`` helpers in
         the same moment (the driver asks when a collective has waited on them far longer than
-        usual). A member that answers neither within ``probe_timeout`` is suspected, as after
+        usual). A member that answers neither within ``urgent_probe_timeout`` is suspected, as after
         a regular probe; Lifeguard's suspicion timeout and refutation still decide whether it
         is declared dead. One such probe per member at a time; returns how many started."""
         self._now = now
@@ -536,7 +536,7 @@ class Protocol:
             if m is None or member_id == self.id or member_id in busy or m.state not in (ALIVE_STATE, SUSPECT_STATE):
                 continue
             seq = self._next_seq()
-            probe = _Probe(member_id, m.address, seq, now + self._awareness.scale(self.config.probe_timeout))
+            probe = _Probe(member_id, m.address, seq, now + self._awareness.scale(self.config.urgent_probe_timeout))
             self._send(m.address, member_id, [wire.encode([PING, seq, member_id])])
             self._send_indirect_probes(probe)
             self._urgent[seq] = probe
@@ -684,6 +684,10 @@ class Protocol:
         if member_id == self.id:
             if not self.leaving and incarnation >= self._self.incarnation:
                 self._refute(incarnation)
+                # The suspecter's timer started first and runs out first: it hears the
+                # refutation at once rather than when gossip brings it round.
+                if self._tell_alive(suspecter, now):
+                    self.stats["refutations_sent_to_suspecter"] += 1
             return
         m = self._table.get(member_id)
         if m is None or incarnation < m.incarnation or m.state in (DEAD_STATE, LEFT_STATE):
@@ -743,15 +747,21 @@ class Protocol:
         at most once per probe interval each."""
         if message[1] != self.id or message[2] >= self._self.incarnation or self.leaving:
             return
+        for holder in {sender, message[3]}:
+            if self._tell_alive(holder, now):
+                self.stats["stale_news_corrected"] += 1
+
+    def _tell_alive(self, holder: str, now: float) -> bool:
+        """Send this member's current record straight to ``holder`` (one that suspects it),
+        at most once per probe interval per holder; True when sent."""
         if len(self._corrected) > 64:
             self._corrected = {k: t for k, t in self._corrected.items() if now - t < self.config.probe_interval}
-        for holder in {sender, message[3]}:
-            m = self._table.get(holder)
-            if m is None or now - self._corrected.get(holder, float("-inf")) < self.config.probe_interval:
-                continue
-            self._corrected[holder] = now
-            self._send(m.address, m.id, [self._alive_self_message()], piggyback=False)
-            self.stats["stale_news_corrected"] += 1
+        m = self._table.get(holder)
+        if m is None or holder == self.id or now - self._corrected.get(holder, float("-inf")) < self.config.probe_interval:
+            return False
+        self._corrected[holder] = now
+        self._send(m.address, m.id, [self._alive_self_message()], piggyback=False)
+        return True
 
     def _declare_dead(self, member_id: str, incarnation: int, now: float) -> None:
         if self._table.get(member_id) is None:  # forgotten while suspected, to make room in a full table

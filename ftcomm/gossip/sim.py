@@ -58,6 +58,7 @@ class Simulation:
         self._heap: list[tuple] = []
         self._seq = 0
         self._partition: tuple[frozenset[int], frozenset[int]] | None = None
+        self.slow: dict[int, float] = {}  # member index -> extra delay of every datagram it sends
         self.nodes: list[_Node] = []
         self._by_address: dict[tuple[str, int], int] = {}
         self._by_id: dict[str, int] = {}
@@ -202,7 +203,7 @@ class Simulation:
                 continue
             if self.loss and self._rng.random() < self.loss:
                 continue
-            self._push(now + self._rng.uniform(*self.delay), _DELIVER,
+            self._push(now + self._rng.uniform(*self.delay) + self.slow.get(node.index, 0.0), _DELIVER,
                        (dst, datagram.data, (protocol.id.split(":")[0], PORT)))
         for request in protocol.take_stream_requests():
             dst = self._by_address.get(request.address)
@@ -262,18 +263,22 @@ class ScenarioResult:
     false_dead_declarations: int  # (observer, member) pairs where a live member was marked dead
     false_suspicions: int  # distinct (member, incarnation) suspicions of live members
     stalled_member_declared_dead: bool | None
+    slow_delay_s: float | None
+    slow_member_deaths: int | None  # times members marked the slow member dead (its answers delayed, not lost)
+    slow_member_suspicions: int | None  # distinct (incarnation) suspicions of the slow member
     messages_per_member_s: float
     bytes_per_member_s: float
 
 
 def run_scenario(n: int, *, loss: float = 0.0, duration: float = 60.0, crash_at: float | None = 20.0,
                  metadata_at: float | None = 10.0, stall_at: float | None = None, stall_for: float = 2.0,
-                 seed: int = 0, config: GossipConfig | None = None) -> ScenarioResult:
+                 seed: int = 0, config: GossipConfig | None = None, slow_delay: float | None = None) -> ScenarioResult:
     """Run one scenario and measure it.
 
     Member 0 changes its metadata at ``metadata_at``; member n-1 crashes at ``crash_at``;
-    member n-2 stalls for ``stall_for`` seconds at ``stall_at``. Traffic is averaged
-    over the whole run.
+    member n-2 stalls for ``stall_for`` seconds at ``stall_at``; member n-3 is slow
+    throughout: every datagram it sends (acks included) arrives ``slow_delay`` seconds
+    late. Traffic is averaged over the whole run.
     """
     started = time.perf_counter()
     sim = Simulation(n, config, loss=loss, seed=seed)
@@ -282,6 +287,10 @@ def run_scenario(n: int, *, loss: float = 0.0, duration: float = 60.0, crash_at:
     crashed_id = sim.member_id(crashed) if crashed is not None else None
     stalled_id = sim.member_id(n - 2) if stall_at is not None and n > 2 else None
     meta_source_id = sim.member_id(0)
+    slow_id = sim.member_id(n - 3) if slow_delay is not None and n > 3 else None
+    if slow_id is not None:
+        sim.slow[n - 3] = slow_delay
+    slow = {"dead": 0, "suspicions": set()}
     first_suspect: list[float] = []
     dead_at: dict[int, float] = {}
     meta_at: dict[int, float] = {}
@@ -298,8 +307,11 @@ def run_scenario(n: int, *, loss: float = 0.0, duration: float = 60.0, crash_at:
         elif event.kind == "dead":
             false["dead"] += 1
             false["stalled_dead"] |= target == stalled_id
+            slow["dead"] += target == slow_id
         elif event.kind == "suspect":
             false_suspicions.add((target, event.member.incarnation))
+            if target == slow_id:
+                slow["suspicions"].add(event.member.incarnation)
         if (target == meta_source_id and event.kind == "metadata" and event.member.metadata == b"v2"
                 and observer != crashed):
             meta_at.setdefault(observer, event.time)
@@ -334,6 +346,9 @@ def run_scenario(n: int, *, loss: float = 0.0, duration: float = 60.0, crash_at:
         metadata_reached_fraction=round(len(meta_times) / observers, 6) if metadata_at is not None else None,
         false_dead_declarations=false["dead"], false_suspicions=len(false_suspicions),
         stalled_member_declared_dead=false["stalled_dead"] if stalled_id else None,
+        slow_delay_s=slow_delay if slow_id else None,
+        slow_member_deaths=slow["dead"] if slow_id else None,
+        slow_member_suspicions=len(slow["suspicions"]) if slow_id else None,
         messages_per_member_s=round(datagrams / n / duration, 3),
         bytes_per_member_s=round(sent / n / duration, 1),
     )
@@ -348,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metadata-at", type=float, default=10.0, help="member 0 changes metadata then (-1: never)")
     parser.add_argument("--stall-at", type=float, default=-1, help="stall member n-2 then (-1: never)")
     parser.add_argument("--stall-for", type=float, default=2.0, help="stall length in seconds")
+    parser.add_argument("--slow", type=float, default=-1,
+                        help="member n-3's datagrams (its acks too) arrive this many seconds late (-1: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override a GossipConfig field, e.g. --set probe_interval=1.0")
@@ -357,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     never = lambda v: None if v < 0 else v
     result = run_scenario(args.n, loss=args.loss, duration=args.duration, crash_at=never(args.crash_at),
                           metadata_at=never(args.metadata_at), stall_at=never(args.stall_at),
-                          stall_for=args.stall_for, seed=args.seed, config=config)
+                          stall_for=args.stall_for, seed=args.seed, config=config, slow_delay=never(args.slow))
     if args.json:
         print(json.dumps(asdict(result)))
     else:
