@@ -63,12 +63,12 @@ class GroupOptions:
     aborted. Crashes and hangs abort at once. A leaving worker, for its part, stays
     reachable until the others moved on, at most this long after its last operation."""
 
-    stall_probe_after: float = 0.1
+    stall_probe_after: float = 0.05
     """A collective still waiting this long after this worker handed over its share, and 4
     times longer than the median wait of its recent collectives, probes the view's other
     members at once (directly and through helpers) instead of waiting for the regular probe
-    round: a stopped process or a lost node is suspected ``probe_timeout`` later and the
-    wait aborted. Lower finds hangs sooner at the price of probes during long waits; a
+    round: a stopped process or a lost node is suspected ``urgent_probe_timeout`` (gossip,
+    0.1 s) later and the wait aborted. Lower finds hangs sooner at the price of probes during long waits; a
     member whose process answers probes is never suspected by it (slow compute is a
     straggler, not a hang). 0 turns it off."""
 

@@ -367,6 +367,32 @@ def test_a_collective_waiting_far_longer_than_usual_probes_its_members_and_a_sil
                 g.shutdown()
 
 
+def test_a_member_slow_in_compute_is_probed_but_never_suspected_while_its_process_answers():
+    """Hang detection must not mistake slow compute for a hang: member 2 spins in Python
+    (holding the GIL between switches) for far longer than the collective usually waits.
+    The others' allreduce waits, probes it at once, and its gossip thread answers: the
+    view stays, nobody is suspected, and the collective completes with all three."""
+    groups = start_groups(3)
+    try:
+        for _ in range(5):  # the usual wait of a collective
+            in_threads(groups, lambda i, g: g.execute(lambda: g.allreduce(torch.ones(2))))
+        views = [g.view.id for g in groups]
+
+        def slow(i, g):
+            if i == 2:
+                until = time.monotonic() + 1.5
+                while time.monotonic() < until:
+                    sum(range(1000))
+            return g.execute(lambda: g.allreduce(torch.ones(2))).tolist()
+        assert in_threads(groups, slow) == [[3.0, 3.0]] * 3
+        assert [g.view.id for g in groups] == views and all(g.world_size == 3 for g in groups)
+        assert sum(g.gossip.stats()["urgent_probes"] for g in groups[:2]) > 0  # it was probed ...
+        assert sum(g.gossip.stats().get("probes_failed", 0) for g in groups) == 0  # ... and answered
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
 def test_stragglers_standing_aside_never_leave_fewer_than_min_workers():
     """Four members, min_workers=3 (so one may stand aside), two of them slow alike: each
     judges itself a straggler. Only one may stand aside; the fast two must go on training
