@@ -13,10 +13,17 @@ group and committing. Phases per run, from the kill:
 
 The survivors go on meanwhile: *survivors resume* is the kill until every survivor has
 committed a step in a view without the killed worker (the baseline: what the group
-needs without waiting for anyone). One launcher, ``--runs`` kills of different
+needs without waiting for anyone). One launcher per mode, ``--runs`` kills of different
 workers, a few seconds apart.
 
-    python benchmarks/launcher_restart.py --runs 5
+Modes, run one after the other in the same invocation: *cold* (a new process per
+restart, what ``ftcomm run`` does by default) and *standby* (``--standby 1``: a warm
+interpreter takes the worker's place; *startup* is then counted from the takeover, and
+before each kill the benchmark waits until the launcher reports a standby ready). The
+memory of an idle standby (RSS, and PSS: its share of pages it shares with the workers)
+is read from /proc before the kills.
+
+    python benchmarks/launcher_restart.py --runs 5 [--modes cold,standby]
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class Job:
                                         env=env, cwd=ROOT)
         self.events: list[dict] = []
         self.starts: dict[int, float] = {}  # pid -> when the launcher reported starting it
+        self.standbys_ready: list[int] = []  # pids of standbys the launcher reported ready
         self.log: list[str] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._read_out, daemon=True).start()
@@ -82,6 +90,8 @@ class Job:
             if " started: pid " in line:
                 pid = int(line.split(" started: pid ")[1].split(",")[0])
                 self.starts[pid] = time.time()
+            if "standby ready: pid " in line:
+                self.standbys_ready.append(int(line.split("standby ready: pid ")[1].split(",")[0]))
 
     def snapshot(self) -> list[dict]:
         with self._lock:
@@ -107,12 +117,26 @@ class Job:
             return self.process.wait()
 
 
-def one_restart(job: Job, victim: dict, live: list[dict]) -> dict:
+def memory_mb(pid: int) -> dict:
+    """RSS and PSS of ``pid`` in MB (from /proc; PSS counts shared pages by share)."""
+    values = {}
+    for path, keys in ((f"/proc/{pid}/status", ("VmRSS",)), (f"/proc/{pid}/smaps_rollup", ("Pss",))):
+        try:
+            for line in open(path):
+                name = line.split(":")[0]
+                if name in keys:
+                    values[name.lower().replace("vm", "")] = round(int(line.split()[1]) / 1024, 1)
+        except OSError:
+            pass
+    return values
+
+
+def one_restart(job: Job, victim: dict, live: list[dict], standby: bool) -> dict:
     killed_at = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     new = job.wait(lambda e: e["ev"] == "started" and e["t"] > killed_at, 120, "restarted process")
     pid = new["pid"]
-    born = process_start_time(pid) or job.starts.get(pid)
+    born = job.starts.get(pid) if standby else process_start_time(pid) or job.starts.get(pid)
     ready = job.wait(lambda e: e["ev"] == "ready" and e["pid"] == pid, 120, "restarted worker in the group")
     first = job.wait(lambda e: e["ev"] == "first_step" and e.get("pid") == pid, 120, "its first commit")
     survivors = [w for w in live if w["pid"] != victim["pid"]]
@@ -134,33 +158,48 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--step-time", type=float, default=0.02)
+    parser.add_argument("--modes", default="cold,standby", help="cold, standby or both (in this order)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "launcher_restart.json"))
     args = parser.parse_args()
-    job = Job(args.workers, args.step_time)
-    rows = []
-    try:
-        live = []
-        for _ in range(args.workers):
-            live.append(job.wait(lambda e: e["ev"] == "ready" and e["pid"] not in {w["pid"] for w in live}, 120,
-                                 "a worker in the group"))
-        for run in range(args.runs):
-            time.sleep(3.0)  # training goes on a while between kills
-            victim = live[run % len(live)]
-            row = one_restart(job, victim, live)
-            live[live.index(victim)] = row.pop("ready_event")
-            rows.append(row)
-            print(json.dumps({"run": run + 1, **row}), flush=True)
-    finally:
-        status = job.stop()
     keys = ["restart_s", "startup_s", "join_s", "first_commit_s", "total_s", "survivors_resume_s"]
-    medians = {k: round(statistics.median(r[k] for r in rows), 3) for k in keys} if rows else {}
     result = {"benchmark": "launcher_restart", "workers": args.workers, "step_time_s": args.step_time,
-              "runs": rows, "median": medians, "launcher_exit_status": status,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+              "modes": {}, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    complete = True
+    for mode in args.modes.split(","):
+        standby = mode == "standby"
+        job = Job(args.workers, args.step_time, ("--standby", "1") if standby else ())
+        rows, memory = [], {}
+        try:
+            live = []
+            for _ in range(args.workers):
+                live.append(job.wait(lambda e: e["ev"] == "ready" and e["pid"] not in {w["pid"] for w in live},
+                                     120, "a worker in the group"))
+            for run in range(args.runs):
+                time.sleep(3.0)  # training goes on a while between kills
+                if standby:
+                    deadline = time.monotonic() + 60
+                    while len(job.standbys_ready) <= run and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    if len(job.standbys_ready) <= run:
+                        raise RuntimeError("no standby ready within 60 s:\n" + "".join(job.log[-30:]))
+                    if not memory:
+                        memory = memory_mb(job.standbys_ready[run])
+                victim = live[run % len(live)]
+                row = one_restart(job, victim, live, standby)
+                live[live.index(victim)] = row.pop("ready_event")
+                rows.append(row)
+                print(json.dumps({"mode": mode, "run": run + 1, **row}), flush=True)
+        finally:
+            status = job.stop()
+        medians = {k: round(statistics.median(r[k] for r in rows), 3) for k in keys} if rows else {}
+        result["modes"][mode] = {"runs": rows, "median": medians, "launcher_exit_status": status,
+                                 **({"standby_memory_mb": memory} if standby else {})}
+        print(json.dumps({"mode": mode, "median": medians, "launcher_exit_status": status,
+                          **({"standby_memory_mb": memory} if standby else {})}), flush=True)
+        complete &= len(rows) == args.runs
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({"median": medians, "launcher_exit_status": status}))
-    return 0 if rows and len(rows) == args.runs else 1
+    return 0 if complete else 1
 
 
 if __name__ == "__main__":

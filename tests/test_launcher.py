@@ -148,7 +148,7 @@ def test_a_failing_worker_is_restarted_with_backoff_until_it_finishes(tmp_path):
     code, log = launch(tmp_path, "sys.exit(0 if int(os.environ['FTCOMM_RESTARTS']) >= 2 else 3)\n",
                        restart_backoff=0.05)
     assert code == 0, log
-    assert "restart 1 of 3 in 0.05 s" in log and "restart 2 of 3 in 0.1 s" in log and "finished" in log
+    assert "restart 1 of 3 in 0 s" in log and "restart 2 of 3 in 0.05 s" in log and "finished" in log
 
 
 def test_a_worker_out_of_restarts_fails_the_job(tmp_path):
@@ -206,12 +206,14 @@ def test_the_command_line_refuses_bad_arguments_with_status_2(capsys):
     assert "no command" in capsys.readouterr().err
 
 
-def test_a_killed_worker_is_restarted_rejoins_and_ends_with_the_others_state(tmp_path):
+@pytest.mark.parametrize("standby", [False, True], ids=["new-process", "standby"])
+def test_a_killed_worker_is_restarted_rejoins_and_ends_with_the_others_state(tmp_path, standby):
     """A real job through the launcher: kill -9 one of three workers mid-training; it is
-    restarted, receives the state from its peers, and every worker ends with one digest."""
+    restarted (a new process, or a warm standby taking its place), receives the state from
+    its peers, and every worker ends with one digest."""
     command = [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "3", "--restart-backoff", "0.2",
-               "--stop-timeout", "120", str(EXAMPLE), "--steps", "600", "--step-time", "0.03",
-               "--report-every", "1000000"]
+               "--stop-timeout", "120", *(["--standby", "1"] if standby else []), str(EXAMPLE),
+               "--steps", "1500" if standby else "600", "--step-time", "0.03", "--report-every", "1000000"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     events: list[dict] = []
@@ -223,6 +225,8 @@ def test_a_killed_worker_is_restarted_rejoins_and_ends_with_the_others_state(tmp
         reader.start()
     try:
         wait_until(lambda: sum(e["ev"] == "first_step" for e in list(events)) >= 3, 120, "three workers training")
+        if standby:
+            wait_until(lambda: "standby ready" in "".join(log), 120, "a standby ready")
         victim = next(e for e in events if e["ev"] == "ready")
         os.kill(victim["pid"], signal.SIGKILL)
         wait_until(lambda: sum(e["ev"] == "ready" for e in list(events)) >= 4 or launcher.poll() is not None,
@@ -237,6 +241,7 @@ def test_a_killed_worker_is_restarted_rejoins_and_ends_with_the_others_state(tmp
     text = "".join(log)
     assert code == 0, text[-3000:]
     assert "restart 1 of 3" in text and "signal SIGKILL" in text
+    assert ("restart 1 (a warm standby)" in text) == standby, text[-3000:]
     done = [e for e in events if e["ev"] == "done"]
     assert len(done) == 3, text[-3000:]
     assert len({e["digest"] for e in done}) == 1 and len({e["step"] for e in done}) == 1
@@ -316,7 +321,8 @@ def test_a_worker_waiting_for_its_restart_is_not_restarted_once_another_finished
             "time.sleep(0.5); sys.exit(0)\n")
     code, log = launch(tmp_path, body, nproc=2, restart_backoff=5.0)
     assert code == 0 and "worker 0 is not restarted: the job is ending" in log and "lost worker 0" in log
-    assert len(re.findall(r"worker \d started", log)) == 2
+    # worker 0's first restart is immediate, its second would wait 5 s: 3 starts in all
+    assert len(re.findall(r"worker \d started", log)) == 3
 
 
 def test_the_restart_backoff_stops_growing(tmp_path):
@@ -655,3 +661,133 @@ def test_an_exit_once_the_job_is_ending_is_no_failure_and_exclude_with_replicas_
     assert code == 0 and "lost worker 1" in log and "first failure" not in log, log
     with pytest.raises(ValueError, match="trains only whole"):
         LaunchConfig(command=["true"], nproc=2, replica_size=2, straggler_policy="exclude")
+
+
+# ---------------------------------------------------------------------- warm standbys
+STANDBY_SCRIPT = """\
+import json
+if os.environ["FTCOMM_RESTARTS"] == "0":
+    while not os.path.exists(os.environ["READY_FLAG"]):  # until the launcher has a standby ready
+        time.sleep(0.05)
+    sys.exit(3)
+print(json.dumps({"argv": sys.argv, "name": __name__, "path0": sys.path[0], "rank": os.environ["LOCAL_RANK"],
+                  "restarts": os.environ["FTCOMM_RESTARTS"], "secret": os.environ.get("FTCOMM_SECRET"),
+                  "fd": os.environ.get("FTCOMM_STANDBY_FD"), "torch": "torch" in sys.modules}))
+"""
+
+
+class _FlagOnReady(io.StringIO):
+    """The launcher's output; touches ``flag`` when it reports a standby ready, and keeps
+    the standbys' pids."""
+
+    def __init__(self, flag) -> None:
+        super().__init__()
+        self.flag, self.pids = flag, []
+
+    def write(self, text: str) -> int:
+        if "standby ready: pid " in text:
+            pid = int(text.split("standby ready: pid ")[1].split(",")[0])
+            self.pids.append((pid, open(f"/proc/{pid}/environ", "rb").read()))
+            self.flag.touch()
+        return super().write(text)
+
+
+def _run_with_standby(tmp_path, monkeypatch, command, **options):
+    from ftcomm.ops import launcher as launcher_module
+
+    monkeypatch.setattr(launcher_module, "STANDBY_WAIT_S", 0.2)  # these workers never answer gossip
+    monkeypatch.setattr(launcher_module, "STANDBY_RESPAWN_S", 0.2)
+    flag = tmp_path / "ready"
+    out, stdout = _FlagOnReady(flag), io.StringIO()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}
+    environ["READY_FLAG"] = str(flag)
+    launcher = Launcher(LaunchConfig(command=command, restart_backoff=0.0, **options), environ=environ, out=out,
+                        stdout=stdout)
+    code = launcher.run()
+    return code, out, stdout.getvalue(), launcher
+
+
+def test_a_standby_takes_a_failed_workers_place_and_runs_the_script_as_python_would(tmp_path, monkeypatch):
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys, time\n" + STANDBY_SCRIPT)
+    code, out, printed, launcher = _run_with_standby(tmp_path, monkeypatch, [sys.executable, "-u", str(script),
+                                                                            "a", "--b"], standby=1)
+    log = out.getvalue()
+    assert code == 0, log
+    assert "restart 1 (a warm standby)" in log and "exited with status 3" in log
+    seen = json.loads(untagged(printed.strip().splitlines()[-1]))
+    assert seen["argv"] == [str(script), "a", "--b"] and seen["name"] == "__main__"
+    assert seen["path0"] == str(tmp_path) and seen["rank"] == "0" and seen["restarts"] == "1"
+    assert seen["fd"] is None and seen["torch"]  # the standby's own variables are gone; torch was loaded
+    assert seen["secret"] == launcher.secret  # the worker's environment arrived through the pipe ...
+    taken, environ = out.pids[0]
+    assert b"FTCOMM_SECRET" not in environ  # ... and was never in the standby's own
+    # no standby outlives the launcher (the one started after the takeover included)
+    for pid, _ in out.pids:
+        assert not os.path.exists(f"/proc/{pid}") or \
+            open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    assert launcher.standbys == []
+
+
+def test_a_standby_runs_a_module_as_python_m_would(tmp_path, monkeypatch):
+    (tmp_path / "trainmod.py").write_text("import os, sys, time\n" + STANDBY_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    code, out, printed, _ = _run_with_standby(tmp_path, monkeypatch, [sys.executable, "-m", "trainmod", "x"],
+                                              standby=1)
+    assert code == 0, out.getvalue()
+    seen = json.loads(untagged(printed.strip().splitlines()[-1]))
+    assert seen["argv"] == [str(tmp_path / "trainmod.py"), "x"] and seen["name"] == "__main__"
+    assert "(a warm standby)" in out.getvalue()
+
+
+def test_standbys_that_fail_to_prepare_are_given_up_and_restarts_start_new_processes(tmp_path, monkeypatch):
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['FTCOMM_RESTARTS'] == '0':\n"
+                      "    time.sleep(60); sys.exit(3)\n")
+    from ftcomm.ops import launcher as launcher_module
+
+    failures = []
+    original = launcher_module.Launcher._standby_gone
+
+    def gone(self, dead):
+        original(self, dead)
+        failures.append(dead.process.pid)
+        if len(failures) == launcher_module.STANDBY_FAILURES:
+            os.kill(self.workers[0].process.pid, signal.SIGKILL)  # now a restart is due
+
+    monkeypatch.setattr(launcher_module.Launcher, "_standby_gone", gone)
+    code, out, _, _ = _run_with_standby(tmp_path, monkeypatch, [sys.executable, str(script)], standby=1,
+                                        standby_imports=("no_such_module_for_a_standby",))
+    log = out.getvalue()
+    assert code == 0, log
+    assert log.count("a standby exited with status 1 before it was needed") == 3, log
+    assert "No module named 'no_such_module_for_a_standby'" in log
+    assert "no more standbys (3 failed in a row)" in log
+    assert "restart 1\n" in log and "(a warm standby)" not in log  # a new process instead
+
+
+@pytest.mark.parametrize("command, message", [
+    (["bash", "train.sh"], "not a Python interpreter"),
+    ([sys.executable, "-X", "dev", "train.py"], "-X cannot be applied"),
+    ([sys.executable, "-m"], "-m names no module"),
+    ([sys.executable, "-u"], "names no script"),
+])
+def test_standby_needs_a_python_command_it_can_take_over(command, message):
+    with pytest.raises(ValueError, match=message):
+        LaunchConfig(command=command, standby=1)
+    LaunchConfig(command=command)  # without standbys any command runs
+
+
+def test_the_first_restart_is_immediate_and_later_ones_back_off():
+    launcher = Launcher(LaunchConfig(command=["true"], max_restarts=10, restart_backoff=1.0), environ={},
+                        out=io.StringIO())
+    worker = launcher.workers[0]
+    delays = []
+    for restarts in range(4):
+        worker.restarts, worker.status, worker.process = restarts, "running", subprocess.Popen(["true"])
+        worker.process.wait()
+        now = time.monotonic()
+        launcher._exited(worker, 1, now)
+        delays.append(round(worker.restart_at - now, 3))
+    assert delays == [0.0, 1.0, 2.0, 4.0]

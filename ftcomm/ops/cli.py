@@ -128,7 +128,8 @@ def _run(args: argparse.Namespace) -> int:
                           network_check=args.network_check, replica_size=args.replica_size,
                           log_dir=args.log_dir, local_ranks_filter=args.local_ranks_filter,
                           min_workers=args.min_workers, max_workers=args.max_workers,
-                          metrics_port=args.metrics_port, straggler_policy=args.straggler_policy)
+                          metrics_port=args.metrics_port, straggler_policy=args.straggler_policy,
+                          standby=args.standby, standby_imports=tuple(args.standby_import))
     return Launcher(config).run()
 
 
@@ -218,7 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="gossip addresses of workers on other nodes, or dns://NAME:PORT (default: $FTCOMM_PEERS)")
     run.add_argument("--max-restarts", type=_count(0), default=3, help="restarts per worker (default 3)")
     run.add_argument("--restart-backoff", type=_non_negative, default=1.0,
-                     help="seconds before the first restart of a worker, doubled each time (default 1)")
+                     help="a worker's first restart is immediate, its second waits this many seconds, doubled "
+                          "for each later one, at most 60 (default 1)")
+    run.add_argument("--standby", type=_count(0), default=0, metavar="N",
+                     help="keep N warm standby interpreters (torch and ftcomm imported) that replace a failed "
+                          "worker in about a second instead of a new process's start; each costs the memory of "
+                          "an idle interpreter with torch (default 0)")
+    run.add_argument("--standby-import", action="append", default=[], metavar="MODULE",
+                     help="a module the standbys import ahead (repeatable), e.g. the script's own heavy imports")
     run.add_argument("--stop-timeout", type=_seconds, default=30.0,
                      help="seconds workers get to leave after SIGTERM/SIGINT before they are killed (default 30)")
     run.add_argument("--status-interval", type=_seconds, default=10.0,

@@ -21,8 +21,8 @@ A worker that exits with status 0 has finished; once one has, the job is ending:
 worker is restarted any more (it would start the training over), and the others have
 ``stop_timeout`` seconds to finish too before they are stopped like on SIGTERM. Any
 other exit (a crash, a kill, an exception) restarts the worker *process*, after
-``restart_backoff`` seconds doubled on each restart of the same worker (at most 60 s),
-up to ``max_restarts`` times; the new process rejoins through gossip and receives the
+at once the first time, then after ``restart_backoff`` seconds doubled on each further
+restart of the same worker (at most 60 s), up to ``max_restarts`` times; the new process rejoins through gossip and receives the
 state from its peers, the others do not stop. SIGTERM, SIGINT, SIGHUP or SIGQUIT to
 the launcher is forwarded to every worker as SIGTERM (a graceful leave); whatever still
 runs after ``stop_timeout`` seconds, or at a second signal, is killed with what it
@@ -38,6 +38,14 @@ start of it). The replica is the unit of failure: when one of its processes exit
 than finished, the others are stopped (SIGTERM, then SIGKILL after ``REPLICA_HALT_S``: a
 process blocked in a collective with the dead one may never reach its signal handler),
 and the whole replica starts again once all have exited, counted as one restart of each.
+
+With ``standby`` N > 0 the launcher keeps N warm standby interpreters (see
+:mod:`ftcomm.ops.standby`): torch and ftcomm imported, waiting. A worker to be restarted
+takes a standby's process instead of a new one, which saves the interpreter's start; the
+standby is replaced a few seconds later, in the background (not at once: on a small
+machine importing torch beside the joining worker would slow it). Standbys start once
+the group first answers, are stopped when the job ends, and are given up after
+``STANDBY_FAILURES`` of them in a row exit before they were needed.
 
 Each worker's output is relayed line by line, tagged ``[w3]`` (``[w3.r1]`` after its first
 restart), written to a file per start under ``log_dir``, and the last lines of each start
@@ -73,6 +81,8 @@ from ..gossip.addresses import parse_seed
 from ..localproc import process_start
 from ..options import check_addresses, check_protection
 from . import runfile
+from .standby import FD_ENV as STANDBY_FD_ENV, IMPORTS_ENV as STANDBY_IMPORTS_ENV, order, python_command, \
+    standby_command
 from .worker_output import Console, WorkerOutput, private_log_directory, tag
 
 MAX_BACKOFF_S = 60.0
@@ -80,6 +90,12 @@ REPLICA_HALT_S = 5.0
 """How long the other processes of a sharded replica that lost one have to leave the group
 after SIGTERM before they are killed."""
 POLL_S = 0.05
+STANDBY_RESPAWN_S = 3.0
+"""After a standby took over (or another was started), the next is started this much later."""
+STANDBY_WAIT_S = 30.0
+"""Standbys start once the group first answers, or this long after the launch at the latest."""
+STANDBY_FAILURES = 3
+"""Standbys that exit before they were needed, in a row, after which no more are started."""
 STARTING_NOTICE_S = 5.0  # until the group first answers, the launcher says every this often that it starts
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 PR_SET_PDEATHSIG = 1
@@ -110,6 +126,8 @@ class LaunchConfig:
     metrics_port: int | None = None  # worker i serves Prometheus metrics on this port + i ($FTCOMM_METRICS_PORT)
     straggler_policy: str | None = None  # warn or exclude ($FTCOMM_STRAGGLER_POLICY)
     local_ranks_filter: tuple[int, ...] | None = None  # only these workers' output on the console
+    standby: int = 0  # warm standby interpreters kept ready to replace a worker
+    standby_imports: tuple[str, ...] = ()  # modules a standby imports beyond torch and ftcomm
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -142,6 +160,15 @@ class LaunchConfig:
         if self.straggler_policy == "exclude" and self.replica_size > 1:
             raise ValueError("--straggler-policy exclude stands one process aside, and a sharded replica "
                              "(--replica-size > 1) trains only whole: use warn")
+        if self.standby < 0:
+            raise ValueError(f"--standby must be >= 0, got {self.standby}")
+        if self.standby:
+            why = python_command(self.command)
+            if why is not None:
+                raise ValueError(f"--standby: {why}")
+        for name in self.standby_imports:
+            if not all(part.isidentifier() for part in name.split(".")):
+                raise ValueError(f"--standby-import {name!r} is not a module name")
         if self.local_ranks_filter is not None and not set(self.local_ranks_filter) <= set(range(self.nproc)):
             raise ValueError(f"--local-ranks-filter {','.join(map(str, self.local_ranks_filter))}: local ranks "
                              f"are 0..{self.nproc - 1}")
@@ -163,6 +190,17 @@ class Worker:
     replica_addr: str = ""  # a sharded replica's processes: where they meet (torch's store), per start
     output: WorkerOutput | None = None  # the current start's output streams
     starts: list[dict] = dataclasses.field(default_factory=list)  # each start's end: exit, seconds, last lines
+
+
+@dataclasses.dataclass
+class Standby:
+    """A warm interpreter waiting for a worker's orders on ``orders`` (a pipe's write end)."""
+
+    process: subprocess.Popen
+    orders: int
+    ready: int  # a pipe's read end: one byte arrives once the standby is prepared
+    started_at: float
+    prepared: bool = False
 
 
 def free_ports(host: str, count: int) -> list[int]:
@@ -244,6 +282,11 @@ class Launcher:
         self.console.clear_status = self._status.clear
         self._saving = threading.Lock()  # one breakpoint save at a time: the workers share the checkpoint
         self._report_dir: str | None = None  # where the workers write the network check's report
+        self.standbys: list[Standby] = []
+        self._standby_after = time.monotonic() + STANDBY_WAIT_S  # the next standby starts then at the earliest
+        self._standby_failures = 0  # standbys in a row that exited before they were needed
+        self._group_answered = False
+        self._answer_checked = 0.0
         if config.network_check:
             import tempfile
 
@@ -269,6 +312,7 @@ class Launcher:
                 self._step(time.monotonic())
                 time.sleep(POLL_S)
         finally:
+            self._release_standbys()
             for worker in self.workers:  # no worker outlives the launcher (its handlers still hold)
                 # A worker that exited had its group killed then (see _exited); its pid may
                 # since belong to an unrelated process group, which must not be signalled.
@@ -326,6 +370,8 @@ class Launcher:
                         self._start(w)
         if self._report_dir is not None:
             self._show_network_report()
+        if self.config.standby:
+            self._tend_standbys(now)
         self._status.update(now)
 
     def _show_network_report(self) -> None:
@@ -392,7 +438,8 @@ class Launcher:
                      f"no restarts left (--max-restarts {self.config.max_restarts})")
             self._halt_replica(worker, now)
             return
-        delay = min(MAX_BACKOFF_S, self.config.restart_backoff * 2 ** min(worker.restarts, 16))
+        delay = 0.0 if worker.restarts == 0 else \
+            min(MAX_BACKOFF_S, self.config.restart_backoff * 2 ** min(worker.restarts - 1, 16))
         worker.status, worker.restart_at = "waiting", now + delay
         self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
                  f"restart {worker.restarts + 1} of {self.config.max_restarts} in {delay:g} s"
@@ -462,11 +509,17 @@ class Launcher:
             address = f"{self.config.host}:{free_ports(self.config.host, 1)[0]}"  # torch's store: fresh each start
             for w in self.replica(worker):
                 w.replica_addr = address
+        standby = self._take_standby()
         try:
-            worker.process = subprocess.Popen(self.config.command, env=self.worker_env(worker),
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                              start_new_session=True,
-                                              preexec_fn=functools.partial(_leave_with_parent, os.getpid()))
+            if standby is not None:
+                worker.process = standby.process
+                threading.Thread(target=_send_order, args=(standby.orders, order(self.config.command,
+                                 self.worker_env(worker))), daemon=True, name="ftcomm-run-standby").start()
+            else:
+                worker.process = subprocess.Popen(self.config.command, env=self.worker_env(worker),
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                  start_new_session=True,
+                                                  preexec_fn=functools.partial(_leave_with_parent, os.getpid()))
         except OSError as exc:  # no such program, not executable: restarting cannot help
             worker.status = "failed"
             worker.starts.append({"restarts": worker.restarts, "exit": f"not started: {exc.strerror or exc}",
@@ -485,7 +538,123 @@ class Launcher:
         worker.started_at = time.monotonic()
         worker.status = "running"
         self.say(f"worker {worker.local_rank} started: pid {worker.process.pid}, "
-                 f"{self.config.host}:{worker.port}" + (f", restart {worker.restarts}" if worker.restarts else ""))
+                 f"{self.config.host}:{worker.port}" + (f", restart {worker.restarts}" if worker.restarts else "")
+                 + (" (a warm standby)" if standby is not None else ""))
+
+    # ------------------------------------------------------------------ warm standbys
+    def _take_standby(self) -> Standby | None:
+        """A standby still alive, prepared ones first, taken out of the pool (the next one is
+        started ``STANDBY_RESPAWN_S`` later); None when there is none. One still preparing
+        is taken too: it is further along than a new process."""
+        self.standbys.sort(key=lambda s: (not s.prepared, s.started_at))
+        while self.standbys:
+            standby = self.standbys.pop(0)
+            os.close(standby.ready)
+            if standby.process.poll() is None:
+                self._standby_after = max(self._standby_after, time.monotonic() + STANDBY_RESPAWN_S)
+                return standby
+            standby.ready = -1
+            self._standby_gone(standby)
+        return None
+
+    def _tend_standbys(self, now: float) -> None:
+        """Keep ``config.standby`` standbys: notice those that exited, start one when due."""
+        for standby in [s for s in self.standbys if s.process.poll() is not None]:
+            self.standbys.remove(standby)
+            self._standby_gone(standby)
+        for standby in [s for s in self.standbys if not s.prepared]:
+            try:
+                standby.prepared = os.read(standby.ready, 1) == b"R"
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass
+            if standby.prepared:
+                self._standby_failures = 0
+                self.say(f"standby ready: pid {standby.process.pid}, prepared in {now - standby.started_at:.1f} s")
+        if self._ending_at is not None or self._stop_deadline is not None:
+            self._release_standbys()
+            return
+        if len(self.standbys) >= self.config.standby or self._standby_failures >= STANDBY_FAILURES:
+            return
+        if not self._group_answered and now >= self._answer_checked + 1.0:
+            self._answer_checked = now
+            self._group_answered = self._group_answers()
+            if self._group_answered:
+                self._standby_after = min(self._standby_after, now)
+        if now >= self._standby_after:
+            self._standby_after = now + STANDBY_RESPAWN_S
+            self._spawn_standby(now)
+
+    def _group_answers(self) -> bool:
+        from ..gossip.runtime import GossipError, query_members
+
+        for worker in [w for w in self.workers if w.status == "running"][:1]:
+            try:
+                query_members((self.config.host, worker.port), cluster=self.config.cluster, secret=self.secret,
+                              timeout=0.2)
+                return True
+            except GossipError:
+                pass
+        return False
+
+    def _spawn_standby(self, now: float) -> None:
+        env = dict(self.environ)
+        env["PYTHONUNBUFFERED"] = env.get("PYTHONUNBUFFERED", "1")
+        if self.config.nproc > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")  # as the workers: torch reads it when imported
+        for name in [n for n in env if n.startswith("FTCOMM_")]:
+            del env[name]  # a standby is no member of anything until it takes a worker's orders
+        env[STANDBY_IMPORTS_ENV] = ",".join(self.config.standby_imports)
+        orders_in, orders = os.pipe()
+        ready, ready_out = os.pipe()
+        os.set_blocking(ready, False)
+        env[STANDBY_FD_ENV] = f"{orders_in},{ready_out}"
+        try:
+            process = subprocess.Popen(standby_command(self.config.command), env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                       pass_fds=(orders_in, ready_out),
+                                       preexec_fn=functools.partial(_leave_with_parent, os.getpid()))
+        except OSError as exc:
+            os.close(orders)
+            os.close(ready)
+            self._standby_failures = STANDBY_FAILURES
+            self.say(f"cannot start a standby ({exc.strerror or exc}): restarts start new processes")
+            return
+        finally:
+            os.close(orders_in)
+            os.close(ready_out)
+        self.standbys.append(Standby(process, orders, ready, now))
+
+    def _standby_gone(self, dead: Standby) -> None:
+        """A standby exited before it was needed: say why, with its last line of output."""
+        os.close(dead.orders)
+        if dead.ready >= 0:
+            os.close(dead.ready)
+        code = dead.process.wait()
+        last = ""
+        for stream in (dead.process.stderr, dead.process.stdout):
+            text = _read_some(stream)
+            if text.strip():
+                last = text.strip().splitlines()[-1]
+                break
+        _kill_group(dead.process, signal.SIGKILL)
+        self._standby_failures += 1
+        gave_up = self._standby_failures >= STANDBY_FAILURES
+        self.say(f"a standby exited with {describe_exit(code)} before it was needed" + (f": {last}" if last else "")
+                 + (f"; no more standbys ({STANDBY_FAILURES} failed in a row), restarts start new processes"
+                    if gave_up else ""))
+
+    def _release_standbys(self) -> None:
+        """The job ends: every standby is stopped."""
+        for s in self.standbys:
+            os.close(s.orders)
+            os.close(s.ready)
+            _kill_group(s.process, signal.SIGKILL)
+            s.process.wait()
+            for stream in (s.process.stdout, s.process.stderr):
+                stream.close()
+        self.standbys.clear()
 
     def worker_env(self, worker: Worker) -> dict[str, str]:
         host = self.config.host
@@ -741,6 +910,29 @@ class _StatusLine:
     def finish(self) -> None:
         with self.launcher.console.lock:
             self.clear()
+
+
+def _send_order(fd: int, data: bytes) -> None:
+    """Write a standby's orders (it reads them once it has imported everything) and close."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:  # it died meanwhile: the launcher sees the worker's exit
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_some(stream, limit: int = 8192) -> str:
+    """What an exited process left in its pipe (at most ``limit`` bytes)."""
+    try:
+        os.set_blocking(stream.fileno(), False)
+        return (stream.read(limit) or b"").decode("utf-8", errors="replace")
+    except (OSError, ValueError):
+        return ""
+    finally:
+        stream.close()
 
 
 def _kill_group(process: subprocess.Popen, sig: int) -> None:
