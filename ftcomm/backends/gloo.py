@@ -244,9 +244,29 @@ def _key(host: str | None) -> str:
 
 
 def retain(host: str | None) -> None:
-    """A group of this process forms its communicators on ``host`` until :func:`release`."""
+    """A group of this process forms its communicators on ``host`` until :func:`release`.
+    The device (a listener, a thread, its filter: about 25 ms) is made now in the
+    background, while the group joins, so the first formation finds it ready."""
     with _DEVICES_LOCK:
         _USERS[_key(host)] = _USERS.get(_key(host), 0) + 1
+        ready = _key(host) in _DEVICES
+    if not ready:
+        threading.Thread(target=_prepare, args=(host,), daemon=True, name="ftcomm-gloo-device").start()
+
+
+def _prepare(host: str | None) -> None:
+    with _DEVICES_LOCK:
+        if not _USERS.get(_key(host)):
+            return  # released meanwhile
+    try:
+        _device(host)
+    except Exception as exc:  # noqa: BLE001 - the first formation makes it again and says why it cannot
+        log.debug("preparing the gloo device of %s: %s", host, exc)
+        return
+    with _DEVICES_LOCK:  # released while it was being made: nobody will seal it but this
+        made_door = _DEVICES.pop(_key(host), None) if not _USERS.get(_key(host)) else None
+    if made_door is not None and made_door[1] is not None:
+        made_door[1].seal()
 
 
 def release(host: str | None) -> None:

@@ -234,6 +234,7 @@ class Engine:
     vouched: frozenset = frozenset()  # members of the view entered whose own proposal of it was not seen here
     _last: Candidate | None = None
     _settled_since: float = 0.0
+    _admitting: bool = False  # agreeing because the last step admitted joiners (see joins_only)
     _lagging: dict = field(default_factory=dict)  # member -> (key, lagging since, last sync)
     _fetching: dict = field(default_factory=dict)  # (member, key) -> when asked
     _final_sync: float = float("-inf")  # see _fetch_final_records
@@ -321,6 +322,7 @@ class Engine:
             self.floor = max(self.floor, self.view.id + 1)
             self.view = None
         else:
+            self._admitting = self.state == JOIN_DUE
             self._move("broken")
         self.fault, self._last = None, None
         return [Publish()] if self._withdraw() or unreconciled else []
@@ -484,7 +486,9 @@ class Engine:
             return self._fetch_final_records(previous, statuses, now) or self._recontact(now)
         if cand != self._last:
             self._last, self._settled_since = cand, now
-        if now - self._settled_since < (0.0 if certain(cand, previous, statuses) else self.settle_interval):
+        settled = certain(cand, previous, statuses) or (joins_only(cand, previous, statuses) and (
+            self._admitting or proposed_by_another(cand, previous, statuses, self.id)))
+        if now - self._settled_since < (0.0 if settled else self.settle_interval):
             return []
         actions: list[Action] = []
         key = (cand.view_id, cand.digest)
@@ -646,6 +650,7 @@ class Engine:
 
     def _enter(self, view: View, statuses: dict[str, Status]) -> list[Action]:
         self.formed_from = self.state
+        self._admitting = False
         self._move("agreed")
         self.forming = view
         if self.entered_view is None or view.id > self.entered_view.id:
@@ -760,6 +765,31 @@ def certain(cand: Candidate, previous: View | None, statuses: dict[str, Status])
         return False
     dropped = [m for m in previous.members if m not in cand.members]
     return bool(dropped) and all(m in statuses and (statuses[m].dead or statuses[m].left) for m in dropped)
+
+
+def joins_only(cand: Candidate, previous: View | None, statuses: dict[str, Status]) -> bool:
+    """The candidate is the previous view, every member of it active, and fresh workers
+    asking to join, nothing else. After a
+    step that admitted joiners (every member of the view re-forms at that boundary, and a
+    joiner that comes later waits for the next one, a step away) such a candidate is
+    proposed without the settle interval, which would only hold the group back."""
+    if previous is None or not set(previous.members) < set(cand.members):
+        return False
+    if not all(m in statuses and statuses[m].alive and statuses[m].phase == ACTIVE for m in previous.members):
+        return False  # a member of the view is going: the settle batches that change with the join
+    added = [m for m in cand.members if m not in previous.member_set]
+    # Fresh workers only (floor 0): one rejoining after a partition or a lost view is settled
+    # as any other change.
+    return all(m in statuses and statuses[m].alive and statuses[m].phase == PHASE_JOINING and statuses[m].floor == 0
+               for m in added)
+
+
+def proposed_by_another(cand: Candidate, previous: View, statuses: dict[str, Status], me: str) -> bool:
+    """Another member of the previous view already proposes the candidate: it reached the
+    step that admitted the joiners first (this member's view broke on its proposal before
+    it read the step's verdict itself)."""
+    key = (cand.view_id, cand.digest)
+    return any(m != me and m in statuses and statuses[m].proposal == key for m in previous.members)
 
 
 def must_confirm(now: float, contributed_at: float, op_began: float, stalled_at: float, refuted_at: float,

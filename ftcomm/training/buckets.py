@@ -304,7 +304,7 @@ def _hand_back_shard(param: torch.Tensor, flat: torch.Tensor) -> None:
     FSDP2 made; the buffers are renewed under it)."""
     shard = sharded.local(param)
     if param.grad is None:
-        param.grad = sharded.DTensor.from_local(flat.view_as(shard).to(param.dtype).clone(), param.device_mesh,
+        param.grad = sharded.dtensor_class().from_local(flat.view_as(shard).to(param.dtype).clone(), param.device_mesh,
                                                 param.placements, run_check=False, shape=param.shape,
                                                 stride=param.stride())
     else:

@@ -10,19 +10,24 @@ it. Nothing here starts a collective.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
-try:  # torch >= 2.4 ships DTensor publicly here; without it nothing is ever sharded
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - a torch built without distributed support
-    DTensor = None
+
+def dtensor_class() -> type | None:
+    """``DTensor``, once something imported ``torch.distributed.tensor`` (FSDP2 does); None
+    before. Not imported here: it pulls in sympy and costs a worker that shards nothing
+    about a second of its start. No tensor can be a DTensor before the module exists."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def is_sharded(t: Any) -> bool:
     """Whether ``t`` is a DTensor (a parameter, gradient or state tensor of a sharded model)."""
-    return DTensor is not None and isinstance(t, DTensor)
+    cls = dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +56,7 @@ def like(template: Any, received: Any) -> Any:
     if is_sharded(template) and isinstance(received, torch.Tensor) and not is_sharded(received):
         if received.shape != template.to_local().shape:
             return received
-        return DTensor.from_local(received, template.device_mesh, template.placements, run_check=False,
+        return dtensor_class().from_local(received, template.device_mesh, template.placements, run_check=False,
                                   shape=template.shape, stride=template.stride())
     if isinstance(template, dict) and isinstance(received, dict):
         return {k: like(template[k], v) if k in template else v for k, v in received.items()}
