@@ -22,7 +22,9 @@ class GroupOptions:
 
     settle_interval: float = 0.05
     """A candidate view must stay unchanged this long before it is proposed. Longer batches
-    simultaneous changes into one re-formation; shorter re-forms sooner."""
+    simultaneous changes into one re-formation; shorter re-forms sooner. Not waited for a
+    candidate that only drops members known gone, nor for one that only adds fresh joiners
+    a step admitted to an intact view (the step boundary batches those)."""
 
     init_timeout: float = 120.0
     """``init`` raises FtcommTimeout when no view with ``min_workers`` members forms in time."""

@@ -605,7 +605,10 @@ class Launcher:
             env.setdefault("OMP_NUM_THREADS", "1")  # as the workers: torch reads it when imported
         for name in [n for n in env if n.startswith("FTCOMM_")]:
             del env[name]  # a standby is no member of anything until it takes a worker's orders
-        env[STANDBY_IMPORTS_ENV] = ",".join(self.config.standby_imports)
+        imports = list(self.config.standby_imports)
+        if self.config.replica_size > 1:  # sharded replicas' scripts build FSDP2 (DTensor, about a second)
+            imports.append("torch.distributed.fsdp")
+        env[STANDBY_IMPORTS_ENV] = ",".join(imports)
         orders_in, orders = os.pipe()
         ready, ready_out = os.pipe()
         os.set_blocking(ready, False)
