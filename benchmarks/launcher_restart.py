@@ -60,10 +60,10 @@ def process_start_time(pid: int) -> float | None:
 
 
 class Job:
-    def __init__(self, workers: int, step_time: float, extra: tuple = ()) -> None:
+    def __init__(self, workers: int, step_time: float, launcher: tuple = ()) -> None:
         command = [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", str(workers), "--restart-backoff",
-                   "0", "--max-restarts", "100", "--status-interval", "3600", str(EXAMPLE), "--steps",
-                   "100000000", "--step-time", str(step_time), "--report-every", "100000000", *extra]
+                   "0", "--max-restarts", "100", "--status-interval", "3600", *launcher, str(EXAMPLE), "--steps",
+                   "100000000", "--step-time", str(step_time), "--report-every", "100000000"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         env=env, cwd=ROOT)
