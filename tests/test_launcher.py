@@ -671,6 +671,7 @@ if os.environ["FTCOMM_RESTARTS"] == "0":
         time.sleep(0.05)
     sys.exit(3)
 print(json.dumps({"argv": sys.argv, "name": __name__, "path0": sys.path[0], "rank": os.environ["LOCAL_RANK"],
+                  "file": __file__, "main_file": sys.modules["__main__"].__file__,
                   "restarts": os.environ["FTCOMM_RESTARTS"], "secret": os.environ.get("FTCOMM_SECRET"),
                   "fd": os.environ.get("FTCOMM_STANDBY_FD"), "torch": "torch" in sys.modules}))
 """
@@ -710,13 +711,15 @@ def _run_with_standby(tmp_path, monkeypatch, command, **options):
 def test_a_standby_takes_a_failed_workers_place_and_runs_the_script_as_python_would(tmp_path, monkeypatch):
     script = tmp_path / "worker.py"
     script.write_text("import os, sys, time\n" + STANDBY_SCRIPT)
-    code, out, printed, launcher = _run_with_standby(tmp_path, monkeypatch, [sys.executable, "-u", str(script),
+    monkeypatch.chdir(tmp_path)  # a relative script path: __file__ is absolute all the same, as with python
+    code, out, printed, launcher = _run_with_standby(tmp_path, monkeypatch, [sys.executable, "-u", "worker.py",
                                                                             "a", "--b"], standby=1)
     log = out.getvalue()
     assert code == 0, log
     assert "restart 1 (a warm standby)" in log and "exited with status 3" in log
     seen = json.loads(untagged(printed.strip().splitlines()[-1]))
-    assert seen["argv"] == [str(script), "a", "--b"] and seen["name"] == "__main__"
+    assert seen["argv"] == ["worker.py", "a", "--b"] and seen["name"] == "__main__"
+    assert seen["file"] == seen["main_file"] == str(script)
     assert seen["path0"] == str(tmp_path) and seen["rank"] == "0" and seen["restarts"] == "1"
     assert seen["fd"] is None and seen["torch"]  # the standby's own variables are gone; torch was loaded
     assert seen["secret"] == launcher.secret  # the worker's environment arrived through the pipe ...

@@ -85,7 +85,11 @@ class GossipConfig:
     in the same moment, before the member is suspected. Shorter than ``probe_timeout``
     because the collective already waits on it; an ack needs only that the member's
     gossip thread runs, which it does while the member computes (awareness stretches it
-    on a member that finds itself slow)."""
+    on a member that finds itself slow). The gossip thread needs the GIL: a training
+    thread that holds it in one C call (a long numpy operation, pickling a large object)
+    for longer than about ``stall_probe_after`` plus this (0.15 s) while the others wait
+    on it is taken for hung and the view re-forms (it stays a member and loses a step);
+    raise this (0.2: hangs found in about 0.4 s instead of 0.25 s) for such scripts."""
 
     indirect_checks: int = 5
     """Members asked to ping the target on our behalf (SWIM's k) when the direct ping

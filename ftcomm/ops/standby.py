@@ -19,12 +19,15 @@ A command can be run by a standby when it is a Python interpreter followed by an
 
 from __future__ import annotations
 
+import builtins
+import importlib.machinery
 import json
 import os
 import pathlib
 import re
 import runpy
 import sys
+import types
 
 FD_ENV = "FTCOMM_STANDBY_FD"
 """The environment variable that names a standby's two pipes, ``ORDERS,READY``: it reads its
@@ -91,9 +94,22 @@ def become(argv: list[str]) -> None:
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's path in sys.argv[0]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
+    elif os.path.isfile(argv[0]):
+        # As ``python script.py``: sys.argv[0] as given, __file__ absolute, the script's
+        # directory first on sys.path, a fresh __main__ module (runpy.run_path would give
+        # __file__ as given, relative, and sys.argv[0] the same).
+        path = os.path.abspath(argv[0])
+        with open(path, "rb") as f:
+            code = compile(f.read(), path, "exec")
+        main = types.ModuleType("__main__")
+        main.__dict__.update(__file__=path, __builtins__=builtins, __cached__=None, __spec__=None,
+                             __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+        sys.modules["__main__"] = main
         sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        sys.path[0] = os.path.dirname(path)
+        exec(code, main.__dict__)
+    else:  # a directory or a zip file with a __main__.py
+        sys.argv = list(argv)
         runpy.run_path(argv[0], run_name="__main__")
 
 
