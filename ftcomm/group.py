@@ -114,6 +114,7 @@ class FaultTolerantGroup:
             if opts.metrics_port is not None:
                 from .ops.metrics import MetricsServer
                 self._metrics = MetricsServer(self, host, opts.metrics_port)
+            backend_class.prepare(host)  # after the group's own listeners: see GlooCommunicator.prepare
             self._install_exit_hooks()
             self._steps.recover("init", time.monotonic(), opts.init_timeout)
             if engine.founding:

@@ -191,6 +191,7 @@ print("alive", flush=True)
 def test_shutdown_closes_every_socket_the_group_opened_and_later_calls_are_clear_errors():
     child = r"""
 import os, torch, ftcomm
+from ftcomm.backends import gloo
 from ftcomm.errors import FtcommError
 
 def sockets():
@@ -213,6 +214,8 @@ for cycle in range(2):
     model(torch.randn(3, 4)).sum().backward()
     assert g.wait_gradients_ready(model)
     assert g.allreduce(torch.ones(2)).tolist() == [1.0, 1.0]
+    # the device was made while the group joined: its listener was found, and has its door
+    assert gloo._DEVICES and all(door is not None for _, door in gloo._DEVICES.values()), gloo._DEVICES
     g.shutdown()
     left = sockets() - before
     assert not left, (cycle, left)

@@ -239,6 +239,11 @@ class Communicator(Protocol):
     def release(host: str | None) -> None:
         """That group forms nothing more: what listens for its formations may close."""
 
+    @staticmethod
+    def prepare(host: str | None) -> None:
+        """Make ahead, in the background, what the first formation on ``host`` needs. Called
+        once the group's own listeners are open, while it joins."""
+
     def allreduce(self, tensors: list[Any], op: str = "sum") -> Handle:
         """Start reducing each tensor in place (``op``: sum, mean, max, min; ValueError for
         another). Never blocks: a peer that dies or hangs shows in the handle's ``wait``

@@ -192,6 +192,11 @@ class GlooCommunicator:
         """The group that retained ``host`` forms nothing more (see :func:`release`)."""
         release(host)
 
+    @staticmethod
+    def prepare(host: str | None) -> None:
+        """Make what the first formation on ``host`` needs ahead (see :func:`prepare`)."""
+        prepare(host)
+
     def close(self) -> None:
         """Release a healthy communicator whose ops all completed; otherwise abandon it."""
         if any(not h.completed for h in self._pending):
@@ -244,14 +249,20 @@ def _key(host: str | None) -> str:
 
 
 def retain(host: str | None) -> None:
-    """A group of this process forms its communicators on ``host`` until :func:`release`.
-    The device (a listener, a thread, its filter: about 25 ms) is made now in the
-    background, while the group joins, so the first formation finds it ready."""
+    """A group of this process forms its communicators on ``host`` until :func:`release`."""
     with _DEVICES_LOCK:
         _USERS[_key(host)] = _USERS.get(_key(host), 0) + 1
-        ready = _key(host) in _DEVICES
-    if not ready:
-        threading.Thread(target=_prepare, args=(host,), daemon=True, name="ftcomm-gloo-device").start()
+
+
+def prepare(host: str | None) -> None:
+    """Make the device for ``host`` (a listener, a thread, its filter: about 25 ms) in the
+    background, so that the first formation finds it ready. Called once the group's own
+    listeners (gossip, rendezvous, metrics) are open: the door finds the device's listener
+    as the one new listening socket, and a listener opened meanwhile would hide it."""
+    with _DEVICES_LOCK:
+        if _key(host) in _DEVICES:
+            return
+    threading.Thread(target=_prepare, args=(host,), daemon=True, name="ftcomm-gloo-device").start()
 
 
 def _prepare(host: str | None) -> None:

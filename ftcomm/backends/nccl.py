@@ -283,6 +283,10 @@ class NcclCommunicator:
     def release(host: str | None) -> None:
         """Nothing to close: each communicator's ``close``/``abandon`` ends its own sockets."""
 
+    @staticmethod
+    def prepare(host: str | None) -> None:
+        """Nothing to make ahead: a communicator's resources are its own."""
+
     @classmethod
     def form(cls, store: Any, rank: int, size: int, view_id: int, abort: AbortSignal, timeout: float,
              host: str | None = None, sources: Any = None) -> "NcclCommunicator":
