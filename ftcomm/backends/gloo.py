@@ -276,8 +276,7 @@ def _prepare(host: str | None) -> None:
         return
     with _DEVICES_LOCK:  # released while it was being made: nobody will seal it but this
         made_door = _DEVICES.pop(_key(host), None) if not _USERS.get(_key(host)) else None
-    if made_door is not None and made_door[1] is not None:
-        made_door[1].seal()
+    _seal(made_door)
 
 
 def release(host: str | None) -> None:
@@ -292,5 +291,10 @@ def release(host: str | None) -> None:
             return
         _USERS.pop(key, None)
         made_door = _DEVICES.pop(key, None)
+    _seal(made_door)
+
+
+def _seal(made_door: tuple[Any, admission.Door | None] | None) -> None:
+    """Close the listening socket of a device taken out of use (None: there was none)."""
     if made_door is not None and made_door[1] is not None:
         made_door[1].seal()

@@ -38,14 +38,20 @@ MAX_ORDER_BYTES = 16 << 20
 PYTHON = re.compile(r"^python[\d.]*$")
 
 
+def _after_interpreter(command: list[str]) -> list[str]:
+    """What follows the interpreter and its ``-u`` options."""
+    rest = command[1:]
+    while rest and rest[0] == "-u":
+        rest = rest[1:]
+    return rest
+
+
 def python_command(command: list[str]) -> str | None:
     """Why ``command`` cannot be run by a standby, or None when it can (a Python interpreter,
     an optional ``-u``, then a script or ``-m module``)."""
     if not command or not PYTHON.match(pathlib.Path(command[0]).name) and command[0] != sys.executable:
         return "its command is not a Python interpreter (python script.py ... or python -m module ...)"
-    rest = command[1:]
-    while rest and rest[0] == "-u":
-        rest = rest[1:]
+    rest = _after_interpreter(command)
     if not rest:
         return "its command names no script"
     if rest[0] == "-m":
@@ -63,10 +69,7 @@ def standby_command(command: list[str]) -> list[str]:
 
 def order(command: list[str], env: dict[str, str]) -> bytes:
     """What the launcher writes to a standby to make it the worker ``command`` with ``env``."""
-    rest = command[1:]
-    while rest and rest[0] == "-u":
-        rest = rest[1:]
-    return json.dumps({"argv": rest, "env": env, "cwd": os.getcwd()}).encode()
+    return json.dumps({"argv": _after_interpreter(command), "env": env, "cwd": os.getcwd()}).encode()
 
 
 def preload(extra: list[str]) -> None:
