@@ -135,7 +135,12 @@ def test_actors_are_added_when_resources_appear(cluster, tmp_path):
     for worker in range(3):
         steps_reported = [r.step for r in job.reports if r.worker == worker]
         assert steps_reported == sorted(set(steps_reported)) and all(s % 20 == 0 for s in steps_reported)
-    assert {r.metrics["world"] for r in job.reports} == {2, 3} and steps in {r.step for r in job.reports}
+    # Reports carry the world of a view that formed: both sizes the job ran at, and any other
+    # only where such a view formed (a worker starved of CPU for longer than the hang
+    # tolerance on a loaded machine is excluded and rejoins; that is not an error).
+    worlds = {r.metrics["world"] for r in job.reports}
+    formed = {len(members) for r in results for _, members, _ in r["views"]}
+    assert {2, 3} <= worlds <= formed and steps in {r.step for r in job.reports}
 
 
 def _nap(config: dict) -> int:

@@ -45,10 +45,16 @@ class MemberState:
     meta: bytes
     since: float
     confirmed: bool = False
+    slowest_answer: float = 0.0
+    """The longest of this member's recent direct answers to our pings, in seconds (decays
+    as quicker answers come); stretches the on-demand probe on a loaded host."""
 
     @property
     def address(self) -> tuple[str, int]:
         return (self.host, self.port)
+
+    def answered(self, round_trip: float) -> None:
+        self.slowest_answer = max(round_trip, 0.75 * self.slowest_answer)
 
     def info(self) -> MemberInfo:
         return MemberInfo(self.id, self.host, self.port, self.incarnation,

@@ -79,6 +79,7 @@ class _Probe:
     address: tuple[str, int]
     seq: int
     ack_deadline: float
+    sent: float = 0.0
     acked: bool = False
     indirect_sent: bool = False
     expected_nacks: int = 0
@@ -95,6 +96,7 @@ class _Relay:
 
 CONFIRMATION_ATTEMPTS = 3  # confirmation pings per unconfirmed member; then only regular probes
 MAX_INCARNATION_STEP = 1 << 20
+URGENT_ANSWER_MULT = 4.0  # an on-demand probe waits at least this many times the member's slowest recent answer
 """How far above the incarnation known here news of a member may be: each refutation adds
 one, so no member ever gets near this; a larger jump is forged (see Protocol._implausible)."""
 
@@ -507,7 +509,7 @@ class Protocol:
         if m.state == SUSPECT_STATE:  # Lifeguard buddy system: tell the suspect first
             buddy = wire.encode([SUSPECT, target, m.incarnation, self.id])
         self._send((m.host, m.port), target, [wire.encode([PING, seq, target])], buddy)
-        self._probe = _Probe(target, m.address, seq, now + self._awareness.scale(self.config.probe_timeout))
+        self._probe = _Probe(target, m.address, seq, now + self._awareness.scale(self.config.probe_timeout), now)
 
     def _send_indirect_probes(self, probe: _Probe) -> None:
         probe.indirect_sent = True
@@ -523,9 +525,10 @@ class Protocol:
     def probe_now(self, member_ids: list[str], now: float) -> int:
         """Probe these members at once, directly and through ``indirect_checks`` helpers in
         the same moment (the driver asks when a collective has waited on them far longer than
-        usual). A member that answers neither within ``urgent_probe_timeout`` is suspected, as after
-        a regular probe; Lifeguard's suspicion timeout and refutation still decide whether it
-        is declared dead. One such probe per member at a time; returns how many started."""
+        usual). A member that answers neither within ``urgent_probe_timeout`` (stretched to four
+        times its slowest recent answer, up to ``probe_timeout``: a loaded host answers late
+        but answers) is suspected, as after a regular probe; Lifeguard's suspicion timeout and
+        refutation still decide whether it is declared dead. One such probe per member at a time; returns how many started."""
         self._now = now
         if self.leaving or not self.started:
             return 0
@@ -536,7 +539,9 @@ class Protocol:
             if m is None or member_id == self.id or member_id in busy or m.state not in (ALIVE_STATE, SUSPECT_STATE):
                 continue
             seq = self._next_seq()
-            probe = _Probe(member_id, m.address, seq, now + self._awareness.scale(self.config.urgent_probe_timeout))
+            timeout = max(self.config.urgent_probe_timeout, URGENT_ANSWER_MULT * m.slowest_answer)
+            timeout = self._awareness.scale(min(timeout, self.config.probe_timeout))
+            probe = _Probe(member_id, m.address, seq, now + timeout, now)
             self._send(m.address, member_id, [wire.encode([PING, seq, member_id])])
             self._send_indirect_probes(probe)
             self._urgent[seq] = probe
@@ -578,6 +583,9 @@ class Protocol:
                 self._awareness.apply(-1)
             if sender == probe.target:  # not an ack relayed by a helper
                 self._confirm(sender, probe.address, now)
+                m = self._table.get(sender)
+                if m is not None:
+                    m.answered(now - probe.sent)
             return
         confirmation = self._confirmations.get(seq)
         if confirmation is not None:

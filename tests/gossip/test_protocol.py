@@ -259,6 +259,30 @@ def test_probe_now_suspects_a_silent_member_within_the_probe_timeout_and_spares_
     assert net.nodes[0].stats["urgent_probes"] == 2
 
 
+def test_an_urgent_probe_waits_longer_on_a_member_that_answered_slowly_of_late():
+    net = MiniNet(3)
+    net.run(1.0)
+    prober = net.nodes[0]
+    prober.probe_now([member_id(1)], net.now)
+    held = [d for d in prober.take_datagrams() if d.address == address(1)]  # the helpers' requests are lost
+    net.now += 0.04  # member 1's host is loaded: its answer comes 40 ms late
+    for d in held:
+        net.nodes[1].receive(d.data, address(0), net.now)
+    net._deliver()
+    slowest = prober._table.get(member_id(1)).slowest_answer
+    assert 0.039 <= slowest <= 0.041
+    net.run(0.3)
+    assert "suspect" not in net.kinds(0, 1)
+    net.down |= {1, 2}  # both stop; only member 1 was slow before
+    started = net.now
+    slowest = prober._table.get(member_id(1)).slowest_answer
+    assert prober.probe_now([member_id(1), member_id(2)], net.now) == 2
+    net.run(CFG.probe_timeout + 0.02)
+    quick, slow = net.first(0, 2, "suspect"), net.first(0, 1, "suspect")
+    assert quick is not None and quick.time - started <= CFG.urgent_probe_timeout + 0.01
+    assert slow is not None and slow.time - started >= min(4 * slowest, CFG.probe_timeout) - 0.01 > quick.time - started
+
+
 def test_an_urgent_probe_is_not_held_against_its_target_when_the_prober_itself_was_paused():
     net = MiniNet(3)
     net.run(1.0)
