@@ -67,6 +67,7 @@ import json
 import os
 import pathlib
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -286,6 +287,7 @@ class Launcher:
         self._standby_after = time.monotonic() + STANDBY_WAIT_S  # the next standby starts then at the earliest
         self._standby_failures = 0  # standbys in a row that exited before they were needed
         self._group_answered = False
+        self._exit_doors: dict[int, int] = {}  # running worker's pid -> its pidfd (see _nap)
         self._answer_checked = 0.0
         if config.network_check:
             import tempfile
@@ -310,8 +312,11 @@ class Launcher:
                 self._start(worker)
             while any(w.status in ("running", "halting", "waiting", "starting") for w in self.workers):
                 self._step(time.monotonic())
-                time.sleep(POLL_S)
+                self._nap(POLL_S)
         finally:
+            for fd in self._exit_doors.values():
+                os.close(fd)
+            self._exit_doors.clear()
             self._release_standbys()
             for worker in self.workers:  # no worker outlives the launcher (its handlers still hold)
                 # A worker that exited had its group killed then (see _exited); its pid may
@@ -334,6 +339,23 @@ class Launcher:
             if self._exit_status() == 0:
                 self._discard_flash_copies()
         return self._exit_status()
+
+    def _nap(self, seconds: float) -> None:
+        """Wait ``seconds``, or less: until a running worker exits (each worker's pidfd
+        becomes readable then), so that a replacement starts without a polling delay."""
+        running = {w.process.pid for w in self.workers
+                   if w.status in ("running", "halting") and w.process.returncode is None}  # reaped by _step
+        for pid in [p for p in self._exit_doors if p not in running]:
+            os.close(self._exit_doors.pop(pid))
+        for pid in running - self._exit_doors.keys():
+            try:  # an unreaped child: its pid cannot have been reused
+                self._exit_doors[pid] = os.pidfd_open(pid)
+            except (AttributeError, OSError):  # no pidfd on this system: polling only
+                break
+        if self._exit_doors:
+            select.select(list(self._exit_doors.values()), [], [], seconds)
+        else:
+            time.sleep(seconds)
 
     def _step(self, now: float) -> None:
         if self._ending_at is not None and now > self._ending_at + self.config.stop_timeout \
@@ -359,7 +381,8 @@ class Launcher:
                 self._exited(worker, worker.process.returncode, now)
             elif worker.status == "halting":
                 self._halting(worker, now)
-            elif worker.status == "waiting" and self._ending_at is not None:
+        for worker in self.workers:  # after the exits: a first restart starts in the same step
+            if worker.status == "waiting" and self._ending_at is not None:
                 worker.status = "failed"
                 self.say(f"worker {worker.local_rank} is not restarted: the job is ending")
             elif worker.status == "waiting" and worker.restart_at is not None and now >= worker.restart_at and \
