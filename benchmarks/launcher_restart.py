@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 
+from benchmarks.bytecode import compile_package  # noqa: E402
 from ftcomm.ops.worker_output import untagged
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -161,6 +162,7 @@ def main() -> int:
     parser.add_argument("--modes", default="cold,standby", help="cold, standby or both (in this order)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "launcher_restart.json"))
     args = parser.parse_args()
+    compile_package()  # as an installed package: each worker reads the compiled modules
     keys = ["restart_s", "startup_s", "join_s", "first_commit_s", "total_s", "survivors_resume_s"]
     result = {"benchmark": "launcher_restart", "workers": args.workers, "step_time_s": args.step_time,
               "modes": {}, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},

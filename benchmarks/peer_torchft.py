@@ -42,6 +42,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.bytecode import compile_package  # noqa: E402
 from ftcomm.localproc import ChildProcess  # noqa: E402
 from peer_worker import TORCHFT_SETTINGS  # noqa: E402
 
@@ -307,6 +308,7 @@ def main() -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ", ".join(SYSTEMS))
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "peer_torchft.json"))
     args = parser.parse_args()
+    compile_package()  # as an installed package: each worker reads the compiled modules
     systems = [s for s in args.systems.split(",") if s]
     if not systems or set(systems) - set(SYSTEMS):
         parser.error(f"--systems: choose from {', '.join(SYSTEMS)}")

@@ -139,7 +139,7 @@ def test_a_look_publishes_the_record_and_proposal_announces_it_and_hands_back_th
     driver, membership, proposals, _, clock = driver_for("a", statuses)
     assert driver.look() == (None, False)  # the candidate settles first
     clock.t += 0.06
-    assert driver.look() == (None, False)
+    assert driver.look() == (None, True)  # its own proposal published: the next look is due at once
     key = driver.engine.proposal
     assert proposals.stored == {key: ("a", "b")} and membership.announced == [("a", "b")]
     record = Status.from_metadata("a", "alive", membership.published[-1])

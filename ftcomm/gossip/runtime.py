@@ -258,13 +258,14 @@ class GossipNode:
             self._subscribers = [c for c in self._subscribers if c is not callback]
         return unsubscribe
 
-    def set_metadata(self, metadata: dict) -> None:
-        """Replace this member's metadata record; raises ValueError when it is too large."""
+    def set_metadata(self, metadata: dict, applied: Callable[[], None] | None = None) -> None:
+        """Replace this member's metadata record; raises ValueError when it is too large.
+        ``applied`` is called on the gossip thread once :meth:`members` shows the new record."""
         encoded = encode_metadata(metadata)
         if len(encoded) > self.config.max_metadata_bytes:
             raise ValueError(f"metadata is {len(encoded)} bytes; the limit is "
                              f"max_metadata_bytes={self.config.max_metadata_bytes}: keep it to small status fields")
-        self._call(lambda p: p.set_metadata(encoded, self._now()))
+        self._call(lambda p: p.set_metadata(encoded, self._now()), applied)
 
     def declare_dead(self, member_id: str) -> None:
         """Declare a member dead on outside evidence; see :meth:`Protocol.declare_dead`."""
@@ -338,7 +339,7 @@ class GossipNode:
             log.error("gossip: handling a %s raised %r; the node goes on (later %s errors are only counted "
                       "in stats()['errors.%s'])", where, exc, kind, kind, exc_info=exc)
 
-    def _call(self, fn: Callable[[Protocol], None]) -> None:
+    def _call(self, fn: Callable[[Protocol], None], then: Callable[[], None] | None = None) -> None:
         if self._loop is None or self._stopped.is_set():
             raise GossipError("the gossip node is not running")
 
@@ -346,6 +347,8 @@ class GossipNode:
             fn(self._protocol)
             self._snapshot_stale = True  # this member's own record may have changed
             self._flush()
+            if then is not None:
+                then()
         self._loop.call_soon_threadsafe(run)
 
     def _query(self, fn):

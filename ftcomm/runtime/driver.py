@@ -69,10 +69,11 @@ def member_address(member_id: str) -> Address | None:
 
 class Look(NamedTuple):
     """What one look at the membership came to: the view to form now (None: none yet), and
-    whether a proposal was fetched (the next look is due at once)."""
+    whether a proposal was fetched or this member's own published (the next look is due at
+    once: it may complete the agreement)."""
 
     form: View | None
-    fetched: bool
+    again: bool
 
 
 class Driver:
@@ -134,7 +135,7 @@ class Driver:
         actions = engine.agree(self.ports.clock.now(), statuses)
         form = actions.pop().view if actions and isinstance(actions[-1], Form) else None
         self.perform(actions, addresses)
-        return Look(form, any(isinstance(a, Fetch) for a in actions))
+        return Look(form, any(isinstance(a, (Fetch, PublishProposal)) for a in actions))
 
     def perform(self, actions: Iterable[Action], addresses: dict[str, Address] | None = None) -> None:
         """Carry out the engine's actions (all but Form: forming is the caller's)."""
@@ -188,7 +189,7 @@ class Driver:
         if engine.agreeing:
             look = self.look()
             if look.form is None:
-                return look.fetched  # a fetched proposal is looked at at once
+                return look.again  # a fetched or published proposal is looked at at once
             self.agreed_at = clock.now()
             self.news.enter(look.form, self.statuses()[0])
             self._pending = self.ports.communicators.form(look.form)

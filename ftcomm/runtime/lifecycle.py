@@ -53,7 +53,9 @@ class Lifecycle:
     def __init__(self, engine: Engine, backend: type, rendezvous: Rendezvous, options: GroupOptions,
                  compute: ComputeTimes, step: Callable[[], int]) -> None:
         self.engine = engine
-        self.membership = GossipMembership(engine)
+        # The agreement loop waits on news; this member's own record counts as news, since
+        # reading it back may complete the agreement (statuses come from gossip's table).
+        self.membership = GossipMembership(engine, lambda: self.news.changed.set())
         self.options = options
         self._backend = backend
         self.rendezvous = rendezvous

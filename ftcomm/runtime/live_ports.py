@@ -5,7 +5,7 @@ the system clock (see :mod:`ftcomm.runtime.ports` for what each promises; the co
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..core.engine import FETCH_TIMEOUT_S, Engine
 from ..core.view import Status, View
@@ -25,10 +25,11 @@ class SystemClock:
 class GossipMembership:
     """The membership port over a :class:`~ftcomm.gossip.GossipNode` (attached once started)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_published: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.node: GossipNode | None = None
         self.published_at = float("-inf")  # when this worker's record was last published
+        self.on_published = on_published  # on the gossip thread, once the record reads back
 
     def statuses(self, view: View | None) -> tuple[dict[str, Status], dict[str, Address]]:
         statuses, addresses = {}, {}
@@ -48,7 +49,7 @@ class GossipMembership:
                 for m in self.node.members()]
 
     def publish(self, record: dict) -> None:
-        self.node.set_metadata(record)
+        self.node.set_metadata(record, self.on_published)
         self.published_at = time.monotonic()
 
     def announce(self, members: Sequence[str]) -> None:

@@ -52,6 +52,17 @@ def test_own_metadata_change_shows_in_own_snapshot(nodes):
     assert a.member(a.id).incarnation == 1
 
 
+def test_a_publisher_is_called_back_once_its_own_record_reads_back(nodes):
+    (a,) = nodes(1)
+    read_back, called = [], threading.Event()
+
+    def applied() -> None:
+        read_back.append(a.member(a.id).metadata.get("proposal"))
+        called.set()
+    a.set_metadata({"proposal": 8}, applied)
+    assert called.wait(2) and read_back == [8]
+
+
 def test_oversized_metadata_is_refused_with_a_clear_error(nodes):
     (a,) = nodes(1)
     with pytest.raises(ValueError, match="max_metadata_bytes"):
