@@ -40,10 +40,11 @@ import sys
 import threading
 import time
 
-from benchmarks.bytecode import compile_package  # noqa: E402
 from ftcomm.ops.worker_output import untagged
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.bytecode import compile_package  # noqa: E402
 EXAMPLE = ROOT / "examples" / "train_elastic.py"
 
 
