@@ -12,6 +12,8 @@ ALIVE_STATE, SUSPECT_STATE, DEAD_STATE, LEFT_STATE = (
     wire.STATE_ALIVE, wire.STATE_SUSPECT, wire.STATE_DEAD, wire.STATE_LEFT)
 
 
+ANSWER_HALF_LIFE_S = 5.0  # see MemberState.recent_slowest
+
 @dataclass(frozen=True)
 class MemberInfo:
     """A snapshot of one member as this member sees it."""
@@ -46,15 +48,23 @@ class MemberState:
     since: float
     confirmed: bool = False
     slowest_answer: float = 0.0
-    """The longest of this member's recent direct answers to our pings, in seconds (decays
-    as quicker answers come); stretches the on-demand probe on a loaded host."""
+    """The longest of this member's direct answers to our pings, in seconds, as of
+    ``answered_at``; it halves every ``ANSWER_HALF_LIFE_S`` (see :meth:`recent_slowest`)."""
+    answered_at: float = 0.0
 
     @property
     def address(self) -> tuple[str, int]:
         return (self.host, self.port)
 
-    def answered(self, round_trip: float) -> None:
-        self.slowest_answer = max(round_trip, 0.75 * self.slowest_answer)
+    def answered(self, round_trip: float, now: float) -> None:
+        self.slowest_answer = max(round_trip, self.recent_slowest(now))
+        self.answered_at = now
+
+    def recent_slowest(self, now: float) -> float:
+        """How slow this member's answers were lately: the slowest, halved for every
+        ``ANSWER_HALF_LIFE_S`` since, so that one slow answer (or a pause of this member
+        while an answer waited to be read) stops counting within seconds."""
+        return self.slowest_answer * 0.5 ** (max(0.0, now - self.answered_at) / ANSWER_HALF_LIFE_S)
 
     def info(self) -> MemberInfo:
         return MemberInfo(self.id, self.host, self.port, self.incarnation,

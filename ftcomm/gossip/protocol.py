@@ -96,9 +96,9 @@ class _Relay:
 
 CONFIRMATION_ATTEMPTS = 3  # confirmation pings per unconfirmed member; then only regular probes
 MAX_INCARNATION_STEP = 1 << 20
-URGENT_ANSWER_MULT = 4.0  # an on-demand probe waits at least this many times the member's slowest recent answer
 """How far above the incarnation known here news of a member may be: each refutation adds
 one, so no member ever gets near this; a larger jump is forged (see Protocol._implausible)."""
+URGENT_ANSWER_MULT = 4.0  # an on-demand probe waits at least this many times the member's slowest recent answer
 
 
 @dataclass
@@ -539,8 +539,8 @@ class Protocol:
             if m is None or member_id == self.id or member_id in busy or m.state not in (ALIVE_STATE, SUSPECT_STATE):
                 continue
             seq = self._next_seq()
-            timeout = max(self.config.urgent_probe_timeout, URGENT_ANSWER_MULT * m.slowest_answer)
-            timeout = self._awareness.scale(min(timeout, self.config.probe_timeout))
+            stretched = min(URGENT_ANSWER_MULT * m.recent_slowest(now), self.config.probe_timeout)
+            timeout = self._awareness.scale(max(self.config.urgent_probe_timeout, stretched))
             probe = _Probe(member_id, m.address, seq, now + timeout, now)
             self._send(m.address, member_id, [wire.encode([PING, seq, member_id])])
             self._send_indirect_probes(probe)
@@ -585,7 +585,7 @@ class Protocol:
                 self._confirm(sender, probe.address, now)
                 m = self._table.get(sender)
                 if m is not None:
-                    m.answered(now - probe.sent)
+                    m.answered(now - probe.sent, now)
             return
         confirmation = self._confirmations.get(seq)
         if confirmation is not None:

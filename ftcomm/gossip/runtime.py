@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import secrets as _secrets
 import socket
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 STALL_S = 0.25
 """A protocol timer firing this much later than due means the whole process was stopped
 or starved (its timers are never due further apart than a probe interval)."""
+BIND_WAIT_S = 2.0  # how long an explicit port that is in use is tried again (see _bind_sockets)
 
 try:  # pragma: no cover - depends on the platform
     import uvloop as _uvloop
@@ -348,7 +350,10 @@ class GossipNode:
             self._snapshot_stale = True  # this member's own record may have changed
             self._flush()
             if then is not None:
-                then()
+                try:
+                    then()
+                except Exception as exc:  # a caller's callback must not break the loop's accounting
+                    self._contain("callback", exc)
         self._loop.call_soon_threadsafe(run)
 
     def _query(self, fn):
@@ -362,12 +367,18 @@ class GossipNode:
     def _bind_sockets(self) -> None:
         host, port = self._bind
         ctx = zmq.asyncio.Context()
-        for _ in range(50):
+        # An explicit port may still be held for a moment by the process this one replaces
+        # (a restarted worker, whose killed predecessor's children are still exiting).
+        deadline = time.monotonic() + (BIND_WAIT_S if port else 0.0)
+        for _ in range(50 if not port else 10_000):
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             try:
                 udp.bind((host, port))
             except OSError as exc:
                 udp.close()
+                if exc.errno == errno.EADDRINUSE and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
                 ctx.term()
                 raise GossipError(f"cannot bind UDP {host}:{port}: {exc.strerror}") from None
             bound_port = udp.getsockname()[1]
@@ -380,6 +391,9 @@ class GossipNode:
                 router.close()
                 udp.close()
                 if port:  # an explicit port was asked for
+                    if exc.errno == errno.EADDRINUSE and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                        continue
                     ctx.term()
                     raise GossipError(f"cannot bind TCP {host}:{port}: {exc}") from None
                 continue  # the TCP twin of an automatic UDP port is taken; pick another

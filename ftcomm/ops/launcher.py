@@ -287,7 +287,7 @@ class Launcher:
         self._standby_after = time.monotonic() + STANDBY_WAIT_S  # the next standby starts then at the earliest
         self._standby_failures = 0  # standbys in a row that exited before they were needed
         self._group_answered = False
-        self._exit_doors: dict[int, int] = {}  # running worker's pid -> its pidfd (see _nap)
+        self._exit_doors: dict[subprocess.Popen, int] = {}  # a running worker's process -> its pidfd (see _nap)
         self._answer_checked = 0.0
         if config.network_check:
             import tempfile
@@ -343,19 +343,22 @@ class Launcher:
     def _nap(self, seconds: float) -> None:
         """Wait ``seconds``, or less: until a running worker exits (each worker's pidfd
         becomes readable then), so that a replacement starts without a polling delay."""
-        running = {w.process.pid for w in self.workers
+        running = {w.process for w in self.workers
                    if w.status in ("running", "halting") and w.process.returncode is None}  # reaped by _step
-        for pid in [p for p in self._exit_doors if p not in running]:
-            os.close(self._exit_doors.pop(pid))
-        for pid in running - self._exit_doors.keys():
+        for process in [p for p in self._exit_doors if p not in running]:
+            os.close(self._exit_doors.pop(process))
+        for process in running - self._exit_doors.keys():
             try:  # an unreaped child: its pid cannot have been reused
-                self._exit_doors[pid] = os.pidfd_open(pid)
+                self._exit_doors[process] = os.pidfd_open(process.pid)
             except (AttributeError, OSError):  # no pidfd on this system: polling only
                 break
-        if self._exit_doors:
-            select.select(list(self._exit_doors.values()), [], [], seconds)
-        else:
+        if not self._exit_doors:
             time.sleep(seconds)
+            return
+        doors = select.poll()
+        for fd in self._exit_doors.values():
+            doors.register(fd, select.POLLIN)
+        doors.poll(seconds * 1000)
 
     def _step(self, now: float) -> None:
         if self._ending_at is not None and now > self._ending_at + self.config.stop_timeout \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ftcomm.gossip import wire
 from ftcomm.gossip.config import GossipConfig
+from ftcomm.gossip.members import ANSWER_HALF_LIFE_S, MemberState
 from ftcomm.gossip.wire import ACK, ALIVE, DEAD, NACK, PING, PING_REQ, SUSPECT
 
 from .helpers import MiniNet, address, decode, lone_node, member_id, packet
@@ -269,18 +270,31 @@ def test_an_urgent_probe_waits_longer_on_a_member_that_answered_slowly_of_late()
     for d in held:
         net.nodes[1].receive(d.data, address(0), net.now)
     net._deliver()
-    slowest = prober._table.get(member_id(1)).slowest_answer
+    slowest = prober._table.get(member_id(1)).recent_slowest(net.now)
     assert 0.039 <= slowest <= 0.041
     net.run(0.3)
     assert "suspect" not in net.kinds(0, 1)
     net.down |= {1, 2}  # both stop; only member 1 was slow before
     started = net.now
-    slowest = prober._table.get(member_id(1)).slowest_answer
+    slowest = prober._table.get(member_id(1)).recent_slowest(net.now)
+    assert slowest > 0.03
     assert prober.probe_now([member_id(1), member_id(2)], net.now) == 2
     net.run(CFG.probe_timeout + 0.02)
     quick, slow = net.first(0, 2, "suspect"), net.first(0, 1, "suspect")
     assert quick is not None and quick.time - started <= CFG.urgent_probe_timeout + 0.01
     assert slow is not None and slow.time - started >= min(4 * slowest, CFG.probe_timeout) - 0.01 > quick.time - started
+
+
+def test_a_slow_answer_stops_stretching_the_urgent_probe_within_seconds():
+    # One slow answer (or this member paused while the answer waited to be read) must not
+    # stretch the on-demand probe of that member for minutes in a large group, where the
+    # member is probed directly only now and then.
+    m = MemberState("m", "10.0.0.1", 7946, 0, wire.STATE_ALIVE, b"", 0.0)
+    m.answered(1.5, now=10.0)
+    assert m.recent_slowest(10.0) == 1.5
+    assert m.recent_slowest(10.0 + 6 * ANSWER_HALF_LIFE_S) * 4 < CFG.urgent_probe_timeout
+    m.answered(0.001, now=10.0 + ANSWER_HALF_LIFE_S)
+    assert abs(m.recent_slowest(10.0 + ANSWER_HALF_LIFE_S) - 0.75) < 1e-9  # the slow one still counts, halved
 
 
 def test_an_urgent_probe_is_not_held_against_its_target_when_the_prober_itself_was_paused():

@@ -63,6 +63,28 @@ def test_a_publisher_is_called_back_once_its_own_record_reads_back(nodes):
     assert called.wait(2) and read_back == [8]
 
 
+def test_an_explicit_port_still_held_by_an_exiting_predecessor_is_bound_once_free():
+    held = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    threading.Timer(0.3, held.close).start()  # the killed process this one replaces, exiting
+    node = GossipNode(("127.0.0.1", port), config=FAST).start()
+    try:
+        assert node.port == port
+    finally:
+        node.stop()
+
+
+def test_an_explicit_port_held_for_good_is_refused_with_a_clear_error():
+    held = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    held.bind(("127.0.0.1", 0))
+    try:
+        with pytest.raises(GossipError, match="cannot bind UDP"):
+            GossipNode(("127.0.0.1", held.getsockname()[1]), config=FAST).start()
+    finally:
+        held.close()
+
+
 def test_oversized_metadata_is_refused_with_a_clear_error(nodes):
     (a,) = nodes(1)
     with pytest.raises(ValueError, match="max_metadata_bytes"):
