@@ -86,8 +86,8 @@ class GossipConfig:
     because the collective already waits on it; an ack needs only that the member's
     gossip thread runs, which it does while the member computes (awareness stretches it
     on a member that finds itself slow, and to four times the member's slowest recent
-    direct answer, which halves every 5 s, up to ``probe_timeout``, on a loaded host). The gossip thread needs the GIL: a training
-    thread that holds it in one C call (a long numpy operation, pickling a large object)
+    direct answer, which halves every 5 s, up to ``probe_timeout``, on a loaded host).
+    The gossip thread needs the GIL: a training thread that holds it in one C call (a long numpy operation, pickling a large object)
     for longer than about ``stall_probe_after`` plus this (0.15 s) while the others wait
     on it is taken for hung and the view re-forms (it stays a member and loses a step);
     raise this (0.2: hangs found in about 0.4 s instead of 0.25 s) for such scripts."""

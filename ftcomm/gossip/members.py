@@ -14,6 +14,7 @@ ALIVE_STATE, SUSPECT_STATE, DEAD_STATE, LEFT_STATE = (
 
 ANSWER_HALF_LIFE_S = 5.0  # see MemberState.recent_slowest
 
+
 @dataclass(frozen=True)
 class MemberInfo:
     """A snapshot of one member as this member sees it."""

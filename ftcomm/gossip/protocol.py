@@ -79,7 +79,7 @@ class _Probe:
     address: tuple[str, int]
     seq: int
     ack_deadline: float
-    sent: float = 0.0
+    sent: float
     acked: bool = False
     indirect_sent: bool = False
     expected_nacks: int = 0
@@ -98,7 +98,8 @@ CONFIRMATION_ATTEMPTS = 3  # confirmation pings per unconfirmed member; then onl
 MAX_INCARNATION_STEP = 1 << 20
 """How far above the incarnation known here news of a member may be: each refutation adds
 one, so no member ever gets near this; a larger jump is forged (see Protocol._implausible)."""
-URGENT_ANSWER_MULT = 4.0  # an on-demand probe waits at least this many times the member's slowest recent answer
+URGENT_ANSWER_MULT = 4.0
+"""An on-demand probe waits at least this many times the member's slowest recent answer."""
 
 
 @dataclass
@@ -528,7 +529,8 @@ class Protocol:
         usual). A member that answers neither within ``urgent_probe_timeout`` (stretched to four
         times its slowest recent answer, up to ``probe_timeout``: a loaded host answers late
         but answers) is suspected, as after a regular probe; Lifeguard's suspicion timeout and
-        refutation still decide whether it is declared dead. One such probe per member at a time; returns how many started."""
+        refutation still decide whether it is declared dead. One such probe per member at a
+        time; returns how many started."""
         self._now = now
         if self.leaving or not self.started:
             return 0

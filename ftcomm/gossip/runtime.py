@@ -369,15 +369,22 @@ class GossipNode:
         ctx = zmq.asyncio.Context()
         # An explicit port may still be held for a moment by the process this one replaces
         # (a restarted worker, whose killed predecessor's children are still exiting).
-        deadline = time.monotonic() + (BIND_WAIT_S if port else 0.0)
-        for _ in range(50 if not port else 10_000):
+        deadline = time.monotonic() + BIND_WAIT_S
+
+        def held_for_now(code: int | None) -> bool:
+            """The explicit port is in use and may be free soon: wait a little, try again."""
+            if not port or code != errno.EADDRINUSE or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+            return True
+        automatic_tries = 0
+        while automatic_tries < 50:
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             try:
                 udp.bind((host, port))
             except OSError as exc:
                 udp.close()
-                if exc.errno == errno.EADDRINUSE and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                if held_for_now(exc.errno):
                     continue
                 ctx.term()
                 raise GossipError(f"cannot bind UDP {host}:{port}: {exc.strerror}") from None
@@ -390,13 +397,13 @@ class GossipNode:
             except zmq.ZMQError as exc:
                 router.close()
                 udp.close()
+                if held_for_now(exc.errno):
+                    continue
                 if port:  # an explicit port was asked for
-                    if exc.errno == errno.EADDRINUSE and time.monotonic() < deadline:
-                        time.sleep(0.02)
-                        continue
                     ctx.term()
                     raise GossipError(f"cannot bind TCP {host}:{port}: {exc}") from None
-                continue  # the TCP twin of an automatic UDP port is taken; pick another
+                automatic_tries += 1  # the TCP twin of an automatic UDP port is taken; pick another
+                continue
             udp.setblocking(False)
             self._udp, self._router, self._zmq = udp, router, ctx
             self.host, self.port = host, bound_port
