@@ -82,7 +82,7 @@ def worker(role: str, port: int, million: int, repeats: int) -> dict:
     for _ in range(repeats):
         ft.barrier()
         started = time.perf_counter()
-        transfer.broadcast_state(ft._life.comm, ft._life.abort, ft.state, ft.step, ft.view, ft._steps.secret, source,
+        transfer.broadcast_state(ft._comms.comm, ft._loop.news.abort, ft.state, ft.step, ft.view, ft._comms.secret, source,
                                  load=role != "seed")
         ft.barrier()
         raw.append(time.perf_counter() - started)

@@ -61,6 +61,15 @@ class RetryLimitExceeded(FtcommError):
     row because the membership kept changing."""
 
 
+class OutOfStep(FtcommError):
+    """A collective outside a gradient step (``execute``, ``allreduce``, ...) was abandoned,
+    not run or run again: the group re-formed while this worker was at it, and the members
+    of the new view are not all at this same call (a joiner is at its first gradient step,
+    another member already finished the call, or this worker was cut off and received the
+    group's newer state). Running it would wait for members that never join it. Carry on
+    with the training loop: the group meets again at the next gradient step."""
+
+
 class NotInView(FtcommError):
     """The worker is in no view right now (a straggler standing aside, a worker rejoining, a
     group that was shut down): ``rank`` and ``world_size`` have no value."""

@@ -1,12 +1,13 @@
 """The fault-tolerant group: the public training API of one worker.
 
-:class:`FaultTolerantGroup` joins the gossip layer, builds the worker's
-:class:`~ftcomm.runtime.lifecycle.Lifecycle` (which performs the actions of the engine core,
-:mod:`ftcomm.core.engine`) and its :class:`~ftcomm.runtime.steps.StepProtocol` (gradient steps,
-collectives, joins at step boundaries, straggler handling), and hands every call to
-them. Every entry point only posts or waits: the gossip thread posts news
-(:mod:`ftcomm.runtime.news`), the SIGTERM handler raises SystemExit, and the training thread
-judges the news and performs everything.
+:class:`FaultTolerantGroup` joins the gossip layer, builds the worker's ports over the
+real world (:mod:`ftcomm.runtime.live_ports`: gossip, rendezvous stores, probes, the
+backend's communicators, the gradient buckets, the registered state) and its
+:class:`~ftcomm.runtime.worker.WorkerLoop` (re-formations, gradient steps, collectives,
+joins at step boundaries, stragglers, leaving), and runs the loop's phases for every call
+(:func:`ftcomm.runtime.live_ports.run`). Every entry point only posts or waits: the gossip
+thread posts news (:mod:`ftcomm.runtime.news`), the SIGTERM handler raises SystemExit, and
+the training thread judges the news and performs everything.
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ from .backends import communicator_class
 from .core import engine as core
 from .core.engine import Engine
 from .core.view import PROTOCOL, View
-from .errors import CommunicatorError, FtcommTimeout, MembershipChanged, NotInView
+from .errors import CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, NotInView
 from .gossip import GossipNode
 from .gossip.runtime import parse_address
 from .ops import netcheck
 from .ops.netcheck import NetworkReport
 from .options import (GroupOptions, ViewChange, check_addresses, check_protection, check_secret,
                       check_worker_counts, member_cap)
-from .runtime.lifecycle import Lifecycle
+from .runtime.live_ports import (BackendCollective, BackendCommunicators, GossipMembership, RegisteredState,
+                                  StoreProposals, SystemClock, TcpProber, run)
+from .runtime.ports import Ports
 from .runtime.rendezvous import Rendezvous
-from .runtime.steps import StepProtocol
+from .runtime.worker import WorkerLoop
 from .runtime.stragglers import StragglerReport, Stragglers
 from .training.replica import Replica
 from .training.state import TrainingState
@@ -89,61 +92,74 @@ class FaultTolerantGroup:
         self.insecure = check_protection(host, secret, insecure)
         raise_descriptor_limit()
         rendezvous = Rendezvous(host, opts.formation_timeout, secret)
-        # A sharded replica's K processes are K members: the engine counts processes.
-        engine = Engine("", self._config, min_workers * size, max_workers and max_workers * size,
-                        opts.partition_policy, opts.settle_interval,
-                        3 * opts.gossip.gossip_interval, joined_at=time.time(),
+        # min_workers and max_workers count replicas (a plain worker is a replica of one).
+        engine = Engine("", self._config, min_workers, max_workers, opts.partition_policy, opts.settle_interval,
+                        3 * opts.gossip.gossip_interval, joined_at=time.time(), max_retries=opts.max_retries,
                         settings=tuple(self.settings[n] for n in core.SETTING_NAMES),
                         rendezvous_port=rendezvous.port, insecure=self.insecure)
-        self._life = life = Lifecycle(engine, backend_class, rendezvous, opts, self._stragglers.compute,
-                                      lambda: self.step)
-        self._steps = StepProtocol(life, self.state, opts, self._stragglers, secret, min_workers)
+        self._membership = membership = GossipMembership(engine)
+        self._comms = comms = BackendCommunicators(engine, backend_class, rendezvous, opts, membership, self.state,
+                                                   secret)
+        self._collective = collective = BackendCollective(comms, opts)
+        ports = Ports(SystemClock(), membership, StoreProposals(rendezvous), TcpProber(), comms, collective,
+                      RegisteredState(self.state))
+        self._loop = loop = WorkerLoop(engine, ports, opts, self._stragglers)
+        # The agreement waits on news; this worker's own record counts as news, since reading
+        # it back may complete the agreement (statuses come from gossip's table).
+        membership.on_published = loop.news.changed.set
+        self._secret = secret
         self.id = ""
         self._metrics = None
+        self._replica: Replica | None = None
         self.replica_size, self.shard_rank = replica[0], replica[1]
+        self._owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         try:
             if self.replica_size > 1:  # first: the replica's K processes meet (torch's process group)
-                life.replica = Replica(*replica, backend, opts.init_timeout)
-                engine.replica = (life.replica.key, self.shard_rank, self.replica_size)
-            life.gossip = GossipNode((host, port), cluster=cluster, secret=secret,
-                                     config=member_cap(opts.gossip, max_workers), metadata=life.status_record(),
-                                     fault_filter=opts.fault_filter)
-            life.gossip.subscribe(life.news.post)
-            life.gossip.start(peers)
-            self.id = engine.id = life.gossip.id
+                self._replica = collective.replica = Replica(*replica, backend, opts.init_timeout)
+                engine.replica = (self._replica.key, self.shard_rank, self.replica_size)
+            membership.node = GossipNode((host, port), cluster=cluster, secret=secret,
+                                         config=member_cap(opts.gossip, max_workers and max_workers * size),
+                                         metadata=loop.driver.record(), fault_filter=opts.fault_filter)
+            membership.node.subscribe(loop.news.post)
+            membership.node.start(peers)
+            self.id = engine.id = membership.node.id
             if opts.metrics_port is not None:
                 from .ops.metrics import MetricsServer
                 self._metrics = MetricsServer(self, host, opts.metrics_port)
             backend_class.prepare(host)  # after the group's own listeners: see GlooCommunicator.prepare
             self._install_exit_hooks()
-            self._steps.recover("init", time.monotonic(), opts.init_timeout)
+            self._run(loop.recover("init", time.monotonic(), opts.init_timeout))
             if engine.founding:
                 self._check_network()
             _RUNNING.add(self)
         except BaseException:
-            if life.gossip is not None:
-                life.gossip.stop()
+            if membership.node is not None:
+                membership.node.stop()
             if self._metrics is not None:
                 self._metrics.close()
             if self._replica is not None:
                 self._replica.close()
-            life.close_listeners()
-            life.rendezvous.close()
+            comms.close_listeners()
+            rendezvous.close()
             raise
+
+    def _run(self, phase: Any) -> Any:
+        """Run a phase of the worker loop on this thread (see ftcomm.runtime.live_ports.run)."""
+        return run(phase, self._loop.news.changed)
 
     # ------------------------------------------------------------------ public attributes
     @property
     def view(self) -> View:
-        return self._life.view
+        return self._loop.view
 
     @property
     def step(self) -> int:
         """Committed steps; every member of a view holds the same count once reconciled."""
-        return self._steps.step
+        return self._loop.step
 
     @step.setter
     def step(self, value: int) -> None:
-        self._steps.step = value
+        self._loop.step = value
 
     @property
     def restorable(self) -> bool:
@@ -153,11 +169,11 @@ class FaultTolerantGroup:
         that a worker joined while the group was running: its state comes from the members.
         ``FlashCheckpointer.restore`` restores only in a restorable view. The same on every
         member of a view."""
-        return self._life.engine.restorable
+        return self._loop.engine.restorable
 
     @property
     def _closed(self) -> bool:
-        return self._steps.closed
+        return self._loop.closed
 
     @property
     def rank(self) -> int:
@@ -172,17 +188,13 @@ class FaultTolerantGroup:
         return self._in_view().size
 
     def _in_view(self) -> View:
-        view = self._life.view  # read once: the training thread may leave it meanwhile
+        view = self._loop.view  # read once: the training thread may leave it meanwhile
         if view is None:
-            state = self._life.engine.state
+            state = self._loop.engine.state
             why = "it stands aside as a straggler" if state == core.STANDING_ASIDE else "it is rejoining the group"
             raise NotInView(f"this worker is in no view now ({why}); rank and world_size have a value again once "
                             f"it joins one (its training thread does so inside its current call to the group)")
         return view
-
-    @property
-    def _replica(self) -> Replica | None:
-        return self._life.replica
 
     @property
     def shard_mesh(self) -> Any:
@@ -203,12 +215,12 @@ class FaultTolerantGroup:
 
     @property
     def gossip(self) -> GossipNode:
-        return self._life.gossip
+        return self._membership.node
 
     @property
     def events(self) -> list[ViewChange]:
         """Every view change of this worker, oldest first."""
-        return self._life.events
+        return self._loop.events
 
     @property
     def stragglers(self) -> list[StragglerReport]:
@@ -228,7 +240,7 @@ class FaultTolerantGroup:
         ``replica_size`` > 1, StateError for a module with a parameter not sharded over
         :attr:`shard_mesh` (its shards would not match the other replicas'). FtcommError after
         ``shutdown``."""
-        self._life.check_open()
+        self._loop.check_open()
         if self._replica is not None:
             self._replica.check_sharded({"model": model, **extras})
         self.state.register(model=model, optimizer=optimizer, sampler=sampler, **extras)
@@ -250,7 +262,13 @@ class FaultTolerantGroup:
         inside a step. Raises what ``wait_gradients_ready`` raises for a
         re-formation (``QuorumLost``, ``FtcommTimeout``, ``ConfigMismatch``), and
         FtcommError on the training thread after ``shutdown``."""
-        self._steps.boundary()
+        loop = self._loop
+        on_owner = threading.get_ident() == self._owner
+        if loop.engine.state == core.CLOSED and on_owner:
+            raise FtcommError("the group was shut down")
+        if loop.closed or not on_owner or self._collective.touched:
+            return
+        self._run(loop.boundary())
 
     def state_restored(self, step: int | None, same_everywhere: bool = False) -> None:
         """The registered state was loaded from a checkpoint of ``step`` (None: not on this member).
@@ -258,12 +276,12 @@ class FaultTolerantGroup:
         digests before the next collective and the newest state wins. From now on this worker
         has begun training: a view it forms later is not :attr:`restorable`. Raises
         FtcommError after ``shutdown``."""
-        self._life.check_open()
-        self._life.engine.began()
+        self._loop.check_open()
+        self._loop.engine.began()
         if step is not None:
             self.step = step
         if not same_everywhere:
-            self._life.engine.restored()
+            self._loop.engine.restored()
 
     # ------------------------------------------------------------------ training API
     def wait_gradients_ready(self, model_or_params: Any) -> bool:
@@ -283,13 +301,18 @@ class FaultTolerantGroup:
         installed by the first call, so the first step is not overlapped) and this call
         waits only for what is still in flight.
         """
-        return self._steps.gradients(_parameters(model_or_params))
+        self._loop.check_open()
+        self._owner = threading.get_ident()
+        self._collective.use(_parameters(model_or_params))
+        return self._run(self._loop.gradient_step())
 
     def no_sync(self):
         """Context manager: backward passes inside accumulate gradients locally and start
         no reduction (as DDP's ``no_sync``); the backward after it reduces the total.
         FtcommError after ``shutdown``."""
-        return self._steps.no_sync()
+        if self._loop.engine.state == core.CLOSED:
+            raise FtcommError("the group was shut down")
+        return self._collective.no_sync()
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` (which calls this group's collectives) and return its result. When a
@@ -298,7 +321,9 @@ class FaultTolerantGroup:
         start; after more than ``max_retries`` failures in a row it raises
         RetryLimitExceeded. Raises what a re-formation raises (QuorumLost, FtcommTimeout,
         ConfigMismatch) and whatever ``fn`` raises otherwise, unchanged."""
-        return self._steps.execute(fn, args, kwargs)
+        self._loop.check_open()
+        self._owner = threading.get_ident()
+        return self._run(self._loop.execute(lambda: _call(fn, args, kwargs)))
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` in place across the view (``op``: sum, mean, max or min) and
@@ -306,31 +331,36 @@ class FaultTolerantGroup:
         abandoned within milliseconds of the news and MembershipChanged is raised (the
         tensor's contents are then undefined; ``execute`` catches it, re-forms and retries);
         the view is re-formed before the next collective. Never blocks past the fault."""
-        return self._steps.run(lambda: self._life.comm.allreduce([tensor], op))[0]
+        return self._collective_op(lambda comm: comm.allreduce([tensor], op))[0]
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Copy rank ``src``'s ``tensor`` into every member's, in place, and return it.
         ValueError for a ``src`` that is not a rank of the view; on a fault as
         :meth:`allreduce` (MembershipChanged, contents undefined)."""
-        return self._steps.run(lambda: self._life.comm.broadcast(tensor, src))
+        return self._collective_op(lambda comm: comm.broadcast(tensor, src))
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every member's ``tensor`` (same shape and dtype everywhere), in rank order. On a
         fault as :meth:`allreduce` (MembershipChanged, nothing returned)."""
-        return self._steps.run(lambda: self._life.comm.allgather(tensor))
+        return self._collective_op(lambda comm: comm.allgather(tensor))
 
     def barrier(self) -> None:
         """Return once every member of the view reached it. On a fault as :meth:`allreduce`
         (MembershipChanged): the members that passed it may be in a view without this one."""
-        self._steps.run(lambda: self._life.comm.barrier())
+        self._collective_op(lambda comm: comm.barrier())
+
+    def _collective_op(self, operation: Callable[[Any], Any]) -> Any:
+        self._loop.check_open()
+        self._owner = threading.get_ident()
+        return self._run(self._loop.collective(operation))
 
     def shutdown(self) -> None:
         """Leave gracefully: peers see *left* and re-form at once, without a suspicion wait."""
         if self._closed:
             return
-        self._life.leave()
-        self._life.close_listeners()
-        self._life.rendezvous.close()
+        self._run(self._loop.leave())
+        self._comms.close_listeners()
+        self._comms.rendezvous.close()
         if self._metrics is not None:
             self._metrics.close()
 
@@ -340,14 +370,14 @@ class FaultTolerantGroup:
         A fault during the check abandons it (logged); the view is re-formed before its first
         collective (members may have stopped at different calls of its communicator)."""
         try:
-            self.network_report = netcheck.run(self._life, int(self.options.network_check_mb * 2**20),
+            self.network_report = netcheck.run(self._loop, self._comms, int(self.options.network_check_mb * 2**20),
                                                self.options.network_check_factor)
         except (MembershipChanged, FtcommTimeout, CommunicatorError) as exc:
             log.warning("network check abandoned: %s", exc)
             # What broke it is classified as for any collective (a crashed member is probed and
             # declared dead at once); the others stop waiting at once.
-            fault = self._life.driver.classify(exc)
-            self._life.driver.perform(self._life.engine.failed(fault))
+            driver = self._loop.driver
+            driver.perform(self._loop.engine.failed(driver.classify(exc)))
             return
         netcheck.publish(self.network_report, os.environ.get("FTCOMM_NETWORK_REPORT"))
 
@@ -371,6 +401,13 @@ class FaultTolerantGroup:
                 previous(signum, frame)
             raise SystemExit(128 + signum)
         signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` as a phase of the worker loop that waits for nothing itself
+    (the collectives ``fn`` runs wait on their own)."""
+    return fn(*args, **kwargs)
+    yield  # noqa: unreachable - makes this a generator
 
 
 def raise_descriptor_limit() -> None:

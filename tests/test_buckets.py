@@ -28,7 +28,7 @@ class FakeWorld:
 
     def buckets(self, params, bucket_mb: float = 0.0002, overlap: bool = True) -> GradientBuckets:
         return GradientBuckets(params, bucket_mb, overlap, self.launch, lambda: self.overlap_allowed,
-                               lambda: self.world, lambda: 0.0)
+                               lambda: self.world)
 
     def backward(self, model, seed: int) -> dict[str, torch.Tensor]:
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))
@@ -179,7 +179,7 @@ def test_the_tail_carries_a_flag_per_rank_for_stragglers_asking_to_stand_aside_s
     world, m = FakeWorld(world=3), model()
     asks = {"rank": 1, "aside": True}
     buckets = GradientBuckets(list(m.parameters()), 0.0002, True, world.launch, lambda: True, lambda: world.world,
-                              lambda: 0.0, aside=lambda: (asks["rank"], asks["aside"]))
+                              lambda valid: (valid, False, asks["rank"] if asks["aside"] else None))
     world.backward(m, 0)
     tail = reduce(buckets)
     assert tail.tolist() == [3.0, 0.0, 0.0, 3.0, 0.0]  # every (identical) worker: valid, rank 1 asks

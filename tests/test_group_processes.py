@@ -253,8 +253,8 @@ import os, signal, sys, time
 import ftcomm
 ft = ftcomm.init(bind="127.0.0.1:0")
 left = []
-ft.gossip.leave = lambda *a, **k: left.append(1) or print("left", flush=True)
-with ft._life.abort._lock:  # the handler interrupts the main thread while it holds the signal's lock
+ft.gossip.announce_leave = lambda: left.append(1) or print("left", flush=True)
+with ft._loop.news.abort._lock:  # the handler interrupts the main thread while it holds the signal's lock
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
 print("not interrupted", flush=True)

@@ -174,7 +174,7 @@ def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap)
         for m in models:
             for p, q in zip(m.parameters(), reference[0].parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-        assert groups[0]._steps.buckets.bucket_count >= 3
+        assert groups[0]._collective.buckets.bucket_count >= 3
     finally:
         for g in groups:
             g.shutdown()
@@ -184,7 +184,7 @@ def _observe_completions_late(group: ftcomm.FaultTolerantGroup, delay: float,
                               operations: tuple[str, ...] = ("allreduce",)) -> None:
     """This member's training thread learns that its ``operations`` completed ``delay`` seconds
     late, as a descheduled worker would: the collective itself is done at the usual time."""
-    comm = group._life.comm
+    comm = group._comms.comm
 
     def late(real):
         def call(*args, **kwargs):
@@ -224,7 +224,7 @@ def test_a_member_leaving_right_after_a_collective_does_not_abort_it_on_a_slower
         results = in_threads(groups, collective_then_leave)
         assert len({repr(r) for r in results}) == 1, results
         for survivor in groups[1:]:
-            assert "left after completing" in survivor._life.abort.reason
+            assert "left after completing" in survivor._loop.news.abort.reason
     finally:
         for g in groups:
             g.shutdown()
@@ -256,7 +256,7 @@ def test_a_member_leaving_after_the_last_step_lets_a_slower_member_commit_it(del
         if committed:
             assert survivor.step == leaver.step
             assert survivor.state.digest(survivor.step) == leaver.state.digest(leaver.step)
-            assert "left after completing" in survivor._life.abort.reason
+            assert "left after completing" in survivor._loop.news.abort.reason
         else:
             assert survivor.step == leaver.step - 1
         # either way the survivor carries on alone in a new view
@@ -429,7 +429,7 @@ def test_stragglers_standing_aside_never_leave_fewer_than_min_workers():
         wait_until(lambda: min(g.step for g in fast) >= since + 100, 60, "the fast members training on")
         assert any(e.reason == "straggler" for e in fast[0].events) and fast[0].world_size == 3
         # The one standing aside (its training thread waits out the cooldown) is in no view.
-        aside = [g for g in groups if g._life.engine.state == core.STANDING_ASIDE]
+        aside = [g for g in groups if g._loop.engine.state == core.STANDING_ASIDE]
         assert len(aside) == 1
         for attribute in ("rank", "world_size"):
             with pytest.raises(ftcomm.NotInView, match="stands aside as a straggler"):
@@ -464,7 +464,7 @@ def test_wait_gradients_ready_gives_up_after_max_retries_failed_steps_in_a_row(m
         model(torch.ones(3, 4)).sum().backward()
         with pytest.raises(ftcomm.RetryLimitExceeded, match="failed 3 steps in a row"):
             g.wait_gradients_ready(model)
-        assert views[1] > views[0] and g._life.engine.state == core.BROKEN
+        assert views[1] > views[0] and g._loop.engine.state == core.BROKEN
         monkeypatch.setattr(GradientBuckets, "finish", finish)
         model(torch.ones(3, 4)).sum().backward()
         assert g.wait_gradients_ready(model) is True and g.view.id > views[1] and g.step == 1
@@ -509,7 +509,7 @@ def test_shutdown_from_another_thread_during_a_step_ends_it_as_shut_down_not_as_
     models, _ = linear_models(groups)
     model = models[0]
     in_threads(groups, lambda i, g: g.allreduce(torch.ones(1)))  # both reconciled: RUNNING
-    life = groups[0]._life
+    life = groups[0]._loop
     outcome: list = []
 
     def train() -> None:
@@ -548,7 +548,7 @@ def test_a_re_formation_that_timed_out_is_resumed_by_the_next_call():
         groups[2].shutdown()
         with pytest.raises((ftcomm.QuorumLost, ftcomm.FtcommTimeout)):
             groups[0].execute(groups[0].barrier)
-        assert groups[0]._life.engine.state == core.AGREEING
+        assert groups[0]._loop.engine.state == core.AGREEING
 
         def join() -> None:
             joiner.append(ftcomm.init(peers=[groups[0].gossip.address], bind=f"127.0.0.1:{port}", min_workers=2,
@@ -581,7 +581,7 @@ def test_only_the_training_thread_acts_at_a_step_boundary():
         trained.wait()
         release.wait(60)
         g.step_boundary()
-        results[i] = (g._life.engine.state, g.view.id)
+        results[i] = (g._loop.engine.state, g.view.id)
 
     threads = [threading.Thread(target=train, args=(i, g), daemon=True) for i, g in enumerate(groups)]
     try:
@@ -590,10 +590,10 @@ def test_only_the_training_thread_acts_at_a_step_boundary():
         trained.wait()
         before = groups[0].view.id
         for g in groups:
-            g._life.engine.step_reduced(admit=True, aside=False)  # as when the last step's tail counted a joiner
+            g._loop.engine.step_reduced(admit=True, aside=False)  # as when the last step's tail counted a joiner
         for g in groups:
             g.step_boundary()  # from another thread: nothing happens
-        assert all(g._life.engine.state == core.JOIN_DUE for g in groups) and {g.view.id for g in groups} == {before}
+        assert all(g._loop.engine.state == core.JOIN_DUE for g in groups) and {g.view.id for g in groups} == {before}
         release.set()
         for t in threads:
             t.join(60)
@@ -629,7 +629,7 @@ def test_a_step_whose_reductions_a_re_formation_dropped_does_not_commit():
 
         def backward(i: int, g: ftcomm.FaultTolerantGroup) -> bool:
             models[i](torch.randn(5, 8)).pow(2).mean().backward()
-            return g._steps.buckets.touched
+            return g._collective.buckets.touched
         assert in_threads(groups, backward) == [True] * 3  # reductions under way
         groups[2].shutdown()
         survivors = groups[:2]

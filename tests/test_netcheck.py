@@ -183,11 +183,11 @@ def test_a_member_that_crashes_during_the_check_is_named_a_crash_at_once(monkeyp
             probed.extend(addresses)
             return [True] * len(addresses)
 
-        monkeypatch.setattr(g._life.driver.ports.prober, "refused", refused)
+        monkeypatch.setattr(g._loop.driver.ports.prober, "refused", refused)
         monkeypatch.setattr(netcheck, "run", lambda *a: (_ for _ in ()).throw(CommunicatorError("connection reset")))
         g._check_network()
         assert [f"{host}:{port}" for host, port in probed] == [other.gossip.address]
-        assert g._life.engine.fault == "crash"
+        assert g._loop.engine.fault == "crash"
     finally:
         for group in groups:
             group.shutdown()

@@ -256,7 +256,7 @@ def test_with_a_secret_state_that_fails_authentication_is_discarded():
         honest = (groups[0].step, groups[0].state.digest(groups[0].step))
         compare_states(groups)
         groups[1].state_restored(groups[1].step + 5)
-        groups[1]._steps.secret = b"t" * 32  # its state's tag (only) is keyed wrong: as if altered on the way
+        groups[1]._comms.secret = b"t" * 32  # its state's tag (only) is keyed wrong: as if altered on the way
 
         outcomes = in_threads(groups, one_collective)
         assert isinstance(outcomes[0], FtcommError)

@@ -72,6 +72,9 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (RECONCILE_DUE, "reconciled"): RUNNING,
     (RUNNING, "failed"): BROKEN,
     (RECONCILE_DUE, "failed"): BROKEN,
+    # a collective between steps, in the view a joiner or a straggler's standing aside waits on (BETWEEN)
+    (JOIN_DUE, "failed"): BROKEN,
+    (ASIDE_DUE, "failed"): BROKEN,
     (RUNNING, "admit"): JOIN_DUE,
     (RUNNING, "chosen"): ASIDE_DUE,
     (ASIDE_DUE, "bench"): STANDING_ASIDE,
@@ -91,6 +94,19 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (LEAVING, "closed"): CLOSED,
     **{(state, "leave"): LEAVING for state in (*JOINERS, AGREEING, FORMING, RECONCILING, *IN_VIEW)},
 }
+
+
+BOUNDARY: dict[str, str | None] = {RUNNING: None, RECONCILE_DUE: "reconcile", BROKEN: "recover",
+                                   JOIN_DUE: "join", ASIDE_DUE: "aside"}
+"""What a member in a view does at a step boundary (see :meth:`Engine.due`); any other
+state resumes a re-formation that raised."""
+
+BETWEEN: dict[str, str | None] = {**BOUNDARY, JOIN_DUE: None, ASIDE_DUE: None}
+"""The same before a collective that is not a gradient step (one the user runs between two
+steps, a metric averaged for the log): a join or a straggler's standing aside waits for the
+step boundary, and the collective runs in the view every member is still in. A joiner's
+first collective is a gradient step: were the others to admit it here, they would run
+this collective while it runs its step."""
 
 
 def state_diagram() -> str:
@@ -182,7 +198,16 @@ class Recontact:
     clusters that would never meet again."""
 
 
-Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined | ProbeGroup | Recontact
+@dataclass(frozen=True)
+class ProbeSeeds:
+    """A fresh worker cannot found a group yet: a majority of its job is not in sight (see
+    Engine._may_found_with). Probe the seed ``addresses`` no live member answers from: a
+    refused connection proves that worker gone (it no longer counts in the job; answer
+    with :meth:`Engine.seeds_probed`); send the seeds a join request again."""
+    addresses: tuple[tuple[str, int], ...]
+
+
+Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined | ProbeGroup | Recontact | ProbeSeeds
 
 RECONTACT_MAX_S = 30.0
 """A member without a quorum asks its seeds again after a chase interval, then twice as
@@ -210,8 +235,8 @@ class Engine:
 
     id: str
     config: str
-    min_workers: int = 1
-    max_workers: int | None = None
+    min_workers: int = 1  # replicas (a plain worker is a replica of one process): see replica_size
+    max_workers: int | None = None  # replicas, or None
     partition_policy: str = "quorum"
     settle_interval: float = 0.05
     chase_interval: float = 0.6  # a member whose status lags this long gets a Sync, at most this often
@@ -252,16 +277,57 @@ class Engine:
     view_reason: str | None = None  # why the current view formed (init, crash, join, ...): published, for operators
     _recontacted_at: float = float("-inf")
     _recontact_after: float = 0.0  # the wait before the next Recontact (doubles; see RECONTACT_MAX_S)
+    max_retries: int = 5  # operations failed in a row before the caller gives up (see count_failure)
+    seeds_gone: frozenset = frozenset()  # seed addresses found gone (a refused connection) while founding
+    _seeds_probed: float = float("-inf")
+    failures: int = 0  # operations (gradient steps, execute's attempts) failed in a row (see count_failure)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     # ------------------------------------------------------------------ transitions
     def _move(self, what: str) -> str:
         with self._lock:
-            target = TRANSITIONS.get((self.state, what))
-            if target is None:
-                raise IllegalTransition(f"{self.id}: {what!r} in state {self.state}")
-            self.state = target
-            return target
+            self.state = self._target(what)
+            return self.state
+
+    def _target(self, what: str) -> str:
+        """Where ``what`` leads from the current state (the lock held); IllegalTransition
+        for a pair not in the table."""
+        target = TRANSITIONS.get((self.state, what))
+        if target is None:
+            raise IllegalTransition(f"{self.id}: {what!r} in state {self.state}")
+        return target
+
+    @property
+    def replica_size(self) -> int:
+        """Processes per sharded replica, the unit members come and go in (1: none)."""
+        return self.replica[2] if self.replica is not None else 1
+
+    @property
+    def max_processes(self) -> int | None:
+        """``max_workers`` in processes (a view holds whole replicas)."""
+        return self.max_workers * self.replica_size if self.max_workers is not None else None
+
+    def due(self, boundary: bool = True) -> str | None:
+        """What this member does before its next collective, by state: at a step
+        ``boundary`` (:data:`BOUNDARY`; else :data:`BETWEEN`) re-form after a failed
+        collective (``recover``), for a joiner (``join``), stand aside (``aside``),
+        reconcile (``reconcile``), resume a re-formation that raised (``resume``: it is in
+        no view), or nothing (None)."""
+        return (BOUNDARY if boundary else BETWEEN).get(self.state, "resume")
+
+    def count_failure(self) -> bool:
+        """An operation (a gradient step, an attempt of ``execute``) failed and re-forms:
+        whether that makes more than ``max_retries`` in a row (the caller gives up, raising
+        RetryLimitExceeded; a caller that goes on gets ``max_retries`` more)."""
+        self.failures += 1
+        if self.failures <= self.max_retries:
+            return False
+        self.failures = 0
+        return True
+
+    def count_success(self) -> None:
+        """An operation completed: the failures in a row start again from none."""
+        self.failures = 0
 
     @property
     def holding(self) -> bool:
@@ -395,10 +461,12 @@ class Engine:
         return []
 
     def leave(self) -> list[Action]:
+        """Leave gracefully (from any thread; a second call, or one after closing, does
+        nothing): publish the record that says so."""
         with self._lock:
             if self.state in (LEAVING, CLOSED):
                 return []
-            self.state = TRANSITIONS[(self.state, "leave")]
+            self.state = self._target("leave")
         return [Publish()]
 
     def closed(self) -> None:
@@ -423,8 +491,14 @@ class Engine:
         return actions
 
     # ------------------------------------------------------------------ agreement
-    def agree(self, now: float, statuses: dict[str, Status]) -> list[Action]:
+    def agree(self, now: float, statuses: dict[str, Status], unconfirmed: tuple[Status, ...] = (),
+              seeds: dict[tuple[str, int], str | None] | None = None) -> list[Action]:
         """One look at the membership while :attr:`agreeing`; see :mod:`ftcomm.core.view`.
+        ``unconfirmed``: the records of live members of the local table that have not
+        answered this member directly yet (no view is made of them, see
+        ftcomm.runtime.ports.readable; a fresh worker holds back for them, below).
+        ``seeds``: while founding, the addresses of the seeds this worker was started with,
+        each with the live member there (None: none answers from it).
 
         Returns what to do now; the driver calls again when the membership changes (or
         after a short wait). Entering FORMING is signalled by a :class:`Form` action.
@@ -442,7 +516,10 @@ class Engine:
         if self.state == AGREEING and self.view is not None and superseded(own, statuses, self.entered_view):
             return self._rejoin("a newer view exists without this worker")
         if self.state != AGREEING:
-            self.seen_view = max([s.last_view for s in statuses.values()
+            # A record not confirmed yet counts here: holding back for a forged one costs time
+            # (until the probe of its port answers), founding beside a live group would cost
+            # the group's steps.
+            self.seen_view = max([s.last_view for s in (*statuses.values(), *unconfirmed)
                                   if s.id != self.id and s.config == self.config and not (s.left or s.dead)], default=0)
             if self.seen_view > 0 and self.state != REJOINING:
                 self.saw_group, self.group_gone = max(self.saw_group, self.seen_view), False
@@ -473,7 +550,7 @@ class Engine:
             # A view it entered formed on other members although its own formation failed:
             # that view, not the older one, is what the group goes on from.
             previous = entered
-        cand = candidate(self.id, previous, statuses, self.config, self.max_workers)
+        cand = candidate(self.id, previous, statuses, self.config, self.max_processes)
         if self.state == REJOINING and not self._may_refound(cand, statuses):
             self._last = None
             return self._recontact(now)
@@ -484,6 +561,20 @@ class Engine:
             if previous is None or cand.quorum:  # (below min_workers: waiting for workers, not cut off)
                 return self._fetch_final_records(previous, statuses, now)
             return self._fetch_final_records(previous, statuses, now) or self._recontact(now)
+        if previous is None and unconfirmed:
+            # A group is founded with every live worker its founders know of: a worker whose
+            # record is not read yet may be founding too (it knows of this one, or of nobody
+            # else), and two groups would train side by side. It answers a confirmation ping
+            # within a round trip; a forged record is suspected and dropped within seconds.
+            self._last = None
+            return []
+        if previous is None and seeds and not self._may_found_with(cand, seeds):
+            self._last = None
+            missing = tuple(a for a, member in seeds.items() if member is None and a not in self.seeds_gone)
+            if not missing or now - self._seeds_probed < self.chase_interval:
+                return []
+            self._seeds_probed = now
+            return [ProbeSeeds(missing)]
         if cand != self._last:
             self._last, self._settled_since = cand, now
         settled = certain(cand, previous, statuses) or (joins_only(cand, previous, statuses) and (
@@ -567,9 +658,31 @@ class Engine:
                 or self.partition_policy == "availability")
 
     def _group_members(self) -> tuple[str, ...] | None:
-        """The members of the newest view of the group it saw whose list it read, if any."""
+        """The members of the newest view of the group it saw whose list it read, or that it
+        entered itself (a group founded with it whose state it never received: its members
+        may all be joiners again), if any."""
         known = [(key[0], members) for key, members in self.fetched.items() if key[0] >= self.saw_group]
+        entered = self.entered_view
+        if entered is not None and entered.id >= self.saw_group:
+            known.append((entered.id, entered.members))
         return max(known)[1] if known else None
+
+    def _may_found_with(self, cand: Candidate, seeds: dict[tuple[str, int], str | None]) -> bool:
+        """A fresh group is founded only by a majority of its job as this worker knows it:
+        itself and the seeds it was started with (every other worker of the job, as ``ftcomm
+        run`` gives them), less those proven gone (their port refused a connection). A seed
+        that does not answer may run the job's group across a partition, or be a worker that
+        founds one with the others, and a minority founding beside it would train a second
+        group. With ``partition_policy="availability"`` any worker founds."""
+        if self.partition_policy == "availability":
+            return True
+        job = [member for address, member in seeds.items() if address not in self.seeds_gone]
+        present = sum(1 for member in job if member is not None and member in cand.members)
+        return 2 * (1 + present) > 1 + len(job)
+
+    def seeds_probed(self, refused: list[tuple[str, int]]) -> None:
+        """The answer to a :class:`ProbeSeeds`: these seeds' ports refused a connection."""
+        self.seeds_gone = self.seeds_gone | frozenset(refused)
 
     def group_probed(self, gone: bool) -> None:
         """The answer to a :class:`ProbeGroup` (one without a member list never shows the
@@ -587,7 +700,7 @@ class Engine:
         return has_quorum(lost, cand.members, gone_from(lost, statuses))
 
     def usable(self, cand: Candidate) -> bool:
-        return (self.id in cand.members and len(cand.members) >= self.min_workers
+        return (self.id in cand.members and len(cand.members) >= self.min_workers * self.replica_size
                 and (cand.quorum or self.partition_policy == "availability"))
 
     def _adopt(self, now: float, statuses: dict[str, Status]) -> list[Action]:
@@ -687,7 +800,7 @@ class Engine:
         """A live worker with these settings waits to join and the view has room for it: the
         step being reduced raises the join flag, and every member re-forms at its boundary."""
         view = self.view
-        if view is None or (self.max_workers is not None and view.size >= self.max_workers):
+        if view is None or (self.max_processes is not None and view.size >= self.max_processes):
             return False
         waiting = {s.id: s for s in statuses.values()
                    if s.alive and s.phase == PHASE_JOINING and not s.aside and s.config == self.config}

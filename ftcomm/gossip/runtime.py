@@ -116,6 +116,7 @@ class GossipNode:
         self.config = config or GossipConfig()
         self._resolver = resolver
         self._seeds: list[str | tuple[str, int]] = []
+        self._resolved: list[tuple[str, int]] = []  # the DNS seeds' addresses as last looked up
         self.cluster = cluster
         self._secret = secret.encode() if isinstance(secret, str) else secret
         host, port = parse_address(bind)
@@ -210,12 +211,19 @@ class GossipNode:
         with ``until``, once it returns True, at most ``timeout`` seconds later."""
         if self._loop is None or self._stopped.is_set():
             return
-        self._call(lambda p: p.leave(self._now()))
+        self.announce_leave()
         deadline = time.monotonic() + max(timeout, self.config.leave_propagate_time)
         time.sleep(self.config.leave_propagate_time)
         while until is not None and time.monotonic() < deadline and not until():
             time.sleep(0.02)
         self.stop()
+
+    def announce_leave(self) -> None:
+        """Announce a graceful departure (members see *left*) without stopping: the loop
+        forwards the notice until :meth:`stop`. Nothing happens once stopped."""
+        if self._loop is None or self._stopped.is_set():
+            return
+        self._call(lambda p: p.leave(self._now()))
 
     def stop(self) -> None:
         """Stop the thread and close every socket. Idempotent; does not announce anything."""
@@ -595,7 +603,15 @@ class GossipNode:
         """The seeds' addresses now (DNS looked up off the loop), this member's own included."""
         if not any(is_dns(s) for s in self._seeds):
             return resolve(self._seeds)  # no lookup: no thread
-        return await self._loop.run_in_executor(None, resolve, self._seeds, self._resolver)
+        self._resolved = await self._loop.run_in_executor(None, resolve, self._seeds, self._resolver)
+        return self._resolved
+
+    def seed_addresses(self) -> list[tuple[str, int]]:
+        """The addresses of the seeds this member was started with, its own left out (DNS
+        seeds: as last looked up; none before the first lookup)."""
+        own = (self.host, self.port)
+        addresses = self._resolved if any(is_dns(s) for s in self._seeds) else resolve(self._seeds)
+        return [a for a in addresses if a != own]
 
     async def _join(self) -> bool | str:
         """True once a seed answered; "secret" when none did but answers came back that

@@ -206,36 +206,37 @@ def measure(view: Any, me: str, form_pair: Callable[[int, int], Any], gather: Ca
     return judge(tuple(view.members), links, factor, time.monotonic() - started)
 
 
-def run(life: Any, probe_bytes: int, factor: float) -> NetworkReport:
-    """The check over a :class:`~ftcomm.runtime.lifecycle.Lifecycle`'s current view: pairs form
-    through the lower rank's rendezvous store; raises as :func:`measure` does."""
-    view, comm, timeout = life.view, life.comm, life.options.formation_timeout
-    me = life.engine.id
+def run(loop: Any, comms: Any, probe_bytes: int, factor: float) -> NetworkReport:
+    """The check over a worker loop's current view (:class:`~ftcomm.runtime.worker.WorkerLoop`,
+    with its :class:`~ftcomm.runtime.live_ports.BackendCommunicators`): pairs form through
+    the lower rank's rendezvous store; raises as :func:`measure` does."""
+    view, comm, timeout = loop.view, comms.comm, loop.options.formation_timeout
+    me = loop.engine.id
 
     def form_pair(lo: int, hi: int) -> Any:
         a, b = view.members[lo], view.members[hi]
-        _, addresses = life.statuses()
+        _, addresses = loop.driver.statuses()
         if a not in addresses:
             from ..errors import CommunicatorError
             raise CommunicatorError(f"{a} is not reachable through gossip")
-        return life.form_communicator(life.rendezvous.pair_store(view, a, b, *addresses[a]),
-                                      0 if me == a else 1, 2, view.id, (a, b))
+        return comms.form_communicator(comms.rendezvous.pair_store(view, a, b, *addresses[a]),
+                                       0 if me == a else 1, 2, view.id, (a, b))
 
     # The view-wide collectives count as the group's operations, as every member's do: a
     # member that leaves right after the last one completed it (its record says so), and
     # the others let theirs finish instead of abandoning the check.
     def gather(rows: Any) -> list:
-        life.contributed()
-        gathered = [r.cpu() for r in comm.allgather(rows.to(comm.device)).wait(life.abort, timeout)]
-        life.operation_done()
+        loop.contributed()
+        gathered = [r.cpu() for r in comm.allgather(rows.to(comm.device)).wait(loop.news.abort, timeout)]
+        loop.operation_done()
         return gathered
 
     def barrier(wait: float) -> None:
         import torch
-        life.contributed()
-        comm.allreduce([torch.zeros(1, device=comm.device)]).wait(life.abort, wait)
-        life.operation_done()
-    return measure(view, me, form_pair, gather, life.abort, probe_bytes, timeout, factor, barrier)
+        loop.contributed()
+        comm.allreduce([torch.zeros(1, device=comm.device)]).wait(loop.news.abort, wait)
+        loop.operation_done()
+    return measure(view, me, form_pair, gather, loop.news.abort, probe_bytes, timeout, factor, barrier)
 
 
 def publish(report: NetworkReport, path: str | None) -> None:

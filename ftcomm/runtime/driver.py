@@ -1,22 +1,21 @@
 """The driver: one member's engine fed with what it observes, its actions performed through ports.
 
 :class:`Driver` is the one place where the engine core's actions (:mod:`ftcomm.core.engine`)
-are carried out, and where a re-formation advances::
+are carried out. The worker loop (:mod:`ftcomm.runtime.worker`) calls it at each phase of a
+re-formation and of a step, and it answers from the engine's decisions:
 
-    begin_recovery -> advance ... advance -> RUNNING (or RECONCILE_DUE)
-        agreeing:    look at the membership; an agreed view is entered and its forming begun
-        FORMING:     the communicator formed and verified -> reconcile; failed -> agree again
-        RECONCILING: the state reconciled -> RUNNING; failed -> agree again
+    begin_recovery   the view is given up, the member agrees again
+    look             one look at the membership while agreeing: actions performed, the
+                     view to form returned once agreed (enter)
+    formed / form_failed / view_reconciled / reconcile_failed
+                     the outcome of the loop's forming and reconciling, fed to the engine
+    classify / probe_crashed      what broke a view (the crash fast path)
+    step_reduced / confirmation / confirmed / watch_stall
+                     a step's verdict; the checks around an operation that completed
 
-Each :meth:`Driver.advance` does what is due now and returns; it never waits for a peer to
-move (the caller calls again after news or a tick). Every action goes through the ports
-(:mod:`ftcomm.runtime.ports`); a live port's operation takes the time it takes (forming and
-reconciling block while they run, a proposal read at most ``FETCH_TIMEOUT_S``, a probe its
-timeout). A worker runs the driver over live ports (the
-gossip node, the rendezvous store, TCP probes, the backend's communicators:
-:mod:`ftcomm.runtime.lifecycle`), calling ``advance`` until the view runs; the whole-group
-simulation runs the same driver over simulated ones (:mod:`ftcomm.groupsim`), one
-``advance`` per member and tick, so the seeds exercise the code that ships.
+It never waits on a peer: every action goes through the ports (:mod:`ftcomm.runtime.ports`);
+a live port's call takes the time it takes (a proposal read at most ``FETCH_TIMEOUT_S``, a
+probe its timeout). Nothing here calls back into the loop.
 """
 
 from __future__ import annotations
@@ -28,14 +27,14 @@ import statistics
 from typing import Callable, Iterable, NamedTuple
 
 from ..core import engine as core
-from ..core.engine import (Action, Announce, Engine, Fetch, Form, ProbeGroup, Publish, PublishProposal, Recontact,
-                           Rejoined, Sync)
+from ..core.engine import (Action, Announce, Engine, Fetch, Form, ProbeGroup, ProbeSeeds, Publish, PublishProposal,
+                           Recontact, Rejoined, Sync)
 from ..core.view import Status, View, group_ended, replica_broken
 from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, GroupEnded,
                       MembershipChanged, ReplicaLost)
 from ..gossip.addresses import parse_address
 from .news import GossipNews
-from .ports import Address, Done, Pending, Ports, Reconciled
+from .ports import Address, Counters, Done, Formed, Pending, Ports, Reconciled
 from .stragglers import Stragglers
 
 log = logging.getLogger(__name__)
@@ -95,7 +94,7 @@ class Driver:
         self.reason = "init"  # why the re-formation under way began (or its last view broke)
         self.reconciled: list[Reconciled] = []  # each formation's outcome in this re-formation
         self.agreeing_since = self.agreed_at = self.formed_at = 0.0  # the re-formation's last attempt
-        self._pending: Pending | None = None  # the forming or reconciling under way
+        self.published_at = float("-inf")  # when this member's record was last published
         self._waits: collections.deque[float] = collections.deque(maxlen=STALL_WINDOW)  # recent operations' waits
         self._stall_probed = float("-inf")  # when the view's members were last probed on demand
 
@@ -109,6 +108,7 @@ class Driver:
 
     def publish(self) -> None:
         self.ports.membership.publish(self.record())
+        self.published_at = self.ports.clock.now()
 
     def look(self) -> Look:
         """One look at the membership while the engine is agreeing: every action but
@@ -132,10 +132,18 @@ class Driver:
                               f"{'left' if statuses[gone].left else 'died'}: torch's process group inside the "
                               f"replica is broken, so this process cannot train on; exit, and start the whole "
                               f"replica again (ftcomm run --replica-size does) to rejoin")
-        actions = engine.agree(self.ports.clock.now(), statuses)
+        unconfirmed: tuple[Status, ...] = ()
+        seeds = None
+        if engine.view is None and engine.state in (core.JOINING, core.HOLDING_BACK):  # founding: see Engine.agree
+            records = [r for r in self.ports.membership.records() if r.state in ("alive", "suspect")]
+            unconfirmed = tuple(r.status for r in records
+                                if not r.confirmed and r.id not in statuses and r.status is not None)
+            at = {(r.host, r.port): r.id for r in records if r.id != engine.id}
+            seeds = {address: at.get(address) for address in self.ports.membership.seeds()}
+        actions = engine.agree(self.ports.clock.now(), statuses, unconfirmed, seeds)
         form = actions.pop().view if actions and isinstance(actions[-1], Form) else None
         self.perform(actions, addresses)
-        return Look(form, any(isinstance(a, (Fetch, PublishProposal)) for a in actions))
+        return Look(form, any(isinstance(a, (Fetch, PublishProposal, ProbeSeeds)) for a in actions))
 
     def perform(self, actions: Iterable[Action], addresses: dict[str, Address] | None = None) -> None:
         """Carry out the engine's actions (all but Form: forming is the caller's)."""
@@ -154,6 +162,10 @@ class Driver:
                 ports.membership.sync(action.member)
             elif isinstance(action, Recontact):
                 ports.membership.recontact_seeds()
+            elif isinstance(action, ProbeSeeds):
+                ports.membership.recontact_seeds()
+                refused = ports.prober.refused(list(action.addresses), core.PROBE_TIMEOUT_S)
+                engine.seeds_probed([a for a, gone in zip(action.addresses, refused) if gone])
             elif isinstance(action, ProbeGroup):
                 ports.membership.recontact_seeds()
                 engine.group_probed(action.members is not None and self.group_gone(action.members))
@@ -181,69 +193,47 @@ class Driver:
         """A re-formation is under way: agreeing, forming or reconciling."""
         return self.engine.agreeing or self.engine.state in (core.FORMING, core.RECONCILING)
 
-    def advance(self) -> bool:
-        """Do what the re-formation under way needs now (see the module docstring); whether
-        anything moved (when nothing did, the next call is due after new gossip or a tick).
-        Raises ConfigMismatch when a live member was started with other settings."""
-        engine, clock = self.engine, self.ports.clock
-        if engine.agreeing:
-            look = self.look()
-            if look.form is None:
-                return look.again  # a fetched or published proposal is looked at at once
-            self.agreed_at = clock.now()
-            self.news.enter(look.form, self.statuses()[0])
-            self._pending = self.ports.communicators.form(look.form)
-            return True
-        if engine.state == core.FORMING:
-            view = engine.forming
-            try:
-                formed = self._poll()
-            except (MembershipChanged, FtcommTimeout) as exc:
-                log.info("forming view %d failed (%s); agreeing again", view.id, exc)
-                # This member stays in the view (or phase) it had. Withdrawing the proposal
-                # aborts the other members' attempts at once; the retry gets a new view id.
-                self.perform(engine.form_failed())
-                self._again(probe=view.members)
-                return True
-            if formed is None:
-                return False
-            self.perform(engine.formed(*formed))
-            self.ops = 0
-            self.formed_at = clock.now()
-            self._pending = self.ports.communicators.reconcile(engine.view)
-            return True
-        if engine.state == core.RECONCILING:
-            view = engine.view
-            try:
-                outcome = self._poll()
-            except (MembershipChanged, FtcommTimeout) as exc:
-                log.info("reconciling view %d failed (%s); agreeing again", view.id, exc)
-                self.reason = self.classify(exc)
-                self.perform(engine.broken())
-                self._again()
-                return True
-            if outcome is None:
-                return False
-            self.reconciled.append(outcome)
-            if outcome.deferred:
-                engine.deferred()
-            else:
-                engine.reconciled()
-            self._pending = None
-            self.news.faults.clear()
-            return True
-        return False
+    def enter(self, view: View) -> None:
+        """The engine agreed on ``view`` (FORMING): its abort signal is fresh, and fired at
+        once by what already breaks it."""
+        self.agreed_at = self.ports.clock.now()
+        self.news.enter(view, self.statuses()[0])
 
-    def _poll(self):
-        if self._pending is None:  # starting it raised (a port error, or the worker shut down)
-            raise CommunicatorError("the operation under way was never started")
-        return self._pending.poll()
+    def form_failed(self, view: View, exc: BaseException) -> None:
+        """Forming ``view`` failed: this member stays in the view (or phase) it had.
+        Withdrawing the proposal aborts the other members' attempts at once; the retry gets
+        a new view id."""
+        log.info("forming view %d failed (%s); agreeing again", view.id, exc)
+        self.perform(self.engine.form_failed())
+        self._again(probe=view.members)
+
+    def formed(self, formed: Formed) -> None:
+        """Every member formed and verified the view's communicator: RECONCILING."""
+        self.perform(self.engine.formed(*formed))
+        self.ops = 0
+        self.formed_at = self.ports.clock.now()
+
+    def reconcile_failed(self, exc: BaseException) -> None:
+        """Reconciling the view just formed failed: what broke it is classified, and the
+        member agrees again."""
+        log.info("reconciling view %d failed (%s); agreeing again", self.engine.view.id, exc)
+        self.reason = self.classify(exc)
+        self.perform(self.engine.broken())
+        self._again()
+
+    def view_reconciled(self, outcome: Reconciled) -> None:
+        """The view runs (RECONCILE_DUE: its state is reconciled before the first collective)."""
+        self.reconciled.append(outcome)
+        if outcome.deferred:
+            self.engine.deferred()
+        else:
+            self.engine.reconciled()
+        self.news.faults.clear()
 
     def _again(self, probe: Iterable[str] = ()) -> None:
         """Agree again: the communicator is dropped, ``probe``'s members are probed for a
         crash, and the next attempt's agreement starts now."""
         self.ports.communicators.abandon()
-        self._pending = None
         self.probe_crashed(probe)
         self.agreeing_since = self.ports.clock.now()
 
@@ -274,7 +264,7 @@ class Driver:
     @property
     def replica_size(self) -> int:
         """Processes per sharded replica: the unit members come and go in (1: none)."""
-        return self.engine.replica[2] if self.engine.replica is not None else 1
+        return self.engine.replica_size
 
     def _partners_of_leavers(self, view: View) -> list[str]:
         """The members of ``view`` in the same sharded replica as a member that left it."""
@@ -342,17 +332,17 @@ class Driver:
             raise CollectiveAborted(f"an operation completed after this worker may have been cut off, and "
                                     f"{abort.reason or 'no member of the view answered'}")
 
-    def step_reduced(self, contributors: float, joiners: float, asking: list[int], batches_checked: bool,
-                     min_workers: int) -> bool:
+    def step_reduced(self, counters: Counters, batches_checked: bool) -> bool:
         """A gradient step's counters came back reduced (how many members contributed valid
         gradients, how many saw a joiner waiting, the ranks asking to stand aside): whether
         it commits. Every member sees the same: the joiner is admitted (JOIN_DUE), and the
         chosen stand aside (ASIDE_DUE), at the next step boundary."""
-        view = self.engine.view
-        commit, admit = core.step_verdict(contributors, joiners, view.size, batches_checked)
-        if self.engine.state == core.RUNNING:  # (not when another thread shut the group down meanwhile)
-            aside = view.rank_of(self.engine.id) in Stragglers.chosen(asking, view.size, min_workers)
-            self.engine.step_reduced(admit, aside)
+        engine = self.engine
+        view = engine.view
+        commit, admit = core.step_verdict(counters.contributors, counters.joiners, view.size, batches_checked)
+        if engine.state == core.RUNNING:  # (not when another thread shut the group down meanwhile)
+            chosen = Stragglers.chosen(list(counters.asking), view.size, engine.min_workers * engine.replica_size)
+            engine.step_reduced(admit, view.rank_of(engine.id) in chosen)
         return commit
 
     def operation_done(self, waited: float) -> None:

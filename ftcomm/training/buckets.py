@@ -44,25 +44,26 @@ class GradientBuckets:
     ``may_overlap()``: asked at the first gradient of a step; False leaves the whole
     step to ``finish`` (a re-formation or a join is due first).
     ``world_size()``: the size gradients are pre-scaled by.
-    ``join()``: this worker's pending-join counter (1.0 when it sees a joiner waiting).
-    ``aside()``: this worker's rank, and whether it asks to stand aside (a straggler).
-    ``data_valid()``: this worker's batch matches the data plan (asked when the last
-    bucket launches); False counts its gradients as not valid, like ``finish(False)``.
+    ``contribution(valid)``: this worker's counters, asked when the last bucket launches
+    with whether its gradients were computed on valid state: ``(valid, join, aside)`` —
+    its gradients count (False also when its batch does not match the data plan), it sees
+    a worker waiting to join, and its rank when it asks to stand aside as a straggler
+    (None when it does not).
     """
 
     def __init__(self, params: list[torch.Tensor], bucket_mb: float, overlap: bool,
                  launch: Callable[[torch.Tensor], Handle], may_overlap: Callable[[], bool],
-                 world_size: Callable[[], int], join: Callable[[], float],
-                 data_valid: Callable[[], bool] = lambda: True,
-                 aside: Callable[[], tuple[int, bool]] = lambda: (0, False)) -> None:
+                 world_size: Callable[[], int],
+                 contribution: Callable[[bool], tuple[bool, bool, int | None]] = lambda valid: (valid, False, None)
+                 ) -> None:
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise FtcommError("wait_gradients_ready needs every parameter on one device, got "
                               f"{sorted(map(str, devices))}")
         self.params = params
         self.device = next(iter(devices)) if devices else torch.device("cpu")
-        self._launch, self._may_overlap, self._world_size, self._join = launch, may_overlap, world_size, join
-        self._data_valid, self._aside = data_valid, aside
+        self._launch, self._may_overlap, self._world_size = launch, may_overlap, world_size
+        self._contribution = contribution
         self._groups = _group(list(reversed(params)), bucket_mb)
         self._slot: dict[int, tuple[int, int, int]] = {}
         for b, group in enumerate(self._groups):
@@ -157,10 +158,10 @@ class GradientBuckets:
             if b == last:
                 tail = flat[-(_COUNTERS + self._world):]
                 tail.zero_()
-                tail[0], tail[1] = (1.0 if valid and self._data_valid() else 0.0), self._join()
-                rank, aside = self._aside()
-                if aside and 0 <= rank < self._world:
-                    tail[_COUNTERS + rank] = 1.0
+                counts, join, aside = self._contribution(valid)
+                tail[0], tail[1] = (1.0 if counts else 0.0), (1.0 if join else 0.0)
+                if aside is not None and 0 <= aside < self._world:
+                    tail[_COUNTERS + aside] = 1.0
             self._handles.append(self._launch(flat))
 
     def finish(self, valid: bool) -> tuple[list[Handle], torch.Tensor]:

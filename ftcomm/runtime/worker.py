@@ -1,0 +1,662 @@
+"""The worker loop: everything one worker does to its group, as coroutines over ports.
+
+:class:`WorkerLoop` is the one program of a worker between the public API and the world.
+It holds the committed step count and runs the phases of a re-formation and of a step::
+
+    recover:   detect -> agree -> form (+ verify) -> reconcile -> run
+    a step:    boundary (re-form, join, stand aside, reconcile as the engine says is due)
+               -> contribute -> wait (abort on news) -> confirm after a stall
+               -> verdict (commit or discard, a joiner admitted, a straggler chosen)
+               -> commit (counted; the record published; stragglers judged)
+    leave:     record and departure notice -> let the others finish -> closed
+
+Every decision is the engine's (:mod:`ftcomm.core.engine`: the state table, the boundary
+dispatch :meth:`~ftcomm.core.engine.Engine.due`, the retry counter, the verdict) or the
+driver's, which performs the engine's actions (:mod:`ftcomm.runtime.driver`); everything
+done to the world goes through the ports (:mod:`ftcomm.runtime.ports`). Control goes one
+way: the API calls the loop, the loop calls the driver and the ports, and nothing calls
+back up.
+
+Each phase is a generator: where it waits it yields a :class:`~ftcomm.runtime.ports.Pending`
+operation or a :class:`~ftcomm.runtime.ports.Pause` and receives the result. A worker process
+runs them to completion with :func:`ftcomm.runtime.live_ports.run` (blocking, in real time);
+the whole-group simulation (:mod:`ftcomm.sim`) resumes them tick by tick in virtual time, so
+every seed runs this code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Generator, TypeVar
+
+from ..core import engine as core
+from ..core.engine import Engine, shard_sources
+from ..core.view import View
+from ..errors import (CollectiveAborted, CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged,
+                      QuorumLost, RetryLimitExceeded, OutOfStep)
+from ..options import GroupOptions, ViewChange
+from .driver import Driver
+from .news import GossipNews
+from .ports import Contribution, Counters, Formed, Pause, Ports, Reconciled, StateSummary
+from .stragglers import Stragglers
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Step = Generator[Any, Any, T]
+"""A phase of the loop: yields Pending operations and Pauses, returns ``T``."""
+
+LOOK_INTERVAL_S = 0.02
+"""While agreeing, the membership is looked at again after news, or after this long."""
+WAIT_NOTICE_S = 5.0
+"""A re-formation still waiting this long says why (then every ``WAIT_REPEAT_S``)."""
+WAIT_REPEAT_S = 30.0
+
+
+class WorkerLoop:
+    """One worker's steps and views (see the module docstring).
+
+    ``engine``: its lifecycle core; ``ports``: the world; ``options``: the group's;
+    ``stragglers``: its compute times and judgments; ``notice(text)``: told what an
+    operator wants to know (it rejoins the group), a warning in the log unless given.
+    """
+
+    def __init__(self, engine: Engine, ports: Ports, options: GroupOptions, stragglers: Stragglers,
+                 notice: Callable[[str], None] | None = None) -> None:
+        self.engine, self.ports, self.options, self.stragglers = engine, ports, options, stragglers
+        self.state = ports.state
+        membership = ports.membership
+        self.news = GossipNews(engine, membership.table, lambda: self.driver.ops, options.leave_grace,
+                               self.watch_stall, membership.decode, ports.clock.now)
+        """Gossip news (posted by the gossip layer) and the abort signal of the view formed or run."""
+        self.driver = Driver(engine, ports, self.news, lambda: (self.step, stragglers.compute.median()), notice)
+        self.step = 0  # committed steps
+        self.events: list[ViewChange] = []  # every view change, oldest first
+        now = ports.clock.now()
+        self.op_began = now  # when the operation in flight began (the previous one ended)
+        self.contributed_at = now  # when this worker's share of it was handed over
+        self.waiting_since = now  # when the operation that may fail began to wait (detection counts from there)
+        self.position = 0  # where in the training this worker is (see _place): 0 at a gradient step
+        self._calls = 0  # collectives outside gradient steps since the last gradient step
+        self._in_call = False  # inside execute or a collective (a nested collective is part of it)
+        self.formations = 0  # views formed (and verified) by this worker
+        self.aligned = True  # every member of the last view formed was at the same position
+        ports.communicators.attach(lambda: self.news.abort)
+        ports.collective.attach(self.contribution, self.may_overlap)
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def view(self) -> View | None:
+        """The current view: formed and verified."""
+        return self.engine.view
+
+    @property
+    def rank(self) -> int:
+        return self.engine.view.rank_of(self.engine.id)
+
+    @property
+    def ops(self) -> int:
+        """Group operations (collectives, gradient steps) completed in the current view."""
+        return self.driver.ops
+
+    @property
+    def closed(self) -> bool:
+        """The worker left the group (``shutdown``), or is leaving it."""
+        return self.engine.state in (core.LEAVING, core.CLOSED)
+
+    def check_open(self) -> None:
+        """FtcommError once the worker left the group (``shutdown`` from another thread, or
+        the exit hook, while this thread waits): nothing is left to do."""
+        if self.closed:
+            raise FtcommError("the group was shut down")
+
+    # ------------------------------------------------------------------ re-forming
+    def recover(self, reason: str, detected_at: float, timeout: float | None = None) -> Step[bool]:
+        """Re-form (``reason``: what broke the view, or why this worker re-forms) until the
+        new view runs, RUNNING or RECONCILE_DUE when no state is registered yet; whether this
+        worker's state was replaced meanwhile. A step that backward began reducing is lost.
+        Raises FtcommTimeout or QuorumLost when no view is agreed within ``timeout``
+        (default ``quorum_timeout``), and what agreeing raises (GroupEnded, ReplicaLost,
+        ConfigMismatch)."""
+        if self.ports.collective.touched:
+            self.ports.collective.drop()
+        yield from self._reform(reason, detected_at, timeout)
+        outcomes = self.driver.reconciled  # each formation's, this re-formation
+        if self.engine.state == core.RUNNING:
+            self.record_reconciled(outcomes[-1].digest)
+        return any(outcome.replaced for outcome in outcomes)
+
+    def _reform(self, reason: str, detected_at: float, timeout: float | None) -> Step[ViewChange]:
+        """detect -> agree -> form (+ verify) -> reconcile, until a view runs; its change."""
+        clock, engine, driver = self.ports.clock, self.engine, self.driver
+        noticed = clock.now()
+        abort = self.news.abort
+        fired_at, gave_up_at = abort.fired_at, abort.noticed_at
+        abort_latency = round(gave_up_at - fired_at, 4) if fired_at is not None and gave_up_at is not None else None
+        previous = engine.view
+        self.check_open()
+        driver.begin_recovery(reason)
+        deadline = noticed + (timeout if timeout is not None else self.options.quorum_timeout)
+        while driver.recovering:
+            view = yield from self._agree(reason, noticed, deadline)
+            try:
+                formed = yield from self._form(view)
+            except (MembershipChanged, FtcommTimeout) as exc:
+                self.check_open()
+                driver.form_failed(view, exc)
+                continue
+            driver.formed(formed)
+            try:
+                outcome = yield from self._reconcile_formed()
+            except (MembershipChanged, FtcommTimeout) as exc:
+                self.check_open()
+                driver.reconcile_failed(exc)
+                continue
+            self.check_open()
+            driver.view_reconciled(outcome)
+        view = engine.view
+        done = clock.now()
+        before = previous.members if previous else ()
+        why = ("rejoin" if engine.formed_from == core.REJOINING
+               else core.reason_for(driver.reason, before, view.members, self.gossip_states(), driver.replica_size))
+        change = ViewChange(view.id, view.members, why, tuple(m for m in view.members if m not in before),
+                            tuple(m for m in before if m not in view.members), round(noticed - detected_at, 4),
+                            round(driver.agreed_at - driver.agreeing_since, 4),
+                            round(driver.formed_at - driver.agreed_at, 4), round(done - driver.formed_at, 4),
+                            clock.wall(), abort_latency)
+        self.events.append(change)
+        engine.view_reason = why  # published with the next record
+        self.op_began = clock.now()
+        log.info("view %d: %d members (%s), rank %d; detect %.3f agree %.3f form %.3f reconcile %.3f s",
+                 view.id, view.size, why, view.rank_of(engine.id), change.detect_s, change.agree_s,
+                 change.form_s, change.reconcile_s)
+        return change
+
+    def _agree(self, reason: str, noticed: float, deadline: float) -> Step[View]:
+        """Look at the membership (after news, or every LOOK_INTERVAL_S) until a view is
+        agreed; it is entered (FORMING) and returned."""
+        clock, engine, driver = self.ports.clock, self.engine, self.driver
+        said_at = noticed  # when this worker last said why it waits
+        while True:
+            self.check_open()
+            now = clock.now()
+            if now > deadline:
+                self._raise_stuck()
+            self.news.changed.clear()
+            self.news.judge()
+            try:
+                look = driver.look()
+            except core.IllegalTransition:
+                self.check_open()  # shut down from another thread meanwhile: FtcommError
+                raise
+            if look.form is not None:
+                driver.enter(look.form)
+                return look.form
+            if look.again:  # a fetched or published proposal is looked at at once
+                yield Pause(0.0)
+                continue
+            if now - said_at > (WAIT_NOTICE_S if said_at == noticed else WAIT_REPEAT_S):
+                said_at = now
+                log.warning("waiting for a view (%s for %.0f s): %s; %s in %.0f s", reason, now - noticed,
+                            self._waiting_for(), "QuorumLost" if engine.view is not None else "FtcommTimeout",
+                            max(0.0, deadline - now))
+            yield Pause(LOOK_INTERVAL_S)
+
+    def _form(self, view: View) -> Step[Formed]:
+        """Form the communicator of ``view`` and verify it with a tiny allreduce MIN, which
+        also tells whether every member founds the group (this is their first view) and
+        wants the network check, and whether no member has begun training (restorable)."""
+        engine, comms = self.engine, self.ports.communicators
+        yield comms.form(view)
+        check = int(view.digest, 16) >> 1
+        rank, k = view.rank_of(engine.id), engine.replica_size
+        misplaced = int(k > 1 and (view.size % k != 0 or rank % k != engine.replica[1]))
+        probe = [check, -check, int(engine.view is None), int(self.options.network_check), int(not engine.started),
+                 -misplaced, self.position, -self.position]
+        verified = yield comms.verify(probe)
+        if verified[:2] != [check, -check]:
+            raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
+        if verified[5] < 0:
+            raise CommunicatorError(f"view {view.id} failed verification: a sharded replica's processes are not "
+                                    f"consecutive ranks in shard order")
+        if k > 1:
+            yield comms.form_shard(view)
+        self.aligned = verified[6] == -verified[7]  # the lowest position is the highest: all at one place
+        self.formations += 1
+        return Formed(verified[2] == 1 and verified[3] == 1, verified[4] == 1)
+
+    def _reconcile_formed(self) -> Step[Reconciled]:
+        """In a view just formed: reconcile now, or before the first collective once a
+        state is registered (deferred: nothing loaded, no digest yet)."""
+        if not self.state.registered:
+            return Reconciled(False, None, deferred=True)
+        loaded, digest = yield from self._transfer()
+        return Reconciled(loaded, digest)
+
+    def _transfer(self) -> Step[tuple[bool, int]]:
+        """Make every member's registered state identical: every member shows its (step,
+        digest, model signature); when they differ the newest state wins (the lowest rank
+        among its holders; shard by shard with sharded replicas, see
+        :func:`ftcomm.core.view.shard_sources`). Whether this worker loaded another's state,
+        and the digest every member now holds. ConfigMismatch when the members registered
+        different models."""
+        comms, state, engine = self.ports.communicators, self.state, self.engine
+        view, k = engine.view, engine.replica_size
+        step = self.step
+        mine = StateSummary(step, state.digest(step), state.signature())
+        gathered = yield comms.gather_states(mine)
+        if any(len({g.signature for g in gathered[i::k]}) > 1 for i in range(k)):
+            yield comms.mismatch(gathered, k)  # raises ConfigMismatch on every member
+        newest = {max(g.step for g in gathered[i::k]) for i in range(k)}
+        if len(newest) > 1:  # every process of a replica commits a step or none does (Replica.agree)
+            log.error("the shards of view %d hold different newest steps %s: a replica committed a step on some "
+                      "of its processes only", view.id, sorted(newest))
+        rank = view.rank_of(engine.id)
+        source = shard_sources([(g.step, g.digest) for g in gathered], k)[1][rank % k]
+        if source is None:
+            return False, mine.digest
+        load = gathered[rank][:2] != gathered[source][:2]
+        received = yield comms.transfer(view, source // k, load, step)
+        if received is None:
+            return False, mine.digest
+        self.step = received
+        return True, state.digest(received)
+
+    def _raise_stuck(self) -> None:
+        engine = self.engine
+        view = engine.view
+        if view is None and engine.holding:
+            raise FtcommTimeout(
+                "this worker saw a group but none of its members is live here, and not all of them are "
+                "gone for sure (some do not answer: across a partition?); with partition_policy='quorum' "
+                "it founds no second group")
+        if view is None or engine.state == core.JOINING:
+            raise FtcommTimeout(f"no view with at least {self._min_workers_text()} could be agreed "
+                                f"(this worker sees {self._live()} live members; group full or peers unreachable?)")
+        raise QuorumLost(f"cannot reach a majority of view {view.id} ({view.size} members) "
+                         f"within {self.options.quorum_timeout:g} s: this worker is on the minority side "
+                         f"of a partition or the others are gone")
+
+    def _min_workers_text(self) -> str:
+        """min_workers as the user set it, and what it means in processes."""
+        engine = self.engine
+        k = engine.replica_size
+        if k == 1:
+            return f"min_workers={engine.min_workers} members"
+        return f"min_workers={engine.min_workers} replicas ({engine.min_workers * k} processes)"
+
+    def _live(self) -> int:
+        return sum(1 for r in self.ports.membership.records() if r.state in ("alive", "suspect"))
+
+    def _waiting_for(self) -> str:
+        """Why no view is agreed yet, in a few words, for the waiting notice."""
+        engine = self.engine
+        live, needed = self._live(), engine.min_workers * engine.replica_size
+        if live < needed:
+            return (f"{live} live member{'s' if live != 1 else ''} here, fewer than {self._min_workers_text()}: "
+                    f"waiting for more to join or come back")
+        if engine.view is not None:
+            return (f"{live} live members, waiting to agree on the next view with a majority of view "
+                    f"{engine.view.id} ({engine.view.size} members)")
+        return f"{live} live members, agreeing on the first view"
+
+    def gossip_states(self) -> dict[str, str]:
+        """Each member's gossip state, ``benched`` for a straggler standing aside."""
+        return {r.id: "benched" if r.status is not None and r.status.benched is not None else r.state
+                for r in self.ports.membership.records()}
+
+    # ------------------------------------------------------------------ step boundaries
+    def boundary(self) -> Step[None]:
+        """Between two steps: re-form, stand aside or reconcile as the engine says is due
+        (see ftcomm.FaultTolerantGroup.step_boundary). A reconcile that fails leaves the view
+        BROKEN, re-formed before the next collective."""
+        self.engine.began()
+        self.position, self._calls = 0, 0
+        yield from self.reform_if_due()
+        if self.engine.state != core.RECONCILE_DUE:
+            return
+        try:
+            yield from self.reconcile_if_due()
+        except MembershipChanged as exc:
+            self.fail(exc)
+
+    def prepare(self, boundary: bool = True) -> Step[bool]:
+        """Before a collective (a gradient step's at a step ``boundary``): what is due;
+        whether this worker's registered state was replaced meanwhile (by another member's)."""
+        self.check_open()
+        replaced = yield from self.reform_if_due(boundary)
+        return (yield from self.reconcile_if_due()) or replaced
+
+    def reform_if_due(self, boundary: bool = True) -> Step[bool]:
+        """Re-form when the engine says so (see Engine.due): a joiner is admitted, and a
+        straggler stands aside, only at a step ``boundary``; whether the state was replaced."""
+        clock, engine = self.ports.clock, self.engine
+        due = engine.due(boundary)
+        if due == "recover":
+            return (yield from self.recover(engine.fault, self.waiting_since))
+        if due == "resume":  # a re-formation that raised (a timeout, a mismatch) is resumed
+            return (yield from self.recover("backend", clock.now()))
+        if due == "join":
+            return (yield from self.recover("join", clock.now()))
+        if due == "aside":
+            seconds = self.stragglers.bench()
+            log.warning("this worker is a straggler: standing aside for %g s (straggler_policy 'exclude')", seconds)
+            self.driver.stand_aside(seconds)
+            return (yield from self.recover("straggler", clock.now(), seconds + self.options.quorum_timeout))
+        return False
+
+    def reconcile_if_due(self) -> Step[bool]:
+        """Reconcile when due (RECONCILE_DUE), unless news already broke the view
+        (MembershipChanged); whether the state was replaced."""
+        self.news.judge()
+        if self.news.abort.reason is not None:
+            raise MembershipChanged(self.news.abort.reason)
+        if self.engine.state != core.RECONCILE_DUE:
+            return False
+        began = self.ports.clock.now()
+        loaded, digest = yield from self._transfer()
+        self.check_open()
+        self.engine.reconciled()
+        self.record_reconciled(digest, self.ports.clock.now() - began)
+        return loaded
+
+    def record_reconciled(self, digest: int | None, deferred_s: float | None = None) -> None:
+        """Stamp the latest view change with the state every member holds after reconciling
+        (and, for a reconcile deferred until the state was registered, its duration), and let
+        the batch-size / learning-rate policies adapt to the view (same state, same result)."""
+        if not self.state.registered or not self.events:
+            return
+        policy: dict = {}
+        for obj in self.state.participants("view_changed"):
+            policy.update(obj.view_changed(self.rank, self.engine.view.size, self.step) or {})
+        timing = {"reconcile_s": round(deferred_s, 4)} if deferred_s is not None else {}
+        self.events[-1] = dataclasses.replace(self.events[-1], step=self.step, state_digest=digest,
+                                              policy=policy or None, **timing)
+        if policy:
+            log.info("view %d: policy %s", self.engine.view.id, policy)
+
+    def fail(self, exc: MembershipChanged) -> None:
+        """A collective of the view failed outside a gradient step: the view is BROKEN and
+        re-formed before the next collective. Raises FtcommError when another thread shut
+        the group down meanwhile (nothing is left to re-form)."""
+        self.check_open()
+        self.driver.perform(self.engine.failed(self.driver.classify(exc)))
+
+    # ------------------------------------------------------------------ gradient steps
+    def contribution(self, valid: bool) -> Contribution:
+        """This worker's share of a step's counters (asked when the step's last bucket
+        launches): its gradients count (``valid`` and its batch is the planned one), it sees
+        a joiner waiting, it asks to stand aside."""
+        engine = self.engine
+        valid = valid and all(obj.batch_valid() for obj in self.state.participants("batch_valid"))
+        join = engine.admits_joiner(self.driver.statuses()[0])
+        aside = self.rank if self.stragglers.asking and engine.view is not None else None
+        return Contribution(valid, join, aside)
+
+    def may_overlap(self) -> bool:
+        """Backward may start reducing: nothing has to happen before this step's collectives."""
+        self.news.judge()
+        return self.engine.state == core.RUNNING and self.news.abort.reason is None and not self.closed
+
+    def gradient_step(self) -> Step[bool]:
+        """One gradient step (see ftcomm.FaultTolerantGroup.wait_gradients_ready): whether it
+        commits. A step that fails re-forms the view and returns False; more than
+        ``max_retries`` in a row raise RetryLimitExceeded."""
+        engine, collective, driver = self.engine, self.ports.collective, self.driver
+        engine.began()
+        self.position, self._calls = 0, 0
+        self.news.judge()
+        for obj in self.state.participants("check_step"):
+            obj.check_step()
+        if collective.lost:  # the group re-formed (in execute) after backward began reducing
+            collective.discard()
+            yield from self._replica_agrees(False)
+            self._end_step(False)
+            return False
+        self.waiting_since = self.ports.clock.now()
+        try:
+            if collective.touched and (engine.state == core.BROKEN or self.news.abort.reason is not None):
+                # backward already reduced part of this step in a view that is now broken
+                raise CollectiveAborted(self.news.abort.reason or f"the view broke ({engine.fault})")
+            replaced = yield from self.prepare()
+            # Gradients computed on state that was just replaced are not valid: contribute none.
+            reduction = collective.reduce(valid=not replaced)
+            self.stragglers.compute.add(self.contributed())
+            self.waiting_since = self.contributed_at
+            reduced = counters = yield reduction
+            if engine.replica_size > 1:
+                counters = yield from self._replica_verdict(reduced)
+            yield from self.confirm_after_stall()
+        except MembershipChanged as exc:
+            collective.discard()
+            self.check_open()  # shut down from another thread: FtcommError, nothing to re-form
+            yield from self._replica_agrees(False)
+            fault = engine.fault or driver.classify(exc)
+            if engine.count_failure():
+                if engine.state in (core.RUNNING, core.RECONCILE_DUE):
+                    driver.perform(engine.failed(fault))  # re-formed at the next call
+                self._end_step(False)
+                raise RetryLimitExceeded(
+                    f"wait_gradients_ready failed {self.options.max_retries + 1} steps in a row because the "
+                    f"membership kept changing (last: {exc}); raise max_retries or investigate the unstable "
+                    f"workers") from exc
+            yield from self.recover(fault, self.waiting_since)
+            self._end_step(False)
+            return False
+        engine.count_success()
+        self.completed()
+        commit = driver.step_reduced(counters, bool(self.state.participants("batch_valid")))
+        commit = yield from self._replica_agrees(commit)
+        if commit:
+            collective.hand_back(reduced.contributors)  # the sum is over the gradient communicator's members
+        else:
+            collective.discard()
+        self._end_step(commit)
+        if commit:
+            self._commit()
+        return commit
+
+    def _replica_verdict(self, counters: Counters) -> Step[Counters]:
+        """With sharded replicas, each shard index reduced its gradient shards, and the
+        step's counters with them, over its own communicator. The step commits for every
+        process or for none: the counters of every shard are summed over the whole view (one
+        tiny allreduce; each shard's sum arrives once from each of its processes)."""
+        replicas = self.engine.view.size // self.engine.replica_size
+        summed = yield self.ports.collective.view_sum([counters.contributors / replicas, counters.joiners / replicas])
+        return Counters(round(summed[0]), round(summed[1]), counters.asking)
+
+    def _replica_agrees(self, committed: bool) -> Step[bool]:
+        """With a sharded replica, whether all of its processes commit the step (every one of
+        them asks once per gradient step); ``committed`` without one."""
+        if self.engine.replica_size == 1:
+            return committed
+        return (yield self.ports.collective.replica_agree(committed))
+
+    def _end_step(self, committed: bool) -> None:
+        for obj in self.state.participants("step_ended"):
+            obj.step_ended(committed)
+        self.news.operation_ended()
+
+    def _commit(self) -> None:
+        self.step += 1
+        if self.ports.clock.now() - self.driver.published_at < self.options.step_publish_interval:
+            return
+        self.driver.publish()  # the record with the committed step, at most every step_publish_interval
+        try:
+            self.judge_stragglers()
+        except Exception:  # noqa: BLE001 - a report must never fail a committed step
+            log.exception("judging stragglers failed")
+
+    def judge_stragglers(self) -> None:
+        """Compare the view members' published compute times (see ftcomm.runtime.stragglers)."""
+        statuses, _ = self.driver.statuses()
+        compute = {m: s.compute_s for m, s in statuses.items() if s.compute_s is not None}
+        self.stragglers.judge(self.engine.id, self.engine.view.members, compute, self.ports.clock.wall())
+
+    # ------------------------------------------------------------------ collectives
+    def collective(self, operation: Any) -> Step[Any]:
+        """One of the user's collectives (``operation`` starts it on the view's
+        communicator); its result. MembershipChanged when the view breaks meanwhile: the
+        view is re-formed before the next collective. A joiner admitted by the last step
+        joins at the next step boundary, after it (see ftcomm.core.engine.BETWEEN).
+        OutOfStep when re-forming to prepare it found the members of the new view at other
+        places of the training (see :meth:`execute`)."""
+        nested = self._in_call
+        if not nested:
+            self._place()
+        self._in_call = True
+        try:
+            formations = self.formations
+            replaced = yield from self.prepare(boundary=False)
+            if not nested:
+                self._check_in_step(replaced, formations, "the collective")
+            self.contributed()
+            self.waiting_since = self.contributed_at
+            try:
+                result = yield self.ports.collective.run(operation)
+                yield from self.confirm_after_stall()
+            except MembershipChanged as exc:
+                self.fail(exc)
+                raise
+        finally:
+            self._in_call = nested
+        self.operation_done()
+        return result
+
+    def execute(self, attempt: Callable[[], Step[T]]) -> Step[T]:
+        """Run ``attempt`` (which runs collectives) and return its result; when the view
+        breaks meanwhile (MembershipChanged), re-form and run it again from the start, as
+        long as every member of the new view is at this same call. More than
+        ``max_retries`` failures in a row raise RetryLimitExceeded.
+
+        OutOfStep when a re-formation (after a failure, or to prepare the call) found the
+        members of the new view at other places of the training: a joiner at its first
+        gradient step, a member that had finished the call, or this worker itself behind
+        (its state was replaced by the group's newer one). Every member tells its place
+        (its committed step, and which call since the last gradient step) in the new view's
+        verification, so all decide alike: nobody runs a collective that some members never
+        join, and the group meets again at the next gradient step."""
+        nested = self._in_call
+        if not nested:
+            self._place()
+        self._in_call = True
+        try:
+            while True:
+                self.waiting_since = self.ports.clock.now()
+                formations = self.formations
+                try:
+                    replaced = yield from self.prepare(boundary=False)
+                    if not nested:
+                        self._check_in_step(replaced, formations, "execute")
+                    result = yield from attempt()
+                except MembershipChanged as exc:
+                    if self.engine.count_failure():
+                        raise RetryLimitExceeded(
+                            f"execute failed {self.options.max_retries + 1} times in a row because the membership "
+                            f"kept changing (last: {exc}); raise max_retries or investigate the unstable workers"
+                        ) from exc
+                    formations = self.formations
+                    replaced = yield from self.recover(self.engine.fault or self.driver.classify(exc),
+                                                       self.waiting_since)
+                    if not nested:
+                        self._check_in_step(replaced, formations, "execute")
+                    continue
+                self.engine.count_success()
+                return result
+        finally:
+            self._in_call = nested
+
+    def _place(self) -> None:
+        """A collective outside a gradient step begins: this worker's position is its
+        committed step and the number of such calls since its last gradient step."""
+        self._calls += 1
+        self.position = 1 + self.step * 4096 + min(self._calls, 4095)
+
+    def _check_in_step(self, replaced: bool, formations: int, what: str) -> None:
+        """OutOfStep when preparing ``what`` replaced this worker's state, or formed a view
+        whose members were not all at this same call."""
+        if replaced or (self.formations > formations and not self.aligned):
+            why = ("this worker's state was replaced by the group's newer one (it was cut off while the group went "
+                   "on)" if replaced else "the members of the new view are at other places of the training (a "
+                   "joiner at its first gradient step, or a member that had finished it)")
+            raise OutOfStep(f"{what} was abandoned: the group re-formed and {why}; running it would wait for members "
+                            f"that never join it. Carry on with the training loop: the group meets again at the "
+                            f"next gradient step (step {self.step + 1})")
+
+    def contributed(self) -> float:
+        """This worker handed its share of the operation in flight over: its compute time."""
+        self.contributed_at = self.ports.clock.now()
+        return self.contributed_at - self.op_began
+
+    def completed(self) -> None:
+        """The operation in flight completed here."""
+        self.op_began = self.ports.clock.now()
+        self.driver.operation_done(self.op_began - self.contributed_at)
+
+    def operation_done(self) -> None:
+        """The operation in flight completed, and aborts held for it fire now."""
+        self.completed()
+        self.news.operation_ended()
+
+    def watch_stall(self) -> None:
+        """Hang detection on demand while an operation waits (see Driver.watch_stall); run
+        on each wake-up of a waiting operation."""
+        self.driver.watch_stall(self.contributed_at, self.op_began, self.options.stall_probe_after,
+                                self.ports.membership.probe_interval())
+
+    def confirm_after_stall(self) -> Step[None]:
+        """Before the operation that completed counts: confirm the view is intact when this
+        worker may have been cut off meanwhile (see Driver.confirmation); CollectiveAborted
+        when it is not."""
+        exchange = self.driver.confirmation(self.contributed_at, self.op_began, self.ports.membership.probe_interval())
+        if exchange is not None:
+            self.driver.confirmed((yield exchange))
+
+    # ------------------------------------------------------------------ leaving
+    def leave(self) -> Step[None]:
+        """Leave the group gracefully: the record says so, then the departure notice.
+
+        The departure does not end the worker at once: a member of the view may still be
+        inside the operation this worker completed last (it lets it finish, ``leave_grace``),
+        and this worker's exit would close the connections it still reads from. Until every
+        other member of the view moved on (left, died, or no longer proposes the view: it
+        re-formed), at most until ``leave_grace`` seconds after that operation ended (by then
+        every member that was in it finished it or gave up on it), and at least while the
+        notice spreads, the gossip layer stays up and the communicator is not dropped. A
+        second call does nothing."""
+        engine, clock, membership = self.engine, self.ports.clock, self.ports.membership
+        view = engine.view
+        actions = engine.leave()
+        if not actions:
+            return
+        now = clock.now()
+        linger = max(0.0, self.options.leave_grace - (now - self.op_began))
+        self.news.abort.fire("this worker is shutting down")
+        try:
+            self.driver.perform(actions)
+            membership.leave()
+            spread = now + membership.propagate_time()
+            deadline = max(spread, now + linger)
+            while clock.now() < spread:
+                yield Pause(spread - clock.now(), news=False)
+            while clock.now() < deadline and not (yield from self._others_moved_on(view)):
+                yield Pause(LOOK_INTERVAL_S, news=False)
+            membership.stop()
+        except FtcommError as exc:  # its gossip is gone already
+            log.debug("leaving: %s", exc)
+        self.ports.communicators.abandon()
+        engine.closed()
+
+    def _others_moved_on(self, view: View | None) -> Step[bool]:
+        """No other live member still runs ``view`` (asked directly: news about a member that
+        left may no longer reach it by gossip)."""
+        if view is None:
+            return True
+        key = (view.id, view.digest)
+        statuses, _ = self.driver.statuses()
+        running = [m for m in view.members if m != self.engine.id and m in statuses
+                   and statuses[m].alive and statuses[m].proposal == key]
+        if running:
+            yield self.ports.membership.exchange(running[:1], timeout=0.1)
+        return not running

@@ -1,0 +1,46 @@
+"""Whole groups under deterministic simulation: the shipped worker loop over simulated ports.
+
+N workers, each the engine core (:mod:`ftcomm.core.engine`) and the worker loop that ships
+(:class:`ftcomm.runtime.worker.WorkerLoop`: re-formations, the step protocol, stragglers,
+leaving, the retry limit, with the driver and the gossip news under it), run over the
+gossip simulator (the real :class:`~ftcomm.gossip.protocol.Protocol`, real packets, a
+virtual clock, loss and delay). This package holds only the world:
+
+* :mod:`ftcomm.sim.ports`: the ports, modelled. A proposal published by a member is
+  readable by the others while its owner runs and is reachable; a read from one that
+  crashed, hangs or is cut off answers nothing, and its reader waits ``FETCH_TIMEOUT_S``
+  for it. A connection to a member's port is refused when its process is gone and its
+  node reachable. A view's communicator forms once every member entered its formation
+  and every pair of members can reach each other, within ``formation_timeout``. Every
+  operation on a communicator (the verification, the state gather and transfer, a
+  step's reduction of its counters, the sum over the view of sharded replicas, a user's
+  collective) completes once every member contributed, and each member observes it a
+  little later; a member that crashes, hangs or is cut off before another observed it
+  leaves that one waiting (so a step may commit on some members only). A crashed
+  process's peers get a connection error at once; a lost node or a hung process gives
+  none, only gossip tells. A sharded replica's agreement is torch's MIN inside the
+  replica: ReplicaLost once a process of it is gone.
+* :mod:`ftcomm.sim.world`: the workers' training scripts (init, steps with compute time,
+  now and then a collective inside ``execute``, leaving), the fault schedule, a launcher
+  that starts failed workers again, and the gossip simulator underneath.
+* :mod:`ftcomm.sim.checks`: the invariants, after every commit and at the end.
+* :mod:`ftcomm.sim.cli`: seeds, their summary, the command line.
+
+Each seed draws a group size, ``min_workers``, network conditions, whether a launcher
+restarts failed workers, whether joiners register their state late, and a fault schedule
+(sparse, or dense and overlapping; from t = 0) of crashes, hangs and resumes, node losses
+and returns, partitions and heals, joins, graceful leaves, leaves right after a commit and
+slow members (which, with ``straggler_policy="exclude"``, judge themselves stragglers and
+stand aside). A violation names the seed and the command that reproduces it::
+
+    python -m ftcomm.groupsim --seed 17            # one seed, its timeline
+    python -m ftcomm.groupsim --seeds 500 --json   # many seeds, summary
+
+Production code never imports this package.
+"""
+
+from .cli import main, run_seed, run_seeds, summarize
+from .world import GroupSimulation, InvariantViolation, Outcome, Worker
+
+__all__ = ["GroupSimulation", "InvariantViolation", "Outcome", "Worker", "main", "run_seed", "run_seeds",
+           "summarize"]

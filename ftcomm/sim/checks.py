@@ -1,0 +1,116 @@
+"""The invariants the whole-group simulation checks, after every commit and at the end.
+
+(1) no two members of a view commit different contents for the same step (a step can
+still commit on some members only, when the others abort it and carry on without them;
+such a commit is overwritten when its member is reconciled, and the summary counts them:
+without a second commit round nothing can prevent it); (2) each member's committed steps
+strictly increase; (3) the members of a view hold equal state before their first commit
+in it; (4) with the quorum policy no side of a partition that lacks a majority of the
+view before it commits, and no two disjoint groups commit the same step; (5) the
+committed steps of the group are contiguous (every sample of an epoch consumed once: the
+sampler's share of a step is a function of the step); (6) liveness: once faults stop,
+every live member is in one view with all live members and commits within
+``liveness_bound`` seconds, when a quorum of the newest view and ``min_workers`` survived;
+(7) every communicator a member formed is closed or abandoned, except the current one.
+Invariant 0 is the simulation's own: a worker's script raised what no user's script
+should see, or its loop spun without virtual time passing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+from ..core.view import View, gone_from, has_quorum
+
+if TYPE_CHECKING:
+    from .world import GroupSimulation, Worker
+
+
+def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
+    """``w``'s loop committed its step ``w.loop.step`` in ``view``: the optimizer steps (the
+    state's digest advances), and invariants 1 to 4 are checked."""
+    now, step = world.sim.now, w.loop.step
+    key = (view.id, view.digest)
+    if w.last_view != key:  # its first commit in this view
+        w.last_view = key
+        first = world.view_digest.setdefault((*key, w.shard), (step - 1, w.state.value))
+        if first != (step - 1, w.state.value):
+            world.violation(3, f"{w.id} starts view {view.id} at {(step - 1, w.state.value)}, another member at "
+                               f"{first}")
+    digest = int.from_bytes(hashlib.blake2b(f"{w.state.value}/{step}/{view.id}".encode(), digest_size=8).digest(),
+                            "big")
+    if w.committed and step <= w.committed[-1][1]:
+        world.violation(2, f"{w.id} commits step {step} after step {w.committed[-1][1]}")
+    known = world.contents.setdefault((step, *key, w.shard), digest)
+    if known != digest:
+        world.violation(1, f"step {step} committed with two contents in view {view.id} (by {w.id})")
+    first, first_members = world.history.setdefault((step, w.shard), (digest, frozenset(view.members)))
+    if first != digest:
+        if not first_members & set(view.members):
+            newest = max(s for s, _ in world.history)
+            if any(x.loop.step >= newest - 1 for x in world.live() if x.id not in view.member_set):
+                world.violation(4, f"step {step} committed by two disjoint groups: view {view.id} "
+                                   f"({len(view.members)} members) and an earlier view of {len(first_members)}, "
+                                   f"while a worker outside it holds the group's newest state")
+            # Every worker that held the group's newest state died or left: the state was lost
+            # with them (the simulation keeps no checkpoint), and a new group trains from an
+            # older one.
+            world.lost_state += 1
+        else:
+            # Committed on some members only, then the others carried on without them: this
+            # commit (or the earlier one) is discarded when its member is reconciled.
+            world.rolled_back += 1
+    if world.partition is not None and world.partition[2] is not None:
+        side_a, side_b, before = world.partition
+        side = side_a if w.id in side_a else side_b
+        # members that had left gracefully before the cut do not count, as in the quorum rule
+        if set(view.members) <= side and not has_quorum(before, [m for m in before.members if m in side],
+                                                        world.partition_left):
+            world.violation(4, f"{w.id} commits step {step} in view {view.id} on the minority side of a partition "
+                               f"of view {before.id}")
+    w.state.value = digest
+    w.committed.append((now, step, view.id))
+
+
+def at_end(world: "GroupSimulation") -> None:
+    """Invariants 5, 6 and 7 once the run is over."""
+    steps = sorted({step for step, _ in world.history})
+    if steps and steps != list(range(1, steps[-1] + 1)):
+        missing = sorted(set(range(1, steps[-1] + 1)) - set(steps))[:5]
+        world.violation(5, f"committed steps are not contiguous: missing {missing}")
+    live = world.live()
+    live_ids = {w.id for w in live}
+    # The newest view formed (and verified) by anyone, dead or alive.
+    newest = max((w.loop.engine.view for w in world.workers.values() if w.loop.engine.view is not None),
+                 key=lambda v: v.id, default=None)
+    # Members count as gone only when a live member holds their final record: one that
+    # left while cut off from every survivor, and exited before the heal, is as good as
+    # dead to them (nothing tells a departure from a death on the other side of a cut).
+    left = set().union(*(gone_from(newest, world.read_statuses(w)) for w in live))
+    survivors = [m for m in newest.members if m in live_ids] if newest is not None else []
+    world.quorum_survived = newest is None or (bool(survivors) and has_quorum(newest, survivors, left))
+    # Nor when the group's state died with the members that held it (every live member
+    # holds an older one, beyond a step that committed on some members only): going on
+    # from an older state would commit its steps again.
+    newest_step = max((step for step, _ in world.history), default=0)
+    if world.quorum_survived and newest_step and not any(w.loop.step >= newest_step - 1 for w in live):
+        world.quorum_survived = False
+    # Nor when fewer replicas live than min_workers: the group waits for more.
+    replicas = {w.replica[0] if w.replica is not None else w.id for w in live}
+    if len(replicas) < world.min_workers:
+        world.quorum_survived = False
+    # Without a quorum of the newest view alive the quorum policy must stop (and wait for
+    # the lost members) rather than go on: liveness is owed only when a quorum survived.
+    # When every member of the newest view left, the group ended with them: the members
+    # left behind hold older states, and going on from one would commit those steps again.
+    if world.settled_at is None and world.quorum_survived:
+        states = {w.id: (w.loop.engine.state, w.loop.engine.view.id if w.loop.engine.view else None) for w in live}
+        world.violation(6, f"within {world.liveness_bound:.1f} s of the last fault the live members never ran one view "
+                           f"of all of them, committing: {states}")
+    current = {w.id: w.loop.ports.communicators.comm for w in live}
+    for w in world.workers.values():
+        open_comms = [entry[0] for entry in w.comms if not entry[1]]
+        allowed = [current[w.id]] if w.id in current else []
+        if any(c not in allowed for c in open_comms):
+            world.violation(7, f"{w.id} still holds communicators {open_comms} (current {current.get(w.id)})")

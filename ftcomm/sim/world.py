@@ -1,0 +1,914 @@
+"""The simulated world: workers running the shipped loop over simulated ports, and the faults.
+
+:class:`GroupSimulation` builds, for each worker, the engine and the
+:class:`~ftcomm.runtime.worker.WorkerLoop` that ship, over the ports of :mod:`ftcomm.sim.ports`,
+and runs a training script on it: ``init`` (the first re-formation), then steps
+(boundary, compute, ``wait_gradients_ready``; now and then a collective through
+``execute``), and at the end or on SIGTERM the loop's own ``leave``. Everything else here is
+the world: who runs, hangs, is cut off or crashed (the fault schedule), how long compute
+takes, the gossip simulator underneath, a collective completing once every member
+contributed, a launcher starting failed workers again, and the invariant checks after
+every commit (:mod:`ftcomm.sim.checks`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, NamedTuple
+
+from ..core import engine as core
+from ..core.engine import ANNOUNCE_LIMIT, Engine
+from ..core.view import Status, View
+from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout, GroupEnded,
+                      JoinError, QuorumLost, ReplicaLost, RetryLimitExceeded, OutOfStep)
+from ..gossip.config import GossipConfig
+from ..gossip.runtime import decode_metadata, encode_metadata
+from ..gossip.sim import Simulation
+from ..options import GroupOptions
+from ..runtime.ports import UNDER_WAY, Pause, Ports, readable
+from ..runtime.stragglers import Stragglers
+from ..runtime.worker import WorkerLoop
+from . import checks
+from .ports import (FORM_LATENCY, OP_LATENCY, TICK, SimClock, SimCollective, SimCommunicators, SimMembership,
+                    SimOperation, SimProber, SimProposals, SimState, member_host)
+
+CONFIG = "simcfg"
+REPLICA_RESTART_S = 3.0  # a launcher starting a sharded replica's processes again, until they join
+REPLICA_HALT_S = 5.0  # ftcomm.ops.launcher's: a process of a replica that lost one, SIGTERM to SIGKILL
+RESTART_S = (0.2, 2.5)  # a launcher starting a failed worker again: a warm standby .. a cold start
+CRASH_ERROR_DELAY = 0.005  # a crashed member's connections reset this long after its death
+COLLECTIVE_EVERY = 7  # the script averages a metric over the group (execute) after every this many commits
+STEPS_PER_TICK = 500  # more phase steps than this in one tick: the loop spins without virtual time passing
+EXPECTED_ERRORS = (GroupEnded, ReplicaLost, QuorumLost, FtcommTimeout, RetryLimitExceeded, ConfigMismatch, JoinError)
+"""What a worker's script may end on in the users' world (the process then exits 1)."""
+_UNDECODED = object()
+
+
+class InvariantViolation(AssertionError):
+    """An invariant of the group did not hold; the message names it and the seed."""
+
+
+class Sleep(NamedTuple):
+    """The script computes until ``until`` (forward, backward, data)."""
+
+    until: float
+
+
+@dataclass
+class Worker:
+    """One worker process of the simulated world."""
+
+    node: int  # index in the gossip simulation
+    loop: WorkerLoop
+    state: SimState
+    step_time: float
+    replica: tuple[str, int] | None = None  # a sharded replica's process: (replica key, shard rank)
+    slow: float = 1.0
+    crashed: bool = False
+    crashed_at: float = float("inf")
+    exited_at: float = float("inf")
+    hung: bool = False
+    resumed_at: float = float("-inf")  # when it last came back from a hang
+    gone: bool = False  # leaving (gracefully) or exited: no longer counted among the live
+    exited: bool = False  # the process ended (its script returned or raised)
+    script: Generator | None = None
+    waiting: Any = None  # what the script waits on (a Pending, a Pause, a Sleep)
+    waiting_at: float = 0.0  # since when
+    busy_until: float = 0.0  # a blocking port call (a read from a store that does not answer) holds it until then
+    joined: bool = False  # its gossip join completed (ftcomm.init agrees only after that)
+    seeds: tuple[int, ...] = ()  # the nodes of the peers it was given (ftcomm.init's join)
+    comms: list = field(default_factory=list)  # every communicator formed: [key, closed]
+    committed: list = field(default_factory=list)  # (time, step, view id)
+    last_view: tuple | None = None  # (view id, digest) of its last commit
+    leave_after_commit: bool = False
+    register_at: float = 0.0  # its script registers the training state then (a model built after init)
+    statuses: dict | None = None  # the status records as last read (see GroupSimulation.statuses)
+    news: dict | None = None  # member -> its news began with its joining, since the last read (None: read all)
+    table_size: int = 0  # members in the gossip table at the last read
+    read_view: View | None = None  # its view at the last read (whose members count although unconfirmed)
+
+    @property
+    def id(self) -> str:
+        return self.loop.engine.id
+
+    @property
+    def shard(self) -> int:
+        return self.replica[1] if self.replica is not None else 0
+
+
+@dataclass
+class Outcome:
+    seed: int
+    n: int
+    ok: bool
+    violation: str | None
+    faults: list
+    commits: int
+    views: int
+    recovery: dict  # fault kind -> [seconds from when the world allowed it to the next commit of every survivor]
+    recovery_overlapping: dict  # the same, for faults that struck while another fault was active
+    settle_s: float | None  # from the last fault to one view of everyone, committing
+    quorum_survived: bool  # a quorum of the newest view, and the group's state, outlived the faults (else no liveness is owed)
+    rolled_back: int  # commits of a step whose contents differ from its first commit (see invariant 1)
+    wall_s: float
+    min_workers: int = 1
+    exits: dict = field(default_factory=dict)  # error a worker's script ended on -> count
+
+
+class GroupSimulation:
+    """One seeded run. ``faults``: list of (time, kind, args) or None to draw them;
+    ``announce_limit``: the engines' (a small one makes small groups agree as large ones do);
+    ``converged``: the workers start from a static host list, each knowing every other one
+    and its first status record (the gossip cluster has converged; the first view is still
+    to be agreed), instead of joining through the first worker; ``exclude_stragglers``: a
+    slow member judges itself a straggler and asks to stand aside
+    (``straggler_policy="exclude"``) for ``straggler_cooldown`` seconds (None: drawn, for
+    half the seeds); ``replica_size`` K > 1: the workers are sharded replicas of K processes
+    (``n`` counts processes), faults strike a replica as they do on hosts (see
+    :meth:`_fault`), and a launcher starts a replica whose process failed again as a whole;
+    ``min_workers``: the users' (in replicas; None: drawn); ``launcher``: a launcher starts
+    a worker whose process ended on a failure again (None: drawn); ``dense``: many faults
+    close together instead of a few apart (None: drawn)."""
+
+    def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
+                 loss: float | None = None, leave_grace: float = GroupOptions.leave_grace,
+                 stall_probe_after: float = GroupOptions.stall_probe_after,
+                 formation_timeout: float = 10.0, gossip: GossipConfig | None = None,
+                 announce_limit: int = ANNOUNCE_LIMIT, converged: bool = False,
+                 exclude_stragglers: bool | None = None, straggler_cooldown: float = 2.0,
+                 replica_size: int = 1, min_workers: int | None = None, launcher: bool | None = None,
+                 dense: bool | None = None, late_registration: bool | None = None) -> None:
+        self.seed = seed
+        self.k = replica_size
+        # Drawn apart, so that one draw does not move the others.
+        self.exclude_stragglers = (random.Random(f"{seed}/stragglers").random() < 0.5
+                                   if exclude_stragglers is None else exclude_stragglers) and replica_size == 1
+        self.launcher = random.Random(f"{seed}/launcher").random() < 0.5 if launcher is None else launcher
+        self.dense = random.Random(f"{seed}/dense").random() < 0.25 if dense is None else dense
+        self.late_registration = (random.Random(f"{seed}/late").random() < 0.3 if late_registration is None
+                                  else late_registration)
+        self.rng = random.Random(seed)
+        self.n = n if n is not None else self.rng.randint(3, 7) if self.k == 1 else self.k * self.rng.randint(2, 4)
+        replicas = self.n // self.k
+        if min_workers is None:
+            drawn = random.Random(f"{seed}/min_workers")
+            min_workers = 1 if drawn.random() < 0.5 else drawn.randint(1, replicas)
+        self.min_workers = min_workers
+        self.options = GroupOptions(settle_interval=0.05, leave_grace=leave_grace,
+                                    stall_probe_after=stall_probe_after, formation_timeout=formation_timeout,
+                                    straggler_policy="exclude" if self.exclude_stragglers else "warn",
+                                    straggler_cooldown=straggler_cooldown, straggler_window=5,
+                                    step_publish_interval=0.25)
+        self.formation_timeout = formation_timeout
+        self.announce_limit = announce_limit
+        self.replica_of: dict[int, tuple[str, int]] = {i: (f"R{i // self.k}", i % self.k)
+                                                      for i in range(self.n)} if self.k > 1 else {}
+        self.replicas_started = replicas
+        self.loss = loss if loss is not None else self.rng.choice([0.0, 0.0, 0.01, 0.03])
+        delay = self.rng.choice([(0.0002, 0.002), (0.001, 0.01), (0.002, 0.03)])
+        self.config = gossip or GossipConfig()
+        # Workers start within a second of each other and join through the first (their peer).
+        first = [encode_metadata(self._engine("", i, 0.0).record().encode()) for i in range(self.n)] \
+            if converged else None
+        self.sim = Simulation(self.n, self.config, loss=self.loss, delay=delay, seed=self.rng.getrandbits(32),
+                              bootstrap=converged, metadata=first)
+        self.clock = SimClock(self)
+        self.duration = duration
+        self.liveness_bound = self.config.detection_bound(self.n + 4) + formation_timeout + 5.0
+        """Seconds after the last fault within which every live member must run one view."""
+        self.workers: dict[int, Worker] = {}
+        self.by_id: dict[str, Worker] = {}
+        self.by_host: dict[str, Worker] = {}
+        self.store: dict[tuple[int, tuple[int, str]], tuple[str, ...]] = {}
+        self.formations: dict[tuple[int, str], dict[str, float]] = {}
+        self.operations: dict[tuple, dict[str, tuple[float, Any]]] = {}  # (communicator, seq) -> member -> (t, payload)
+        self.agreements: dict[tuple[str, int], dict[str, bool]] = {}  # (replica, seq) -> member -> committed
+        self.contents: dict[tuple, int] = {}  # (step, view) -> digest committed there (invariant 1)
+        self.view_digest: dict[tuple, tuple[int, int]] = {}  # (view, shard) -> (step, digest) at first commit
+        self.partition: tuple[frozenset[str], frozenset[str], View | None] | None = None
+        self.partition_left: set[str] = set()
+        self.log: list[str] = []
+        self.fault_log: list[tuple[float, str, str]] = []
+        self.fault_times: list[float] = []  # every moment a fault struck or ended (see _check_recoveries)
+        self.pending_recovery: list[tuple[float, str, set[str], bool]] = []  # (time, kind, survivors, isolated)
+        self.recovery: dict[str, list[float]] = {}  # faults that struck a settled group (see _isolated)
+        self.recovery_overlapping: dict[str, list[float]] = {}  # faults that struck while another was active
+        self.disturbed_until = 0.0  # when the last hang, node loss or partition drawn so far ends
+        self.exits: dict[str, int] = {}
+        self.last_start = 0.0  # when a worker last started (a join, or a launcher's restart)
+        self.sim.listeners.append(self._on_event)
+        for i in range(self.n):
+            # As ftcomm run starts them: each is given every other worker as a peer, and joins
+            # through them (the gossip simulation sends the first request through worker 0).
+            w = self._start_worker(i, 0.0, joined=converged)
+            if not w.joined:
+                self.sim.at(self.config.join_retry_interval * (i == 0), lambda w=w: self._retry_join(w, 1))
+        self.scripted = faults is not None
+        self.faults = faults if faults is not None else self._draw_faults()
+        self.end_faults = max((t + a.get("length", 0.0) if k in ("hang", "node_loss", "partition")
+                               else t + a["length"] + 4 * straggler_cooldown if k == "slow" and self.exclude_stragglers
+                               else t for t, k, a in self.faults), default=0.0)
+        self.settled_at: float | None = None
+        self.history: dict[tuple[int, int], tuple] = {}  # (step, shard) -> (first contents, by which view's members)
+        self._healthy_cache: tuple = (None, float("inf"), False)
+        self._decoded: dict[tuple[str, str, bytes], Status | None] = {}  # see status
+        self._crashed_cache: tuple = (None, [])  # see _crash_error
+        self._down_cache: tuple = (None, False)  # see _connected
+        self.rolled_back = 0
+        self.lost_state = 0  # steps committed again after every member that held them died or left
+        self.restarting: set[str] = set()  # replicas the launcher stopped, to start again
+        self.quorum_survived = True
+        for t, kind, args in self.faults:
+            self.sim.at(t, lambda kind=kind, args=args: self._fault(kind, args))
+        self.sim.at(0.0, self._tick)
+
+    # ------------------------------------------------------------------ workers
+    def _engine(self, member: str, node: int, now: float) -> Engine:
+        replica = self.replica_of.get(node)
+        return Engine(member, CONFIG, min_workers=self.min_workers, settle_interval=self.options.settle_interval,
+                      chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6,
+                      announce_limit=self.announce_limit, rendezvous_port=1, max_retries=self.options.max_retries,
+                      replica=(*replica, self.k) if replica is not None else None)
+
+    def _start_worker(self, node: int, now: float, joined: bool = False) -> Worker:
+        member = self.sim.member_id(node)
+        replica = self.replica_of.get(node)
+        late = self.late_registration and now > 0 and self.rng.random() < 0.5
+        state = SimState(replica[1] if replica is not None else 0, registered=not late)
+        engine = self._engine(member, node, now)
+        w = Worker(node, None, state, step_time=self.rng.uniform(0.02, 0.05), replica=replica, joined=joined,
+                   register_at=now + self.rng.uniform(0.2, 3.0) if late else 0.0)
+        comms = SimCommunicators(self, w)
+        ports = Ports(self.clock, SimMembership(self, w), SimProposals(self, w), SimProber(self, w), comms,
+                      SimCollective(self, w, comms), state)
+        options = self.options
+        stragglers = Stragglers(options.straggler_factor, options.straggler_window, options.straggler_policy,
+                                options.straggler_cooldown)
+        w.loop = WorkerLoop(engine, ports, options, stragglers, notice=self._noted)
+        w.script = self._script(w)
+        w.waiting, w.waiting_at = Pause(0.0), now
+        w.seeds = tuple(x.node for x in self.live() if x is not w) if now > 0 else tuple(i for i in range(self.n) if i != node)
+        self.last_start = max(self.last_start, now)
+        self.workers[node] = w
+        self.by_id[member] = w
+        self.by_host[member_host(member, ("", 0))[0]] = w
+        if self.sim.nodes[node].protocol.metadata != encode_metadata(w.loop.driver.record()):
+            w.loop.driver.publish()  # (a converged start's members know this record already)
+        return w
+
+    def _script(self, w: Worker) -> Generator:
+        """What a user's training script does with the group (see the module docstring)."""
+        loop = w.loop
+        yield from loop.recover("init", self.sim.now, self.options.init_timeout)
+        if not w.state.registered:  # the model is built after init: the first boundary reconciles
+            yield Sleep(w.register_at)
+            w.state.registered = True
+        while True:
+            yield from loop.boundary()
+            yield Sleep(self.sim.now + w.step_time * w.slow)
+            if not (yield from loop.gradient_step()):
+                continue
+            checks.committed(self, w, loop.engine.view)  # the optimizer steps: the commit's contents
+            if w.leave_after_commit:  # the script ends: the exit hook leaves the group
+                w.gone = True
+                yield from loop.leave()
+                return
+            if loop.step % COLLECTIVE_EVERY == 0:  # a metric averaged for the log, inside execute
+                try:
+                    yield from loop.execute(lambda: loop.collective("the mean loss"))
+                except OutOfStep:  # rejoined at a later step: nothing to log (docs/GUIDE.md)
+                    pass
+
+    def live(self) -> list[Worker]:
+        return [w for w in self.workers.values() if not w.crashed and not w.gone]
+
+    # ------------------------------------------------------------------ running the scripts
+    def _tick(self) -> None:
+        """Every worker that runs resumes its script; the next tick is due a TICK later."""
+        now = self.sim.now
+        self.sim.at(round(now + TICK, 6), self._tick)
+        for w in list(self.workers.values()):
+            if w.crashed or w.exited or w.hung or now < w.busy_until:
+                continue
+            if not w.joined:
+                if self.sim.nodes[w.node].protocol.num_members() < 2:
+                    continue
+                w.joined = True
+            self._resume(w)
+        self._check_recoveries()
+        if self.settled_at is None and now >= max(self.end_faults, self.last_start) and self._settled():
+            self.settled_at = now
+
+    def _resume(self, w: Worker) -> None:
+        """Run ``w``'s script until it waits on something not ready yet."""
+        now = self.sim.now
+        for _ in range(STEPS_PER_TICK):
+            value, error = self._ready(w, w.waiting)
+            if value is UNDER_WAY:
+                return
+            try:
+                w.waiting = w.script.throw(error) if error is not None else w.script.send(value)
+                w.waiting_at = now
+            except StopIteration:
+                self._exit(w)
+                return
+            except EXPECTED_ERRORS as exc:  # the script ends on it; the process exits 1
+                self._failed(w, exc)
+                return
+            except InvariantViolation:
+                raise
+            except FtcommError as exc:
+                if w.gone:  # "the group was shut down": its leave began meanwhile
+                    self._exit(w)
+                    return
+                self.violation(0, f"{w.id}'s script raised {type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a bug in the loop: the seed reproduces it
+                import traceback
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                self.violation(0, f"{w.id}'s loop raised {type(exc).__name__}: {exc} "
+                                  f"({where.filename}:{where.lineno})")
+            if self.sim.now < w.busy_until or w.crashed or w.exited:
+                return
+        self.violation(0, f"{w.id}'s loop made {STEPS_PER_TICK} steps without virtual time passing "
+                          f"(waiting on {w.waiting!r})")
+
+    def _ready(self, w: Worker, item: Any) -> tuple[Any, BaseException | None]:
+        """What ``w`` waits on, once ready: (its result, or the exception it raised)."""
+        now = self.sim.now
+        if isinstance(item, Pause):
+            if now > w.waiting_at and (now >= w.waiting_at + item.seconds - 1e-9
+                                       or (item.news and w.loop.news.changed.is_set())):
+                return None, None
+            return UNDER_WAY, None
+        if isinstance(item, Sleep):
+            return (None, None) if now >= item.until else (UNDER_WAY, None)
+        try:
+            return item.poll(), None
+        except (CollectiveAborted, CommunicatorError, FtcommTimeout, ReplicaLost) as exc:
+            return None, exc
+
+    def _leave(self, w: Worker) -> None:
+        """``w`` leaves gracefully (SIGTERM, the job scaled down, or the script ended): its
+        exit hook runs the loop's leave; a hung process does so once it runs again."""
+        if w.gone or w.crashed or w.exited:
+            return
+        w.gone = True
+        if w.script is not None:
+            w.script.close()
+        w.script, w.waiting = self._leaving(w), Pause(0.0)
+
+    def _leaving(self, w: Worker) -> Generator:
+        yield from w.loop.leave()
+
+    def _exit(self, w: Worker) -> None:
+        """The process ends: its sockets close."""
+        w.gone = w.exited = True
+        w.exited_at = self.sim.now
+        w.script = None
+        self.sim.nodes[w.node].crashed = True
+        for entry in w.comms:
+            entry[1] = True
+        engine = w.loop.engine
+        engine.leave()  # (nothing when it left already)
+        if engine.state == core.LEAVING:
+            engine.closed()
+
+    def _failed(self, w: Worker, exc: BaseException) -> None:
+        """``w``'s script ended on ``exc``: the exit hook leaves the group, the process exits
+        1, and a launcher starts it again (a sharded replica as a whole)."""
+        name = type(exc).__name__
+        self.exits[name] = self.exits.get(name, 0) + 1
+        self.log.append(f"{self.sim.now:.3f} {w.id}: {name}: {exc}")
+        self._leave(w)
+        if w.replica is not None:
+            self._replica_failed(w.replica[0])
+        elif self.launcher:
+            self._restart_later(w)
+
+    def _restart_later(self, w: Worker) -> None:
+        """A launcher starts the worker again once its process ended (a new member)."""
+        delay = self.rng.uniform(*RESTART_S)
+
+        def restart() -> None:
+            if not (w.exited or w.crashed):
+                self.sim.at(self.sim.now + 0.5, restart)
+                return
+            live = self.live()
+            if live:
+                node = self.sim.add_node(seed_index=live[0].node)
+                x = self._start_worker(node, self.sim.now)
+                x.seeds = w.seeds  # the launcher gives it the peers its predecessor had
+                self.fault_log.append((self.sim.now, "restart", x.id))
+                self.sim.at(self.sim.now + self.config.join_retry_interval, lambda: self._retry_join(x, 1))
+        self.sim.at(self.sim.now + delay, restart)
+
+    # ------------------------------------------------------------------ the collectives' world
+    def collective(self, w: Worker, key: tuple, members: tuple[str, ...], kind: str, payload: Any,
+                   combine: Callable[[list], Any], abort: Any, deadline: float | None) -> SimOperation:
+        """``w`` contributes ``payload`` to operation ``key`` among ``members``. It completes
+        once every member contributed, and each member observes it a little later (its own
+        latency); a member that crashes, hangs or is cut off before another observed it
+        leaves that one waiting (so a step may commit on some members only). A crashed
+        member's peers get a connection error at once (their crash fast path declares it
+        dead); a lost node or a hung process gives none, only gossip tells. It fails when
+        the view's abort signal fires first (gossip news judged on each look, as a waiting
+        thread does), and after ``deadline``."""
+        contributions = self.operations.setdefault(key, {})
+        contributions[w.id] = (self.sim.now, kind, payload)
+        workers = [self.by_id[m] for m in members]
+
+        def poll() -> Any:
+            now = self.sim.now
+            # (members that run different operations at once, as after a step that committed
+            # on some of them only, never complete it: their view breaks first)
+            if len(contributions) == len(members) and all(c[1] == kind for c in contributions.values()):
+                last = max(t for t, _, _ in contributions.values())
+                done_at = last + OP_LATENCY * w.slow
+                if now >= done_at and self._healthy(w, workers, done_at, key):
+                    return combine([contributions[m][2] for m in members])
+            if abort.check() is not None:  # the news judged, and the stall watched, as a waiting thread does
+                raise CollectiveAborted(abort.reason)
+            error = self._crash_error(w, workers, key)
+            if error is not None:
+                raise error
+            if deadline is not None and now >= deadline:
+                raise FtcommTimeout(f"operation {key} did not complete in time")
+            return UNDER_WAY
+        return SimOperation(poll)
+
+    def formed(self, w: Worker, view: View, abort: Any, entered: float) -> Any:
+        """Polls ``w``'s forming of ``view``: formed once every member entered its formation
+        and every pair of members can reach each other."""
+        key = (view.id, view.digest)
+        members = [self.by_id[m] for m in view.members]
+        arrivals = self.formations.get(key, {})
+        if abort.check() is None and self._connected(w, members, key) and all(m in arrivals for m in view.members):
+            if self.sim.now >= max(arrivals.values()) + FORM_LATENCY:
+                return None
+            return UNDER_WAY
+        error = self._crash_error(w, members, key)
+        if error is not None:
+            raise error
+        if abort.reason is not None:
+            raise CollectiveAborted(abort.reason)
+        if self.sim.now - entered >= self.formation_timeout:
+            raise FtcommTimeout(f"view {view.id} did not form within {self.formation_timeout:g} s")
+        return UNDER_WAY
+
+    def replica_agreement(self, w: Worker, seq: int, committed: bool) -> SimOperation:
+        """Replica.agree: every process of ``w``'s replica asks once per gradient step; the
+        answer is whether all commit (a MIN over torch's group inside the replica, which no
+        partition cuts). ReplicaLost once a process of the replica is gone (its connections
+        reset); a hung one keeps the others waiting."""
+        key = w.replica[0]
+        votes = self.agreements.setdefault((key, seq), {})
+        votes[w.id] = committed
+        partners = [x for x in self.workers.values() if x.replica is not None and x.replica[0] == key]
+
+        def poll() -> Any:
+            if any(x.crashed or x.exited for x in partners if x is not w):
+                raise ReplicaLost(f"a process of replica {key} is gone")
+            if len(votes) < len(partners):
+                return UNDER_WAY
+            return all(votes.values())
+        return SimOperation(poll)
+
+    def abandon(self, w: Worker) -> None:
+        for entry in w.comms:
+            if entry[0] == w.loop.ports.communicators.comm:
+                entry[1] = True
+
+    def _healthy(self, w: Worker, members: list[Worker], done_at: float, key: Any) -> bool:
+        """Every member stayed up and reachable until ``w`` observed the completion."""
+        cache = (self.sim.now, key)
+        if self._healthy_cache[0] != cache:  # once per tick and operation: the earliest crash, any hang
+            first_crash = min((x.crashed_at for x in members), default=float("inf"))
+            self._healthy_cache = (cache, first_crash, any(x.hung for x in members))
+        _, first_crash, hung = self._healthy_cache
+        if hung or first_crash < done_at:
+            return False
+        return not self.sim.partitioned or not any(self.cut_off(w, x) for x in members)
+
+    def _connected(self, w: Worker, members: list[Worker], key: Any) -> bool:
+        """Every member runs and ``w`` can reach it (as forming needs)."""
+        cache = (self.sim.now, key)
+        if self._down_cache[0] != cache:  # once per tick: a member crashed, exited or hung
+            self._down_cache = (cache, any(x.crashed or x.exited or x.hung for x in members))
+        if self._down_cache[1]:
+            return False
+        return not self.sim.partitioned or not any(self.cut_off(w, x) for x in members)
+
+    def _crash_error(self, w: Worker, members: list[Worker], key: Any) -> CommunicatorError | None:
+        """The connection error a crashed member gives ``w``'s communicator."""
+        cache = (self.sim.now, key)
+        if self._crashed_cache[0] != cache:  # once per tick
+            self._crashed_cache = (cache, [x for x in members if (x.crashed or x.exited)
+                                           and self.sim.now - min(x.crashed_at, x.exited_at) >= CRASH_ERROR_DELAY])
+        crashed = [x for x in self._crashed_cache[1] if not self.cut_off(w, x)]
+        return CommunicatorError(f"{crashed[0].id} refused a connection") if crashed else None
+
+    def cut_off(self, a: Worker, b: Worker) -> bool:
+        return self.sim.blocked(a.node, b.node)
+
+    def _noted(self, text: str) -> None:
+        self.log.append(f"{self.sim.now:.3f} {text}")
+
+    def violation(self, number: int, text: str) -> None:
+        how = (f"GroupSimulation({self.seed}, n={self.n}, replica_size={self.k}, faults=<this run's scripted "
+               f"schedule>).run()" if self.scripted
+               else f"python -m ftcomm.groupsim --seed {self.seed}" + (f" --replica-size {self.k}" if self.k > 1 else ""))
+        raise InvariantViolation(f"invariant {number} violated at t={self.sim.now:.3f} (seed {self.seed}): {text}; "
+                                 f"reproduce: {how}")
+
+    # ------------------------------------------------------------------ faults
+    def _draw_faults(self) -> list:
+        """Sparse schedules (one to five faults, seconds apart) or dense ones (up to fifteen,
+        overlapping); the first may strike from t = 0, before the first view formed."""
+        rng, faults = self.rng, []
+        t = rng.uniform(0.0, 3.0)
+        network_free_at = 0.0
+        kinds = ["crash", "hang", "node_loss", "partition", "join", "leave", "leave_after_commit", "slow"]
+        count, gaps = (rng.randint(5, 15), (0.05, 1.0)) if self.dense else (rng.randint(1, 5), (0.5, 5.0))
+        for i in range(count):
+            if i:
+                t += rng.uniform(*gaps)
+            if t > self.duration:
+                break
+            kind = rng.choice(kinds)
+            if kind in ("node_loss", "partition") and t < network_free_at:
+                kind = "crash"
+            if kind in ("hang", "node_loss", "partition"):
+                length = rng.uniform(0.3, 8.0)
+                faults.append((t, kind, {"length": length, "pick": rng.random(), "split": rng.random()}))
+                if kind != "hang":
+                    network_free_at = t + length + 0.5
+            else:
+                faults.append((t, kind, {"pick": rng.random(), "factor": rng.uniform(2, 5),
+                                         "length": rng.uniform(1, 6)}))
+        return faults
+
+    def _pick(self, frac: float, exclude_last: bool = True) -> Worker | None:
+        live = self.live()
+        if self.k > 1:  # a process of a replica that is whole and not being started again
+            live = [w for w in live if w.replica[0] not in self.restarting]
+            if exclude_last and len({w.replica[0] for w in live}) <= 2:  # keep a group to recover
+                return None
+        if not live or (len(live) <= 2 and exclude_last):  # keep a group to recover
+            return None
+        return live[int(frac * len(live)) % len(live)]
+
+    def _fault(self, kind: str, args: dict) -> None:
+        """One fault of the schedule. With sharded replicas a fault strikes as it does where
+        each replica is one host: a crash or hang strikes one process, a node loss and a
+        partition whole replicas, a join and a leave (scaling) a whole replica."""
+        now = self.sim.now
+        self.fault_times.append(now)
+        if kind in ("hang", "node_loss", "partition"):
+            self.fault_times.append(now + args["length"])
+        if kind != "slow":  # a recovery still under way waits for this fault too: not isolated
+            self.pending_recovery = [(t, k, survivors, False) for t, k, survivors, _ in self.pending_recovery]
+        if self.k > 1 and kind in ("join", "partition", "node_loss", "leave", "leave_after_commit"):
+            self._replica_fault(kind, args)
+            return
+        if kind == "join":
+            live = self.live()
+            if not live:
+                return
+            node = self.sim.add_node(seed_index=live[0].node)
+            w = self._start_worker(node, now)
+            self.fault_log.append((now, kind, w.id))
+            self.sim.at(now + self.config.join_retry_interval, lambda: self._retry_join(w, 1))
+            return
+        if kind == "slow":
+            w = self._pick(args["pick"], exclude_last=False)
+            if w is None:
+                return
+            w.slow = args["factor"]
+
+            def recovered() -> None:
+                w.slow = 1.0
+            self.sim.at(now + args["length"], recovered)
+            self.fault_log.append((now, kind, w.id))
+            return
+        if kind == "partition":
+            live = self.live()
+            if len(live) < 2:
+                return
+            cut = max(1, min(len(live) - 1, int(args["split"] * len(live)) or 1))
+            side_a = {w.node for w in live[:cut]}
+            side_b = set(range(len(self.sim.nodes))) - side_a
+            self.disturbed_until = max(self.disturbed_until, now + args["length"])
+            self._cut(now, side_a, side_b, args["length"], kind)
+            return
+        w = self._pick(args["pick"])
+        if w is None:
+            return
+        self.fault_log.append((now, kind, w.id))
+        survivors = {x.id for x in self.live() if x is not w}
+        isolated = self._isolated(w)
+        if kind in ("hang", "node_loss"):
+            self.disturbed_until = max(self.disturbed_until, now + args["length"])
+        if self.k > 1:  # the other replicas survive it
+            survivors = {x.id for x in self.live() if x.replica[0] != w.replica[0]}
+        if kind == "crash":
+            self._crash(w)
+            self.pending_recovery.append((now, kind, survivors, isolated))
+            if self.k > 1:
+                self._replica_failed(w.replica[0])
+            elif self.launcher:
+                self._restart_later(w)
+        elif kind == "hang":
+            w.hung = True
+            self.sim.nodes[w.node].stalled = True
+            self.pending_recovery.append((now, kind, survivors, isolated))
+            self.sim.at(now + args["length"], lambda: self._unhang(w))
+        elif kind == "node_loss":
+            others = set(range(len(self.sim.nodes))) - {w.node}
+            self._cut(now, {w.node}, others, args["length"], kind, (survivors, isolated))
+        elif kind in ("leave", "leave_after_commit"):
+            if kind == "leave":
+                self._leave(w)
+            else:
+                w.leave_after_commit = True
+            self.pending_recovery.append((now, "leave", survivors, isolated))
+
+    # ------------------------------------------------------------------ sharded replicas
+    def _replicas(self) -> dict[str, list[Worker]]:
+        """The live workers of each replica, by key, in start order."""
+        out: dict[str, list[Worker]] = {}
+        for w in self.live():
+            out.setdefault(w.replica[0], []).append(w)
+        return out
+
+    def _replica_fault(self, kind: str, args: dict) -> None:
+        now = self.sim.now
+        if kind == "join":
+            if self.live():
+                self._start_replica(now)
+            return
+        replicas = [r for key, r in self._replicas().items() if key not in self.restarting]
+        if kind == "partition":
+            if len(replicas) < 2:
+                return
+            cut = max(1, min(len(replicas) - 1, int(args["split"] * len(replicas)) or 1))
+            side_a = {w.node for r in replicas[:cut] for w in r}
+            self.disturbed_until = max(self.disturbed_until, now + args["length"])
+            self._cut(now, side_a, set(range(len(self.sim.nodes))) - side_a, args["length"], kind)
+            return
+        if len(replicas) <= 2:  # keep a group to recover
+            return
+        victims = replicas[int(args["pick"] * len(replicas)) % len(replicas)]
+        self.fault_log.append((now, kind, f"replica {victims[0].replica[0]}"))
+        ids = {w.id for w in victims}
+        survivors = {x.id for x in self.live() if x.id not in ids}
+        isolated = all(self._isolated(w) for w in victims)
+        if kind == "node_loss":
+            self.disturbed_until = max(self.disturbed_until, now + args["length"])
+            nodes = {w.node for w in victims}
+            self._cut(now, nodes, set(range(len(self.sim.nodes))) - nodes, args["length"], kind,
+                      (survivors, isolated))
+            return
+        for w in victims:  # scaled down: the whole replica leaves
+            if kind == "leave":
+                self._leave(w)
+            else:
+                w.leave_after_commit = True
+        self.pending_recovery.append((now, "leave", survivors, isolated))
+
+    def _start_replica(self, now: float) -> list[Worker]:
+        """A replica's K processes start (a new one, or a failed one started again): each
+        joins through a live worker and retries as ``ftcomm.init`` does."""
+        key = f"R{self.replicas_started}"
+        self.replicas_started += 1
+        seed = self.live()[0].node
+        started = []
+        for shard in range(self.k):
+            node = self.sim.add_node(seed_index=seed)
+            self.replica_of[node] = (key, shard)
+            w = self._start_worker(node, now)
+            self.sim.at(now + self.config.join_retry_interval, lambda w=w: self._retry_join(w, 1))
+            started.append(w)
+        self.fault_log.append((now, "replica_start", key))
+        return started
+
+    def _replica_failed(self, key: str) -> None:
+        """A process of replica ``key`` crashed, or exited on an error: the launcher stops
+        the others (SIGTERM: a graceful leave; one that is stopped cannot leave and is
+        killed after REPLICA_HALT_S) and starts the replica again once none of them runs."""
+        if key in self.restarting:
+            return
+        self.restarting.add(key)
+        now = self.sim.now
+        for w in self.workers.values():
+            if w.replica is not None and w.replica[0] == key and not w.crashed and not w.exited:
+                self.sim.at(now + 0.05, lambda w=w: self._leave(w))
+                self.sim.at(now + REPLICA_HALT_S, lambda w=w: None if w.crashed or w.exited else self._crash(w))
+
+        def restart() -> None:
+            if any(w.replica is not None and w.replica[0] == key and not w.crashed and not w.exited
+                   for w in self.workers.values()):
+                self.sim.at(self.sim.now + 0.5, restart)
+                return
+            self.restarting.discard(key)
+            if self.live():
+                self._start_replica(self.sim.now)
+        self.sim.at(now + REPLICA_RESTART_S, restart)
+
+    def _isolated(self, victim: Worker) -> bool:
+        """The fault strikes a settled group: every live member runs one view of all of them,
+        the victim among them, and no other fault is active (a hang, node loss or partition,
+        or a fault not yet recovered from); it stays isolated unless another fault (but a
+        slow member) strikes before its recovery completes."""
+        view = self._settled_view(self.live())
+        return (view is not None and victim.id in view.member_set and self.sim.now >= self.disturbed_until
+                and not self.pending_recovery)
+
+    def _retry_join(self, w: Worker, attempt: int) -> None:
+        """ftcomm.init sends a join request to every peer it was given (``w.seeds``: the
+        workers that ran when it started), again every ``join_retry_interval`` until one
+        answers; after ``join_timeout`` it fails with JoinError."""
+        node = self.sim.nodes[w.node]
+        if w.crashed or w.gone or node.protocol.num_members() > 1:
+            return
+        if attempt * self.config.join_retry_interval > self.config.join_timeout:
+            self._failed(w, JoinError("no seed answered within the join timeout"))
+            return
+        for seed in w.seeds:
+            self.sim.join_through(w.node, seed)
+        self.sim.at(self.sim.now + self.config.join_retry_interval, lambda: self._retry_join(w, attempt + 1))
+
+    def _cut(self, now: float, side_a: set[int], side_b: set[int], length: float, kind: str,
+             survivors: tuple[set[str], bool] | None = None) -> None:
+        ids = {i: self.sim.member_id(i) for i in range(len(self.sim.nodes))}
+        before = max((w.loop.engine.view for w in self.live() if w.loop.engine.view is not None),
+                     key=lambda v: v.id, default=None)
+        self.partition = (frozenset(ids[i] for i in side_a), frozenset(ids[i] for i in side_b), before)
+        self.partition_left = {x.id for x in self.workers.values() if x.gone and not x.crashed}
+        self.sim.partition(side_a, side_b)
+        self.fault_log.append((now, kind, f"{sorted(ids[i] for i in side_a)}"))
+        if survivors is not None:
+            self.pending_recovery.append((now, kind, *survivors))
+        self.sim.at(now + length, self._heal)
+
+    def _heal(self) -> None:
+        self.partition = None
+        self.sim.heal()
+
+    def _crash(self, w: Worker) -> None:
+        w.crashed = True
+        w.crashed_at = self.sim.now
+        if w.script is not None:
+            w.script.close()
+            w.script = None
+        self.sim.nodes[w.node].crashed = True
+        for entry in w.comms:  # the process is gone: so are its communicators
+            entry[1] = True
+
+    def _unhang(self, w: Worker) -> None:
+        w.hung = False
+        w.resumed_at = self.sim.now
+        self.sim.resume(w.node)
+
+    # ------------------------------------------------------------------ gossip side
+    def _on_event(self, index: int, event) -> None:
+        w = self.workers.get(index)
+        if w is None or w.crashed or w.exited:
+            return
+        if w.news is not None:
+            if event.kind == "joined":  # (again, if it was forgotten: it moved to the end of the table)
+                w.news.pop(event.member.id, None)
+                w.news[event.member.id] = True
+            else:
+                w.news.setdefault(event.member.id, False)
+        # The gossip thread posts; the worker's waiting thread, woken at once, judges it.
+        w.loop.news.post(event)
+        w.loop.news.judge()
+
+    def statuses(self, w: Worker) -> dict[str, Status]:
+        """What the membership port's statuses returns, read again only after a membership
+        event at this member (or its own record changed): the members with news are read
+        again, or the whole table when that cannot keep its order. (A performance measure:
+        a test checks it reads what a read of the whole table gives.)"""
+        if w.statuses is not None and w.news is not None and not w.news:
+            return w.statuses
+        protocol = self.sim.nodes[w.node].protocol
+        if w.statuses is None or w.news is None or not self._read_news(w, protocol):
+            w.statuses = self.read_statuses(w)
+        w.news, w.table_size, w.read_view = {}, protocol.table_size(), w.loop.engine.view
+        return w.statuses
+
+    def _read_news(self, w: Worker, protocol) -> bool:
+        """Update ``w.statuses`` for the members with news; False when only reading the whole
+        table gives the same result: a member was forgotten (no event says so), or one enters
+        the list anywhere but at its end (the table's order is the list's). A member's address
+        never changes here, so neither does its confirmation without an event."""
+        news = w.news
+        view = w.loop.engine.view
+        if view is not w.read_view or protocol.table_size() != w.table_size + sum(news.values()):
+            return False
+        statuses, own = w.statuses, w.id
+        for member_id, joined in news.items():
+            info = protocol.member(member_id)
+            status = None
+            if readable(member_id, info.confirmed, own, view):
+                status = self.status(member_id, info.state, info.metadata)
+            if status is None:
+                statuses.pop(member_id, None)
+            elif member_id in statuses:
+                if joined:  # forgotten and learned again: now at the end of the table
+                    return False
+                statuses[member_id] = status
+            elif joined:  # new members come last, in the order they joined
+                statuses[member_id] = status
+            else:
+                return False
+        return True
+
+    def read_statuses(self, w: Worker) -> dict[str, Status]:
+        protocol = self.sim.nodes[w.node].protocol
+        own, view = w.id, w.loop.engine.view
+        decoded = self._decoded
+        out = {}
+        for member_id, state, metadata, confirmed in protocol.member_states():
+            if not readable(member_id, confirmed, own, view):
+                continue
+            status = decoded.get((member_id, state, metadata), _UNDECODED)
+            if status is _UNDECODED:
+                status = self.status(member_id, state, metadata)
+            if status is not None:
+                out[member_id] = status
+        return out
+
+    def status(self, member_id: str, state: str, metadata: bytes) -> Status | None:
+        """A member's decoded record: a pure function of what gossip holds, decoded once per
+        simulation (every member decodes the same records)."""
+        key = (member_id, state, metadata)
+        status = self._decoded.get(key, _UNDECODED)
+        if status is _UNDECODED:
+            status = self._decoded[key] = Status.from_metadata(member_id, state, decode_metadata(metadata))
+        return status
+
+    # ------------------------------------------------------------------ recoveries and the end
+    def _check_recoveries(self) -> None:
+        """A fault is recovered from once every survivor committed in a newer view; the time
+        counts from when the world allowed it: the fault, or the last fault that struck or
+        healed before the recovery completed (overlapping faults hold it up)."""
+        now = self.sim.now
+        still = []
+        for t, kind, survivors, isolated in self.pending_recovery:
+            live = {s for s in survivors if not self.by_id[s].crashed and not self.by_id[s].gone}
+            done = all(any(c[0] > t and c[2] > self._view_at(s, t) for c in self.by_id[s].committed) for s in live)
+            if done and live:
+                last = max(min(c[0] for c in self.by_id[s].committed if c[0] > t and c[2] > self._view_at(s, t))
+                           for s in live)
+                allowed = max([t] + [x for x in self.fault_times if t < x <= last])
+                (self.recovery if isolated else self.recovery_overlapping).setdefault(kind, []).append(
+                    round(last - allowed, 4))
+            elif live and now - t < self.liveness_bound + self.duration:
+                still.append((t, kind, survivors, isolated))
+        self.pending_recovery = still
+
+    def _view_at(self, member: str, t: float) -> int:
+        commits = [c for c in self.by_id[member].committed if c[0] <= t]
+        return commits[-1][2] if commits else 0
+
+    def _settled_view(self, live: list[Worker]) -> View | None:
+        """The view every live member runs, when it holds exactly the live members."""
+        views = {w.loop.engine.view for w in live}
+        if len(views) != 1 or None in views or any(w.loop.engine.state != core.RUNNING for w in live):
+            return None
+        view = next(iter(views))
+        return view if set(view.members) == {w.id for w in live} else None
+
+    def _settled(self) -> bool:
+        """Every live member runs one view of exactly the live members and committed in it
+        since the faults stopped."""
+        live = self.live()
+        view = self._settled_view(live)
+        return view is not None and all(
+            w.committed and w.committed[-1][2] == view.id and w.committed[-1][0] >= max(self.end_faults, self.last_start)
+            for w in live)
+
+    def run(self) -> Outcome:
+        import time
+        started = time.perf_counter()
+        violation = None
+        try:
+            end = self.end_faults + self.liveness_bound
+            self.sim.run_until(end)
+            # A worker started late (a launcher's restart after the last fault) gets the same bound.
+            while self.last_start + self.liveness_bound > end and end < self.end_faults + 4 * self.liveness_bound:
+                end = self.last_start + self.liveness_bound
+                self.sim.run_until(end)
+            checks.at_end(self)
+        except InvariantViolation as exc:
+            violation = str(exc)
+        commits = sum(len(w.committed) for w in self.workers.values())
+        views = len({c[2] for w in self.workers.values() for c in w.committed})
+        settle = round(self.settled_at - self.end_faults, 4) if self.settled_at is not None else None
+        return Outcome(self.seed, self.n, violation is None, violation,
+                       [(round(t, 3), k, m) for t, k, m in self.fault_log], commits, views,
+                       self.recovery, self.recovery_overlapping, settle, self.quorum_survived, self.rolled_back,
+                       round(time.perf_counter() - started, 3), self.min_workers, dict(self.exits))
