@@ -91,6 +91,7 @@ class MemberTable:
         self.live: list[str] = []
         self._live_index: dict[str, int] = {}
         self.recent_dead: dict[str, float] = {}  # id -> time it was declared dead or left
+        self._gone: dict[str, None] = {}  # ids of the dead and left members, for reap
         self.unconfirmed: dict[str, int] = {}  # id -> confirmation pings sent, oldest first
         self._rng = rng
         self._probe_order: list[str] = []
@@ -114,6 +115,8 @@ class MemberTable:
         self.by_id[member.id] = member
         if member.state in (ALIVE_STATE, SUSPECT_STATE):
             self.mark_live(member.id)
+        else:
+            self._gone[member.id] = None
 
     def admit(self, member: MemberState, now: float) -> str | None:
         """Add a member learned from the network; or the reason it was refused:
@@ -143,6 +146,7 @@ class MemberTable:
     def _forget(self, member_id: str) -> None:
         self._remove_live(member_id)
         del self.by_id[member_id]
+        self._gone.pop(member_id, None)
         self.recent_dead.pop(member_id, None)
         self.unconfirmed.pop(member_id, None)
 
@@ -181,6 +185,7 @@ class MemberTable:
 
     def mark_live(self, member_id: str) -> None:
         self.recent_dead.pop(member_id, None)
+        self._gone.pop(member_id, None)
         if member_id in self._live_index:
             return
         if not self.by_id[member_id].confirmed:
@@ -194,6 +199,7 @@ class MemberTable:
     def mark_gone(self, member_id: str, now: float) -> None:
         """A member became dead or left: out of the live set, into the recently dead."""
         self.recent_dead[member_id] = now
+        self._gone[member_id] = None
         self._remove_live(member_id)
 
     def _remove_live(self, member_id: str) -> None:
@@ -231,13 +237,15 @@ class MemberTable:
 
     def reap(self, now: float, gossip_to_the_dead_time: float, dead_retention: float,
              left_retention: float) -> None:
-        """Forget the recently dead after a while, and dead and left members after longer."""
+        """Forget the recently dead after a while, and dead and left members after longer.
+
+        Runs every second on every member: it looks at the dead and left members only (kept
+        in ``_gone``), not at the whole table."""
         for member_id, since in list(self.recent_dead.items()):
             if now - since > gossip_to_the_dead_time:
                 del self.recent_dead[member_id]
-        if not self.has_gone_members():
-            return
-        for m in [m for m in self.by_id.values() if m.state in (DEAD_STATE, LEFT_STATE)]:
+        for member_id in list(self._gone):
+            m = self.by_id[member_id]
             retention = left_retention if m.state == LEFT_STATE else dead_retention
             if now - m.since > retention:
-                self._forget(m.id)
+                self._forget(member_id)

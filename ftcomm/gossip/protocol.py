@@ -132,6 +132,10 @@ class Protocol:
         self._urgent: dict[int, _Probe] = {}  # seq -> probe started by probe_now
         self._confirmations: dict[int, tuple[str, tuple[str, int], float]] = {}  # seq -> (id, address, deadline)
         self._corrected: dict[str, float] = {}  # member -> when it was last sent this member's record
+        self._pushed: tuple[list[list], bytes] = ([], wire.encode([]))
+        """The member records of the last push/pull built here and their encoding, reused while
+        the table reads the same: every ``reconnect_interval`` a push/pull carries the whole
+        table to a dead member, a thousand records in a large group, mostly unchanged."""
         self._seq = self._rng.getrandbits(32)  # unpredictable: an ack must answer a ping that was seen
         self._now = 0.0
         self.wall_offset = 0.0
@@ -757,7 +761,7 @@ class Protocol:
         at most once per probe interval each."""
         if message[1] != self.id or message[2] >= self._self.incarnation or self.leaving:
             return
-        for holder in {sender, message[3]}:
+        for holder in dict.fromkeys((sender, message[3])):  # (in a fixed order: a seed replays exactly)
             if self._tell_alive(holder, now):
                 self.stats["stale_news_corrected"] += 1
 
@@ -839,7 +843,11 @@ class Protocol:
 
     # ---------------------------------------------------------------- anti-entropy
     def _push_pull_message(self, join: bool) -> bytes:
-        return self._seal_stream([wire.PUSH_PULL, join, self._table.records()])
+        records = self._table.records()
+        pushed = self._pushed
+        if records != pushed[0]:
+            pushed = self._pushed = (records, wire.encode(records))
+        return self._stream.seal([wire.encode_push_pull(join, pushed[1])], now=self._wall())
 
     def _seal_stream(self, message: list) -> bytes:
         return self._stream.seal([wire.encode(message)], now=self._wall())

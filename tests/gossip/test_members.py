@@ -7,8 +7,11 @@ holds and how fast new ones enter, and marks which members answered this one dir
 
 from __future__ import annotations
 
+import random
+
 from ftcomm.gossip import wire
 from ftcomm.gossip.config import GossipConfig
+from ftcomm.gossip.members import MemberState, MemberTable
 from ftcomm.gossip.protocol import CONFIRMATION_ATTEMPTS, Protocol
 from ftcomm.gossip.sim import Simulation
 from ftcomm.gossip.wire import ACK, ALIVE, PING
@@ -132,3 +135,41 @@ def test_a_table_full_of_members_that_never_answer_makes_room_for_a_newcomer():
         node.tick(t)
         node.take_datagrams()
     assert node.next_deadline() > t
+
+
+def test_dead_and_left_members_are_forgotten_after_their_retention_and_one_that_came_back_is_kept():
+    own = MemberState(member_id(0), *address(0), 0, wire.STATE_ALIVE, b"", 0.0, confirmed=True)
+    table = MemberTable(own, random.Random(1))
+    for i in (1, 2, 3, 4):
+        table.add(MemberState(member_id(i), *address(i), 1, wire.STATE_ALIVE, b"", 0.0, confirmed=True))
+    table.add(MemberState(member_id(5), *address(5), 1, wire.STATE_DEAD, b"", 0.0, confirmed=True))  # listed dead
+    for i, state in ((1, wire.STATE_DEAD), (2, wire.STATE_LEFT), (3, wire.STATE_DEAD)):
+        table.mark_gone(member_id(i), 1.0)
+        m = table.get(member_id(i))
+        m.state, m.since = state, 1.0
+    m = table.get(member_id(3))  # refuted its death
+    m.state, m.since = wire.STATE_ALIVE, 2.0
+    table.mark_live(member_id(3))
+    table.reap(5.0, gossip_to_the_dead_time=2.0, dead_retention=10.0, left_retention=3.0)
+    assert set(table.by_id) == {member_id(i) for i in (0, 1, 3, 4, 5)} and table.recent_dead == {}
+    table.reap(13.0, gossip_to_the_dead_time=2.0, dead_retention=10.0, left_retention=3.0)
+    assert set(table.by_id) == {member_id(i) for i in (0, 3, 4)}
+    assert not table.has_gone_members() and sorted(table.live) == [member_id(3), member_id(4)]
+
+
+def test_a_push_pull_carries_the_table_as_it_is_when_sent():
+    node = fresh(GossipConfig())
+    node.receive(packet(alive(1), alive(2)), address(99), 0.5)
+
+    def pushed(now: float) -> list[list]:
+        data = node.push_pull_request(now)
+        return wire.Sealer("ftcomm", "t", None, 1 << 20).open(data, wire.STREAM_TYPES, now=now)[1][0][2]
+
+    assert pushed(0.6) == pushed(0.7) == [m.record() for m in node._table.by_id.values()]
+    node.set_metadata(b"ph=training", 0.8)
+    node.declare_dead(member_id(1), 0.8)
+    node.receive(packet(alive(3)), address(99), 0.8)
+    records = {r[0]: r for r in pushed(0.9)}
+    assert sorted(records) == [member_id(i) for i in range(4)]
+    assert records[member_id(0)][3:] == [1, wire.STATE_ALIVE, b"ph=training"]
+    assert records[member_id(1)][4] == wire.STATE_DEAD and records[member_id(2)][4] == wire.STATE_ALIVE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import struct
 
@@ -314,3 +315,48 @@ def test_a_full_replay_cache_shrinks_the_window_instead_of_forgetting():
     assert guard.admit(b"e", 1_500, 10_000) is None  # above the edge: accepted, and "b" forgotten
     assert [guard.admit(key, sent, 10_000) for key, sent in ((b"b", 2_000), (b"e", 1_500))] == ["stale"] * 2
     assert guard.admit(b"f", 40_000, 45_000) is None and len(guard) == 1  # old entries expired
+
+
+HOSTS = ["10.0.0.3", "0.0.0.0", "255.255.255.255", "256.0.0.1", "010.0.0.3", "10.0.0.03", "1.2.3", "1.2.3.4.5",
+         "1..2.3", " 1.2.3.4", "1.2.3.4\n", "\u0661.2.3.4", "0x1.2.3.4", "1.2.3.4/32", "localhost", ""]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.sampled_from(HOSTS), st.text(alphabet="0123456789.", max_size=16), st.text(max_size=16),
+                 st.lists(st.integers(0, 300).map(str), min_size=3, max_size=5).map(".".join)))
+def test_a_host_is_accepted_exactly_when_ipaddress_writes_it_that_way(host):
+    try:
+        canonical = str(ipaddress.IPv4Address(host)) == host
+    except ValueError:
+        canonical = False
+    assert wire._ipv4_literal(host) is canonical
+
+
+ODD_VALUES = [None, True, False, 0, -1, 1, 3, 4, 7946, 65535, 65536, wire.MAX_INCARNATION, wire.MAX_INCARNATION + 1,
+              1.0, "", "x" * wire.MAX_ID_CHARS, "x" * (wire.MAX_ID_CHARS + 1), "a\x00b", "\u00e9", "localhost",
+              "10.0.0.256", "10.0.0.3", b"", b"x" * wire.MAX_METADATA_BYTES, b"x" * (wire.MAX_METADATA_BYTES + 1), []]
+
+
+def test_a_record_is_refused_for_the_reason_the_field_by_field_check_gives():
+    def refusal(check, record) -> str | None:
+        try:
+            check(record)
+        except wire.WireError as err:
+            return str(err)
+        return None
+
+    def field_by_field(record):
+        wire._check_fields(record, wire._RECORD_SCHEMA, "member record")
+
+    good = [member_id(3), *address(3), 1, wire.STATE_ALIVE, b"ph=training"]
+    records = [good] + [good[:i] + [value] + good[i + 1:] for i in range(len(good)) for value in ODD_VALUES]
+    records += [[value, "10.0.0.256", *good[2:]] for value in ODD_VALUES]  # the first fault is named
+    assert refusal(wire.validate_record, good) is None
+    for record in records:
+        assert refusal(wire.validate_record, record) == refusal(field_by_field, record), record
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_a_push_pull_around_encoded_records_is_the_push_pull_encoded_whole(join):
+    records = [[member_id(i), *address(i), i, wire.STATE_ALIVE, b"m" * i] for i in range(40)]
+    assert wire.encode_push_pull(join, wire.encode(records)) == wire.encode([wire.PUSH_PULL, join, records])
