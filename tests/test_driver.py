@@ -1,7 +1,7 @@
 """The driver over fake ports: each engine action performed through its port, and each
 answer of a port (a store that does not answer, a refused or silent probe, a mismatched
-setting, a communicator that forms, fails or times out) turned into the engine's next
-input."""
+setting) turned into the engine's next input. (The phases of a re-formation and a step,
+over the same ports, are tests/test_worker.py's.)"""
 
 from __future__ import annotations
 
@@ -10,128 +10,19 @@ import dataclasses
 import pytest
 
 from ftcomm.core import engine as core
-from ftcomm.core.engine import Engine, Form, Recontact, Rejoined
+from ftcomm.core.engine import Form, Recontact, Rejoined
 from ftcomm.core.view import JOINING, LEAVING, Status, View
-from ftcomm.errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, GroupEnded
+from ftcomm.errors import CollectiveAborted, CommunicatorError, ConfigMismatch, GroupEnded
 from ftcomm.runtime.driver import Driver, member_address
-from ftcomm.runtime.news import GossipNews
-from ftcomm.runtime.ports import Done, Failed, Formed, MemberRecord, Ports, Reconciled
-from tests.conftest import CFG, status
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def now(self) -> float:
-        return self.t
-
-    def wall(self) -> float:
-        return 1_000_000.0 + self.t
-
-
-class FakeMembership:
-    def __init__(self, statuses: dict[str, Status]) -> None:
-        self.table = statuses
-        self.published: list[dict] = []
-        self.announced: list[tuple] = []
-        self.synced: list[str] = []
-        self.recontacts = 0
-        self.contacted: list[tuple] = []
-        self.declared: list[str] = []
-
-    def statuses(self, view):
-        return dict(self.table), {m: ("10.0.0.1", 4000 + i) for i, m in enumerate(self.table)}
-
-    def records(self):
-        return [MemberRecord(m, "alive" if s.alive else "dead", "10.0.0.1", 7000, s) for m, s in self.table.items()]
-
-    def publish(self, record):
-        self.published.append(record)
-        own = Status.from_metadata(self.own, "alive", record)
-        self.table[self.own] = own
-
-    def announce(self, members):
-        self.announced.append(tuple(members))
-
-    def sync(self, member):
-        self.synced.append(member)
-
-    def recontact_seeds(self):
-        self.recontacts += 1
-
-    def contact(self, address):
-        self.contacted.append(address)
-
-    def declare_dead(self, member):
-        self.declared.append(member)
-        self.table[member] = dataclasses.replace(self.table[member], alive=False, dead=True)
-
-
-class FakeProposals:
-    def __init__(self) -> None:
-        self.stored: dict = {}
-        self.answers: dict = {}  # member -> list it answers (None: no answer)
-        self.asked: list = []
-
-    def publish(self, view_id, digest, members):
-        self.stored[(view_id, digest)] = members
-
-    def fetch(self, member, address, key):
-        self.asked.append((member, address, key))
-        return self.answers.get(member)
-
-
-class FakeProber:
-    def __init__(self, answers: dict | None = None) -> None:
-        self.answers = answers or {}
-        self.probed: list = []
-
-    def refused(self, addresses, timeout, settle=0.0):
-        self.probed.append((list(addresses), settle))
-        return [self.answers.get(a, False) for a in addresses]
-
-
-class Pending:
-    """An operation the test completes or fails by hand."""
-
-    def __init__(self) -> None:
-        self.result = None
-        self.error: Exception | None = None
-
-    def poll(self):
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-class FakeCommunicators:
-    def __init__(self) -> None:
-        self.forming: list = []  # (view, its operation)
-        self.reconciling: list = []
-        self.abandoned = 0
-
-    def form(self, view):
-        self.forming.append((view, Pending()))
-        return self.forming[-1][1]
-
-    def reconcile(self, view):
-        self.reconciling.append((view, Pending()))
-        return self.reconciling[-1][1]
-
-    def abandon(self):
-        self.abandoned += 1
+from ftcomm.runtime.ports import Done, Failed, Formed
+from tests.conftest import status
+from tests.fakeports import FakeClock, FakeMembership, FakeProber, FakeProposals, world_for
 
 
 def driver_for(member: str, statuses: dict, **engine_fields) -> tuple[Driver, FakeMembership, FakeProposals,
                                                                        FakeProber, FakeClock]:
-    engine = Engine(member, CFG, settle_interval=0.05, chase_interval=0.6, rendezvous_port=4000, **engine_fields)
-    membership, proposals, prober, clock = FakeMembership(statuses), FakeProposals(), FakeProber(), FakeClock()
-    membership.own = member
-    news = GossipNews(engine, lambda: [], lambda: driver.ops, 0.5, clock=clock.now)
-    driver = Driver(engine, Ports(clock, membership, proposals, prober, FakeCommunicators()), news,
-                    lambda: (7, 0.25))
-    return driver, membership, proposals, prober, clock
+    world = world_for(member, statuses, facts=lambda: (7, 0.25), **engine_fields)
+    return world.driver, world.membership, world.proposals, world.prober, world.clock
 
 
 def test_a_look_publishes_the_record_and_proposal_announces_it_and_hands_back_the_view_to_form():
@@ -144,7 +35,7 @@ def test_a_look_publishes_the_record_and_proposal_announces_it_and_hands_back_th
     assert proposals.stored == {key: ("a", "b")} and membership.announced == [("a", "b")]
     record = Status.from_metadata("a", "alive", membership.published[-1])
     assert (record.proposal, record.step, record.compute_s) == (key, 7, 0.25)  # the driver's facts
-    membership.table["b"] = dataclasses.replace(membership.table["b"], proposal=key)
+    membership.shown["b"] = dataclasses.replace(membership.shown["b"], proposal=key)
     clock.t += 0.01
     assert driver.look().form == View(1, ("a", "b")) and driver.engine.state == core.FORMING
 
@@ -171,7 +62,7 @@ def test_a_group_is_gone_only_when_every_worker_that_held_a_view_refuses():
     proposals.answers = {"a": ("a", "b", "c")}
     driver.look()  # reads the list of the group's view
     clock.t += 0.01
-    membership.table["a"] = dataclasses.replace(statuses["a"], alive=False, dead=True)
+    membership.shown["a"] = dataclasses.replace(statuses["a"], alive=False, dead=True)
     driver.look()  # no live member of the group: it holds back
     assert driver.engine.state == core.HOLDING_BACK
     # b and c are not in its table: probed at the gossip port their ids name (none parse here)
@@ -243,105 +134,25 @@ def test_a_member_list_naming_one_address_many_times_probes_it_once():
     assert prober.probed[-1][0] == [("10.0.0.9", 7946)] and membership.contacted == [("10.0.0.9", 7946)]
 
 
-# ---------------------------------------------------------------------- re-forming
-def agreed_pair(member: str = "a"):
-    """A driver whose member agreed with "b" on view 1 (its forming under way)."""
-    statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate("ab")}
+# ---------------------------------------------------------------------- what broke, and operations
+def running(member: str = "a"):
+    """A driver whose member runs view 1 with "b"."""
+    statuses = {m: status(m, cv=1) for m in "ab"}
     driver, membership, proposals, prober, clock = driver_for(member, statuses)
-    comms = driver.ports.communicators
-    while not driver.engine.proposal:
-        driver.advance()
-        clock.t += 0.03
-    membership.table["b"] = dataclasses.replace(membership.table["b"], proposal=driver.engine.proposal)
-    assert driver.advance() and driver.engine.state == core.FORMING
-    assert comms.forming[-1][0] == View(1, ("a", "b"))
-    return driver, membership, prober, clock, comms
-
-
-def test_a_re_formation_advances_from_agreeing_through_forming_and_reconciling_to_running():
-    driver, membership, _, clock, comms = agreed_pair()
-    clock.t += 0.1
-    assert not driver.advance() and driver.engine.state == core.FORMING  # nothing yet: nothing moves
-    comms.forming[-1][1].result = Formed(founding=True, restorable=True)
-    assert driver.advance() and driver.engine.state == core.RECONCILING
-    assert driver.engine.founding and driver.engine.restorable and driver.ops == 0
-    assert comms.reconciling[-1][0] == driver.engine.view
-    comms.reconciling[-1][1].result = Reconciled(True, 1234)
-    assert driver.advance() and driver.engine.state == core.RUNNING and not driver.recovering
-    assert driver.reconciled == [Reconciled(True, 1234)]
-    assert driver.agreeing_since <= driver.agreed_at <= driver.formed_at == clock.t
-    assert not driver.advance()  # running: nothing for the re-formation to do
-
-
-def test_a_reconcile_deferred_until_state_is_registered_leaves_it_due():
-    driver, _, _, _, comms = agreed_pair()
-    comms.forming[-1][1].result = Formed(False, False)
-    driver.advance()
-    comms.reconciling[-1][1].result = Reconciled(False, None, deferred=True)
-    driver.advance()
-    assert driver.engine.state == core.RECONCILE_DUE and not driver.recovering
-
-
-@pytest.mark.parametrize("error", [CommunicatorError("b refused a connection"), FtcommTimeout("too slow"),
-                                   CollectiveAborted("b is suspected")])
-def test_a_failed_forming_agrees_again_and_declares_dead_the_members_whose_host_refuses(error):
-    driver, membership, prober, _, comms = agreed_pair()
-    prober.answers = {("10.0.0.1", 7000): True}  # b's process is gone
-    abandoned = comms.abandoned
-    comms.forming[-1][1].error = error
-    assert driver.advance()
-    assert driver.engine.agreeing and driver.engine.proposal is None  # withdrawn: the others stop at once
-    assert comms.abandoned == abandoned + 1 and membership.declared == ["b"]
-    assert ("crash", "b") in [(kind, m) for _, kind, m in driver.news.faults]
-
-
-def test_a_failed_reconcile_agrees_again_and_names_what_broke_the_view():
-    driver, membership, prober, _, comms = agreed_pair()
-    comms.forming[-1][1].result = Formed(False, False)
-    driver.advance()
-    prober.answers = {("10.0.0.1", 7000): True}
-    comms.reconciling[-1][1].error = CommunicatorError("b refused a connection")
-    assert driver.advance() and driver.engine.agreeing
-    assert driver.reason == "crash" and membership.declared == ["b"]
-    assert prober.probed[-1][1] > 0  # a broken connection: a port that still accepts is tried again
+    driver.engine.view, driver.engine.state = View(1, ("a", "b")), core.RUNNING
+    return driver, membership, prober, clock
 
 
 def test_a_broken_connection_does_not_wait_for_ports_to_close_when_its_member_is_known_dead():
-    driver, membership, prober, _, comms = agreed_pair("a")
-    comms.forming[-1][1].result = Formed(False, False)
-    driver.advance()
-    membership.table["c"] = status("c", alive=False, dead=True)
+    driver, membership, prober, _ = running("a")
+    membership.shown["c"] = status("c", alive=False, dead=True)
     driver.probe_crashed(["a", "b", "c"], settle=0.15)
-    assert prober.probed[-1] == ([("10.0.0.1", 7000)], 0.03)  # only long enough for processes killed with it
-
-
-def test_an_operation_that_raised_when_started_ends_in_agreeing_again():
-    driver, _, _, _, comms = agreed_pair()
-    driver._pending = None  # starting the forming raised
-    assert driver.advance() and driver.engine.agreeing
-
-
-def test_a_reconcile_that_timed_out_agrees_again():
-    driver, _, _, _, comms = agreed_pair()
-    comms.forming[-1][1].result = Formed(False, False)
-    driver.advance()
-    comms.reconciling[-1][1].error = FtcommTimeout("the state did not arrive in time")
-    assert driver.advance() and driver.engine.agreeing
-
-
-def running_pair():
-    """A driver whose member runs view 1 with "b" (formed and reconciled through its ports)."""
-    driver, membership, prober, clock, comms = agreed_pair()
-    comms.forming[-1][1].result = Formed(False, False)
-    driver.advance()
-    comms.reconciling[-1][1].result = Reconciled(False, 99)
-    driver.advance()
-    assert driver.engine.state == core.RUNNING
-    return driver, membership, prober, clock, comms
+    assert prober.probed[-1] == ([("10.0.0.1", 7001)], 0.03)  # only long enough for processes killed with it
 
 
 def test_begin_recovery_breaks_a_running_view_and_drops_its_communicator():
-    driver, _, _, clock, comms = running_pair()
+    driver, _, _, clock = running()
+    comms = driver.ports.communicators
     abandoned = comms.abandoned
     clock.t += 1.0
     driver.begin_recovery("crash")
@@ -356,12 +167,11 @@ def test_blocking_ports_return_done_or_failed_operations():
 
 
 def test_completed_operations_count_in_the_record_and_feed_the_stall_watch():
-    driver, membership, _, clock, _ = running_pair()
+    driver, membership, _, clock = running()
     driver.operation_done(0.01)
     driver.operation_done(0.01)
     view = driver.engine.view
-    probed = []
-    membership.probe_now = probed.append
+    probed = membership.probed
     driver.watch_stall(clock.t - 0.5, clock.t - 1.0, probe_after=0.1, probe_interval=1.0)
     assert probed == [["b"]]  # waited 0.5 s, 50 times the usual: the others are probed at once
     driver.watch_stall(clock.t - 0.5, clock.t - 1.0, probe_after=0.1, probe_interval=1.0)
@@ -377,7 +187,7 @@ def test_when_a_process_of_a_sharded_replica_leaves_the_rest_of_its_replica_is_p
     statuses = {m: status(m, cv=3, replica=(m[0].upper(), int(m[1]), 2)) for m in view.members}
     driver, membership, _, prober, _ = driver_for("a0", statuses, replica=("A", 0, 2))
     driver.engine.view, driver.engine.state = view, core.RUNNING
-    prober.answers = {("10.0.0.1", 7000): True}
+    prober.answers = {("10.0.0.1", 7003): True}
     driver.news.fault("left", "b0")
     assert driver.classify(CollectiveAborted("b0 left")) == "leave"
     assert membership.declared == ["b1"] and len(prober.probed) == 1  # b1 alone: a1 shares no replica with b0
@@ -398,5 +208,63 @@ def test_a_joiner_whose_group_ended_by_leaving_raises_rather_than_founding_one()
     with pytest.raises(GroupEnded, match="left before it was admitted"):
         driver.look()
     # a member that died instead is no end of the group: the joiner probes and waits as before
-    membership.table["b"] = dataclasses.replace(left["b"], left=False, dead=True)
+    membership.shown["b"] = dataclasses.replace(left["b"], left=False, dead=True)
     driver.look()
+
+
+# ---------------------------------------------------------------------- founding
+def test_a_fresh_worker_founds_only_with_a_majority_of_its_job_and_probes_the_silent_seeds():
+    driver, membership, _, prober, clock = driver_for("a", {"a": status("a", JOINING)})
+    seeds = [("10.0.0.2", 7946), ("10.0.0.3", 7946)]
+    membership.seed_addresses = seeds
+    for _ in range(5):
+        clock.t += 0.1
+        driver.look()
+    assert driver.engine.proposal is None  # 1 of 3: the other two may be founding a group of their own
+    assert prober.probed[0][0] == seeds and membership.recontacts >= 1
+    prober.answers = {seeds[0]: True}  # one seed's process is gone: it counts no more
+    clock.t += 1.0
+    driver.look()
+    assert driver.engine.seeds_gone == {seeds[0]} and driver.engine.proposal is None  # 1 of 2 is no majority
+    prober.answers[seeds[1]] = True
+    clock.t += 1.0
+    driver.look()
+    for _ in range(2):  # the candidate settles
+        clock.t += 0.1
+        driver.look()
+    assert driver.engine.proposal is not None  # alone in its job now: it founds
+
+
+def test_a_seed_that_answers_as_a_member_of_the_candidate_counts_for_the_majority():
+    statuses = {"a": status("a", JOINING, joined_at=0.0), "b": status("b", JOINING, joined_at=1.0)}
+    driver, membership, _, prober, clock = driver_for("a", statuses)
+    membership.seed_addresses = [("10.0.0.1", 7001), ("10.0.0.3", 7946)]  # b's address, and a silent one
+    clock.t += 0.1
+    driver.look()
+    clock.t += 0.1
+    driver.look()
+    assert driver.engine.proposal is not None  # a and b: 2 of 3
+
+
+def test_a_fresh_worker_waits_for_the_workers_it_knows_of_that_have_not_answered_yet():
+    driver, membership, *_, clock = driver_for("a", {"a": status("a", JOINING)})
+    membership.unconfirmed = {"c": status("c", JOINING, joined_at=1.0)}  # it may be founding too
+    for _ in range(5):
+        clock.t += 0.1
+        driver.look()
+    assert driver.engine.proposal is None
+    membership.unconfirmed = {}
+    clock.t += 0.1
+    driver.look()
+    clock.t += 0.1
+    driver.look()
+    assert driver.engine.proposal is not None
+
+
+def test_a_fresh_worker_founds_nothing_beside_a_group_it_knows_only_from_records_not_confirmed_yet():
+    driver, membership, *_, clock = driver_for("a", {"a": status("a", JOINING)})
+    membership.unconfirmed = {"g": status("g", cv=3)}  # runs view 3, and has not answered this worker yet
+    for _ in range(5):
+        clock.t += 0.1
+        driver.look()
+    assert driver.engine.saw_group == 3 and driver.engine.proposal is None  # it waits to be admitted

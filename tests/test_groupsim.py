@@ -43,13 +43,13 @@ def test_a_replica_that_loses_a_process_leaves_whole_and_comes_back_with_every_s
     crashed = next(w for w in sim.workers.values() if w.crashed)
     partner = next(w for w in sim.workers.values() if w.replica == (crashed.replica[0], 1 - crashed.replica[1]))
     assert partner.gone  # stopped by the launcher, or on ReplicaLost: it left
-    restarted = [w for w in sim._live() if w.replica[0] == "R3"]
+    restarted = [w for w in sim.live() if w.replica[0] == "R3"]
     assert [w.replica[1] for w in restarted] == [0, 1]
-    final = sim._live()[0].engine.view
-    assert len(final.members) == 6 and all(w.engine.view == final for w in sim._live())
+    final = sim.live()[0].loop.engine.view
+    assert len(final.members) == 6 and all(w.loop.engine.view == final for w in sim.live())
     for shard in (0, 1):  # the restarted replica holds every other replica's shard
-        assert len({(w.step, w.digest) for w in sim._live() if w.shard == shard}) == 1
-    assert {w.digest for w in sim._live() if w.shard == 0} != {w.digest for w in sim._live() if w.shard == 1}
+        assert len({(w.loop.step, w.state.value) for w in sim.live() if w.shard == shard}) == 1
+    assert {w.state.value for w in sim.live() if w.shard == 0} != {w.state.value for w in sim.live() if w.shard == 1}
 
 
 def test_seeds_agreeing_through_rank_0_keep_every_invariant():
@@ -67,7 +67,7 @@ def test_a_converged_start_is_known_to_every_member_and_agrees_at_once():
     sim = GroupSimulation(1, n=100, faults=[], loss=0.0, converged=True)
     assert all(node.protocol.incarnation == 0 for node in sim.sim.nodes)
     sim.sim.run_until(0.5)
-    views = {w.engine.view for w in sim.workers.values()}
+    views = {w.loop.engine.view for w in sim.workers.values()}
     assert len(views) == 1 and None not in views and next(iter(views)).size == 100
 
 
@@ -76,16 +76,16 @@ def test_a_worker_reading_only_its_news_reads_what_the_whole_table_says(monkeypa
     of a thousand members is read a thousand times a tick otherwise); the records, and their
     order, are those a read of the whole table gives."""
     looks = []
-    statuses = GroupSimulation._statuses
+    statuses = GroupSimulation.statuses
 
     def checked(self, w):
         fresh = w.statuses is None or w.news is None or bool(w.news)
         out = statuses(self, w)
         if fresh:
-            assert list(out.items()) == list(self._read_statuses(w).items())
-            looks.append(w.engine.id)
+            assert list(out.items()) == list(self.read_statuses(w).items())
+            looks.append(w.id)
         return out
-    monkeypatch.setattr(GroupSimulation, "_statuses", checked)
+    monkeypatch.setattr(GroupSimulation, "statuses", checked)
     assert all(o.ok for o in run_seeds(list(range(12))))
     assert len(looks) > 1000
 
@@ -123,15 +123,15 @@ def test_a_straggler_chosen_by_a_step_stands_aside_and_returns_after_its_cooldow
     others re-form without it), and after the cooldown it joins again."""
     sim = GroupSimulation(5, n=4, faults=[(3.0, "slow", {"pick": 0.1, "factor": 4.0, "length": 2.0})],
                           duration=10.0, exclude_stragglers=True, straggler_cooldown=1.5)
-    straggler = sim._live()[0]
+    straggler = sim.live()[0]
     outcome = sim.run()
     assert outcome.ok, outcome.violation
     benched = [line for line in sim.log if "standing aside as a straggler" in line]
-    assert len(benched) == 1 and straggler.engine.id in benched[0]
+    assert len(benched) == 1 and straggler.id in benched[0]
     views = [view for _, _, view in straggler.committed]
-    final = straggler.engine.view
-    assert straggler.engine.id in final.members and len(final.members) == 4  # back in the group
-    others = sim._live()[1]
+    final = straggler.loop.engine.view
+    assert straggler.id in final.members and len(final.members) == 4  # back in the group
+    others = sim.live()[1]
     left_out = [view for _, _, view in others.committed if view not in views]
     assert left_out, "the others committed in a view without the straggler"
     sim = GroupSimulation(5, n=4, faults=[(3.0, "slow", {"pick": 0.1, "factor": 4.0, "length": 2.0})],
@@ -151,7 +151,7 @@ def test_a_member_cut_off_until_the_group_forgot_it_finds_the_group_again():
     sim = GroupSimulation(961, n=4, loss=0.1, formation_timeout=2.0, duration=30.0, faults=faults)
     outcome = sim.run()
     assert outcome.ok, outcome.violation
-    assert outcome.settle_s is not None and len(sim._live()) == 2
+    assert outcome.settle_s is not None and len(sim.live()) == 2
 
 
 def test_a_rejoiner_that_sees_no_group_founds_none(monkeypatch):

@@ -399,7 +399,7 @@ class BackendCollective:
         return attempt(add)
 
     def replica_agree(self, committed: bool) -> Pending[bool]:
-        return attempt(lambda: self.replica.agree(committed))
+        return attempt(lambda: self.replica.agree(committed, self.options.formation_timeout))
 
     def hand_back(self, contributors: float) -> None:
         self.buckets.hand_back(contributors)

@@ -278,8 +278,9 @@ class Collective(Protocol):
         """The sum of every member's ``values`` over the whole view's communicator."""
 
     def replica_agree(self, committed: bool) -> Pending[bool]:
-        """Whether every process of this sharded replica commits the step (each asks once
-        per gradient step); ReplicaLost when a process of the replica is gone."""
+        """Whether every process of this sharded replica commits (each asks at the same
+        points: once per gradient step, and once per view formed); ReplicaLost when a
+        process of the replica is gone, or does not answer within ``formation_timeout``."""
 
     def hand_back(self, contributors: float) -> None:
         """The step commits: the averaged gradients go to the parameters."""

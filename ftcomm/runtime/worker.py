@@ -149,11 +149,17 @@ class WorkerLoop:
             driver.formed(formed)
             try:
                 outcome = yield from self._reconcile_formed()
+                failure = None
             except (MembershipChanged, FtcommTimeout) as exc:
-                self.check_open()
-                driver.reconcile_failed(exc)
-                continue
+                failure = exc
             self.check_open()
+            if not (yield from self._replica_agrees(failure is None)) and failure is None:
+                # Another process of this sharded replica did not reconcile (its shard's
+                # transfer broke): the replica enters the view whole, or not at all.
+                failure = CollectiveAborted("a process of this sharded replica did not reconcile")
+            if failure is not None:
+                driver.reconcile_failed(failure)
+                continue
             driver.view_reconciled(outcome)
         view = engine.view
         done = clock.now()
@@ -446,8 +452,15 @@ class WorkerLoop:
             return False
         engine.count_success()
         self.completed()
-        commit = driver.step_reduced(counters, bool(self.state.participants("batch_valid")))
-        commit = yield from self._replica_agrees(commit)
+        verdict = driver.step_reduced(counters, bool(self.state.participants("batch_valid")))
+        commit = yield from self._replica_agrees(verdict)
+        if verdict and not commit and engine.state in core.IN_VIEW:
+            # The step did not complete on another process of this sharded replica: its view
+            # broke there, and it re-forms at its next boundary. So does this one: were it to
+            # run a step in the old view, it would wait in the replica's agreement for a
+            # process that is agreeing on a new view.
+            driver.perform(engine.failed(driver.classify(
+                CollectiveAborted("a process of this sharded replica did not complete the step"))))
         if commit:
             collective.hand_back(reduced.contributors)  # the sum is over the gradient communicator's members
         else:

@@ -5,13 +5,16 @@ still commit on some members only, when the others abort it and carry on without
 such a commit is overwritten when its member is reconciled, and the summary counts them:
 without a second commit round nothing can prevent it); (2) each member's committed steps
 strictly increase; (3) the members of a view hold equal state before their first commit
-in it; (4) with the quorum policy no side of a partition that lacks a majority of the
+in it (per shard with sharded replicas, and every shard at one step); (4) with the quorum policy no side of a partition that lacks a majority of the
 view before it commits, and no two disjoint groups commit the same step; (5) the
 committed steps of the group are contiguous (every sample of an epoch consumed once: the
 sampler's share of a step is a function of the step); (6) liveness: once faults stop,
 every live member is in one view with all live members and commits within
 ``liveness_bound`` seconds, when a quorum of the newest view and ``min_workers`` survived;
-(7) every communicator a member formed is closed or abandoned, except the current one.
+(7) every communicator a member formed is closed or abandoned, except the current one;
+(8) a worker whose gradient steps fail and re-form more than ``max_retries`` times in a
+row is told so (RetryLimitExceeded); (9) a straggler stands aside only where the others
+still make ``min_workers``.
 Invariant 0 is the simulation's own: a worker's script raised what no user's script
 should see, or its loop spun without virtual time passing.
 """
@@ -38,6 +41,10 @@ def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
         if first != (step - 1, w.state.value):
             world.violation(3, f"{w.id} starts view {view.id} at {(step - 1, w.state.value)}, another member at "
                                f"{first}")
+        steps = world.view_digest.setdefault(key, step - 1)  # every shard of every replica: one step
+        if steps != step - 1:
+            world.violation(3, f"{w.id} (shard {w.shard}) starts view {view.id} at step {step - 1}, another "
+                               f"member at step {steps}: a replica's shards are a step apart")
     digest = int.from_bytes(hashlib.blake2b(f"{w.state.value}/{step}/{view.id}".encode(), digest_size=8).digest(),
                             "big")
     if w.committed and step <= w.committed[-1][1]:
@@ -71,6 +78,25 @@ def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
                                f"of view {before.id}")
     w.state.value = digest
     w.committed.append((now, step, view.id))
+
+
+def step_ended(world: "GroupSimulation", w: "Worker", committed: bool, reformed: bool) -> None:
+    """``w``'s gradient step returned (``reformed``: a re-formation ran inside it). Invariant
+    8: more than ``max_retries`` steps in a row that failed and re-formed end in
+    RetryLimitExceeded (the user learns that the membership keeps changing)."""
+    w.failed_in_a_row = w.failed_in_a_row + 1 if not committed and reformed else 0
+    if w.failed_in_a_row > world.options.max_retries + 1:
+        world.violation(8, f"{w.id}'s gradient steps failed and re-formed {w.failed_in_a_row} times in a row "
+                           f"(max_retries={world.options.max_retries}) without RetryLimitExceeded")
+
+
+def stood_aside(world: "GroupSimulation", w: "Worker") -> None:
+    """Invariant 9: a straggler stands aside only where the others still make min_workers."""
+    others = {x.replica[0] if x.replica is not None else x.id for x in world.live()
+              if x is not w and x.loop.engine.state != "STANDING_ASIDE"}
+    if len(others) < world.min_workers:
+        world.violation(9, f"{w.id} stands aside as a straggler, leaving {len(others)} worker(s) below "
+                           f"min_workers={world.min_workers}")
 
 
 def at_end(world: "GroupSimulation") -> None:

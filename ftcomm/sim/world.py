@@ -82,6 +82,8 @@ class Worker:
     comms: list = field(default_factory=list)  # every communicator formed: [key, closed]
     committed: list = field(default_factory=list)  # (time, step, view id)
     last_view: tuple | None = None  # (view id, digest) of its last commit
+    failed_in_a_row: int = 0  # gradient steps that failed and re-formed in a row (see checks.step_ended)
+    aside: bool = False  # it stood aside as a straggler (as last seen)
     leave_after_commit: bool = False
     register_at: float = 0.0  # its script registers the training state then (a model built after init)
     statuses: dict | None = None  # the status records as last read (see GroupSimulation.statuses)
@@ -142,6 +144,10 @@ class GroupSimulation:
                  dense: bool | None = None, late_registration: bool | None = None) -> None:
         self.seed = seed
         self.k = replica_size
+        if faults is not None:  # a scripted schedule replays its race in the world it was found in
+            min_workers = 1 if min_workers is None else min_workers
+            launcher = False if launcher is None else launcher
+            late_registration = False if late_registration is None else late_registration
         # Drawn apart, so that one draw does not move the others.
         self.exclude_stragglers = (random.Random(f"{seed}/stragglers").random() < 0.5
                                    if exclude_stragglers is None else exclude_stragglers) and replica_size == 1
@@ -159,8 +165,12 @@ class GroupSimulation:
         self.options = GroupOptions(settle_interval=0.05, leave_grace=leave_grace,
                                     stall_probe_after=stall_probe_after, formation_timeout=formation_timeout,
                                     straggler_policy="exclude" if self.exclude_stragglers else "warn",
-                                    straggler_cooldown=straggler_cooldown, straggler_window=5,
-                                    step_publish_interval=0.25)
+                                    straggler_cooldown=straggler_cooldown,
+                                    # (judged on fewer, more frequent figures, so that a slow
+                                    # member of a short schedule is found while it is slow)
+                                    straggler_window=5 if self.exclude_stragglers else GroupOptions.straggler_window,
+                                    step_publish_interval=0.5 if self.exclude_stragglers
+                                    else GroupOptions.step_publish_interval)
         self.formation_timeout = formation_timeout
         self.announce_limit = announce_limit
         self.replica_of: dict[int, tuple[str, int]] = {i: (f"R{i // self.k}", i % self.k)
@@ -268,7 +278,10 @@ class GroupSimulation:
         while True:
             yield from loop.boundary()
             yield Sleep(self.sim.now + w.step_time * w.slow)
-            if not (yield from loop.gradient_step()):
+            views = len(loop.events)
+            committed = yield from loop.gradient_step()
+            checks.step_ended(self, w, committed, len(loop.events) > views)
+            if not committed:
                 continue
             checks.committed(self, w, loop.engine.view)  # the optimizer steps: the commit's contents
             if w.leave_after_commit:  # the script ends: the exit hook leaves the group
@@ -297,6 +310,10 @@ class GroupSimulation:
                     continue
                 w.joined = True
             self._resume(w)
+            aside = w.loop.engine.state == core.STANDING_ASIDE
+            if aside and not w.aside:
+                checks.stood_aside(self, w)
+            w.aside = aside
         self._check_recoveries()
         if self.settled_at is None and now >= max(self.end_faults, self.last_start) and self._settled():
             self.settled_at = now
@@ -467,10 +484,14 @@ class GroupSimulation:
         votes[w.id] = committed
         partners = [x for x in self.workers.values() if x.replica is not None and x.replica[0] == key]
 
+        deadline = self.sim.now + self.options.formation_timeout
+
         def poll() -> Any:
             if any(x.crashed or x.exited for x in partners if x is not w):
                 raise ReplicaLost(f"a process of replica {key} is gone")
             if len(votes) < len(partners):
+                if self.sim.now >= deadline:
+                    raise ReplicaLost(f"a process of replica {key} did not answer")
                 return UNDER_WAY
             return all(votes.values())
         return SimOperation(poll)

@@ -81,22 +81,25 @@ class Replica:
                                      f"{self.size}, shard the model with fully_shard(module, mesh=ft.shard_mesh) "
                                      f"before registering it")
 
-    def agree(self, committed: bool) -> bool:
-        """Whether every process of this replica commits the step (one tiny all-reduce MIN
-        over the replica's process group, which every process of the replica runs once per
-        gradient step, whether its step completed or failed). A step that completed on some
-        processes of the replica only (the view broke as it ended) is discarded by all of
-        them: the replica never goes on with its shards a step apart. ReplicaLost when a
-        process of the replica is gone (torch's collective fails at once: its connections
-        reset); a process of the replica that hangs holds this call until torch's timeout
-        for the replica's group (``init_timeout``), then ReplicaLost too."""
+    def agree(self, committed: bool, timeout: float) -> bool:
+        """Whether every process of this replica commits (one tiny all-reduce MIN over the
+        replica's process group, which every process of the replica runs at the same points:
+        once per gradient step, whether its step completed or failed, and once per view it
+        formed, after reconciling). A step that completed on some processes of the replica
+        only (the view broke as it ended) is discarded by all of them: the replica never
+        goes on with its shards a step apart. ReplicaLost when a process of the replica is
+        gone (torch's collective fails at once: its connections reset), and when none
+        answered within ``timeout`` seconds (a process that hangs, or one that left the
+        view at another point: the replica's group cannot be trusted again)."""
         import torch.distributed as dist
         flag = torch.tensor([int(committed)], dtype=torch.int32, device=self.device)
         try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        except RuntimeError as exc:  # a process of the replica died: its connections reset
-            raise ReplicaLost(f"a process of this worker's sharded replica is gone ({str(exc).splitlines()[0][:200]}): "
-                              f"exit, and start the whole replica again (ftcomm run --replica-size does)") from None
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True)
+            work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:  # a process of the replica died (its connections reset), or never answered
+            raise ReplicaLost(f"a process of this worker's sharded replica is gone or does not answer "
+                              f"({str(exc).splitlines()[0][:200]}): exit, and start the whole replica again "
+                              f"(ftcomm run --replica-size does)") from None
         return bool(flag.item())
 
     def close(self) -> None:

@@ -1,0 +1,280 @@
+"""The worker loop over ports answered by hand: each phase of a re-formation (agree, form,
+verify, reconcile), of a step (contribute, wait, confirm, verdict, commit), of a collective
+between steps and of leaving, and what each does when a port fails. (The same loop runs in
+every seed of the whole-group simulation: tests/test_groupsim.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ftcomm.core import engine as core
+from ftcomm.core.view import JOINING, Status, View
+from ftcomm.errors import (CollectiveAborted, CommunicatorError, FtcommTimeout, OutOfStep, QuorumLost,
+                           RetryLimitExceeded)
+from ftcomm.options import GroupOptions
+from ftcomm.runtime.ports import Contribution, Counters, Formed, StateSummary
+from tests.conftest import status
+from tests.fakeports import Op, Phase, World, world_for
+
+
+def agreed(world: World, phase: Phase) -> Op:
+    """Let ``b`` propose what ``a`` proposes; the forming operation the phase then waits on."""
+    phase.settle()
+    for _ in range(50):
+        if world.engine.proposal is not None:
+            break
+        world.clock.t += 0.03
+        phase.step()
+    world.membership.shown["b"] = dataclasses.replace(world.membership.shown["b"], proposal=world.engine.proposal)
+    return phase.until("form", clock=world.clock)
+
+
+def pair(registered: bool = True, **options) -> tuple[World, Phase]:
+    """Member "a" of a fresh pair a, b recovering ("init") up to its forming of view 1."""
+    statuses = {m: status(m, JOINING, joined_at=i) for i, m in enumerate("ab")}
+    world = world_for("a", statuses, GroupOptions(leave_grace=0.5, **options), registered=registered)
+    phase = Phase(world.loop.recover("init", world.clock.t, 30.0))
+    form = agreed(world, phase)
+    assert form.args == (View(1, ("a", "b")),) and world.engine.state == core.FORMING
+    return world, phase
+
+
+def formed(world: World, phase: Phase, founding: bool = True) -> None:
+    """Answer the forming and the verification (every member founding, none begun)."""
+    phase.waiting.done(None)
+    verify = phase.until("verify")
+    probe = verify.args[0]
+    verify.done([probe[0], probe[1], 1, 0 if not founding else 1, 1, 0, probe[6], probe[7]])
+
+
+def running(world: World | None = None, phase: Phase | None = None) -> World:
+    """A pair that formed view 1 and reconciled (both at step 0, one state): RUNNING."""
+    if world is None:
+        world, phase = pair()
+    formed(world, phase)
+    gather = phase.until("gather_states")
+    mine = gather.args[0]
+    gather.done([mine, mine])
+    assert phase.done and world.engine.state == core.RUNNING
+    return world
+
+
+# ---------------------------------------------------------------------- re-forming
+def test_a_re_formation_agrees_forms_verifies_reconciles_and_records_the_view_change():
+    world, phase = pair()
+    formed(world, phase)
+    gather = phase.until("gather_states")
+    assert gather.args == (StateSummary(0, 11, 5),) and world.engine.state == core.RECONCILING
+    gather.done([StateSummary(0, 11, 5), StateSummary(3, 99, 5)])  # b holds a newer state
+    transfer = phase.until("transfer")
+    assert transfer.args == (View(1, ("a", "b")), 1, True, 0)  # from rank 1, loaded here
+    transfer.done(3)
+    assert phase.done and phase.result is True  # the state was replaced
+    assert world.engine.state == core.RUNNING and world.loop.step == 3
+    change = world.loop.events[-1]
+    assert (change.view_id, change.reason, change.added, change.step, change.state_digest) == (
+        1, "init", ("a", "b"), 3, 14)
+    assert world.engine.founding and world.engine.restorable
+
+
+def test_the_verification_carries_each_members_place_and_a_disagreement_on_the_digest_fails_the_view():
+    world, phase = pair()
+    phase.waiting.done(None)
+    verify = phase.until("verify")
+    check = int(View(1, ("a", "b")).digest, 16) >> 1
+    assert verify.args[0] == [check, -check, 1, 0, 1, 0, 0, 0]  # first view, no network check, not begun, at a step
+    verify.done([check - 1, -check, 1, 0, 1, 0, 0, 0])  # another member formed another view under this id
+    phase.settle()
+    assert phase.waiting is not None and world.engine.agreeing and world.engine.floor == 2
+    assert world.comms.abandoned >= 1
+
+
+def test_a_reconcile_waits_for_the_state_to_be_registered():
+    world, phase = pair(registered=False)
+    formed(world, phase)
+    assert phase.done and world.engine.state == core.RECONCILE_DUE and world.driver.reconciled[-1].deferred
+    world.state.registered = True
+    boundary = Phase(world.loop.boundary())
+    gather = boundary.until("gather_states")
+    gather.done([gather.args[0]] * 2)
+    assert boundary.done and world.engine.state == core.RUNNING
+
+
+@pytest.mark.parametrize("error", [CommunicatorError("b refused a connection"), FtcommTimeout("too slow"),
+                                   CollectiveAborted("b is suspected")])
+def test_a_failed_forming_agrees_again_and_declares_dead_the_members_whose_host_refuses(error):
+    world, phase = pair()
+    world.prober.answers = {("10.0.0.1", 7001): True}  # b's process is gone
+    phase.waiting.fail(error)
+    phase.step()
+    assert world.engine.agreeing and world.engine.proposal is None  # withdrawn: the others stop at once
+    assert world.membership.declared == ["b"] and world.comms.abandoned >= 1
+    assert ("crash", "b") in [(kind, m) for _, kind, m in world.loop.news.faults]
+
+
+def test_a_failed_reconcile_agrees_again_and_names_what_broke_the_view():
+    world, phase = pair()
+    formed(world, phase)
+    world.prober.answers = {("10.0.0.1", 7001): True}
+    phase.until("gather_states").fail(CommunicatorError("b refused a connection"))
+    phase.step()
+    assert world.engine.agreeing and world.driver.reason == "crash" and world.membership.declared == ["b"]
+    assert world.prober.probed[-1][1] > 0  # a broken connection: a port that still accepts is tried again
+
+
+def test_no_view_within_the_quorum_timeout_is_quorum_lost_naming_the_view():
+    statuses = {"a": status("a", cv=1, alive=False), "b": status("b", cv=1), "c": status("c", cv=1, alive=False)}
+    world = world_for("b", statuses)
+    world.engine.view, world.engine.state = View(1, ("a", "b", "c")), core.RUNNING
+    phase = Phase(world.loop.recover("hang", world.clock.t, 1.0))
+    with pytest.raises(QuorumLost, match=r"majority of view 1 \(3 members\)"):
+        for _ in range(200):
+            world.clock.t += 0.05
+            phase.step()
+
+
+def test_a_fresh_worker_below_min_workers_says_so_in_replicas():
+    world = world_for("a", {"a": status("a", JOINING)}, min_workers=2, replica=("R", 0, 2))
+    phase = Phase(world.loop.recover("init", world.clock.t, 1.0))
+    with pytest.raises(FtcommTimeout, match=r"min_workers=2 replicas \(4 processes\)"):
+        for _ in range(200):
+            world.clock.t += 0.05
+            phase.step()
+
+
+# ---------------------------------------------------------------------- gradient steps
+def test_a_gradient_step_contributes_its_counters_and_commits_on_the_verdict():
+    world = running()
+    step = Phase(world.loop.gradient_step())
+    reduce = step.until("reduce")
+    assert reduce.args == (Contribution(True, False, None),)
+    reduce.done(Counters(2.0, 0.0, ()))
+    assert step.done and step.result is True and world.loop.step == 1 and world.collective.handed_back == [2.0]
+
+
+def test_a_step_that_saw_a_joiner_admits_it_at_the_next_boundary_not_before_a_collective_between_steps():
+    world = running()
+    world.membership.shown["j"] = status("j", JOINING, joined_at=9.0)
+    step = Phase(world.loop.gradient_step())
+    reduce = step.until("reduce")
+    assert reduce.args[0].join
+    reduce.done(Counters(2.0, 1.0, ()))
+    assert step.done and world.engine.state == core.JOIN_DUE
+    metric = Phase(world.loop.collective("the mean loss"))
+    metric.until("run").done(1.0)
+    assert metric.done and world.engine.state == core.JOIN_DUE  # run in the view every member is still in
+    boundary = Phase(world.loop.boundary())
+    boundary.step()
+    assert world.engine.agreeing  # re-forming for the joiner
+
+
+def test_a_failed_step_re_forms_and_returns_false_and_too_many_in_a_row_raise():
+    world = running(*pair(max_retries=1))
+    step = Phase(world.loop.gradient_step())
+    step.until("reduce").fail(CollectiveAborted("b is suspected"))
+    agreed(world, step)  # b answers again: view 2
+    formed(world, step, founding=False)
+    gather = step.until("gather_states")
+    gather.done([gather.args[0]] * 2)
+    assert step.done and step.result is False and world.engine.view.id == 2
+    step = Phase(world.loop.gradient_step())
+    step.until("reduce").fail(CollectiveAborted("b is suspected"))
+    with pytest.raises(RetryLimitExceeded, match="2 steps in a row"):
+        step.settle()
+    assert world.engine.state == core.BROKEN  # re-formed at the next call
+
+
+def test_a_step_a_partner_of_the_replica_did_not_complete_breaks_the_view_here_too():
+    statuses = {m: status(m, cv=1, replica=("A" if m < "b" else "B", m[-1] == "1" and 1 or 0, 2))
+                for m in ("a0", "a1", "b0", "b1")}
+    world = world_for("a0", statuses, replica=("A", 0, 2))
+    world.engine.view, world.engine.state = View(1, ("a0", "a1", "b0", "b1")), core.RUNNING
+    step = Phase(world.loop.gradient_step())
+    step.until("reduce").done(Counters(2.0, 0.0, ()))
+    step.until("view_sum").done([4.0, 0.0])
+    agree = step.until("replica_agree")
+    assert agree.args == (True,)
+    agree.done(False)  # a1's step failed
+    assert step.done and step.result is False and world.engine.state == core.BROKEN and world.loop.step == 0
+
+
+# ---------------------------------------------------------------------- collectives between steps
+def test_execute_runs_again_when_every_member_of_the_new_view_is_at_the_same_call():
+    world = running()
+
+    def attempt():
+        return (yield from world.loop.collective("the mean loss"))
+    call = Phase(world.loop.execute(attempt))
+    call.until("run").fail(CollectiveAborted("c left"))
+    call.step()
+    agreed(world, call)
+    world.membership.shown["b"] = dataclasses.replace(world.membership.shown["b"], proposal=world.engine.proposal)
+    call.waiting.done(None)
+    verify = call.until("verify")
+    position = verify.args[0][6]
+    assert position == world.loop.position > 0
+    verify.done([*verify.args[0][:6], position, -position])  # every member at this call
+    gather = call.until("gather_states")
+    gather.done([gather.args[0]] * 2)
+    call.until("run").done(2.5)
+    assert call.done and call.result == 2.5
+
+
+def test_execute_whose_new_view_finds_members_elsewhere_is_out_of_step():
+    world = running()
+
+    def attempt():
+        return (yield from world.loop.collective("the mean loss"))
+    call = Phase(world.loop.execute(attempt))
+    call.until("run").fail(CollectiveAborted("c left"))
+    call.step()
+    agreed(world, call)
+    call.waiting.done(None)
+    verify = call.until("verify")
+    verify.done([*verify.args[0][:6], 0, -verify.args[0][6]])  # a member is at its gradient step
+    gather = call.until("gather_states")
+    gather.done([gather.args[0]] * 2)
+    with pytest.raises(OutOfStep, match="other places of the training"):
+        while not call.done:
+            call.step()
+
+
+def test_execute_that_received_the_groups_newer_state_is_out_of_step():
+    world = running()
+
+    def attempt():
+        return (yield from world.loop.collective("the mean loss"))
+    call = Phase(world.loop.execute(attempt))
+    call.until("run").fail(CollectiveAborted("the view moved on"))
+    call.step()
+    agreed(world, call)
+    call.waiting.done(None)
+    verify = call.until("verify")
+    position = verify.args[0][6]
+    verify.done([*verify.args[0][:6], position, -position])
+    gather = call.until("gather_states")
+    gather.done([gather.args[0], StateSummary(40, 3, 5)])  # the group went on to step 40
+    call.until("transfer").done(40)
+    with pytest.raises(OutOfStep, match="state was replaced"):
+        call.step()
+    assert world.loop.step == 40
+
+
+# ---------------------------------------------------------------------- leaving
+def test_leaving_says_so_lets_the_others_finish_and_stops_the_gossip():
+    world = running()
+    world.loop.operation_done()
+    leave = Phase(world.loop.leave())
+    assert world.engine.state == core.LEAVING and world.loop.news.abort.reason == "this worker is shutting down"
+    record = Status.from_metadata("a", "alive", world.membership.published[-1])
+    assert record.phase == "leaving" and world.membership.left
+    for _ in range(100):  # b still runs the view: asked directly, until the grace runs out
+        if leave.done:
+            break
+        world.clock.t += 0.05
+        leave.step()
+    assert leave.done and world.membership.stopped and world.engine.state == core.CLOSED
+    assert world.membership.exchanged and world.comms.abandoned >= 1
+    assert list(world.loop.leave()) == []  # a second call does nothing
