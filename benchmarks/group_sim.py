@@ -4,11 +4,11 @@ kind, and agreement time after a crash by group size.
     python benchmarks/group_sim.py --seeds 20000 --baseline-seeds 2000   # about 20 minutes on 2 cores
     python benchmarks/group_sim.py --scale 8,64,256,1000  # one crash per size; about a minute
 
-Seeds: each draws a group size (3-7), loss, delay and up to five faults (see
-ftcomm/groupsim.py); the summary counts invariant violations and gives the time from
-each fault to the next commit of every survivor (median, p99, max per kind), apart for
+Seeds: each draws the users' world and a fault schedule (see ftcomm/sim); the summary
+counts invariant violations and gives the time from when the world allowed each
+recovery to the next commit of every survivor (median, p99, max per kind), apart for
 faults that struck a settled group alone and for faults that struck while another was
-active (those wait for the other: a crash on one side of a partition); with
+active; with
 ``--baseline-seeds N`` the first N seeds run again without the driver's on-demand probing
 of a stalled operation, the baseline of the same run. Scale: N workers start from a static
 host list (every member knows every other one and its first record: the gossip cluster
@@ -50,28 +50,28 @@ def scale_run(n: int, seed: int = 1, converged: bool = True) -> dict:
     sim.sim.listeners.append(listen)
     started = time.perf_counter()
     t = 0.0
-    while not sim._settled_view(sim._live()) and t < 240.0:
+    while not sim._settled_view(sim.live()) and t < 240.0:
         t += 0.5
         sim.sim.run_until(t)
     formed_whole = t
     crash_at = t + 1.0
     sim.sim.run_until(crash_at)
     sent_before = traffic(sim)
-    target = sim._live()[n // 2]
-    victim.append(target.engine.id)
+    target = sim.live()[n // 2]
+    victim.append(target.id)
     sim._crash(target)
     survivors = [w for w in sim.workers.values() if not w.crashed]
     formed_at, t = None, crash_at
     while t < crash_at + 60.0:
         t += 0.02
         sim.sim.run_until(t)
-        views = {w.engine.view for w in survivors}
-        if len(views) == 1 and None not in views and all(w.engine.state == RUNNING for w in survivors) and \
+        views = {w.loop.engine.view for w in survivors}
+        if len(views) == 1 and None not in views and all(w.loop.engine.state == RUNNING for w in survivors) and \
                 victim[0] not in next(iter(views)).members:
             formed_at = t
             break
     sent = [after - before for after, before in zip(traffic(sim), sent_before)]
-    last_detect = max(detected.get(w.engine.id, float("inf")) for w in survivors)
+    last_detect = max(detected.get(w.id, float("inf")) for w in survivors)
     return {
         "n": n,
         "all_in_one_view_at_s": formed_whole,
@@ -80,15 +80,17 @@ def scale_run(n: int, seed: int = 1, converged: bool = True) -> dict:
         "formed_s": round(formed_at - crash_at, 3) if formed_at else None,
         "agreement_after_detection_s": round(formed_at - last_detect, 3) if formed_at else None,
         "datagrams_per_member": round(sent[0] / n, 1),
+        "bytes_per_member": round(sent[2] / n),
         "announcements_per_member": round(sent[1] / n, 2),
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
 
-def traffic(sim: GroupSimulation) -> tuple[int, int]:
-    """Datagrams sent by all members so far, and how many of them were announcements."""
+def traffic(sim: GroupSimulation) -> tuple[int, int, int]:
+    """Datagrams sent by all members so far, how many of them were announcements, and bytes."""
     stats = [node.protocol.stats for node in sim.sim.nodes]
-    return sum(s["datagrams_sent"] for s in stats), sum(s["announced"] for s in stats)
+    return (sum(s["datagrams_sent"] for s in stats), sum(s["announced"] for s in stats),
+            sum(s["bytes_sent"] for s in stats))
 
 
 def main() -> int:

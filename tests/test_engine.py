@@ -16,7 +16,7 @@ from ftcomm.core.engine import (
     Rejoined,
     Sync,
 )
-from ftcomm.core.view import ACTIVE, JOINING, LEAVING, Status, View
+from ftcomm.core.view import ACTIVE, JOINING, LEAVING, Candidate, Status, View
 from tests.conftest import CFG, published, status
 
 
@@ -613,10 +613,12 @@ def test_between_collectives_a_member_is_running_or_has_something_due():
     assert e.state == core.RUNNING
     e.step_reduced(admit=True, aside=False)
     assert e.state == core.JOIN_DUE
-    for call in (lambda: e.failed("crash"), e.reconciled, lambda: e.step_reduced(True, False)):
+    for call in (e.reconciled, lambda: e.step_reduced(True, False)):
         with pytest.raises(core.IllegalTransition):
             call()
-    assert e.broken() == [Publish()] and e.state == core.AGREEING
+    # a collective between steps runs in the view the joiner waits on (BETWEEN), and may fail
+    assert e.failed("crash") == [Publish()] and e.state == core.BROKEN
+    assert e.broken() == [] and e.state == core.AGREEING
 
 
 def test_a_view_formed_from_rejoining_is_named_a_rejoin():
@@ -695,3 +697,48 @@ def test_a_joiner_whose_view_breaks_before_it_received_the_state_is_a_joiner_aga
     a.formed()
     a.broken()
     assert a.state == core.AGREEING and a.view.id == 2
+
+
+def test_a_joiner_adopts_the_proposal_of_members_that_entered_the_newest_view_although_it_formed_elsewhere():
+    """View 5 formed only on a member that died since (its record, naming view 5, outlives
+    it); the survivors entered view 5 too (their floor is above it) and propose view 6
+    from their view 4. A joiner takes their proposal: a member that entered a view is not
+    left out of it. Reading only current views, it would wait for a proposal from a
+    member of view 5 for ever."""
+    key = (6, View(6, ("a", "b", "j")).digest)
+    statuses = {"a": status("a", cv=4, proposal=key, floor=6), "b": status("b", cv=4, proposal=key, floor=6),
+                "d": status("d", cv=5, alive=False), "j": status("j", JOINING, joined_at=9.0)}
+    e = engine("j", joined_at=9.0)
+    actions = e.agree(0.0, statuses)
+    assert [a for a in actions if isinstance(a, Fetch)] == [Fetch("a", key)]
+    e.fetched_proposal(key, ("a", "b", "j"))
+    e.agree(0.01, statuses)
+    assert e.proposal == key
+    assert Engine._holds_newest(statuses["a"], 5)  # (entered view 5: floor 6)
+    assert not Engine._holds_newest(status("x", cv=4), 5)  # neither formed nor entered it
+
+
+def test_the_boundary_dispatch_is_a_table_and_joins_wait_for_a_step_boundary():
+    e = engine()
+    for state, due in core.BOUNDARY.items():
+        e.state = state
+        assert e.due() == due
+        assert e.due(boundary=False) == (None if due in ("join", "aside") else due)
+    e.state = core.AGREEING
+    assert e.due() == "resume" and e.due(boundary=False) == "resume"
+
+
+def test_failures_in_a_row_are_counted_once_for_steps_and_execute():
+    e = engine(max_retries=2)
+    assert [e.count_failure() for _ in range(3)] == [False, False, True]
+    assert e.failures == 0  # a caller that goes on gets max_retries more
+    e.count_failure()
+    e.count_success()
+    assert e.failures == 0
+
+
+def test_min_workers_counts_replicas_and_views_count_processes():
+    e = engine(min_workers=2, max_workers=3, replica=("R", 0, 2))
+    assert e.replica_size == 2 and e.max_processes == 6
+    assert not e.usable(Candidate(("a", "b", "c"), 1, True, ()))  # 3 processes: not 2 replicas
+    assert e.usable(Candidate(("a", "b", "c", "d"), 1, True, ()))

@@ -363,6 +363,8 @@ class Driver:
         if probe_after <= 0 or contributed_at <= op_began or view is None:
             return  # off, or not waiting on an operation
         now = self.ports.clock.now()
+        if now - contributed_at < probe_after:
+            return  # (the usual case: looked at every millisecond of a wait)
         typical = STALL_FACTOR * statistics.median(self._waits) if self._waits else 0.0
         if now - contributed_at < max(probe_after, typical) or now - self._stall_probed < probe_interval:
             return

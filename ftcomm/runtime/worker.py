@@ -153,9 +153,7 @@ class WorkerLoop:
             except (MembershipChanged, FtcommTimeout) as exc:
                 failure = exc
             self.check_open()
-            if not (yield from self._replica_agrees(failure is None)) and failure is None:
-                # Another process of this sharded replica did not reconcile (its shard's
-                # transfer broke): the replica enters the view whole, or not at all.
+            if not (yield from self._replica_enters(failure is None)) and failure is None:
                 failure = CollectiveAborted("a process of this sharded replica did not reconcile")
             if failure is not None:
                 driver.reconcile_failed(failure)
@@ -454,13 +452,8 @@ class WorkerLoop:
         self.completed()
         verdict = driver.step_reduced(counters, bool(self.state.participants("batch_valid")))
         commit = yield from self._replica_agrees(verdict)
-        if verdict and not commit and engine.state in core.IN_VIEW:
-            # The step did not complete on another process of this sharded replica: its view
-            # broke there, and it re-forms at its next boundary. So does this one: were it to
-            # run a step in the old view, it would wait in the replica's agreement for a
-            # process that is agreeing on a new view.
-            driver.perform(engine.failed(driver.classify(
-                CollectiveAborted("a process of this sharded replica did not complete the step"))))
+        if verdict and not commit:
+            self._partner_failed()
         if commit:
             collective.hand_back(reduced.contributors)  # the sum is over the gradient communicator's members
         else:
@@ -478,6 +471,22 @@ class WorkerLoop:
         replicas = self.engine.view.size // self.engine.replica_size
         summed = yield self.ports.collective.view_sum([counters.contributors / replicas, counters.joiners / replicas])
         return Counters(round(summed[0]), round(summed[1]), counters.asking)
+
+    def _replica_enters(self, reconciled: bool) -> Step[bool]:
+        """With a sharded replica, whether every process of it reconciled the view just formed
+        (its shards' transfers run apart, so one can fail while another completes): the
+        replica enters a view whole, or not at all. ``reconciled`` without one."""
+        return (yield from self._replica_agrees(reconciled))
+
+    def _partner_failed(self) -> None:
+        """The step completed here but not on another process of this sharded replica: its
+        view broke there, and it re-forms at its next boundary. So does this one: were it to
+        run a step in the old view, it would wait in the replica's agreement for a process
+        that is agreeing on a new view."""
+        engine, driver = self.engine, self.driver
+        if engine.state in core.IN_VIEW:
+            driver.perform(engine.failed(driver.classify(
+                CollectiveAborted("a process of this sharded replica did not complete the step"))))
 
     def _replica_agrees(self, committed: bool) -> Step[bool]:
         """With a sharded replica, whether all of its processes commit the step (every one of

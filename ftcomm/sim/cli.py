@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing
 import statistics
 import sys
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replica-size", type=int, default=1, help="sharded replicas of this many processes")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.seed is None:  # many seeds: the workers' own warnings (waits, stragglers) are noise here
+        logging.getLogger("ftcomm").setLevel(logging.ERROR)
     if args.seed is not None:
         sim = GroupSimulation(args.seed, replica_size=args.replica_size)
         outcome = sim.run()

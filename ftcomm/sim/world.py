@@ -117,6 +117,7 @@ class Outcome:
     wall_s: float
     min_workers: int = 1
     exits: dict = field(default_factory=dict)  # error a worker's script ended on -> count
+    recoveries: list = field(default_factory=list)  # (kind, fault time, allowed from, seconds, isolated)
 
 
 class GroupSimulation:
@@ -130,7 +131,8 @@ class GroupSimulation:
     half the seeds); ``replica_size`` K > 1: the workers are sharded replicas of K processes
     (``n`` counts processes), faults strike a replica as they do on hosts (see
     :meth:`_fault`), and a launcher starts a replica whose process failed again as a whole;
-    ``min_workers``: the users' (in replicas; None: drawn); ``launcher``: a launcher starts
+    ``min_workers``: the users' (in replicas; None: drawn; ``max_retries`` is drawn too);
+    ``launcher``: a launcher starts
     a worker whose process ended on a failure again (None: drawn); ``dense``: many faults
     close together instead of a few apart (None: drawn)."""
 
@@ -141,7 +143,8 @@ class GroupSimulation:
                  announce_limit: int = ANNOUNCE_LIMIT, converged: bool = False,
                  exclude_stragglers: bool | None = None, straggler_cooldown: float = 2.0,
                  replica_size: int = 1, min_workers: int | None = None, launcher: bool | None = None,
-                 dense: bool | None = None, late_registration: bool | None = None) -> None:
+                 dense: bool | None = None, late_registration: bool | None = None,
+                 max_retries: int | None = None) -> None:
         self.seed = seed
         self.k = replica_size
         if faults is not None:  # a scripted schedule replays its race in the world it was found in
@@ -162,7 +165,10 @@ class GroupSimulation:
             drawn = random.Random(f"{seed}/min_workers")
             min_workers = 1 if drawn.random() < 0.5 else drawn.randint(1, replicas)
         self.min_workers = min_workers
-        self.options = GroupOptions(settle_interval=0.05, leave_grace=leave_grace,
+        if max_retries is None:
+            max_retries = (GroupOptions.max_retries if faults is not None
+                           else random.Random(f"{seed}/max_retries").choice([1, 2, 5, 5]))
+        self.options = GroupOptions(settle_interval=0.05, leave_grace=leave_grace, max_retries=max_retries,
                                     stall_probe_after=stall_probe_after, formation_timeout=formation_timeout,
                                     straggler_policy="exclude" if self.exclude_stragglers else "warn",
                                     straggler_cooldown=straggler_cooldown,
@@ -205,6 +211,7 @@ class GroupSimulation:
         self.pending_recovery: list[tuple[float, str, set[str], bool]] = []  # (time, kind, survivors, isolated)
         self.recovery: dict[str, list[float]] = {}  # faults that struck a settled group (see _isolated)
         self.recovery_overlapping: dict[str, list[float]] = {}  # faults that struck while another was active
+        self.recoveries: list[tuple] = []  # (kind, fault time, allowed from, seconds, isolated)
         self.disturbed_until = 0.0  # when the last hang, node loss or partition drawn so far ends
         self.exits: dict[str, int] = {}
         self.last_start = 0.0  # when a worker last started (a join, or a launcher's restart)
@@ -260,6 +267,7 @@ class GroupSimulation:
         w.script = self._script(w)
         w.waiting, w.waiting_at = Pause(0.0), now
         w.seeds = tuple(x.node for x in self.live() if x is not w) if now > 0 else tuple(i for i in range(self.n) if i != node)
+        w.joined = w.joined or not w.seeds  # given no peer, ftcomm.init starts a new gossip cluster at once
         self.last_start = max(self.last_start, now)
         self.workers[node] = w
         self.by_id[member] = w
@@ -887,6 +895,7 @@ class GroupSimulation:
                 allowed = max([t] + [x for x in self.fault_times if t < x <= last])
                 (self.recovery if isolated else self.recovery_overlapping).setdefault(kind, []).append(
                     round(last - allowed, 4))
+                self.recoveries.append((kind, round(t, 3), round(allowed, 3), round(last - allowed, 4), isolated))
             elif live and now - t < self.liveness_bound + self.duration:
                 still.append((t, kind, survivors, isolated))
         self.pending_recovery = still
@@ -932,4 +941,4 @@ class GroupSimulation:
         return Outcome(self.seed, self.n, violation is None, violation,
                        [(round(t, 3), k, m) for t, k, m in self.fault_log], commits, views,
                        self.recovery, self.recovery_overlapping, settle, self.quorum_survived, self.rolled_back,
-                       round(time.perf_counter() - started, 3), self.min_workers, dict(self.exits))
+                       round(time.perf_counter() - started, 3), self.min_workers, dict(self.exits), self.recoveries)
