@@ -211,8 +211,8 @@ class FakeCollective:
         self.ops.append(Op(kind="view_sum", args=(values,)))
         return self.ops[-1]
 
-    def replica_agree(self, committed):
-        self.ops.append(Op(kind="replica_agree", args=(committed,)))
+    def replica_decide(self, key, vote):
+        self.ops.append(Op(kind="replica_decide", args=(key, vote)))
         return self.ops[-1]
 
     def hand_back(self, contributors):

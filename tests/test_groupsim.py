@@ -335,9 +335,10 @@ def no_reconcile(self):
     yield  # noqa: unreachable - a phase
 
 
-def agrees_alone(self, committed):
-    """WorkerLoop._replica_agrees that asks no other process of the replica."""
-    return committed
+def decides_alone(self, decision, vote):
+    """WorkerLoop._replica_decides that asks no other process of the replica: a step commits
+    on the verdict of its own shard's reduction."""
+    return vote
     yield  # noqa: unreachable - a phase
 
 
@@ -349,6 +350,7 @@ def churn(seed: int) -> GroupSimulation:
 
 GUARDS = {
     # name: (what is switched off, the seeds, what they show, replica size)
+    "commit on the replica's verdict": (("_replica_decides", decides_alone), [263, 274, 277], "invariant 3", 2),
     "reconcile after a view change": (("_reconcile_formed", no_reconcile), [0, 2, 3], "invariant 3", 1),
     "a straggler stands aside within min_workers": (
         ("chosen", staticmethod(lambda asking, world, min_workers: sorted(asking, reverse=True))),
@@ -372,3 +374,42 @@ def test_the_retry_limit_switched_off_lets_steps_fail_on_and_on(monkeypatch):
     monkeypatch.setattr(core.Engine, "count_failure", lambda self: False)
     violations = [o for o in (churn(seed).run() for seed in range(2)) if not o.ok]
     assert len(violations) == 2 and all("invariant 8" in o.violation for o in violations)
+
+
+def test_a_collective_between_steps_waits_for_the_boundary_to_admit_a_joiner(monkeypatch):
+    """Admitted in a metric's preparation, a joiner would be at its first gradient step
+    while the others run the metric: every metric with a joiner on its way is abandoned
+    (OutOfStep, which the scripts tolerate as the guide says). With joins at the step
+    boundary only, none is."""
+    seeds = [2, 3, 4]
+    assert not any(o.exits.get("OutOfStep (tolerated)") for o in run_seeds(seeds))
+    monkeypatch.setattr(core.Engine, "due", lambda self, boundary=True: core.BOUNDARY.get(self.state, "resume"))
+    assert all(o.exits.get("OutOfStep (tolerated)") for o in run_seeds(seeds))
+
+
+def test_a_call_between_steps_that_finds_the_members_elsewhere_is_not_run(monkeypatch):
+    """Without OutOfStep, a worker back from a partition with the group's newer state runs
+    again the metric of a step the group passed, and waits in it for ever."""
+    seeds = [7, 72, 91]
+    assert all(o.ok for o in run_seeds(seeds))
+    monkeypatch.setattr(WorkerLoop, "_check_in_step", lambda self, replaced, formations, what: None)
+    violations = [o for o in run_seeds(seeds) if not o.ok]
+    assert violations and all("invariant 6" in o.violation for o in violations)
+
+
+def test_a_fresh_group_needs_a_majority_of_its_job(monkeypatch):
+    """Seed 1051: without the majority, two workers founded a group while the group that
+    held the newest state lived on."""
+    assert run_seeds([1051])[0].ok
+    monkeypatch.setattr(core.Engine, "_may_found_with", lambda self, cand, seeds: True)
+    outcome = run_seeds([1051])[0]
+    assert not outcome.ok and "invariant 4" in outcome.violation
+
+
+def test_production_code_never_imports_the_simulation():
+    import pathlib
+    import re
+    root = pathlib.Path(groupsim.__file__).parent
+    for path in [*root.glob("core/*.py"), *root.glob("runtime/*.py"), *root.glob("training/*.py"),
+                 *root.glob("backends/*.py"), *root.glob("gossip/*.py"), *root.glob("ops/*.py"), root / "group.py"]:
+        assert not re.search(r"^\s*(from|import)\s+(ftcomm\.|\.+)?(sim|groupsim)\b", path.read_text(), re.M), path

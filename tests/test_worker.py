@@ -194,8 +194,8 @@ def test_a_step_a_partner_of_the_replica_did_not_complete_breaks_the_view_here_t
     step = Phase(world.loop.gradient_step())
     step.until("reduce").done(Counters(2.0, 0.0, ()))
     step.until("view_sum").done([4.0, 0.0])
-    agree = step.until("replica_agree")
-    assert agree.args == (True,)
+    agree = step.until("replica_decide")
+    assert agree.args == (("step", 1, world.engine.view.digest, 1), True)
     agree.done(False)  # a1's step failed
     assert step.done and step.result is False and world.engine.state == core.BROKEN and world.loop.step == 0
 

@@ -930,7 +930,7 @@ def shard_sources(states: list[tuple[int, int]], shards: int) -> tuple[int, list
     rank's (step, state digest). Returns the newest step, and for each shard the rank whose
     state that shard's processes take (None: they hold one state already): as
     :func:`reconcile_source` among the shard's processes, the newest state wins. Every
-    process of a replica commits a step or none does (``Replica.agree``), so the replicas
+    process of a replica commits a step or none does (``Replica.decide``), so the replicas
     that hold the newest step hold it for every shard, and every process ends on it."""
     sources: list[int | None] = []
     for shard in range(shards):

@@ -398,8 +398,10 @@ class BackendCollective:
             return tensor.tolist()
         return attempt(add)
 
-    def replica_agree(self, committed: bool) -> Pending[bool]:
-        return attempt(lambda: self.replica.agree(committed, self.options.formation_timeout))
+    def replica_decide(self, key: tuple, vote: bool) -> Pending[bool]:
+        abort = self.comms.abort
+        return Started(lambda: self.replica.decide("/".join(map(str, key)), vote, lambda: abort.check() is not None,
+                                                   self.options.formation_timeout))
 
     def hand_back(self, contributors: float) -> None:
         self.buckets.hand_back(contributors)

@@ -277,10 +277,12 @@ class Collective(Protocol):
     def view_sum(self, values: list[float]) -> Pending[list[float]]:
         """The sum of every member's ``values`` over the whole view's communicator."""
 
-    def replica_agree(self, committed: bool) -> Pending[bool]:
-        """Whether every process of this sharded replica commits (each asks at the same
-        points: once per gradient step, and once per view formed); ReplicaLost when a
-        process of the replica is gone, or does not answer within ``formation_timeout``."""
+    def replica_decide(self, key: tuple, vote: bool) -> Pending[bool]:
+        """Whether every process of this sharded replica votes yes on decision ``key`` (a
+        step commits): the same answer on each process
+        that asks (a write-once slot per process; a slot given up on, when the view's abort
+        signal fires or after ``formation_timeout``, holds a veto). ReplicaLost when the
+        replica's store is gone."""
 
     def hand_back(self, contributors: float) -> None:
         """The step commits: the averaged gradients go to the parameters."""

@@ -1,9 +1,12 @@
-"""Reconciling the registered training state across a newly formed view.
+"""Moving the registered training state to the members of a newly formed view.
 
-Every member gathers (step, state digest, model signature); when they differ the newest
-state wins (:func:`ftcomm.core.engine.reconcile_source` picks its rank) and is broadcast as raw
-tensor bytes with a msgpack manifest, never a pickle. With a secret the source signs
-view, manifest and bytes (keyed BLAKE2b) and the others verify before loading anything.
+The worker loop decides (:meth:`ftcomm.runtime.worker.WorkerLoop._transfer`: every member
+shows its step, state digest and model signature; the newest state wins, its rank picked
+by :func:`ftcomm.core.engine.shard_sources`); this module moves it over a real
+communicator: the state is broadcast as raw tensor bytes with a msgpack manifest, never a
+pickle. With a secret the source signs view, manifest and bytes (keyed BLAKE2b) and the
+others verify before loading anything. Members that registered different models raise
+ConfigMismatch naming the first tensor that differs.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import msgpack
 import torch
 
 from ..backends.base import AbortSignal, Communicator
-from ..core.engine import shard_sources
 from ..core.view import View
 from ..errors import CommunicatorError, ConfigMismatch, StateError
 from ..training.state import TrainingState, tensor_bytes
@@ -24,38 +26,6 @@ log = logging.getLogger(__name__)
 
 STATE_TAG_BYTES = 32
 MAX_MANIFEST_BYTES = 256 << 20
-
-
-def reconcile(comm: Communicator, abort: AbortSignal, state: TrainingState, step: int, view: View,
-              secret: bytes | None, shard_comm: Communicator | None = None, shards: int = 1) -> tuple[int, bool, int]:
-    """Make every member's state identical. Returns (step, whether this member loaded
-    another's state, the digest every member now holds). Raises ConfigMismatch when the
-    members registered different models, CommunicatorError for a transfer that fails
-    verification, MembershipChanged when the view breaks meanwhile.
-
-    With sharded replicas (``shards`` > 1; rank ``r`` holds shard ``r % shards``), the
-    shard indices compare their states over the whole view (``comm``) and each shard's
-    processes take one state over their own communicator (``shard_comm``), every shard at
-    once: a replica that joins receives each shard from another replica's process of that
-    shard (:func:`ftcomm.core.engine.shard_sources`)."""
-    mine = torch.tensor([step, state.digest(step), state.signature()], dtype=torch.int64, device=comm.device)
-    gathered = [tuple(t.tolist()) for t in comm.allgather(mine).wait(abort)]
-    if shards == 1 and len({g[2] for g in gathered}) > 1:
-        raise_model_mismatch(comm, abort, state, view, gathered)
-    if shards > 1:
-        raise_shard_mismatch(comm, abort, state, view, gathered, shards)
-        newest = {max(g[0] for g in gathered[i::shards]) for i in range(shards)}
-        if len(newest) > 1:  # every process of a replica commits a step or none does (Replica.agree)
-            log.error("the shards of view %d hold different newest steps %s: a replica committed a step on some "
-                      "of its processes only", view.id, sorted(newest))
-    source = shard_sources([g[:2] for g in gathered], shards)[1][comm.rank % shards]
-    if source is None:
-        return step, False, int(mine[1])
-    load = gathered[comm.rank][:2] != gathered[source][:2]
-    received = broadcast_state(shard_comm or comm, abort, state, step, view, secret, source // shards, load)
-    if received is None:
-        return step, False, int(mine[1])
-    return received, True, state.digest(received)
 
 
 def raise_shard_mismatch(comm: Communicator, abort: AbortSignal, state: TrainingState, view: View,

@@ -81,6 +81,7 @@ class WorkerLoop:
         self._calls = 0  # collectives outside gradient steps since the last gradient step
         self._in_call = False  # inside execute or a collective (a nested collective is part of it)
         self.formations = 0  # views formed (and verified) by this worker
+        self._reductions = 0  # gradient reductions started in the current view (names a step's replica decision)
         self.aligned = True  # every member of the last view formed was at the same position
         ports.communicators.attach(lambda: self.news.abort)
         ports.collective.attach(self.contribution, self.may_overlap)
@@ -149,15 +150,11 @@ class WorkerLoop:
             driver.formed(formed)
             try:
                 outcome = yield from self._reconcile_formed()
-                failure = None
             except (MembershipChanged, FtcommTimeout) as exc:
-                failure = exc
-            self.check_open()
-            if not (yield from self._replica_enters(failure is None)) and failure is None:
-                failure = CollectiveAborted("a process of this sharded replica did not reconcile")
-            if failure is not None:
-                driver.reconcile_failed(failure)
+                self.check_open()
+                driver.reconcile_failed(exc)
                 continue
+            self.check_open()
             driver.view_reconciled(outcome)
         view = engine.view
         done = clock.now()
@@ -228,6 +225,7 @@ class WorkerLoop:
             yield comms.form_shard(view)
         self.aligned = verified[6] == -verified[7]  # the lowest position is the highest: all at one place
         self.formations += 1
+        self._reductions = 0
         return Formed(verified[2] == 1 and verified[3] == 1, verified[4] == 1)
 
     def _reconcile_formed(self) -> Step[Reconciled]:
@@ -253,7 +251,7 @@ class WorkerLoop:
         if any(len({g.signature for g in gathered[i::k]}) > 1 for i in range(k)):
             yield comms.mismatch(gathered, k)  # raises ConfigMismatch on every member
         newest = {max(g.step for g in gathered[i::k]) for i in range(k)}
-        if len(newest) > 1:  # every process of a replica commits a step or none does (Replica.agree)
+        if len(newest) > 1:  # every process of a replica commits a step or none does (Replica.decide)
             log.error("the shards of view %d hold different newest steps %s: a replica committed a step on some "
                       "of its processes only", view.id, sorted(newest))
         rank = view.rank_of(engine.id)
@@ -415,9 +413,9 @@ class WorkerLoop:
             obj.check_step()
         if collective.lost:  # the group re-formed (in execute) after backward began reducing
             collective.discard()
-            yield from self._replica_agrees(False)
             self._end_step(False)
             return False
+        decision = None  # the name of this step's decision in its replica, once it contributed
         self.waiting_since = self.ports.clock.now()
         try:
             if collective.touched and (engine.state == core.BROKEN or self.news.abort.reason is not None):
@@ -426,6 +424,8 @@ class WorkerLoop:
             replaced = yield from self.prepare()
             # Gradients computed on state that was just replaced are not valid: contribute none.
             reduction = collective.reduce(valid=not replaced)
+            self._reductions += 1
+            decision = ("step", engine.view.id, engine.view.digest, self._reductions)
             self.stragglers.compute.add(self.contributed())
             self.waiting_since = self.contributed_at
             reduced = counters = yield reduction
@@ -435,7 +435,8 @@ class WorkerLoop:
         except MembershipChanged as exc:
             collective.discard()
             self.check_open()  # shut down from another thread: FtcommError, nothing to re-form
-            yield from self._replica_agrees(False)
+            if decision is not None:
+                yield from self._replica_decides(decision, False)
             fault = engine.fault or driver.classify(exc)
             if engine.count_failure():
                 if engine.state in (core.RUNNING, core.RECONCILE_DUE):
@@ -451,7 +452,7 @@ class WorkerLoop:
         engine.count_success()
         self.completed()
         verdict = driver.step_reduced(counters, bool(self.state.participants("batch_valid")))
-        commit = yield from self._replica_agrees(verdict)
+        commit = yield from self._replica_decides(decision, verdict)
         if verdict and not commit:
             self._partner_failed()
         if commit:
@@ -472,12 +473,6 @@ class WorkerLoop:
         summed = yield self.ports.collective.view_sum([counters.contributors / replicas, counters.joiners / replicas])
         return Counters(round(summed[0]), round(summed[1]), counters.asking)
 
-    def _replica_enters(self, reconciled: bool) -> Step[bool]:
-        """With a sharded replica, whether every process of it reconciled the view just formed
-        (its shards' transfers run apart, so one can fail while another completes): the
-        replica enters a view whole, or not at all. ``reconciled`` without one."""
-        return (yield from self._replica_agrees(reconciled))
-
     def _partner_failed(self) -> None:
         """The step completed here but not on another process of this sharded replica: its
         view broke there, and it re-forms at its next boundary. So does this one: were it to
@@ -488,12 +483,14 @@ class WorkerLoop:
             driver.perform(engine.failed(driver.classify(
                 CollectiveAborted("a process of this sharded replica did not complete the step"))))
 
-    def _replica_agrees(self, committed: bool) -> Step[bool]:
-        """With a sharded replica, whether all of its processes commit the step (every one of
-        them asks once per gradient step); ``committed`` without one."""
+    def _replica_decides(self, decision: tuple, vote: bool) -> Step[bool]:
+        """With a sharded replica, whether every process of it votes yes on ``decision`` (this
+        step commits); ``vote`` without one. A process of the replica that left the view
+        (its shard's transfer failed, or its step did) never votes: the others' wait ends
+        when their view's abort signal fires, with a veto."""
         if self.engine.replica_size == 1:
-            return committed
-        return (yield self.ports.collective.replica_agree(committed))
+            return vote
+        return (yield self.ports.collective.replica_decide(decision, vote))
 
     def _end_step(self, committed: bool) -> None:
         for obj in self.state.participants("step_ended"):

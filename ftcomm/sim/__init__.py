@@ -18,8 +18,8 @@ virtual clock, loss and delay). This package holds only the world:
   little later; a member that crashes, hangs or is cut off before another observed it
   leaves that one waiting (so a step may commit on some members only). A crashed
   process's peers get a connection error at once; a lost node or a hung process gives
-  none, only gossip tells. A sharded replica's agreement is torch's MIN inside the
-  replica: ReplicaLost once a process of it is gone.
+  none, only gossip tells. A sharded replica's decision is a set of write-once slots in
+  its store (served by its shard 0: ReplicaLost once that process is gone).
 * :mod:`ftcomm.sim.world`: the workers' training scripts (init, steps with compute time,
   now and then a collective inside ``execute``, leaving), the fault schedule, a launcher
   that starts failed workers again, and the gossip simulator underneath.

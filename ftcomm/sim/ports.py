@@ -220,6 +220,10 @@ class SimCommunicators:
     def attach(self, abort: Callable[[], Any]) -> None:
         self._abort = abort
 
+    def abort(self) -> Any:
+        """The abort signal of the view formed or run."""
+        return self._abort()
+
     def operation(self, comm: tuple, members: tuple[str, ...], kind: str, payload: Any,
                   combine: Callable[[list], Any], timeout: float | None = None) -> SimOperation:
         """The next operation on communicator ``comm`` (its ``members`` in rank order): this
@@ -290,7 +294,6 @@ class SimCollective:
     def __init__(self, world: "GroupSimulation", w: "Worker", comms: SimCommunicators) -> None:
         self.world, self.w, self.comms = world, w, comms
         self._contribution: Callable[[bool], Contribution] = lambda valid: Contribution(valid, False, None)
-        self._agreements = 0  # replica agreements asked (Replica.agree: once per gradient step)
         self.touched = False  # (backward never starts a reduction here)
         self.lost = False
 
@@ -311,9 +314,8 @@ class SimCollective:
         return self.comms.operation(self.comms.comm, self.w.loop.engine.view.members, "view sum", values,
                                     lambda all_: [sum(v) for v in zip(*all_)])
 
-    def replica_agree(self, committed: bool) -> SimOperation:
-        self._agreements += 1
-        return self.world.replica_agreement(self.w, self._agreements, committed)
+    def replica_decide(self, key: tuple, vote: bool) -> SimOperation:
+        return self.world.replica_decision(self.w, key, vote, self.comms.abort())
 
     def hand_back(self, contributors: float) -> None:
         pass

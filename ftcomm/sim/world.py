@@ -40,6 +40,9 @@ REPLICA_HALT_S = 5.0  # ftcomm.ops.launcher's: a process of a replica that lost 
 RESTART_S = (0.2, 2.5)  # a launcher starting a failed worker again: a warm standby .. a cold start
 CRASH_ERROR_DELAY = 0.005  # a crashed member's connections reset this long after its death
 COLLECTIVE_EVERY = 7  # the script averages a metric over the group (execute) after every this many commits
+SETTLED_RUN_S = 3.0
+"""Once every live worker runs one view of all of them and commits, and no worker is on its
+way (a launcher's restart), the run goes on this long, then ends."""
 STEPS_PER_TICK = 500  # more phase steps than this in one tick: the loop spins without virtual time passing
 EXPECTED_ERRORS = (GroupEnded, ReplicaLost, QuorumLost, FtcommTimeout, RetryLimitExceeded, ConfigMismatch, JoinError)
 """What a worker's script may end on in the users' world (the process then exits 1)."""
@@ -200,7 +203,8 @@ class GroupSimulation:
         self.store: dict[tuple[int, tuple[int, str]], tuple[str, ...]] = {}
         self.formations: dict[tuple[int, str], dict[str, float]] = {}
         self.operations: dict[tuple, dict[str, tuple[float, Any]]] = {}  # (communicator, seq) -> member -> (t, payload)
-        self.agreements: dict[tuple[str, int], dict[str, bool]] = {}  # (replica, seq) -> member -> committed
+        self.registration: dict[str, float] = {}  # replica key (or member) -> when its script registers its state
+        self.slots: dict[tuple, str] = {}  # (replica, decision, shard) -> vote or veto (Replica.decide's store)
         self.contents: dict[tuple, int] = {}  # (step, view) -> digest committed there (invariant 1)
         self.view_digest: dict[tuple, tuple[int, int]] = {}  # (view, shard) -> (step, digest) at first commit
         self.partition: tuple[frozenset[str], frozenset[str], View | None] | None = None
@@ -215,6 +219,8 @@ class GroupSimulation:
         self.disturbed_until = 0.0  # when the last hang, node loss or partition drawn so far ends
         self.exits: dict[str, int] = {}
         self.last_start = 0.0  # when a worker last started (a join, or a launcher's restart)
+        self.starting = 0  # restarts a launcher has scheduled and not made yet
+        self.settled_at: float | None = None  # when every live worker ran one view of all, committing
         self.sim.listeners.append(self._on_event)
         for i in range(self.n):
             # As ftcomm run starts them: each is given every other worker as a peer, and joins
@@ -227,7 +233,6 @@ class GroupSimulation:
         self.end_faults = max((t + a.get("length", 0.0) if k in ("hang", "node_loss", "partition")
                                else t + a["length"] + 4 * straggler_cooldown if k == "slow" and self.exclude_stragglers
                                else t for t, k, a in self.faults), default=0.0)
-        self.settled_at: float | None = None
         self.history: dict[tuple[int, int], tuple] = {}  # (step, shard) -> (first contents, by which view's members)
         self._healthy_cache: tuple = (None, float("inf"), False)
         self._decoded: dict[tuple[str, str, bytes], Status | None] = {}  # see status
@@ -252,11 +257,17 @@ class GroupSimulation:
     def _start_worker(self, node: int, now: float, joined: bool = False) -> Worker:
         member = self.sim.member_id(node)
         replica = self.replica_of.get(node)
-        late = self.late_registration and now > 0 and self.rng.random() < 0.5
-        state = SimState(replica[1] if replica is not None else 0, registered=not late)
+        # A joiner that builds its model after init registers its state late; the processes of
+        # a sharded replica build theirs together (fully_shard is a collective among them).
+        group = replica[0] if replica is not None else member
+        if group not in self.registration:
+            late = self.late_registration and now > 0 and self.rng.random() < 0.5
+            self.registration[group] = now + self.rng.uniform(0.2, 3.0) if late else 0.0
+        register_at = self.registration[group]
+        state = SimState(replica[1] if replica is not None else 0, registered=not register_at)
         engine = self._engine(member, node, now)
         w = Worker(node, None, state, step_time=self.rng.uniform(0.02, 0.05), replica=replica, joined=joined,
-                   register_at=now + self.rng.uniform(0.2, 3.0) if late else 0.0)
+                   register_at=register_at)
         comms = SimCommunicators(self, w)
         ports = Ports(self.clock, SimMembership(self, w), SimProposals(self, w), SimProber(self, w), comms,
                       SimCollective(self, w, comms), state)
@@ -266,6 +277,8 @@ class GroupSimulation:
         w.loop = WorkerLoop(engine, ports, options, stragglers, notice=self._noted)
         w.script = self._script(w)
         w.waiting, w.waiting_at = Pause(0.0), now
+        if self.settled_at is not None and now > self.settled_at:
+            self.settled_at = None  # it has to settle again, with this worker
         w.seeds = tuple(x.node for x in self.live() if x is not w) if now > 0 else tuple(i for i in range(self.n) if i != node)
         w.joined = w.joined or not w.seeds  # given no peer, ftcomm.init starts a new gossip cluster at once
         self.last_start = max(self.last_start, now)
@@ -299,8 +312,8 @@ class GroupSimulation:
             if loop.step % COLLECTIVE_EVERY == 0:  # a metric averaged for the log, inside execute
                 try:
                     yield from loop.execute(lambda: loop.collective("the mean loss"))
-                except OutOfStep:  # rejoined at a later step: nothing to log (docs/GUIDE.md)
-                    pass
+                except OutOfStep:  # the group re-formed and is elsewhere: nothing to log (docs/GUIDE.md)
+                    self.exits["OutOfStep (tolerated)"] = self.exits.get("OutOfStep (tolerated)", 0) + 1
 
     def live(self) -> list[Worker]:
         return [w for w in self.workers.values() if not w.crashed and not w.gone]
@@ -403,7 +416,7 @@ class GroupSimulation:
     def _failed(self, w: Worker, exc: BaseException) -> None:
         """``w``'s script ended on ``exc``: the exit hook leaves the group, the process exits
         1, and a launcher starts it again (a sharded replica as a whole)."""
-        name = type(exc).__name__
+        name = type(exc).__name__ + (" (no answer)" if isinstance(exc, ReplicaLost) and "answer" in str(exc) else "")
         self.exits[name] = self.exits.get(name, 0) + 1
         self.log.append(f"{self.sim.now:.3f} {w.id}: {name}: {exc}")
         self._leave(w)
@@ -415,11 +428,13 @@ class GroupSimulation:
     def _restart_later(self, w: Worker) -> None:
         """A launcher starts the worker again once its process ended (a new member)."""
         delay = self.rng.uniform(*RESTART_S)
+        self.starting += 1
 
         def restart() -> None:
             if not (w.exited or w.crashed):
                 self.sim.at(self.sim.now + 0.5, restart)
                 return
+            self.starting -= 1
             live = self.live()
             if live:
                 node = self.sim.add_node(seed_index=live[0].node)
@@ -482,26 +497,27 @@ class GroupSimulation:
             raise FtcommTimeout(f"view {view.id} did not form within {self.formation_timeout:g} s")
         return UNDER_WAY
 
-    def replica_agreement(self, w: Worker, seq: int, committed: bool) -> SimOperation:
-        """Replica.agree: every process of ``w``'s replica asks once per gradient step; the
-        answer is whether all commit (a MIN over torch's group inside the replica, which no
-        partition cuts). ReplicaLost once a process of the replica is gone (its connections
-        reset); a hung one keeps the others waiting."""
-        key = w.replica[0]
-        votes = self.agreements.setdefault((key, seq), {})
-        votes[w.id] = committed
-        partners = [x for x in self.workers.values() if x.replica is not None and x.replica[0] == key]
-
+    def replica_decision(self, w: Worker, key: tuple, vote: bool, abort: Any) -> SimOperation:
+        """Replica.decide: a write-once slot per process of ``w``'s replica in the replica's
+        store (its shard 0 serves it: ReplicaLost once that process is gone); ``w`` writes
+        its vote, then reads each partner's slot, writing a veto into one it gives up on
+        (the view's abort signal fired, or ``formation_timeout`` passed)."""
+        replica = w.replica[0]
+        slots = self.slots
+        own = (replica, key, w.shard)
+        slots.setdefault(own, "1" if vote else "0")
         deadline = self.sim.now + self.options.formation_timeout
+        partners = [(replica, key, shard) for shard in range(self.k) if shard != w.shard]
 
         def poll() -> Any:
-            if any(x.crashed or x.exited for x in partners if x is not w):
-                raise ReplicaLost(f"a process of replica {key} is gone")
-            if len(votes) < len(partners):
-                if self.sim.now >= deadline:
-                    raise ReplicaLost(f"a process of replica {key} did not answer")
-                return UNDER_WAY
-            return all(votes.values())
+            if any(x.replica == (replica, 0) and (x.crashed or x.exited) for x in self.workers.values()):
+                raise ReplicaLost(f"the store of replica {replica} is gone")
+            if any(slot not in slots for slot in partners):
+                if abort.check() is None and self.sim.now < deadline:
+                    return UNDER_WAY
+                for slot in partners:
+                    slots.setdefault(slot, "veto")
+            return slots[own] == "1" and all(slots[slot] == "1" for slot in partners)
         return SimOperation(poll)
 
     def abandon(self, w: Worker) -> None:
@@ -735,11 +751,14 @@ class GroupSimulation:
                 self.sim.at(now + 0.05, lambda w=w: self._leave(w))
                 self.sim.at(now + REPLICA_HALT_S, lambda w=w: None if w.crashed or w.exited else self._crash(w))
 
+        self.starting += 1
+
         def restart() -> None:
             if any(w.replica is not None and w.replica[0] == key and not w.crashed and not w.exited
                    for w in self.workers.values()):
                 self.sim.at(self.sim.now + 0.5, restart)
                 return
+            self.starting -= 1
             self.restarting.discard(key)
             if self.live():
                 self._start_replica(self.sim.now)
@@ -926,12 +945,19 @@ class GroupSimulation:
         started = time.perf_counter()
         violation = None
         try:
-            end = self.end_faults + self.liveness_bound
-            self.sim.run_until(end)
-            # A worker started late (a launcher's restart after the last fault) gets the same bound.
-            while self.last_start + self.liveness_bound > end and end < self.end_faults + 4 * self.liveness_bound:
+            end, t = self.end_faults + self.liveness_bound, 0.0
+            while True:
+                t = min(end, t + 1.0)
+                self.sim.run_until(t)
+                if (self.settled_at is not None and not self.starting
+                        and t >= max(self.end_faults, self.settled_at + SETTLED_RUN_S)):
+                    break  # every live worker runs one view and commits, and nobody is on the way
+                if t < end:
+                    continue
+                # A worker started late (a launcher's restart after the last fault) gets the same bound.
+                if self.last_start + self.liveness_bound <= end or end >= self.end_faults + 4 * self.liveness_bound:
+                    break
                 end = self.last_start + self.liveness_bound
-                self.sim.run_until(end)
             checks.at_end(self)
         except InvariantViolation as exc:
             violation = str(exc)

@@ -6,15 +6,17 @@ ftcomm group; views hold whole replicas (:func:`ftcomm.core.view.whole_replicas`
 the shard-*i* processes of a view reduce their gradient shards over a communicator of
 their own (see :mod:`ftcomm.training.sharded`). The replica's key, drawn by shard 0 when
 the replica starts, tells its processes from those of an earlier start of the same replica.
-Every process of a replica commits a gradient step or none does (:meth:`Replica.agree`).
+Every process of a replica commits a gradient step or none does (:meth:`Replica.decide`).
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import os
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
 
@@ -56,6 +58,9 @@ class Replica:
                              device=self.device)
         dist.broadcast(drawn, 0)  # raw bytes: nothing from another process is unpickled
         self.key = bytes(drawn.cpu().tolist()).hex()
+        from torch.distributed.distributed_c10d import _get_default_store
+        self._store = dist.PrefixStore(f"ftcomm/decide/{self.key}", _get_default_store())
+        self._written: collections.deque[str] = collections.deque()  # slots written here, oldest first
         self._doors: list[admission.Door] = []
         if self._owned and backend != "nccl":
             # Every process of the replica is connected now (torch's store, Gloo's pairs):
@@ -81,26 +86,39 @@ class Replica:
                                      f"{self.size}, shard the model with fully_shard(module, mesh=ft.shard_mesh) "
                                      f"before registering it")
 
-    def agree(self, committed: bool, timeout: float) -> bool:
-        """Whether every process of this replica commits (one tiny all-reduce MIN over the
-        replica's process group, which every process of the replica runs at the same points:
-        once per gradient step, whether its step completed or failed, and once per view it
-        formed, after reconciling). A step that completed on some processes of the replica
-        only (the view broke as it ended) is discarded by all of them: the replica never
-        goes on with its shards a step apart. ReplicaLost when a process of the replica is
-        gone (torch's collective fails at once: its connections reset), and when none
-        answered within ``timeout`` seconds (a process that hangs, or one that left the
-        view at another point: the replica's group cannot be trusted again)."""
-        import torch.distributed as dist
-        flag = torch.tensor([int(committed)], dtype=torch.int32, device=self.device)
+    def decide(self, key: str, vote: bool, aborted: Callable[[], bool], timeout: float) -> bool:
+        """Whether every process of this replica votes yes on decision ``key`` (a gradient
+        step commits, a view formed was reconciled everywhere): the same answer on every
+        process that asks. Each process writes its vote once into its own slot of the
+        replica's store (torch's, which the replica's processes share), then reads every
+        other process's slot. A slot a process gives up waiting for (``aborted()``: the view
+        broke, or ``timeout`` seconds passed) gets a veto written into it instead, once: a
+        slot is written once, so every process reads the same final slots and the same
+        answer, and a process that comes late finds its slot vetoed. Keys name what is
+        decided (the view, the step's place in it), so no decision is ever paired with
+        another, whatever a process missed. ReplicaLost when the store is gone (the process
+        that serves it, shard 0, died)."""
+        store = self._store
+        mine = b"1" if vote else b"0"
         try:
-            work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True)
-            work.wait(datetime.timedelta(seconds=timeout))
-        except RuntimeError as exc:  # a process of the replica died (its connections reset), or never answered
-            raise ReplicaLost(f"a process of this worker's sharded replica is gone or does not answer "
-                              f"({str(exc).splitlines()[0][:200]}): exit, and start the whole replica again "
-                              f"(ftcomm run --replica-size does)") from None
-        return bool(flag.item())
+            decided = store.compare_set(f"{key}/{self.shard_rank}", "", mine) == mine and vote
+            deadline = time.monotonic() + timeout
+            for shard in range(self.size):
+                if shard == self.shard_rank:
+                    continue
+                slot, delay = f"{key}/{shard}", 1e-4
+                while not store.check([slot]) and not aborted() and time.monotonic() < deadline:
+                    time.sleep(delay)
+                    delay = min(2 * delay, 5e-3)
+                decided = store.compare_set(slot, "", b"veto") == b"1" and decided  # (the final value)
+                self._written.append(slot)
+            self._written.append(f"{key}/{self.shard_rank}")
+            while len(self._written) > 8 * self.size:  # slots of decisions long over
+                store.delete_key(self._written.popleft())
+        except RuntimeError as exc:  # the store's process died: its connections reset
+            raise ReplicaLost(f"a process of this worker's sharded replica is gone ({str(exc).splitlines()[0][:200]}): "
+                              f"exit, and start the whole replica again (ftcomm run --replica-size does)") from None
+        return decided
 
     def close(self) -> None:
         """Destroy the process group this replica created (not one the caller initialized)."""
