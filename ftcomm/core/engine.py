@@ -159,8 +159,15 @@ class Fetch:
 
 @dataclass(frozen=True)
 class Sync:
-    """Exchange full gossip state with ``member`` now: its news is late here."""
+    """Exchange full gossip state with ``member`` now: its news is late here. ``probe``: it
+    is a member of the view being agreed that has not proposed it for a while: probe it too,
+    its port (a refusal proves it gone, and it is declared dead) and through gossip at once
+    (one that does not answer is suspected, and no candidate holds it): a process that
+    crashed, or a node lost, while nobody exchanged anything with it is otherwise found
+    only by gossip's regular probe round and suspicion, seconds later, and the view waits
+    on it meanwhile."""
     member: str
+    probe: bool = False
 
 
 @dataclass(frozen=True)
@@ -275,6 +282,8 @@ class Engine:
     insecure: bool = False  # started without a secret on a reachable address
     replica: tuple[str, int, int] | None = None  # a sharded replica's process: (replica key, shard rank, size)
     view_reason: str | None = None  # why the current view formed (init, crash, join, ...): published, for operators
+    _announced_at: float = float("-inf")  # see _announce_waiting
+    _announce_after: float = 0.0
     _recontacted_at: float = float("-inf")
     _recontact_after: float = 0.0  # the wait before the next Recontact (doubles; see RECONTACT_MAX_S)
     max_retries: int = 5  # operations failed in a row before the caller gives up (see count_failure)
@@ -441,7 +450,7 @@ class Engine:
         self.view, self.forming = self.forming, None
         self.benched = None
         self._lagging.clear()
-        self._recontact_after = 0.0
+        self._recontact_after = self._announce_after = 0.0
         return [Publish()]
 
     def form_failed(self) -> list[Action]:
@@ -741,7 +750,26 @@ class Engine:
             if agreed(Candidate(members, key[0], True, ()), statuses) or self._witnessed(key, members, statuses):
                 return actions + self._enter(View(key[0], members), statuses)
             actions += self._chase(key, members, statuses, now)
+        if not actions and self.proposal is None:
+            actions = self._announce_waiting(newest, statuses, now)
         return actions
+
+    def _announce_waiting(self, newest: int, statuses: dict[str, Status], now: float) -> list[Action]:
+        """A joiner that the group runs without: send its record straight to the members of
+        the group's newest view (its first ``announce_limit``), after a chase interval, then
+        twice as long each time up to RECONTACT_MAX_S. A record changed while it was cut off
+        (rejoining, say) may have been gossiped in vain, and the group, reading the old one,
+        would not admit it until the next full exchange of state (push/pull, many seconds)."""
+        if now - self._announced_at < self._announce_after:
+            return []
+        group = sorted(s.id for s in statuses.values()
+                       if s.alive and s.phase == ACTIVE and s.current_view == newest and s.config == self.config
+                       and s.id != self.id)[:self.announce_limit]
+        if not group:
+            return []
+        self._announced_at = now
+        self._announce_after = min(RECONTACT_MAX_S, max(self.chase_interval, 2 * self._announce_after))
+        return [Announce(tuple(group))]
 
     @staticmethod
     def _holds_newest(status: Status, newest: int) -> bool:
@@ -794,7 +822,7 @@ class Engine:
         due = [m for m in lagging if now - self._lagging[m][1] >= interval and now - self._lagging[m][2] >= interval]
         for m in due[:3]:
             self._lagging[m] = (key, self._lagging[m][1], now)
-        return [Sync(m) for m in due[:3]]
+        return [Sync(m, probe=True) for m in due[:3]]
 
     def admits_joiner(self, statuses: dict[str, Status]) -> bool:
         """A live worker with these settings waits to join and the view has room for it: the

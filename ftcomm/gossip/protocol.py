@@ -132,6 +132,8 @@ class Protocol:
         self._urgent: dict[int, _Probe] = {}  # seq -> probe started by probe_now
         self._confirmations: dict[int, tuple[str, tuple[str, int], float]] = {}  # seq -> (id, address, deadline)
         self._corrected: dict[str, float] = {}  # member -> when it was last sent this member's record
+        self._dead_turn = -1  # the dead member pinged last round (see _ping_the_dead)
+        self._dead_pings: dict[int, str] = {}  # seq -> dead member pinged with it
         self._pushed: tuple[list[list], bytes] = ([], wire.encode([]))
         """The member records of the last push/pull built here and their encoding, reused while
         the table reads the same: every ``reconnect_interval`` a push/pull carries the whole
@@ -423,7 +425,7 @@ class Protocol:
         for seq in [seq for seq, p in self._urgent.items() if now >= p.ack_deadline]:
             urgent = self._urgent.pop(seq)
             if now - urgent.ack_deadline <= self.config.probe_interval:  # else this member was paused
-                self._judge_probe(urgent, now)
+                self._judge_probe(urgent, now, urgent=True)
         probe = self._probe
         if probe and not probe.acked and not probe.indirect_sent and now >= probe.ack_deadline:
             self._send_indirect_probes(probe)
@@ -439,6 +441,7 @@ class Protocol:
             if not self.leaving:
                 self._start_probe(now)
                 self._send_confirmation_pings(now)
+                self._ping_the_dead()
             self._timers.probe = now + self._awareness.scale(cfg.probe_interval)
         if self._suspicions:
             for member_id, suspicion in list(self._suspicions.items()):
@@ -516,6 +519,24 @@ class Protocol:
         self._send((m.host, m.port), target, [wire.encode([PING, seq, target])], buddy)
         self._probe = _Probe(target, m.address, seq, now + self._awareness.scale(self.config.probe_timeout), now)
 
+    def _ping_the_dead(self) -> None:
+        """Each probe round, ping one member declared dead (in turn; not one that left). One
+        that answers is alive after all (a partition healed, it was paused) and may not know
+        it was declared dead, so it would never refute: it is told (see _on_ack), refutes,
+        and its new incarnation spreads at once, instead of at the next reconnection to it
+        (one random dead member every ``reconnect_interval``)."""
+        dead = [m for m in self._table.by_id.values() if m.state == DEAD_STATE]
+        if not dead:
+            return
+        self._dead_turn = (self._dead_turn + 1) % len(dead)
+        m = dead[self._dead_turn]
+        seq = self._next_seq()
+        if len(self._dead_pings) > 64:
+            self._dead_pings.clear()
+        self._dead_pings[seq] = m.id
+        self._send(m.address, m.id, [wire.encode([PING, seq, m.id])], piggyback=False)
+        self.stats["dead_pinged"] += 1
+
     def _send_indirect_probes(self, probe: _Probe) -> None:
         probe.indirect_sent = True
         target = self._table.get(probe.target)
@@ -534,7 +555,8 @@ class Protocol:
         times its slowest recent answer, up to ``probe_timeout``: a loaded host answers late
         but answers) is suspected, as after a regular probe; Lifeguard's suspicion timeout and
         refutation still decide whether it is declared dead. One such probe per member at a
-        time; returns how many started."""
+        time; returns how many started. A suspect is told it is suspected with the ping (it
+        refutes at once if it runs)."""
         self._now = now
         if self.leaving or not self.started:
             return 0
@@ -548,7 +570,10 @@ class Protocol:
             stretched = min(URGENT_ANSWER_MULT * m.recent_slowest(now), self.config.probe_timeout)
             timeout = self._awareness.scale(max(self.config.urgent_probe_timeout, stretched))
             probe = _Probe(member_id, m.address, seq, now + timeout, now)
-            self._send(m.address, member_id, [wire.encode([PING, seq, member_id])])
+            buddy = None
+            if m.state == SUSPECT_STATE:  # Lifeguard buddy system: tell the suspect first, it refutes
+                buddy = wire.encode([SUSPECT, member_id, m.incarnation, self.id])
+            self._send(m.address, member_id, [wire.encode([PING, seq, member_id])], buddy)
             self._send_indirect_probes(probe)
             self._urgent[seq] = probe
             started += 1
@@ -559,10 +584,19 @@ class Protocol:
         self._probe = None
         self._judge_probe(probe, now)
 
-    def _judge_probe(self, probe: _Probe, now: float) -> None:
+    def _judge_probe(self, probe: _Probe, now: float, urgent: bool = False) -> None:
+        """A probe's time is up: a target that did not answer is suspected. A regular probe
+        also tells about this member's own health (a missed ack, and helpers' nacks that did
+        not arrive, raise its awareness); an urgent one does not: it is judged after
+        ``urgent_probe_timeout``, before a helper could have tried the target and sent its
+        nack, and it is started on demand when a target may well be gone (a stalled
+        collective, a member that does not propose), so counting it would stretch every
+        timeout of a healthy member whose peers died."""
         if probe.acked:
             return
-        if probe.expected_nacks:
+        if urgent:
+            pass
+        elif probe.expected_nacks:
             self._awareness.apply(probe.expected_nacks - probe.nacks)
         else:
             self._awareness.apply(1)
@@ -582,6 +616,13 @@ class Protocol:
         self._send(source, sender, [wire.encode([ACK, message[1]])], notice)
 
     def _on_ack(self, seq: int, sender: str, now: float) -> None:
+        if self._dead_pings.get(seq) == sender:  # a member declared dead answers: tell it, it refutes
+            del self._dead_pings[seq]
+            m = self._table.get(sender)
+            if m is not None and m.state == DEAD_STATE:
+                self._send(m.address, m.id, [wire.encode([DEAD, sender, m.incarnation, self.id])], piggyback=False)
+                self.stats["dead_told"] += 1
+            return
         probe = self._probe if self._probe is not None and self._probe.seq == seq else self._urgent.get(seq)
         if probe is not None:
             if not probe.acked:

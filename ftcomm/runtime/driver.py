@@ -46,6 +46,11 @@ STALL_WINDOW = 20
 CRASH_SETTLE_S = 0.15
 """After a broken connection, how long a member's port that still accepts is tried again
 before the member is taken for alive (see :func:`ftcomm.runtime.rendezvous.refused`)."""
+CONFIRM_AT_ONCE = 8
+"""While agreeing, at most this many members that never answered this one are probed at once."""
+PROBE_LAGGING_S = 0.05
+"""How long a member of the view being agreed that has not proposed it is probed for a crash
+(a refusal comes back within a round trip)."""
 KNOWN_DEAD_SETTLE_S = 0.03
 """The same while a member of the view is known dead already (the broken connection was
 most likely its): other processes killed with it may still be closing their ports."""
@@ -95,6 +100,7 @@ class Driver:
         self.reconciled: list[Reconciled] = []  # each formation's outcome in this re-formation
         self.agreeing_since = self.agreed_at = self.formed_at = 0.0  # the re-formation's last attempt
         self.published_at = float("-inf")  # when this member's record was last published
+        self._confirmed_at = float("-inf")  # when members that never answered were last probed (see look)
         self._waits: collections.deque[float] = collections.deque(maxlen=STALL_WINDOW)  # recent operations' waits
         self._stall_probed = float("-inf")  # when the view's members were last probed on demand
 
@@ -134,13 +140,26 @@ class Driver:
                               f"replica again (ftcomm run --replica-size does) to rejoin")
         unconfirmed: tuple[Status, ...] = ()
         seeds = None
-        if engine.view is None and engine.state in (core.JOINING, core.HOLDING_BACK):  # founding: see Engine.agree
+        now = self.ports.clock.now()
+        founding = engine.view is None and engine.state in (core.JOINING, core.HOLDING_BACK)
+        if founding or now - self._confirmed_at >= engine.chase_interval:
             records = [r for r in self.ports.membership.records() if r.state in ("alive", "suspect")]
-            unconfirmed = tuple(r.status for r in records
-                                if not r.confirmed and r.id not in statuses and r.status is not None)
-            at = {(r.host, r.port): r.id for r in records if r.id != engine.id}
-            seeds = {address: at.get(address) for address in self.ports.membership.seeds()}
-        actions = engine.agree(self.ports.clock.now(), statuses, unconfirmed, seeds)
+            waiting = [r for r in records if not r.confirmed and r.id not in statuses and r.status is not None]
+            suspects = [r for r in records if r.state == "suspect" and r.status is not None
+                        and r.status.config == engine.config]
+            if (waiting or suspects) and now - self._confirmed_at >= engine.chase_interval:
+                # Members that never answered this one are in no view it agrees to, while
+                # those they answered count them; a member suspected while it was cut off is in
+                # none either until it refutes. Agreement would wait for a regular probe (whose
+                # round may be slow after a partition) to reach them. Probed now, one that
+                # answers is confirmed, and a suspect is told it is suspected and refutes.
+                self._confirmed_at = now
+                self.ports.membership.probe_now([r.id for r in (waiting + suspects)[:CONFIRM_AT_ONCE]])
+            if founding:  # see Engine.agree
+                unconfirmed = tuple(r.status for r in waiting)
+                at = {(r.host, r.port): r.id for r in records if r.id != engine.id}
+                seeds = {address: at.get(address) for address in self.ports.membership.seeds()}
+        actions = engine.agree(now, statuses, unconfirmed, seeds)
         form = actions.pop().view if actions and isinstance(actions[-1], Form) else None
         self.perform(actions, addresses)
         return Look(form, any(isinstance(a, (Fetch, PublishProposal, ProbeSeeds)) for a in actions))
@@ -160,6 +179,9 @@ class Driver:
                 ports.membership.announce(action.members)
             elif isinstance(action, Sync):
                 ports.membership.sync(action.member)
+                if action.probe:  # a refusal proves it gone; silence makes it a suspect at once
+                    self.probe_crashed([action.member], timeout=PROBE_LAGGING_S)
+                    ports.membership.probe_now([action.member])
             elif isinstance(action, Recontact):
                 ports.membership.recontact_seeds()
             elif isinstance(action, ProbeSeeds):

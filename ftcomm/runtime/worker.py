@@ -209,6 +209,9 @@ class WorkerLoop:
         also tells whether every member founds the group (this is their first view) and
         wants the network check, and whether no member has begun training (restorable)."""
         engine, comms = self.engine, self.ports.communicators
+        # Waiting on the others from here: a formation that takes far longer than the usual
+        # operation has its members probed at once (watch_stall), as a collective does.
+        self.contributed_at = self.ports.clock.now()
         yield comms.form(view)
         check = int(view.digest, 16) >> 1
         rank, k = view.rank_of(engine.id), engine.replica_size

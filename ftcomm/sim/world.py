@@ -211,7 +211,7 @@ class GroupSimulation:
         self.partition_left: set[str] = set()
         self.log: list[str] = []
         self.fault_log: list[tuple[float, str, str]] = []
-        self.fault_times: list[float] = []  # every moment a fault struck or ended (see _check_recoveries)
+        self.fault_times: list[float] = []  # every moment the world changed: a fault struck or ended, a worker started (see _check_recoveries)
         self.pending_recovery: list[tuple[float, str, set[str], bool]] = []  # (time, kind, survivors, isolated)
         self.recovery: dict[str, list[float]] = {}  # faults that struck a settled group (see _isolated)
         self.recovery_overlapping: dict[str, list[float]] = {}  # faults that struck while another was active
@@ -282,6 +282,8 @@ class GroupSimulation:
         w.seeds = tuple(x.node for x in self.live() if x is not w) if now > 0 else tuple(i for i in range(self.n) if i != node)
         w.joined = w.joined or not w.seeds  # given no peer, ftcomm.init starts a new gossip cluster at once
         self.last_start = max(self.last_start, now)
+        if now > 0:
+            self.fault_times.append(now)  # a worker started: a view may be due (min_workers, a join)
         self.workers[node] = w
         self.by_id[member] = w
         self.by_host[member_host(member, ("", 0))[0]] = w
@@ -296,6 +298,7 @@ class GroupSimulation:
         if not w.state.registered:  # the model is built after init: the first boundary reconciles
             yield Sleep(w.register_at)
             w.state.registered = True
+            self.fault_times.append(self.sim.now)  # (the group waits for it: see _check_recoveries)
         while True:
             yield from loop.boundary()
             yield Sleep(self.sim.now + w.step_time * w.slow)
@@ -653,6 +656,8 @@ class GroupSimulation:
         self.fault_log.append((now, kind, w.id))
         survivors = {x.id for x in self.live() if x is not w}
         isolated = self._isolated(w)
+        if not self._in_a_view(w):  # already out of every survivor's view: nothing to recover from
+            survivors = set()
         if kind in ("hang", "node_loss"):
             self.disturbed_until = max(self.disturbed_until, now + args["length"])
         if self.k > 1:  # the other replicas survive it
@@ -709,6 +714,8 @@ class GroupSimulation:
         ids = {w.id for w in victims}
         survivors = {x.id for x in self.live() if x.id not in ids}
         isolated = all(self._isolated(w) for w in victims)
+        if not any(self._in_a_view(w) for w in victims):  # already out of every survivor's view
+            survivors = set()
         if kind == "node_loss":
             self.disturbed_until = max(self.disturbed_until, now + args["length"])
             nodes = {w.node for w in victims}
@@ -763,6 +770,11 @@ class GroupSimulation:
             if self.live():
                 self._start_replica(self.sim.now)
         self.sim.at(now + REPLICA_RESTART_S, restart)
+
+    def _in_a_view(self, victim: Worker) -> bool:
+        """A live worker other than ``victim`` runs or forms a view with it."""
+        return any(victim.id in (x.loop.engine.forming or x.loop.engine.view).member_set
+                   for x in self.live() if x is not victim and (x.loop.engine.forming or x.loop.engine.view))
 
     def _isolated(self, victim: Worker) -> bool:
         """The fault strikes a settled group: every live member runs one view of all of them,
@@ -901,8 +913,11 @@ class GroupSimulation:
     # ------------------------------------------------------------------ recoveries and the end
     def _check_recoveries(self) -> None:
         """A fault is recovered from once every survivor committed in a newer view; the time
-        counts from when the world allowed it: the fault, or the last fault that struck or
-        healed before the recovery completed (overlapping faults hold it up)."""
+        counts from when the world allowed it: the fault, or the last change of the world
+        before the recovery completed (a fault struck or healed, a worker started, a joiner
+        registered its state: overlapping faults hold a recovery up, and so do a
+        ``min_workers`` that waits for a restarted worker and a joiner that builds its model
+        after ``init``)."""
         now = self.sim.now
         still = []
         for t, kind, survivors, isolated in self.pending_recovery:

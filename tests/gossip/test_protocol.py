@@ -7,6 +7,8 @@ from ftcomm.gossip.config import GossipConfig
 from ftcomm.gossip.members import ANSWER_HALF_LIFE_S, MemberState
 from ftcomm.gossip.wire import ACK, ALIVE, DEAD, NACK, PING, PING_REQ, SUSPECT
 
+from ftcomm.gossip.protocol import Protocol
+
 from .helpers import MiniNet, address, decode, lone_node, member_id, packet
 
 CFG = GossipConfig()
@@ -99,7 +101,7 @@ def test_awareness_rises_on_missed_acks_and_nacks_stretches_the_interval_and_fal
         node.tick(t)
         for d in node.take_datagrams():
             messages = decode(d.data)
-            if messages[0][0] == PING:
+            if messages[0][0] == PING and messages[0][1] not in node._dead_pings:  # a probe, not a ping to the dead
                 ping_times.append(t)
                 seq = messages[0][1]
     assert node.awareness > 0
@@ -370,3 +372,28 @@ def test_a_member_that_missed_a_refutation_is_told_directly_and_never_buries_the
     assert "dead" not in net.kinds(2, 1)
     info = node.member(member_id(1))
     assert (info.state, info.incarnation) == ("alive", 1)
+
+
+def test_a_member_declared_dead_that_answers_a_ping_is_told_and_refutes():
+    """After a partition heals, one side may hold the other dead while it runs on unaware:
+    each probe round pings one dead member, and one that acks is told it was declared dead
+    (it refutes, and its new incarnation spreads), instead of waiting for a reconnection."""
+    a, b = (Protocol(member_id(i), *address(i), config=CFG, seed=i + 1) for i in (0, 1))
+    for node in (a, b):
+        node.bootstrap([a.record(), b.record()], 0.0)
+        node.start(0.0)
+    a.declare_dead(b.id, 0.1)
+    a.take_datagrams()
+    t = 0.1
+    while t < 3.0 and not a.stats["dead_told"]:
+        t = round(t + 0.05, 6)
+        a.tick(t)
+        b.tick(t)
+        for d in a.take_datagrams():
+            if d.target == b.id:
+                b.receive(d.data, address(0), t)
+        for d in b.take_datagrams():
+            if d.target == a.id:
+                a.receive(d.data, address(1), t)
+    assert a.stats["dead_pinged"] >= 1 and a.stats["dead_told"] == 1
+    assert b.incarnation > 0  # it learned it was declared dead, and refuted
