@@ -31,14 +31,28 @@ _EPHEMERAL_FLOOR = _ephemeral_floor()
 _HANDED_OUT: set[int] = set()
 
 
+def _port_range() -> tuple[int, int]:
+    """The ports this test process hands out: below the ephemeral range, and, when pytest-xdist
+    runs the tests in several processes, a slice of its own (two processes must never hand
+    out the same port between one's check and the other's bind)."""
+    low, high = max(1024, _EPHEMERAL_FLOOR - 12000), _EPHEMERAL_FLOOR
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        width = (high - low) // int(count)
+        low += width * int(worker[2:])
+        high = low + width
+    return low, high
+
+
 def free_port() -> int:
     """A port free for both UDP and TCP (gossip binds both), chosen below the kernel's
     ephemeral range: a port from that range can be taken, between this check and the
     group's bind, as the local end of any outgoing connection (a Gloo pair, a store
     client), which once failed a group's start with "Address already in use"."""
     rng = random.Random()
+    low, high = _port_range()
     while True:
-        port = rng.randrange(max(1024, _EPHEMERAL_FLOOR - 12000), _EPHEMERAL_FLOOR)
+        port = rng.randrange(low, high)
         if port in _HANDED_OUT:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, \

@@ -84,8 +84,9 @@ def test_the_verification_carries_each_members_place_and_a_disagreement_on_the_d
     phase.waiting.done(None)
     verify = phase.until("verify")
     check = int(View(1, ("a", "b")).digest, 16) >> 1
-    assert verify.args[0] == [check, -check, 1, 0, 1, 0, 0, 0]  # first view, no network check, not begun, at a step
-    verify.done([check - 1, -check, 1, 0, 1, 0, 0, 0])  # another member formed another view under this id
+    # first view, no network check, not begun, before its first call
+    assert verify.args[0] == [check, -check, 1, 0, 1, 0, 2, -2]
+    verify.done([check - 1, -check, 1, 0, 1, 0, 2, -2])  # another member formed another view under this id
     phase.settle()
     assert phase.waiting is not None and world.engine.agreeing and world.engine.floor == 2
     assert world.comms.abandoned >= 1
@@ -253,13 +254,35 @@ def test_execute_that_received_the_groups_newer_state_is_out_of_step():
     call.waiting.done(None)
     verify = call.until("verify")
     position = verify.args[0][6]
-    verify.done([*verify.args[0][:6], position, -position])
+    probe = verify.args[0]
+    verify.done([*probe[:4], 0, probe[5], position, -position])  # the other member has begun training
     gather = call.until("gather_states")
     gather.done([gather.args[0], StateSummary(40, 3, 5)])  # the group went on to step 40
     call.until("transfer").done(40)
     with pytest.raises(OutOfStep, match="state was replaced"):
         call.step()
     assert world.loop.step == 40
+
+
+def test_a_call_before_training_that_received_another_members_state_runs():
+    """In a view where nobody has begun training (a restore, say), a state received from
+    another member is no sign of being left behind: the call goes on."""
+    world = running()
+
+    def attempt():
+        return (yield from world.loop.collective("the agreed step"))
+    call = Phase(world.loop.execute(attempt))
+    call.until("run").fail(CollectiveAborted("a member left"))
+    call.step()
+    agreed(world, call)
+    call.waiting.done(None)
+    verify = call.until("verify")
+    verify.done(verify.args[0])  # the same place, and nobody has begun
+    gather = call.until("gather_states")
+    gather.done([gather.args[0], StateSummary(40, 3, 5)])
+    call.until("transfer").done(40)
+    call.until("run").done(7)
+    assert call.done and call.result == 7 and world.loop.step == 40
 
 
 # ---------------------------------------------------------------------- leaving

@@ -77,10 +77,13 @@ class WorkerLoop:
         self.op_began = now  # when the operation in flight began (the previous one ended)
         self.contributed_at = now  # when this worker's share of it was handed over
         self.waiting_since = now  # when the operation that may fail began to wait (detection counts from there)
-        self.position = 0  # where in the training this worker is (see _place): 0 at a gradient step
-        self._calls = 0  # collectives outside gradient steps since the last gradient step
+        # Where in the training this worker is (see _place): 0 at a gradient step; before its
+        # first call, where that call is if it is one outside a gradient step (a restore, say).
+        self.position = 2
+        self._calls = 0  # calls outside gradient steps completed since the last gradient step
         self._in_call = False  # inside execute or a collective (a nested collective is part of it)
         self.formations = 0  # views formed (and verified) by this worker
+        self._settled = 0  # views formed before this worker's last completed gradient step or call
         self._reductions = 0  # gradient reductions started in the current view (names a step's replica decision)
         self.aligned = True  # every member of the last view formed was at the same position
         ports.communicators.attach(lambda: self.news.abort)
@@ -496,6 +499,7 @@ class WorkerLoop:
         return (yield self.ports.collective.replica_decide(decision, vote))
 
     def _end_step(self, committed: bool) -> None:
+        self._settled = self.formations
         for obj in self.state.participants("step_ended"):
             obj.step_ended(committed)
         self.news.operation_ended()
@@ -529,10 +533,9 @@ class WorkerLoop:
             self._place()
         self._in_call = True
         try:
-            formations = self.formations
             replaced = yield from self.prepare(boundary=False)
             if not nested:
-                self._check_in_step(replaced, formations, "the collective")
+                self._check_in_step(replaced, "the collective")
             self.contributed()
             self.waiting_since = self.contributed_at
             try:
@@ -544,6 +547,8 @@ class WorkerLoop:
         finally:
             self._in_call = nested
         self.operation_done()
+        if not nested:
+            self._calls, self._settled = self._calls + 1, self.formations
         return result
 
     def execute(self, attempt: Callable[[], Step[T]]) -> Step[T]:
@@ -566,11 +571,10 @@ class WorkerLoop:
         try:
             while True:
                 self.waiting_since = self.ports.clock.now()
-                formations = self.formations
                 try:
                     replaced = yield from self.prepare(boundary=False)
                     if not nested:
-                        self._check_in_step(replaced, formations, "execute")
+                        self._check_in_step(replaced, "execute")
                     result = yield from attempt()
                 except MembershipChanged as exc:
                     if self.engine.count_failure():
@@ -578,29 +582,33 @@ class WorkerLoop:
                             f"execute failed {self.options.max_retries + 1} times in a row because the membership "
                             f"kept changing (last: {exc}); raise max_retries or investigate the unstable workers"
                         ) from exc
-                    formations = self.formations
                     replaced = yield from self.recover(self.engine.fault or self.driver.classify(exc),
                                                        self.waiting_since)
                     if not nested:
-                        self._check_in_step(replaced, formations, "execute")
+                        self._check_in_step(replaced, "execute")
                     continue
                 self.engine.count_success()
+                if not nested:
+                    self._calls, self._settled = self._calls + 1, self.formations
                 return result
         finally:
             self._in_call = nested
 
     def _place(self) -> None:
-        """A collective outside a gradient step begins: this worker's position is its
-        committed step and the number of such calls since its last gradient step."""
-        self._calls += 1
-        self.position = 1 + self.step * 4096 + min(self._calls, 4095)
+        """A call outside a gradient step begins: this worker's position is its committed
+        step and which such call it is since its last gradient step. Only completed calls
+        count: a call that raised (QuorumLost, a timeout, a failed collective) and is called
+        again is the same call, and a member that completed it is one call further."""
+        self.position = 1 + self.step * 4096 + min(self._calls + 1, 4095)
 
-    def _check_in_step(self, replaced: bool, formations: int, what: str) -> None:
-        """OutOfStep when preparing ``what`` replaced this worker's state, or formed a view
-        whose members were not all at this same call."""
-        if replaced or (self.formations > formations and not self.aligned):
+    def _check_in_step(self, replaced: bool, what: str) -> None:
+        """OutOfStep when preparing ``what`` replaced this worker's state, or when a view
+        formed since this worker's last completed operation (in this call, or before its
+        first) had members that were not all at this same call."""
+        behind = replaced and not self.engine.restorable  # in a restorable view nobody has begun training
+        if behind or (self.formations > self._settled and not self.aligned):
             why = ("this worker's state was replaced by the group's newer one (it was cut off while the group went "
-                   "on)" if replaced else "the members of the new view are at other places of the training (a "
+                   "on)" if behind else "the members of the new view are at other places of the training (a "
                    "joiner at its first gradient step, or a member that had finished it)")
             raise OutOfStep(f"{what} was abandoned: the group re-formed and {why}; running it would wait for members "
                             f"that never join it. Carry on with the training loop: the group meets again at the "

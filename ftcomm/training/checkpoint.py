@@ -459,6 +459,8 @@ class FlashCheckpointer:
         restores nothing and returns None at once, without a collective (the members are
         training, not restoring); it receives their state by reconciling.
         """
+        if not self.group.restorable:
+            return None  # the others train: this worker receives their state at its first step
         rejected: set[int] = set()
         while True:
             agreed = self.group.execute(self._agree, rejected)
