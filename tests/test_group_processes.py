@@ -204,7 +204,7 @@ def test_an_excluded_straggler_stands_aside_and_rejoins_once_fast_again_with_eve
 
 def test_random_churn_among_four_to_six_workers(cluster):
     """Kills, pauses, graceful leaves and joins at random for a while; no hang, one state."""
-    duration = float(__import__("os").environ.get("FTCOMM_CHURN_SECONDS", "60"))
+    duration = float(__import__("os").environ.get("FTCOMM_CHURN_SECONDS", "30"))
     rng = random.Random(20261121)
     live = cluster.start(4, ["--min-workers", "1"])
     cluster.wait_view(live, 4, timeout=60)

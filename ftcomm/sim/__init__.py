@@ -26,7 +26,7 @@ virtual clock, loss and delay). This package holds only the world:
 * :mod:`ftcomm.sim.checks`: the invariants, after every commit and at the end.
 * :mod:`ftcomm.sim.cli`: seeds, their summary, the command line.
 
-Each seed draws a group size, ``min_workers``, network conditions, whether a launcher
+Each seed draws a group size, ``min_workers``, ``max_retries``, network conditions, whether a launcher
 restarts failed workers, whether joiners register their state late, and a fault schedule
 (sparse, or dense and overlapping; from t = 0) of crashes, hangs and resumes, node losses
 and returns, partitions and heals, joins, graceful leaves, leaves right after a commit and
