@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
@@ -105,6 +106,7 @@ def main() -> int:
     parser.add_argument("--joins", action="store_true", help="scale: workers join through the first worker")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "group_sim.json"))
     args = parser.parse_args()
+    logging.getLogger("ftcomm").setLevel(logging.ERROR)  # the workers' own waits and warnings are noise here
     result: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
     if os.path.exists(args.out):
         with open(args.out) as f:
