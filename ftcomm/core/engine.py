@@ -21,7 +21,8 @@ States and transitions are the table :data:`TRANSITIONS` (anything else raises
     RUNNING ---admit---> JOIN_DUE                  (the last step admitted a joiner)
     RUNNING ---chosen---> ASIDE_DUE ---bench---> STANDING_ASIDE ---rested---> REJOINING
     RECONCILING | RUNNING | RECONCILE_DUE | BROKEN | JOIN_DUE ---broken---> AGREEING (re-form)
-    RECONCILING ---broken unreconciled (re)joiner---> JOINING | REJOINING (it never held the state)
+    RECONCILING | RECONCILE_DUE | BROKEN ---broken unreconciled (re)joiner---> JOINING | REJOINING
+                                                   (it joined the view and never held the state)
     AGREEING ---superseded---> REJOINING           (a newer view exists without it)
     any state but LEAVING and CLOSED ---leave---> LEAVING ---closed---> CLOSED
 
@@ -50,6 +51,8 @@ aside, and a member that lost its view (left out of a newer one, or back from st
 aside: :attr:`Engine.lost` is that view)."""
 
 JOINED_WITHOUT_STATE = (JOINING, REJOINING)
+# The states of a view a member is in before its state was reconciled in it.
+UNRECONCILED = (RECONCILING, RECONCILE_DUE, BROKEN)
 """States a member may agree from that hold none of the group's state (or a stale one): a
 view it formed from them is its own to go on from only once it reconciled in it."""
 
@@ -87,8 +90,9 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (FORMING, "form failed rejoiner"): REJOINING,  # it lost its view before
     (RECONCILING, "reconciled"): RUNNING,
     **{(state, "broken"): AGREEING for state in (RECONCILING, RUNNING, RECONCILE_DUE, BROKEN, JOIN_DUE)},
-    (RECONCILING, "broken unreconciled joiner"): JOINING,  # it never held the group's state
-    (RECONCILING, "broken unreconciled rejoiner"): REJOINING,
+    # it never held the group's state: reconciling, or its reconcile deferred (and failed)
+    **{(state, "broken unreconciled joiner"): JOINING for state in UNRECONCILED},
+    **{(state, "broken unreconciled rejoiner"): REJOINING for state in UNRECONCILED},
     (AGREEING, "superseded"): REJOINING,
     (STANDING_ASIDE, "rested"): REJOINING,
     (LEAVING, "closed"): CLOSED,
@@ -274,6 +278,7 @@ class Engine:
     aside_until: float = 0.0  # STANDING_ASIDE: when it asks to join again
     fault: str | None = None  # BROKEN: why (crash, hang, leave, partition, superseded, backend)
     formed_from: str | None = None  # the state it agreed from on entering FORMING (REJOINING: a rejoin)
+    joined_unreconciled: bool = False  # it joined its view (or the one forming) and was not reconciled in it yet
     started: bool = False  # this worker began training (ran a step or restored a checkpoint): see began
     founding: bool = False  # the current view is the group's first and every member wants the network check
     restorable: bool = False  # no member of the current view had begun training when it formed
@@ -388,7 +393,7 @@ class Engine:
         """Re-agree: the view (the one being reconciled, or run) can no longer be used, or is
         to be re-formed for a joiner. The proposal is withdrawn at once: a member of the view
         still finishing an operation of it learns that the view moved on."""
-        unreconciled = self.state == RECONCILING and self.formed_from in JOINED_WITHOUT_STATE
+        unreconciled = self.state in UNRECONCILED and self.joined_unreconciled
         if unreconciled:
             # It joined this view but never received the group's state: the view is not one
             # it can go on from (a majority of joiners would carry on from their own, older
@@ -467,6 +472,7 @@ class Engine:
     def reconciled(self) -> list[Action]:
         """Every member of the view holds the same registered state: collectives may run."""
         self._move("reconciled")
+        self.joined_unreconciled = False
         return []
 
     def leave(self) -> list[Action]:
@@ -791,6 +797,7 @@ class Engine:
 
     def _enter(self, view: View, statuses: dict[str, Status]) -> list[Action]:
         self.formed_from = self.state
+        self.joined_unreconciled = self.state in JOINED_WITHOUT_STATE
         self._admitting = False
         self._move("agreed")
         self.forming = view
