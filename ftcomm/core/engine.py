@@ -393,7 +393,10 @@ class Engine:
         """Re-agree: the view (the one being reconciled, or run) can no longer be used, or is
         to be re-formed for a joiner. The proposal is withdrawn at once: a member of the view
         still finishing an operation of it learns that the view moved on."""
-        unreconciled = self.state in UNRECONCILED and self.joined_unreconciled
+        # A deferred reconcile (the state not registered yet) in a view where nobody has begun
+        # training loses nothing: the member stays, as the others, to restore with them.
+        unreconciled = self.joined_unreconciled and (
+            self.state == RECONCILING or (self.state in UNRECONCILED and not self.restorable))
         if unreconciled:
             # It joined this view but never received the group's state: the view is not one
             # it can go on from (a majority of joiners would carry on from their own, older
