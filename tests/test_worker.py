@@ -223,17 +223,23 @@ def test_execute_runs_again_when_every_member_of_the_new_view_is_at_the_same_cal
     assert call.done and call.result == 2.5
 
 
-def test_execute_whose_new_view_finds_members_elsewhere_is_out_of_step():
+def execute_reformed(reason: str) -> tuple[World, Phase, Phase]:
+    """A running pair whose execute() failed (``reason``) and re-agreed: the world, the
+    call, and the new view's verification, unanswered."""
     world = running()
 
     def attempt():
-        return (yield from world.loop.collective("the mean loss"))
+        return (yield from world.loop.collective("a metric"))
     call = Phase(world.loop.execute(attempt))
-    call.until("run").fail(CollectiveAborted("c left"))
+    call.until("run").fail(CollectiveAborted(reason))
     call.step()
     agreed(world, call)
     call.waiting.done(None)
-    verify = call.until("verify")
+    return world, call, call.until("verify")
+
+
+def test_execute_whose_new_view_finds_members_elsewhere_is_out_of_step():
+    world, call, verify = execute_reformed("c left")
     verify.done([*verify.args[0][:6], 0, -verify.args[0][6]])  # a member is at its gradient step
     gather = call.until("gather_states")
     gather.done([gather.args[0]] * 2)
@@ -243,16 +249,7 @@ def test_execute_whose_new_view_finds_members_elsewhere_is_out_of_step():
 
 
 def test_execute_that_received_the_groups_newer_state_is_out_of_step():
-    world = running()
-
-    def attempt():
-        return (yield from world.loop.collective("the mean loss"))
-    call = Phase(world.loop.execute(attempt))
-    call.until("run").fail(CollectiveAborted("the view moved on"))
-    call.step()
-    agreed(world, call)
-    call.waiting.done(None)
-    verify = call.until("verify")
+    world, call, verify = execute_reformed("the view moved on")
     position = verify.args[0][6]
     probe = verify.args[0]
     verify.done([*probe[:4], 0, probe[5], position, -position])  # the other member has begun training
@@ -267,16 +264,7 @@ def test_execute_that_received_the_groups_newer_state_is_out_of_step():
 def test_a_call_before_training_that_received_another_members_state_runs():
     """In a view where nobody has begun training (a restore, say), a state received from
     another member is no sign of being left behind: the call goes on."""
-    world = running()
-
-    def attempt():
-        return (yield from world.loop.collective("the agreed step"))
-    call = Phase(world.loop.execute(attempt))
-    call.until("run").fail(CollectiveAborted("a member left"))
-    call.step()
-    agreed(world, call)
-    call.waiting.done(None)
-    verify = call.until("verify")
+    world, call, verify = execute_reformed("a member left")
     verify.done(verify.args[0])  # the same place, and nobody has begun
     gather = call.until("gather_states")
     gather.done([gather.args[0], StateSummary(40, 3, 5)])
