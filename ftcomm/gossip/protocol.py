@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import wire
@@ -63,14 +64,28 @@ class Datagram:
     target: str | None  # member id the datagram is meant for, when known (fault filters use it)
 
 
-@dataclass(frozen=True)
 class StreamRequest:
-    """A TCP request/response exchange the driver must perform (push/pull)."""
+    """A TCP request/response exchange the driver must perform (push/pull). ``data`` may
+    be given as a function that builds it: it is built when first read (a full-state
+    message to a member that cannot be reached need never be built)."""
 
-    address: tuple[str, int]
-    target: str | None
-    data: bytes
-    purpose: str  # join | push_pull | reconnect
+    __slots__ = ("address", "target", "purpose", "_data")
+
+    def __init__(self, address: tuple[str, int], target: str | None, data: bytes | Callable[[], bytes],
+                 purpose: str) -> None:
+        self.address = address
+        self.target = target
+        self.purpose = purpose  # join | sync | push_pull | reconnect
+        self._data = data
+
+    @property
+    def data(self) -> bytes:
+        if callable(self._data):
+            self._data = self._data()
+        return self._data
+
+    def __repr__(self) -> str:
+        return f"StreamRequest({self.address!r}, {self.target!r}, {self.purpose!r})"
 
 
 @dataclass
@@ -109,6 +124,7 @@ class _Timers:
     push_pull: float = _INF
     reconnect: float = _INF
     reap: float = _INF
+    dead_ping: float = _INF
 
 
 class Protocol:
@@ -208,6 +224,7 @@ class Protocol:
             self._timers.push_pull = now + self._rng.uniform(0.5, 1.0) * cfg.push_pull_interval
         self._timers.reconnect = now + cfg.reconnect_interval if cfg.reconnect_interval > 0 else _INF
         self._timers.reap = now + 1.0
+        self._timers.dead_ping = now + cfg.probe_interval
 
     def bootstrap(self, records: list[list], now: float) -> None:
         """Adopt a member table known out of band (``[id, host, port, incarnation, state, meta]``
@@ -441,7 +458,6 @@ class Protocol:
             if not self.leaving:
                 self._start_probe(now)
                 self._send_confirmation_pings(now)
-                self._ping_the_dead()
             self._timers.probe = now + self._awareness.scale(cfg.probe_interval)
         if self._suspicions:
             for member_id, suspicion in list(self._suspicions.items()):
@@ -457,6 +473,13 @@ class Protocol:
         if now >= self._timers.reconnect:
             self._timers.reconnect = now + cfg.reconnect_interval
             self._start_reconnect()
+        if now >= self._timers.dead_ping:
+            # At the probe interval, not scaled by this member's awareness: a member that missed
+            # many acks (it was cut off) is slow to accuse, but must not be slow to find the
+            # members it declared dead alive again once the network is back.
+            self._timers.dead_ping = now + cfg.probe_interval
+            if not self.leaving:
+                self._ping_the_dead()
         if now >= self._timers.reap:
             self._timers.reap = now + 1.0
             self._table.reap(now, cfg.gossip_to_the_dead_time, cfg.dead_member_retention, cfg.left_member_retention)
@@ -468,7 +491,7 @@ class Protocol:
         if len(self._broadcasts):
             deadline = min(deadline, t.gossip)
         if self._table.has_gone_members():
-            deadline = min(deadline, t.reap, t.reconnect)
+            deadline = min(deadline, t.reap, t.reconnect, t.dead_ping)
         probe = self._probe
         if probe and not probe.acked and not probe.indirect_sent:
             deadline = min(deadline, probe.ack_deadline)
@@ -520,12 +543,12 @@ class Protocol:
         self._probe = _Probe(target, m.address, seq, now + self._awareness.scale(self.config.probe_timeout), now)
 
     def _ping_the_dead(self) -> None:
-        """Each probe round, ping one member declared dead (in turn; not one that left). One
+        """Every probe interval, ping one member declared dead (in turn; not one that left). One
         that answers is alive after all (a partition healed, it was paused) and may not know
         it was declared dead, so it would never refute: it is told (see _on_ack), refutes,
         and its new incarnation spreads at once, instead of at the next reconnection to it
         (one random dead member every ``reconnect_interval``)."""
-        dead = [m for m in self._table.by_id.values() if m.state == DEAD_STATE]
+        dead = self._table.dead()
         if not dead:
             return
         self._dead_turn = (self._dead_turn + 1) % len(dead)
@@ -903,10 +926,10 @@ class Protocol:
             self._streams.append(StreamRequest((m.host, m.port), m.id, self._push_pull_message(False), "push_pull"))
 
     def _start_reconnect(self) -> None:
-        dead = [m for m in self._table.by_id.values() if m.state == DEAD_STATE]
+        dead = self._table.dead()
         if dead:
             m = self._rng.choice(dead)
-            self._streams.append(StreamRequest((m.host, m.port), m.id, self._push_pull_message(False), "reconnect"))
+            self._streams.append(StreamRequest((m.host, m.port), m.id, lambda: self._push_pull_message(False), "reconnect"))
 
     def _merge(self, records: list[list], sender: str, now: float) -> None:
         for member_id, host, port, incarnation, state, meta in records:

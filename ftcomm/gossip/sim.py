@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .config import GossipConfig, parse_assignments
-from .protocol import MemberEvent, Protocol
+from .protocol import MemberEvent, Protocol, StreamRequest
 
 PORT = 7946
 _TIMER, _DELIVER, _STREAM, _STREAM_REPLY, _ACTION = range(5)
@@ -89,8 +89,14 @@ class Simulation:
         return node
 
     def add_node(self, seed_index: int = 0) -> int:
-        """A new member, started now, that joins through member ``seed_index``; its index."""
+        """A new member, started now, that joins through member ``seed_index``; its index.
+        During a partition it starts on its seed's side (it reaches what its seed reaches:
+        a node that is off the network is off it for newcomers too)."""
         node = self._new_node()
+        if self._partition is not None:
+            side_a, side_b = self._partition
+            self._partition = ((side_a | {node.index}, side_b) if seed_index in side_a
+                               else (side_a, side_b | {node.index}))
         node.protocol.start(self.now)
         self._after(node)
         self.join_through(node.index, seed_index)
@@ -208,7 +214,9 @@ class Simulation:
         for request in protocol.take_stream_requests():
             dst = self._by_address.get(request.address)
             if dst is not None:
-                self._push(now + self._rng.uniform(*self.delay), _STREAM, (node.index, dst, request.data))
+                if not self.nodes[dst].crashed:  # (a crashed node stays down: its exchange will fail)
+                    request.data  # built now, as a driver sends it now
+                self._push(now + self._rng.uniform(*self.delay), _STREAM, (node.index, dst, request))
         events = protocol.take_events()
         if events and self.listeners:
             for event in events:
@@ -219,10 +227,11 @@ class Simulation:
             node.scheduled = deadline
             self._push(deadline, _TIMER, node.index)
 
-    def _stream(self, src: int, dst: int, data: bytes) -> None:
+    def _stream(self, src: int, dst: int, message: bytes | StreamRequest) -> None:
         target = self.nodes[dst]
         if target.crashed or target.stalled or self._blocked(src, dst):
             return  # the TCP exchange fails; the requester simply tries again later
+        data = message if isinstance(message, bytes) else message.data
         reply = target.protocol.handle_stream(data, self.now)
         self._after(target)
         address = target.protocol.address
