@@ -220,9 +220,12 @@ class ProbeSeeds:
 
 Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined | ProbeGroup | Recontact | ProbeSeeds
 
-RECONTACT_MAX_S = 30.0
+RECONTACT_MAX_S = 2.0
 """A member without a quorum asks its seeds again after a chase interval, then twice as
-long each time, up to this (the gossip layer's DNS refresh interval)."""
+long each time, up to this: after a partition heals, a side that knows nobody on the other
+side (every member both knew died or left meanwhile) finds it within this long. Each time
+it asks a few seeds only (ftcomm.gossip.config.RECONTACT_FANOUT), so a large group cut in
+two does not flood the network."""
 
 ANNOUNCE_LIMIT = 64
 """Views up to this size announce a new proposal to every member (one datagram per pair of

@@ -14,6 +14,12 @@ from dataclasses import dataclass, fields
 
 from . import wire
 
+RECONTACT_FANOUT = 3
+"""How many seeds (picked at random among those not known live) a member cut off from the
+others sends a join request to each time it asks again (see
+ftcomm.core.engine.RECONTACT_MAX_S): enough that two sides of a healed partition find each
+other within a round or two, few enough that a large group cut in two does not flood."""
+
 
 def suspicion_timeout(suspicion_mult: float, n: int, probe_interval: float) -> float:
     """Minimum suspicion timeout: ``suspicion_mult * max(1, log10(n)) * probe_interval``.

@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import errno
 import logging
+import random as _random
 import secrets as _secrets
 import socket
 import threading
@@ -32,7 +33,7 @@ import zmq.asyncio
 from .. import netif
 from ..errors import GossipError, JoinError
 from .addresses import Resolver, is_dns, parse_address, parse_seed, resolve, system_resolver
-from .config import GossipConfig
+from .config import RECONTACT_FANOUT, GossipConfig
 from .faults import FaultFilter
 from .protocol import MemberEvent, MemberInfo, Protocol
 
@@ -645,20 +646,21 @@ class GossipNode:
             await self._recontact()
 
     async def _recontact(self) -> None:
-        """A join request to each seed address that is not a live member known here."""
+        """A join request to a few seed addresses (RECONTACT_FANOUT, at random) that are not
+        live members known here."""
         try:
             addresses = await self._resolve_seeds()
         except Exception as exc:  # noqa: BLE001 - a resolver failure must not end the loop
             self._contain("rediscover", exc)
             return
         known = {(m.host, m.port) for m in self._protocol.members() if m.state in ("alive", "suspect")}
-        for address in addresses:
-            if address != (self.host, self.port) and address not in known:
-                self._protocol.stats["rediscovered"] += 1
-                self._spawn(self._push_pull(address, self._protocol.join_request(self._now())))
+        unknown = list(dict.fromkeys(a for a in addresses if a != (self.host, self.port) and a not in known))
+        for address in _random.sample(unknown, min(RECONTACT_FANOUT, len(unknown))):
+            self._protocol.stats["rediscovered"] += 1
+            self._spawn(self._push_pull(address, self._protocol.join_request(self._now())))
 
     def recontact_seeds(self) -> None:
-        """Send a join request to each seed that is not a live member known here (non-blocking):
+        """Send a join request to a few seeds that are not live members known here (non-blocking):
         for a member whose table lost sight of the others (see
         :meth:`ftcomm.core.engine.Engine._may_found`)."""
         if self._loop is None or self._stopped.is_set():

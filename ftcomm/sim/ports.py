@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..core.engine import FETCH_TIMEOUT_S
 from ..core.view import Status, View
+from ..gossip.config import RECONTACT_FANOUT
 from ..gossip.runtime import encode_metadata
 from ..runtime.ports import UNDER_WAY, Address, Contribution, Counters, MemberRecord, StateSummary
 
@@ -95,14 +96,15 @@ class SimMembership:
         self._send(self._protocol.sync_with, member)
 
     def recontact_seeds(self) -> None:
-        """A join request to each worker (its seeds: the workers a joiner may join through)
-        that is not a live member in this worker's table."""
+        """A join request to a few workers (RECONTACT_FANOUT, at random; the workers are its
+        seeds: those a joiner may join through) that are not live members in this worker's
+        table, as the gossip node's recontact_seeds does."""
         world, w = self.world, self.w
         live = {member_id for member_id, state, _, _ in self._protocol.member_states()
                 if state in ("alive", "suspect")}
-        for x in world.live():
-            if x is not w and x.id not in live:
-                world.sim.join_through(w.node, x.node)
+        unknown = [x for x in world.live() if x is not w and x.id not in live]
+        for x in world.recontact_rng.sample(unknown, min(RECONTACT_FANOUT, len(unknown))):
+            world.sim.join_through(w.node, x.node)
 
     def contact(self, address: Address) -> None:
         other = self.world.by_host.get(address[0])

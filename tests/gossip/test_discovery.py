@@ -12,6 +12,7 @@ import pytest
 from ftcomm.errors import JoinError
 from ftcomm.gossip import GossipConfig, GossipNode
 from ftcomm.gossip.addresses import parse_seed, resolve, system_resolver
+from ftcomm.gossip.config import RECONTACT_FANOUT
 
 from ..polling import wait_until
 
@@ -153,6 +154,25 @@ def test_members_that_started_apart_find_each_other_when_the_name_is_looked_up_a
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_cut_off_member_asks_only_a_few_of_its_seeds_each_time():
+    """recontact_seeds (a member that lost sight of the others asks again, every couple of
+    seconds) sends a join request to RECONTACT_FANOUT seeds not live here, not to all: a
+    large group cut in two must not flood the network."""
+    port = common_port()
+    silent = [f"127.0.1.{i}" for i in range(1, 11)]  # ten addresses nobody listens on
+    dns = FakeDns({"workers": HOSTS[:1]})
+    config = FAST.with_overrides(dns_refresh_interval=3600.0)
+    node = GossipNode((HOSTS[0], port), config=config, resolver=dns).start([f"dns://workers:{port}"])
+    try:
+        dns.records["workers"] = HOSTS[:1] + silent
+        before, lookups = node.stats().get("rediscovered", 0), dns.lookups
+        node.recontact_seeds()
+        wait_until(lambda: dns.lookups > lookups and node.stats().get("rediscovered", 0) > before, 10, "a recontact")
+        assert node.stats()["rediscovered"] - before == RECONTACT_FANOUT < len(silent)
+    finally:
+        node.stop()
 
 
 def test_a_group_joins_through_a_dns_name_resolved_by_the_system():
