@@ -27,6 +27,7 @@ from ..gossip.config import GossipConfig
 from ..gossip.runtime import decode_metadata, encode_metadata
 from ..gossip.sim import Simulation
 from ..options import GroupOptions
+from ..runtime.news import decode_record
 from ..runtime.ports import UNDER_WAY, Pause, Ports, readable
 from ..runtime.stragglers import Stragglers
 from ..runtime.worker import WorkerLoop
@@ -162,6 +163,7 @@ class GroupSimulation:
         self.late_registration = (random.Random(f"{seed}/late").random() < 0.3 if late_registration is None
                                   else late_registration)
         self.rng = random.Random(seed)
+        self.recontact_rng = random.Random(f"{seed}/recontact")  # which seeds a cut-off worker asks
         self.n = n if n is not None else self.rng.randint(3, 7) if self.k == 1 else self.k * self.rng.randint(2, 4)
         replicas = self.n // self.k
         if min_workers is None:
@@ -440,7 +442,7 @@ class GroupSimulation:
             self.starting -= 1
             live = self.live()
             if live:
-                node = self.sim.add_node(seed_index=live[0].node)
+                node = self._add_node(live[0].node)
                 x = self._start_worker(node, self.sim.now)
                 x.seeds = w.seeds  # the launcher gives it the peers its predecessor had
                 self.fault_log.append((self.sim.now, "restart", x.id))
@@ -593,8 +595,8 @@ class GroupSimulation:
                 if kind != "hang":
                     network_free_at = t + length + 0.5
             else:
-                faults.append((t, kind, {"pick": rng.random(), "factor": rng.uniform(2, 5),
-                                         "length": rng.uniform(1, 6)}))
+                faults.append((t, kind, {"pick": rng.random(), "factor": rng.uniform(3, 10),
+                                         "length": rng.uniform(2, 12)}))
         return faults
 
     def _pick(self, frac: float, exclude_last: bool = True) -> Worker | None:
@@ -624,7 +626,7 @@ class GroupSimulation:
             live = self.live()
             if not live:
                 return
-            node = self.sim.add_node(seed_index=live[0].node)
+            node = self._add_node(live[0].node)
             w = self._start_worker(node, now)
             self.fault_log.append((now, kind, w.id))
             self.sim.at(now + self.config.join_retry_interval, lambda: self._retry_join(w, 1))
@@ -737,7 +739,7 @@ class GroupSimulation:
         seed = self.live()[0].node
         started = []
         for shard in range(self.k):
-            node = self.sim.add_node(seed_index=seed)
+            node = self._add_node(seed)
             self.replica_of[node] = (key, shard)
             w = self._start_worker(node, now)
             self.sim.at(now + self.config.join_retry_interval, lambda w=w: self._retry_join(w, 1))
@@ -811,6 +813,16 @@ class GroupSimulation:
         if survivors is not None:
             self.pending_recovery.append((now, kind, *survivors))
         self.sim.at(now + length, self._heal)
+
+    def _add_node(self, seed: int) -> int:
+        """A new node that joins through node ``seed``; during a cut it is on ``seed``'s side."""
+        node = self.sim.add_node(seed_index=seed)
+        if self.partition is not None:
+            side_a, side_b, before = self.partition
+            new, seed_id = self.sim.member_id(node), self.sim.member_id(seed)
+            self.partition = ((side_a | {new}, side_b, before) if seed_id in side_a
+                              else (side_a, side_b | {new}, before))
+        return node
 
     def _heal(self) -> None:
         self.partition = None
@@ -907,7 +919,7 @@ class GroupSimulation:
         key = (member_id, state, metadata)
         status = self._decoded.get(key, _UNDECODED)
         if status is _UNDECODED:
-            status = self._decoded[key] = Status.from_metadata(member_id, state, decode_metadata(metadata))
+            status = self._decoded[key] = decode_record(member_id, state, decode_metadata(metadata))
         return status
 
     # ------------------------------------------------------------------ recoveries and the end
