@@ -71,7 +71,8 @@ def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
     if world.partition is not None and world.partition[2] is not None:
         side_a, side_b, before = world.partition
         side = side_a if w.id in side_a else side_b
-        # members that had left gracefully before the cut do not count, as in the quorum rule
+        # members that had left gracefully, or stood aside, before the cut do not count, as in
+        # the quorum rule
         if set(view.members) <= side and not has_quorum(before, [m for m in before.members if m in side],
                                                         world.partition_left):
             world.violation(4, f"{w.id} commits step {step} in view {view.id} on the minority side of a partition "
