@@ -746,3 +746,20 @@ def test_min_workers_counts_replicas_and_views_count_processes():
     assert e.replica_size == 2 and e.max_processes == 6
     assert not e.usable(Candidate(("a", "b", "c"), 1, True, ()))  # 3 processes: not 2 replicas
     assert e.usable(Candidate(("a", "b", "c", "d"), 1, True, ()))
+
+
+def test_a_member_that_joined_a_view_and_deferred_its_reconcile_is_a_joiner_again_when_it_breaks():
+    """A joiner whose reconcile was deferred (its state not registered yet) never received
+    the group's state in that view; when the view breaks, it is a joiner again, not a member
+    that goes on from it (a majority of such joiners would carry on from their own, older
+    state: seed 668 of sharded replicas). Where nobody had begun training when the view
+    formed (restorable) it loses nothing by staying, and stays, to restore with the others."""
+    for restorable, joiner_again in ((False, True), (True, False)):
+        e = engine()
+        agree_until_form(e, {m: status(m, JOINING, joined_at=i) for i, m in enumerate("ab")})
+        e.formed(restorable=restorable)
+        e.deferred()
+        assert e.state == core.RECONCILE_DUE
+        e.broken()
+        assert (e.state == core.JOINING, e.view is None) == (joiner_again, joiner_again)
+        assert e.state == (core.JOINING if joiner_again else core.AGREEING)

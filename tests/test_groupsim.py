@@ -308,19 +308,6 @@ def test_joiners_cut_off_from_the_state_holder_before_receiving_it_do_not_go_on_
     assert len(violations) == len(cases) and all("invariant 4" in o.violation for o in violations)
 
 
-def test_a_replica_that_joined_a_view_and_deferred_its_reconcile_is_a_joiner_again_when_it_breaks(monkeypatch):
-    """Seed 668, replicas of 2: a replica joined view 6 and deferred its reconcile until its
-    state was registered; the state holder's processes hung during that view's reconcile.
-    The view broke, and the new replica went on from it as its members, held a majority of
-    it with a rejoining replica and committed from that replica's older state: a second
-    group. A member that joined a view is a joiner again until it reconciled in it, its
-    reconcile deferred or not."""
-    assert run_seeds([668], replica_size=2)[0].ok
-    monkeypatch.setattr(core, "UNRECONCILED", (core.RECONCILING,))
-    outcome = run_seeds([668], replica_size=2)[0]
-    assert not outcome.ok and "invariant 4" in outcome.violation
-
-
 # ---------------------------------------------------------------------- guards of the shipped loop, switched off
 # Each guard below is code of the worker loop that every seed runs; switched off, a
 # violation appears within the seeds named (and the same seeds keep every invariant with
