@@ -10,6 +10,7 @@ each with its formula in the docstring.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, fields
 
 from . import wire
@@ -19,6 +20,12 @@ RECONTACT_FANOUT = 3
 others sends a join request to each time it asks again (see
 ftcomm.core.engine.RECONTACT_MAX_S): enough that two sides of a healed partition find each
 other within a round or two, few enough that a large group cut in two does not flood."""
+
+
+def recontact_targets(unknown: list, rng: random.Random) -> list:
+    """The seeds a cut-off member asks this time: RECONTACT_FANOUT of ``unknown`` (those not
+    live here) at random, or all of them when they are fewer."""
+    return rng.sample(unknown, min(RECONTACT_FANOUT, len(unknown)))
 
 
 def suspicion_timeout(suspicion_mult: float, n: int, probe_interval: float) -> float:

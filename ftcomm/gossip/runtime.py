@@ -33,7 +33,7 @@ import zmq.asyncio
 from .. import netif
 from ..errors import GossipError, JoinError
 from .addresses import Resolver, is_dns, parse_address, parse_seed, resolve, system_resolver
-from .config import RECONTACT_FANOUT, GossipConfig
+from .config import GossipConfig, recontact_targets
 from .faults import FaultFilter
 from .protocol import MemberEvent, MemberInfo, Protocol
 
@@ -99,6 +99,9 @@ def encode_metadata(value: dict) -> bytes:
 def _member(info: MemberInfo) -> Member:
     return Member(info.id, info.host, info.port, info.state, info.incarnation, decode_metadata(info.metadata),
                   info.confirmed)
+
+
+_RECONTACT_RNG = _random.Random()  # which seeds a cut-off member asks (see recontact_targets)
 
 
 class GossipNode:
@@ -655,7 +658,7 @@ class GossipNode:
             return
         known = {(m.host, m.port) for m in self._protocol.members() if m.state in ("alive", "suspect")}
         unknown = list(dict.fromkeys(a for a in addresses if a != (self.host, self.port) and a not in known))
-        for address in _random.sample(unknown, min(RECONTACT_FANOUT, len(unknown))):
+        for address in recontact_targets(unknown, _RECONTACT_RNG):
             self._protocol.stats["rediscovered"] += 1
             self._spawn(self._push_pull(address, self._protocol.join_request(self._now())))
 

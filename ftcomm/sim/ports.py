@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..core.engine import FETCH_TIMEOUT_S
 from ..core.view import Status, View
-from ..gossip.config import RECONTACT_FANOUT
+from ..gossip.config import recontact_targets
 from ..gossip.runtime import encode_metadata
 from ..runtime.ports import UNDER_WAY, Address, Contribution, Counters, MemberRecord, StateSummary
 
@@ -103,7 +103,7 @@ class SimMembership:
         live = {member_id for member_id, state, _, _ in self._protocol.member_states()
                 if state in ("alive", "suspect")}
         unknown = [x for x in world.live() if x is not w and x.id not in live]
-        for x in world.recontact_rng.sample(unknown, min(RECONTACT_FANOUT, len(unknown))):
+        for x in recontact_targets(unknown, world.recontact_rng):
             world.sim.join_through(w.node, x.node)
 
     def contact(self, address: Address) -> None:
