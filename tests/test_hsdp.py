@@ -132,6 +132,7 @@ def test_a_replica_that_loses_a_process_to_kill_9_leaves_whole_and_comes_back():
         ready = started(job)
         victim = next(e for e in ready if e["rank"] == 3)  # shard 1 of the replica of rank 1
         partner = next(e for e in ready if e["rank"] == 2)
+        before = max(e["view_id"] for e in job.of("view"))  # (a loaded start may found with two replicas)
         os.kill(victim["pid"], signal.SIGKILL)
         assert job.finish() == 0, "".join(job.log[-60:])
     finally:
@@ -140,11 +141,10 @@ def test_a_replica_that_loses_a_process_to_kill_9_leaves_whole_and_comes_back():
     assert "exited with signal SIGKILL" in log and "with the rest of its replica" in log
     # its partner, in the replica's collectives with it or not, left by itself: not stuck there
     assert "left with its replica" in log and "did not leave within" not in log
-    views = job.of("view")
-    without = [e for e in views if len(e["members"]) == (REPLICAS - 1) * SHARDS]
-    assert without and {e["reason"] for e in without} == {"crash"}
-    assert victim["id"] not in without[0]["members"] and partner["id"] not in without[0]["members"]
-    back = [e for e in views if e["view_id"] > without[0]["view_id"] and len(e["members"]) == REPLICAS * SHARDS]
+    views = sorted((e for e in job.of("view") if e["view_id"] > before), key=lambda e: e["view_id"])
+    assert views and views[0]["reason"] == "crash" and len(views[0]["members"]) == (REPLICAS - 1) * SHARDS, views[:1]
+    assert victim["id"] not in views[0]["members"] and partner["id"] not in views[0]["members"]
+    back = [e for e in views if e["view_id"] > views[0]["view_id"] and len(e["members"]) == REPLICAS * SHARDS]
     assert back, "the replica never came back"
     assert [e["restarts"] for e in job.of("ready") if e["restarts"]] == [1, 1]  # both of its processes, once
     assert_per_shard_invariants(job, steps, stopped=frozenset({victim["rank"]}))
@@ -159,14 +159,16 @@ def test_sigterm_to_a_whole_replica_is_a_graceful_leave():
     try:
         ready = started(job)
         leaving = [e for e in ready if e["rank"] in (4, 5)]
+        before = max(e["view_id"] for e in job.of("view"))  # (a loaded start may found with two replicas)
         for e in leaving:
             os.kill(e["pid"], signal.SIGTERM)
         assert job.finish() == 0, "".join(job.log[-60:])
     finally:
         job.finish(30)
-    without = [e for e in job.of("view") if len(e["members"]) == (REPLICAS - 1) * SHARDS]
-    assert without and {e["reason"] for e in without} == {"leave"}
-    assert not {e["id"] for e in leaving} & set(without[0]["members"])
+    after = sorted((e for e in job.of("view") if e["view_id"] > before), key=lambda e: e["view_id"])
+    assert after, "no view change after the replica was told to leave"
+    assert after[0]["reason"] == "leave" and len(after[0]["members"]) == (REPLICAS - 1) * SHARDS, after[0]
+    assert not {e["id"] for e in leaving} & set(after[0]["members"])
     assert_per_shard_invariants(job, steps, stopped=frozenset(e["rank"] for e in leaving))
 
 
@@ -187,6 +189,9 @@ def test_a_whole_job_restart_restores_every_shard_at_the_newest_step_all_can_loa
         for shard in ("shard0", "shard1"):
             shutil.rmtree(f"/dev/shm/ftcomm-{name}-{shard}", ignore_errors=True)
     assert [e["step"] for e in second.of("restored")] == [60] * (REPLICAS * SHARDS)
-    first_views = [e for e in second.of("view") if e["view_id"] == 1]
-    assert {(e["shard"], e["state_digest"]) for e in first_views} == set(ended.items())  # restored, shard for shard
+    # The first state the shards agree on is the one restored (a view that broke before its
+    # reconcile, as a loaded start's first can, records no state).
+    agreed = sorted((e for e in second.of("view") if e["state_digest"] is not None), key=lambda e: e["view_id"])
+    first_agreed = {e["shard"]: e["state_digest"] for e in reversed(agreed)}
+    assert first_agreed == ended  # restored, shard for shard
     assert_per_shard_invariants(second, 80, first_step=61)
