@@ -56,6 +56,13 @@ class ReplicaLost(FtcommError):
     (``ftcomm run --replica-size K``) starts the whole replica again, and it rejoins."""
 
 
+class StateLost(FtcommError):
+    """Some shard of the group's newest state is held by no member of the view: every replica
+    that held it is gone, and a replica that was receiving it got some of its shards only.
+    The shards cannot be put together into one model. Exit; a job started again restores its
+    newest checkpoint."""
+
+
 class RetryLimitExceeded(FtcommError):
     """``execute``, or ``wait_gradients_ready``, failed more than ``max_retries`` times in a
     row because the membership kept changing."""

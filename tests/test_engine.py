@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ftcomm.core import engine as core
@@ -763,3 +765,52 @@ def test_a_member_that_joined_a_view_and_deferred_its_reconcile_is_a_joiner_agai
         e.broken()
         assert (e.state == core.JOINING, e.view is None) == (joiner_again, joiner_again)
         assert e.state == (core.JOINING if joiner_again else core.AGREEING)
+
+
+def rejoining_after_the_newer_group_ended(step_of_the_newer: int = 30) -> tuple[Engine, dict]:
+    """Member c of view 1 (a, b, c), cut off: a and b formed view 2 without it, trained, and
+    ended: b left (its final record names view 2), a died. c, at step 30, lost its view."""
+    c = running(engine("c"))
+    c.broken()
+    statuses = {"a": status("a", cv=2, alive=False, dead=True, step=step_of_the_newer),
+                "b": dataclasses.replace(status("b", LEAVING, alive=False, done_ops=(2, 0), step=step_of_the_newer),
+                                         left=True),
+                "c": published(c, step=30)}
+    c.agree(1.0, statuses)
+    assert c.state == core.REJOINING and c.lost.id == 1
+    statuses["c"] = published(c, step=30)
+    return c, statuses
+
+
+def test_a_member_that_lost_its_view_refounds_once_the_newer_group_ended_for_sure():
+    """Two replicas, the one holding rank 0 dies while the other rejoins: once every member
+    that went on without it left or refuses connections, and none holds a newer step, the
+    survivor trains on from its state instead of waiting for ever."""
+    c, statuses = rejoining_after_the_newer_group_ended()
+    actions = c.agree(2.0, statuses)
+    probe = next(a for a in actions if isinstance(a, core.ProbeGroup))
+    assert probe.members == ("a",)  # b's departure is certain; a is dead only by gossip's word
+    assert not any(isinstance(a, (PublishProposal, Form)) for a in c.agree(2.1, statuses))  # not before the answer
+    c.group_probed(True)  # a's port refuses connections
+    actions, _ = agree_until_form(c, statuses, 3.0)
+    formed = actions[-1].view
+    assert formed.members == ("c",) and formed.id > 2  # above every view the ended group formed
+
+
+def test_a_member_that_lost_its_view_waits_while_a_member_of_the_newer_group_may_live():
+    c, statuses = rejoining_after_the_newer_group_ended()
+    c.agree(2.0, statuses)
+    c.group_probed(False)  # a does not answer: across a partition, perhaps
+    for t in range(20):
+        assert not any(isinstance(a, (PublishProposal, Form)) for a in c.agree(3.0 + 0.1 * t, statuses))
+    assert c.state == core.REJOINING
+
+
+def test_a_member_that_lost_its_view_never_refounds_from_an_older_state_than_the_newer_group_held():
+    c, statuses = rejoining_after_the_newer_group_ended(step_of_the_newer=31)
+    for t in range(20):
+        actions = c.agree(2.0 + 0.1 * t, statuses)
+        assert not any(isinstance(a, (core.ProbeGroup, PublishProposal, Form)) for a in actions)
+    c.group_probed(True)
+    assert not any(isinstance(a, (PublishProposal, Form)) for a in c.agree(5.0, statuses))
+    assert c.state == core.REJOINING

@@ -382,6 +382,25 @@ def test_a_call_between_steps_that_finds_the_members_elsewhere_is_not_run(monkey
     assert violations and all("invariant 6" in o.violation for o in violations)
 
 
+def test_a_replica_that_received_some_of_its_shards_only_never_runs_with_its_shards_apart():
+    """Seeds 2673 and 4309 of replicas: a joining replica's source died during the
+    reconcile; one of its processes had received its shard, the other had not. That one ran
+    the view alone, and the next view started the replica's shards a step apart. A replica
+    now takes a state all or none (tests/test_worker.py shows each step)."""
+    outcomes = run_seeds([2673, 4309], replica_size=2)
+    assert all(o.ok for o in outcomes), [o.violation for o in outcomes]
+
+
+def test_a_member_left_out_of_a_group_that_ended_trains_on():
+    """Seeds 279 and 602 of replicas: the replica that went on as the tie's winner died (or
+    left) while the other rejoined; the records of the newer view outlived it, and the
+    survivor, holding the newest state, waited for ever. It now refounds once every member
+    of the newer view left or refuses connections (tests/test_engine.py shows the rule)."""
+    outcomes = run_seeds([279, 602], replica_size=2)
+    assert all(o.ok for o in outcomes), [o.violation for o in outcomes]
+    assert all(o.commits > 300 for o in outcomes)
+
+
 def test_a_straggler_standing_aside_counts_as_gone_for_the_majority_of_its_view():
     """Seed 1900: a straggler of a view of three stood aside; a moment later a node loss
     cut rank 1 off from rank 2. Without the straggler the two are a tie, which goes to the

@@ -12,7 +12,7 @@ import pytest
 from ftcomm.core import engine as core
 from ftcomm.core.view import JOINING, Status, View
 from ftcomm.errors import (CollectiveAborted, CommunicatorError, FtcommTimeout, OutOfStep, QuorumLost,
-                           RetryLimitExceeded)
+                           RetryLimitExceeded, StateLost)
 from ftcomm.options import GroupOptions
 from ftcomm.runtime.ports import Contribution, Counters, Formed, StateSummary
 from tests.conftest import status
@@ -199,6 +199,60 @@ def test_a_step_a_partner_of_the_replica_did_not_complete_breaks_the_view_here_t
     assert agree.args == (("step", 1, world.engine.view.digest, 1), True)
     agree.done(False)  # a1's step failed
     assert step.done and step.result is False and world.engine.state == core.BROKEN and world.loop.step == 0
+
+
+def joining_replica_process(shard: int) -> tuple[World, Phase]:
+    """Shard ``shard`` of replica B, which joined view 2 of replicas A (at step 5) and B (at
+    step 0) and reconciles now (deferred until its state was registered): the boundary
+    phase, at its gather of the members' states."""
+    members = ("a0", "a1", "b0", "b1")
+    statuses = {m: status(m, cv=2, replica=(m[0].upper(), int(m[1]), 2)) for m in members}
+    me = f"b{shard}"
+    world = world_for(me, statuses, replica=("B", shard, 2))
+    engine = world.engine
+    engine.view, engine.state, engine.joined_unreconciled, engine.started = View(2, members), core.RECONCILE_DUE, True, True
+    engine.formed_from = core.JOINING
+    return world, Phase(world.loop.boundary())
+
+
+def summaries(*steps: int) -> list[StateSummary]:
+    return [StateSummary(step, 11 + step, 5) for step in steps]
+
+
+def test_a_replica_that_received_some_of_its_shards_only_is_a_joiner_again_as_a_whole():
+    # b1 received its shard from a1; b0's source, a0, died meanwhile: b0 never votes, and its
+    # slot is vetoed. b1 holds no model (shard 1 of step 5, shard 0 of step 0): it must not
+    # run the view, nor count as a holder of the group's state when the view is re-formed.
+    world, phase = joining_replica_process(1)
+    phase.until("gather_states").done(summaries(5, 5, 0, 0))
+    transfer = phase.until("transfer")
+    assert transfer.args[1:] == (0, True, 0)  # from replica A (view replica 0), loaded
+    transfer.done(5)
+    decide = phase.until("replica_decide")
+    assert decide.args == (("reconcile", 2, world.engine.view.digest), True)
+    decide.done(False)
+    assert phase.done and world.engine.state == core.BROKEN and world.loop.step == 5
+    world.engine.broken()
+    assert world.engine.state == core.JOINING and world.engine.view is None  # a joiner again
+
+
+def test_a_replica_whose_every_shard_received_the_state_runs_the_view():
+    world, phase = joining_replica_process(0)
+    phase.until("gather_states").done(summaries(5, 5, 0, 0))
+    phase.until("transfer").done(5)
+    decide = phase.until("replica_decide")
+    decide.done(True)
+    assert phase.done and world.engine.state == core.RUNNING and world.loop.step == 5
+    assert not world.engine.joined_unreconciled
+
+
+def test_shards_whose_newest_states_are_of_different_steps_end_in_state_lost():
+    # The replicas that held step 5 are gone; b0 got shard 0 of it before its replica's
+    # reconcile failed, b1 never did: no member holds a whole model of the newest step.
+    world, phase = joining_replica_process(0)
+    with pytest.raises(StateLost, match=r"newest step of each shard: \[5, 0\]"):
+        phase.until("gather_states").done(summaries(5, 0, 0, 0))
+        phase.settle()
 
 
 # ---------------------------------------------------------------------- collectives between steps

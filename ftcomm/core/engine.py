@@ -267,6 +267,8 @@ class Engine:
     seen_view: int = 0  # the newest view of this group shown by a member not known to be gone (as of the last look)
     saw_group: int = 0  # as a joiner that never had a view: the newest view of a group it saw (see _may_found)
     group_gone: bool = False  # the driver's answer to the last ProbeGroup
+    proven_gone: frozenset = frozenset()  # as a member that lost its view: the dead ones a ProbeGroup found refusing
+    _probing: frozenset = frozenset()  # the members of the ProbeGroup in flight (see _probe_gone)
     _probed_at: float = float("-inf")
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
     witnessed: tuple[int, str] | None = None  # as rank 0 of a large view: its proposal, seen made by every member
@@ -499,6 +501,7 @@ class Engine:
         # Never that view again (a peer that has not yet seen it leave may still propose it).
         self.floor = max(self.floor, self.view.id + 1)
         self.view, self.proposal, self._last, self.witnessed, self.vouched = None, None, None, None, frozenset()
+        self.proven_gone = frozenset()
         return [Rejoined(why), Publish()]
 
     def bench(self, now: float, seconds: float) -> list[Action]:
@@ -572,9 +575,12 @@ class Engine:
             # that view, not the older one, is what the group goes on from.
             previous = entered
         cand = candidate(self.id, previous, statuses, self.config, self.max_processes)
-        if self.state == REJOINING and not self._may_refound(cand, statuses):
-            self._last = None
-            return self._recontact(now)
+        if self.state == REJOINING:
+            if not self._may_refound(cand, statuses):
+                self._last = None
+                return self._probe_gone(now, cand, statuses) + self._recontact(now)
+            # above every view of a newer group that ended (its records outlive it)
+            self.floor = max([self.floor] + [s.last_view + 1 for s in self._newer(statuses)])
         if cand.view_id < self.floor:  # its own floor counts before gossip echoes its record
             cand = dataclasses.replace(cand, view_id=self.floor)
         if not self.usable(cand):
@@ -708,17 +714,69 @@ class Engine:
     def group_probed(self, gone: bool) -> None:
         """The answer to a :class:`ProbeGroup` (one without a member list never shows the
         group gone)."""
+        if self.state == REJOINING:
+            self.proven_gone = self._probing if gone else frozenset()
+            return
         self.group_gone = gone and self._group_members() is not None
 
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
         """A member left out of a newer view sees no live group to join. It founds one only
         if the quorum of the view it lost is with it and nothing shows a view newer than
         that one (the newer group is then merely out of its sight: founding another would
-        split the job)."""
-        lost = self.lost
-        if any(s.config == self.config and s.last_view > lost.id for s in statuses.values() if s.id != self.id):
+        split the job), unless the newer group ended (see :meth:`_ended_newer`). Members of
+        the lost view that are gone for sure do not count: those whose final record arrived,
+        and those dead that refused a connection (a :class:`ProbeGroup`'s answer)."""
+        newer = self._newer(statuses)
+        gone = gone_from(self.lost, statuses)
+        if newer:
+            if not self._ended_newer(newer, statuses):
+                return False
+            gone |= {s.id for s in newer}  # the group's past: none holds a newer state
+        if has_quorum(self.lost, cand.members, gone):
+            return True
+        absent = self._absent(cand, gone)
+        return bool(absent) and absent <= self.proven_gone
+
+    def _newer(self, statuses: dict[str, Status]) -> list[Status]:
+        """The records that show a view newer than the one this member lost."""
+        return [s for s in statuses.values()
+                if s.id != self.id and s.config == self.config and s.last_view > self.lost.id]
+
+    def _absent(self, cand: Candidate, gone: set[str]) -> frozenset[str]:
+        """The members of the lost view that are neither with this member nor known gone."""
+        return frozenset(m for m in self.lost.members if m not in cand.members and m not in gone)
+
+    def _ended_newer(self, newer: list[Status], statuses: dict[str, Status]) -> bool:
+        """The group that went on without this member ended without taking the training
+        further than this member's state: every member that shows a newer view left (its
+        final record arrived) or died and refused a connection (``proven_gone``; gossip's
+        verdict alone may be a partition), and none committed a step this member did not.
+        Its members are the group's past, not a group out of sight (two replicas, the one
+        holding rank 0 dies while the other rejoins: the survivor trains on instead of
+        waiting for ever)."""
+        own = statuses.get(self.id)
+        if own is None or any(s.step > own.step for s in newer):
+            return False  # the newest state went with them: going on would train from an older one
+        if any(not (s.left or s.dead) for s in newer):
             return False
-        return has_quorum(lost, cand.members, gone_from(lost, statuses))
+        return {s.id for s in newer if not s.left} <= self.proven_gone
+
+    def _probe_gone(self, now: float, cand: Candidate, statuses: dict[str, Status]) -> list[Action]:
+        """While the members a refounding waits on (the dead that show a newer view, the
+        absent of the lost view) all seem dead, but not all for sure: a :class:`ProbeGroup`
+        of them, every chase interval (a member of the lost view of which no record is left
+        here is as good as dead: gossip forgot it)."""
+        newer = self._newer(statuses)
+        own = statuses.get(self.id)
+        if own is None or any(s.step > own.step or not (s.left or s.dead) for s in newer):
+            return []
+        gone = gone_from(self.lost, statuses) | {s.id for s in newer if s.left}
+        suspects = self._absent(cand, gone) | {s.id for s in newer if not s.left}
+        if (not suspects or any(m in statuses and not statuses[m].dead for m in suspects)
+                or suspects <= self.proven_gone or now - self._probed_at < self.chase_interval):
+            return []
+        self._probed_at, self._probing = now, suspects
+        return [ProbeGroup(tuple(sorted(suspects)))]
 
     def usable(self, cand: Candidate) -> bool:
         return (self.id in cand.members and len(cand.members) >= self.min_workers * self.replica_size

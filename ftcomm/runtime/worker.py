@@ -34,7 +34,7 @@ from ..core import engine as core
 from ..core.engine import Engine, shard_sources
 from ..core.view import View
 from ..errors import (CollectiveAborted, CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged,
-                      QuorumLost, RetryLimitExceeded, OutOfStep)
+                      QuorumLost, RetryLimitExceeded, OutOfStep, StateLost)
 from ..options import GroupOptions, ViewChange
 from .driver import Driver
 from .news import GossipNews
@@ -256,20 +256,29 @@ class WorkerLoop:
         gathered = yield comms.gather_states(mine)
         if any(len({g.signature for g in gathered[i::k]}) > 1 for i in range(k)):
             yield comms.mismatch(gathered, k)  # raises ConfigMismatch on every member
-        newest = {max(g.step for g in gathered[i::k]) for i in range(k)}
-        if len(newest) > 1:  # every process of a replica commits a step or none does (Replica.decide)
-            log.error("the shards of view %d hold different newest steps %s: a replica committed a step on some "
-                      "of its processes only", view.id, sorted(newest))
+        newest = [max(g.step for g in gathered[i::k]) for i in range(k)]
+        if len(set(newest)) > 1:
+            # A replica commits a step on every process or on none (Replica.decide), and takes
+            # its shards of a state all or none (below): a shard newer than another means that
+            # the last replica holding every shard of the newest state is gone.
+            raise StateLost(f"no member of view {view.id} holds every shard of the group's newest state (the "
+                            f"newest step of each shard: {newest}): the replicas that held it are gone; start "
+                            f"the job again from its newest checkpoint")
         rank = view.rank_of(engine.id)
         source = shard_sources([(g.step, g.digest) for g in gathered], k)[1][rank % k]
-        if source is None:
-            return False, mine.digest
-        load = gathered[rank][:2] != gathered[source][:2]
-        received = yield comms.transfer(view, source // k, load, step)
-        if received is None:
-            return False, mine.digest
-        self.step = received
-        return True, state.digest(received)
+        loaded, digest = False, mine.digest
+        if source is not None:
+            load = gathered[rank][:2] != gathered[source][:2]
+            received = yield comms.transfer(view, source // k, load, step)
+            if received is not None:
+                self.step = received
+                loaded, digest = True, state.digest(received)
+        if k > 1 and not (yield from self._replica_decides(("reconcile", view.id, view.digest), True)):
+            # Another process of this replica did not receive its shard (its source died):
+            # the replica holds no whole state, and is a joiner again as a whole.
+            raise CollectiveAborted(f"a process of this sharded replica did not receive its shard of view "
+                                    f"{view.id}'s state")
+        return loaded, digest
 
     def _raise_stuck(self) -> None:
         engine = self.engine

@@ -21,6 +21,7 @@ should see, or its loop spun without virtual time passing.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 from typing import TYPE_CHECKING
 
@@ -120,8 +121,14 @@ def at_end(world: "GroupSimulation") -> None:
     # Nor when the group's state died with the members that held it (every live member
     # holds an older one, beyond a step that committed on some members only): going on
     # from an older state would commit its steps again.
+    # With sharded replicas, the state survives in a replica whose every shard holds it (one
+    # that received some of its shards only holds no model).
     newest_step = max((step for step, _ in world.history), default=0)
-    if world.quorum_survived and newest_step and not any(w.loop.step >= newest_step - 1 for w in live):
+    holders: dict[str, set[int]] = collections.defaultdict(set)
+    for w in live:
+        if w.loop.step >= newest_step - 1:
+            holders[w.replica[0] if w.replica is not None else w.id].add(w.shard)
+    if world.quorum_survived and newest_step and not any(len(shards) == world.k for shards in holders.values()):
         world.quorum_survived = False
     # Nor when fewer replicas live than min_workers: the group waits for more.
     replicas = {w.replica[0] if w.replica is not None else w.id for w in live}

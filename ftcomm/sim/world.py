@@ -22,7 +22,7 @@ from ..core import engine as core
 from ..core.engine import ANNOUNCE_LIMIT, Engine
 from ..core.view import Status, View
 from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout, GroupEnded,
-                      JoinError, QuorumLost, ReplicaLost, RetryLimitExceeded, OutOfStep)
+                      JoinError, QuorumLost, ReplicaLost, RetryLimitExceeded, OutOfStep, StateLost)
 from ..gossip.config import GossipConfig
 from ..gossip.runtime import decode_metadata, encode_metadata
 from ..gossip.sim import Simulation
@@ -45,7 +45,7 @@ SETTLED_RUN_S = 3.0
 """Once every live worker runs one view of all of them and commits, and no worker is on its
 way (a launcher's restart), the run goes on this long, then ends."""
 STEPS_PER_TICK = 500  # more phase steps than this in one tick: the loop spins without virtual time passing
-EXPECTED_ERRORS = (GroupEnded, ReplicaLost, QuorumLost, FtcommTimeout, RetryLimitExceeded, ConfigMismatch, JoinError)
+EXPECTED_ERRORS = (GroupEnded, ReplicaLost, StateLost, QuorumLost, FtcommTimeout, RetryLimitExceeded, ConfigMismatch, JoinError)
 """What a worker's script may end on in the users' world (the process then exits 1)."""
 _UNDECODED = object()
 
