@@ -48,6 +48,8 @@ def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
                                f"member at step {steps}: a replica's shards are a step apart")
     digest = int.from_bytes(hashlib.blake2b(f"{w.state.value}/{step}/{view.id}".encode(), digest_size=8).digest(),
                             "big")
+    world.whole.setdefault(step, collections.defaultdict(set))[w.replica[0] if w.replica is not None else w.id].add(
+        w.shard)
     if w.committed and step <= w.committed[-1][1]:
         world.violation(2, f"{w.id} commits step {step} after step {w.committed[-1][1]}")
     known = world.contents.setdefault((step, *key, w.shard), digest)
@@ -80,6 +82,19 @@ def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
                                f"of view {before.id}")
     w.state.value = digest
     w.committed.append((now, step, view.id))
+
+
+def state_lost(world: "GroupSimulation", w: "Worker") -> None:
+    """``w`` raised StateLost: no member of its view holds every shard of the newest step
+    (invariant 3). Legitimate only when a replica committed that step on every shard and
+    is gone since; a step some replica committed on some of its processes only would be a
+    replica's shards a step apart."""
+    view = w.loop.engine.view
+    members = set(view.members) if view is not None else {w.id}
+    newest = max(x.loop.step for x in world.workers.values() if x.id in members)
+    if not any(len(shards) == world.k for shards in world.whole.get(newest, {}).values()):
+        world.violation(3, f"{w.id} raised StateLost in view {view.id if view else None}: step {newest} was never "
+                           f"committed by every process of a replica (a replica committed it on some processes only)")
 
 
 def step_ended(world: "GroupSimulation", w: "Worker", committed: bool, reformed: bool) -> None:

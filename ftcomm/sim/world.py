@@ -236,6 +236,7 @@ class GroupSimulation:
                                else t + a["length"] + 4 * straggler_cooldown if k == "slow" and self.exclude_stragglers
                                else t for t, k, a in self.faults), default=0.0)
         self.history: dict[tuple[int, int], tuple] = {}  # (step, shard) -> (first contents, by which view's members)
+        self.whole: dict[int, dict] = {}  # step -> replica -> the shards that committed it (see checks.state_lost)
         self._healthy_cache: tuple = (None, float("inf"), False)
         self._decoded: dict[tuple[str, str, bytes], Status | None] = {}  # see status
         self._crashed_cache: tuple = (None, [])  # see _crash_error
@@ -424,6 +425,8 @@ class GroupSimulation:
         name = type(exc).__name__ + (" (no answer)" if isinstance(exc, ReplicaLost) and "answer" in str(exc) else "")
         self.exits[name] = self.exits.get(name, 0) + 1
         self.log.append(f"{self.sim.now:.3f} {w.id}: {name}: {exc}")
+        if isinstance(exc, StateLost):
+            checks.state_lost(self, w)
         self._leave(w)
         if w.replica is not None:
             self._replica_failed(w.replica[0])
