@@ -401,6 +401,17 @@ def test_a_member_left_out_of_a_group_that_ended_trains_on():
     assert all(o.commits > 300 for o in outcomes)
 
 
+def test_a_group_that_started_over_is_not_counted_as_recovered():
+    """Seed 412 of replicas: every replica that held the state left, died or was cut off;
+    the replicas left founded anew at step 0. That is no recovery, and its time (from the
+    last worker's start to a fresh group's first commit) is not among the recoveries'."""
+    outcome = run_seeds([412], replica_size=2)[0]
+    assert outcome.ok, outcome.violation
+    assert {kind for kind, _ in outcome.started_over} >= {"leave", "crash", "hang"}
+    struck = {t for _, t in outcome.started_over}
+    assert not any(t in struck for _, t, *_ in outcome.recoveries)
+
+
 def test_a_straggler_standing_aside_counts_as_gone_for_the_majority_of_its_view():
     """Seed 1900: a straggler of a view of three stood aside; a moment later a node loss
     cut rank 1 off from rank 2. Without the straggler the two are a tie, which goes to the

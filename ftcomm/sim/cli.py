@@ -56,6 +56,9 @@ def summarize(outcomes: list[Outcome]) -> dict:
             "settle_after_last_fault": distribution(settles),
             "quorum_lost_seeds": sum(not o.quorum_survived for o in outcomes),
             "seeds_with_rolled_back_commits": sum(o.rolled_back > 0 for o in outcomes),
+            # faults after which the survivors went on from an older state (every worker that
+            # held the newest one was gone): not recoveries, and not in the figures above
+            "seeds_started_over": sum(bool(o.started_over) for o in outcomes),
             "seeds_by_min_workers": {str(m): sum(o.min_workers == m for o in outcomes)
                                      for m in sorted({o.min_workers for o in outcomes})},
             "scripts_ended_on": dict(sorted(exits.items())),

@@ -122,6 +122,7 @@ class Outcome:
     min_workers: int = 1
     exits: dict = field(default_factory=dict)  # error a worker's script ended on -> count
     recoveries: list = field(default_factory=list)  # (kind, fault time, allowed from, seconds, isolated)
+    started_over: list = field(default_factory=list)  # (kind, fault time): the survivors lacked the newest state
 
 
 class GroupSimulation:
@@ -217,6 +218,7 @@ class GroupSimulation:
         self.pending_recovery: list[tuple[float, str, set[str], bool]] = []  # (time, kind, survivors, isolated)
         self.recovery: dict[str, list[float]] = {}  # faults that struck a settled group (see _isolated)
         self.recovery_overlapping: dict[str, list[float]] = {}  # faults that struck while another was active
+        self.started_over: list[tuple[str, float]] = []  # faults after which the survivors lacked the newest state
         self.recoveries: list[tuple] = []  # (kind, fault time, allowed from, seconds, isolated)
         self.disturbed_until = 0.0  # when the last hang, node loss or partition drawn so far ends
         self.exits: dict[str, int] = {}
@@ -942,8 +944,15 @@ class GroupSimulation:
             live = {s for s in survivors if not self.by_id[s].crashed and not self.by_id[s].gone}
             done = all(any(c[0] > t and c[2] > self._view_at(s, t) for c in self.by_id[s].committed) for s in live)
             if done and live:
-                last = max(min(c[0] for c in self.by_id[s].committed if c[0] > t and c[2] > self._view_at(s, t))
-                           for s in live)
+                first = [min((c for c in self.by_id[s].committed if c[0] > t and c[2] > self._view_at(s, t)))
+                         for s in live]
+                last = max(c[0] for c in first)
+                newest = max((c[1] for w in self.workers.values() for c in w.committed if c[0] <= t), default=0)
+                if min(c[1] for c in first) < newest:
+                    # The survivors went on from an older state than the group's newest (every
+                    # worker that held it is gone): the group started over, it did not recover.
+                    self.started_over.append((kind, round(t, 3)))
+                    continue
                 allowed = max([t] + [x for x in self.fault_times if t < x <= last])
                 (self.recovery if isolated else self.recovery_overlapping).setdefault(kind, []).append(
                     round(last - allowed, 4))
@@ -1000,4 +1009,5 @@ class GroupSimulation:
         return Outcome(self.seed, self.n, violation is None, violation,
                        [(round(t, 3), k, m) for t, k, m in self.fault_log], commits, views,
                        self.recovery, self.recovery_overlapping, settle, self.quorum_survived, self.rolled_back,
-                       round(time.perf_counter() - started, 3), self.min_workers, dict(self.exits), self.recoveries)
+                       round(time.perf_counter() - started, 3), self.min_workers, dict(self.exits), self.recoveries,
+                       self.started_over)
