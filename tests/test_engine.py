@@ -814,3 +814,26 @@ def test_a_member_that_lost_its_view_never_refounds_from_an_older_state_than_the
     c.group_probed(True)
     assert not any(isinstance(a, (PublishProposal, Form)) for a in c.agree(5.0, statuses))
     assert c.state == core.REJOINING
+
+
+def test_a_member_that_lost_its_view_never_counts_on_a_tie_while_a_newer_view_exists():
+    """Simulation seed 6472: a (rank 0 of view 1: a, b, c) hung; b and c went on in view 2,
+    then c was cut off (its record of view 2 never reached a) and b left. A tie of view 1
+    would go to a, but c may be in view 2 and training on: who is in a newer view is not
+    known here, so a waits until c is proven dead."""
+    a = running(engine("a"))
+    a.broken()
+    statuses = {"b": dataclasses.replace(status("b", LEAVING, alive=False, done_ops=(2, 0), step=30), left=True),
+                "c": status("c", cv=1, alive=False, dead=True, step=30),  # its record of view 1: stale
+                "a": published(a, step=30)}
+    a.agree(1.0, statuses)
+    assert a.state == core.REJOINING
+    statuses["a"] = published(a, step=30)
+    probe = next(x for x in a.agree(2.0, statuses) if isinstance(x, core.ProbeGroup))
+    assert probe.members == ("c",)
+    a.group_probed(False)  # c does not answer: cut off, not dead
+    for t in range(20):
+        assert not any(isinstance(x, (PublishProposal, Form)) for x in a.agree(3.0 + 0.1 * t, statuses))
+    a.group_probed(True)  # c's port refuses connections: the process is gone
+    actions, _ = agree_until_form(a, statuses, 6.0)
+    assert actions[-1].view.members == ("a",)

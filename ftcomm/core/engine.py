@@ -732,6 +732,11 @@ class Engine:
             if not self._ended_newer(newer, statuses):
                 return False
             gone |= {s.id for s in newer}  # the group's past: none holds a newer state
+            # The newer view's members are not known here (a record shows a view's id, not
+            # its members): any member of the lost view not gone for sure may be one of them,
+            # its record of that view still on its way. No majority, no tie, will do: every
+            # member of the lost view that is not here left or is proven dead.
+            return self._absent(cand, gone) <= self.proven_gone
         if has_quorum(self.lost, cand.members, gone):
             return True
         absent = self._absent(cand, gone)
