@@ -76,6 +76,34 @@ def test_a_group_is_gone_only_when_every_worker_that_held_a_view_refuses():
     assert driver.group_gone(members)
 
 
+def test_only_the_members_asked_about_that_refuse_are_proven_gone():
+    """A member that lost its view refounds once the members it waits on are gone for sure:
+    each is probed where it can be reached, and only a refusal counts (not an empty probe,
+    not another worker's refusal, not silence)."""
+    unlisted, unaddressable = "10.0.0.3:7946/y", "no-address"
+    statuses = {"a": status("a", cv=1), "b": dataclasses.replace(status("b", cv=1), rendezvous_port=None),
+                "c": status("c", cv=1)}
+    driver, membership, _, prober, _ = driver_for("c", statuses)
+    prober.answers = {("10.0.0.1", 4000): True, ("10.0.0.1", 7001): False, ("10.0.0.3", 7946): True}
+    assert driver.refusing(["a", "b", unlisted, unaddressable, "a"]) == ["a", unlisted]
+    # a at its rendezvous port, b (no rendezvous port published) at its gossip port, the
+    # unlisted one at the port its id names; nothing for an id that names no address
+    assert prober.probed[-1][0] == [("10.0.0.1", 4000), ("10.0.0.1", 7001), ("10.0.0.3", 7946)]
+    assert driver.refusing([]) == []  # nothing asked, nothing proven
+
+
+def test_a_probe_members_action_answers_the_engine_with_the_refusals_only():
+    driver, membership, _, prober, _ = driver_for("c", {"a": status("a", cv=1), "c": status("c", cv=1)})
+    answered = []
+    driver.engine.members_probed = answered.append
+    prober.answers = {("10.0.0.1", 4000): False}
+    driver.perform([core.ProbeMembers(("a", "10.0.0.3:7946/y"))])
+    assert answered == [[]] and membership.recontacts == 1
+    prober.answers[("10.0.0.3", 7946)] = True
+    driver.perform([core.ProbeMembers(("a", "10.0.0.3:7946/y"))])
+    assert answered[-1] == ["10.0.0.3:7946/y"]
+
+
 def test_a_probe_group_action_recontacts_the_seeds_and_answers_the_engine():
     statuses = {"a": status("a", cv=2, alive=False, dead=True), "j": status("j", JOINING, joined_at=5.0)}
     driver, membership, _, prober, clock = driver_for("j", statuses, joined_at=5.0)

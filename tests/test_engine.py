@@ -788,10 +788,10 @@ def test_a_member_that_lost_its_view_refounds_once_the_newer_group_ended_for_sur
     survivor trains on from its state instead of waiting for ever."""
     c, statuses = rejoining_after_the_newer_group_ended()
     actions = c.agree(2.0, statuses)
-    probe = next(a for a in actions if isinstance(a, core.ProbeGroup))
+    probe = next(a for a in actions if isinstance(a, core.ProbeMembers))
     assert probe.members == ("a",)  # b's departure is certain; a is dead only by gossip's word
     assert not any(isinstance(a, (PublishProposal, Form)) for a in c.agree(2.1, statuses))  # not before the answer
-    c.group_probed(True)  # a's port refuses connections
+    c.members_probed(["a"])  # a's port refuses connections
     actions, _ = agree_until_form(c, statuses, 3.0)
     formed = actions[-1].view
     assert formed.members == ("c",) and formed.id > 2  # above every view the ended group formed
@@ -800,9 +800,22 @@ def test_a_member_that_lost_its_view_refounds_once_the_newer_group_ended_for_sur
 def test_a_member_that_lost_its_view_waits_while_a_member_of_the_newer_group_may_live():
     c, statuses = rejoining_after_the_newer_group_ended()
     c.agree(2.0, statuses)
-    c.group_probed(False)  # a does not answer: across a partition, perhaps
+    c.members_probed([])  # a does not answer: across a partition, perhaps
     for t in range(20):
         assert not any(isinstance(a, (PublishProposal, Form)) for a in c.agree(3.0 + 0.1 * t, statuses))
+    assert c.state == core.REJOINING
+
+
+def test_a_member_that_lost_its_view_takes_a_departure_only_from_a_final_record():
+    """b's gossip state says it left, but the record that arrived is an older one (of view 2
+    while it was active): it may have left a newer view that went on without c, and c waits."""
+    c, statuses = rejoining_after_the_newer_group_ended()
+    statuses["b"] = dataclasses.replace(status("b", cv=2, alive=False, step=30), left=True)
+    for t in range(20):
+        actions = c.agree(2.0 + 0.1 * t, statuses)
+        assert not any(isinstance(a, (core.ProbeMembers, PublishProposal, Form)) for a in actions)
+    c.members_probed(["a", "b"])  # (an answer it did not ask for changes nothing)
+    assert not any(isinstance(a, (PublishProposal, Form)) for a in c.agree(5.0, statuses))
     assert c.state == core.REJOINING
 
 
@@ -810,8 +823,8 @@ def test_a_member_that_lost_its_view_never_refounds_from_an_older_state_than_the
     c, statuses = rejoining_after_the_newer_group_ended(step_of_the_newer=31)
     for t in range(20):
         actions = c.agree(2.0 + 0.1 * t, statuses)
-        assert not any(isinstance(a, (core.ProbeGroup, PublishProposal, Form)) for a in actions)
-    c.group_probed(True)
+        assert not any(isinstance(a, (core.ProbeMembers, PublishProposal, Form)) for a in actions)
+    c.members_probed(["a"])
     assert not any(isinstance(a, (PublishProposal, Form)) for a in c.agree(5.0, statuses))
     assert c.state == core.REJOINING
 
@@ -829,11 +842,14 @@ def test_a_member_that_lost_its_view_never_counts_on_a_tie_while_a_newer_view_ex
     a.agree(1.0, statuses)
     assert a.state == core.REJOINING
     statuses["a"] = published(a, step=30)
-    probe = next(x for x in a.agree(2.0, statuses) if isinstance(x, core.ProbeGroup))
+    probe = next(x for x in a.agree(2.0, statuses) if isinstance(x, core.ProbeMembers))
     assert probe.members == ("c",)
-    a.group_probed(False)  # c does not answer: cut off, not dead
+    a.members_probed([])  # c does not answer: cut off, not dead
     for t in range(20):
         assert not any(isinstance(x, (PublishProposal, Form)) for x in a.agree(3.0 + 0.1 * t, statuses))
-    a.group_probed(True)  # c's port refuses connections: the process is gone
+    a.members_probed(["b"])  # an answer about another member proves nothing about c
+    for t in range(20):
+        assert not any(isinstance(x, (PublishProposal, Form)) for x in a.agree(4.0 + 0.1 * t, statuses))
+    a.members_probed(["c"])  # c's port refuses connections: the process is gone
     actions, _ = agree_until_form(a, statuses, 6.0)
     assert actions[-1].view.members == ("a",)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from .view import (ACTIVE, JOINING as PHASE_JOINING, LEAVING as PHASE_LEAVING, Candidate, Status, StatusRecord, View,
                    agreed, candidate, gone_from, has_quorum, superseded, whole_replicas)
@@ -202,6 +203,17 @@ class ProbeGroup:
 
 
 @dataclass(frozen=True)
+class ProbeMembers:
+    """As a member that lost its view and would found a group again: find out which of
+    ``members`` (the members its refounding waits on, every one of them seemingly dead)
+    are gone for sure: the driver probes each at its port, the rendezvous port its record
+    names or the gossip port its id names, and answers with :meth:`Engine.members_probed`
+    naming those that refused a connection (the process is gone, its host answers). One
+    that does not answer may be across a partition: it is not proven gone."""
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Recontact:
     """A member that cannot reach a quorum of its view: send its seeds a join request again.
     Cut off long enough, it may have been forgotten by the group and have forgotten the
@@ -218,7 +230,8 @@ class ProbeSeeds:
     addresses: tuple[tuple[str, int], ...]
 
 
-Action = Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined | ProbeGroup | Recontact | ProbeSeeds
+Action = (Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined | ProbeGroup | ProbeMembers | Recontact
+          | ProbeSeeds)
 
 RECONTACT_MAX_S = 2.0
 """A member without a quorum asks its seeds again after a chase interval, then twice as
@@ -267,8 +280,8 @@ class Engine:
     seen_view: int = 0  # the newest view of this group shown by a member not known to be gone (as of the last look)
     saw_group: int = 0  # as a joiner that never had a view: the newest view of a group it saw (see _may_found)
     group_gone: bool = False  # the driver's answer to the last ProbeGroup
-    proven_gone: frozenset = frozenset()  # as a member that lost its view: the dead ones a ProbeGroup found refusing
-    _probing: frozenset = frozenset()  # the members of the ProbeGroup in flight (see _probe_gone)
+    proven_gone: frozenset = frozenset()  # as a member that lost its view: the dead ones a ProbeMembers found refusing
+    _probing: frozenset = frozenset()  # the members of the ProbeMembers in flight (see _probe_gone)
     _probed_at: float = float("-inf")
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
     witnessed: tuple[int, str] | None = None  # as rank 0 of a large view: its proposal, seen made by every member
@@ -714,10 +727,13 @@ class Engine:
     def group_probed(self, gone: bool) -> None:
         """The answer to a :class:`ProbeGroup` (one without a member list never shows the
         group gone)."""
-        if self.state == REJOINING:
-            self.proven_gone = self._probing if gone else frozenset()
-            return
         self.group_gone = gone and self._group_members() is not None
+
+    def members_probed(self, refused: Iterable[str]) -> None:
+        """The answer to a :class:`ProbeMembers`: these members refused a connection. Only
+        the members it asked about count, and only while it still lost its view."""
+        if self.state == REJOINING:
+            self.proven_gone = frozenset(refused) & self._probing
 
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
         """A member left out of a newer view sees no live group to join. It founds one only
@@ -725,7 +741,7 @@ class Engine:
         that one (the newer group is then merely out of its sight: founding another would
         split the job), unless the newer group ended (see :meth:`_ended_newer`). Members of
         the lost view that are gone for sure do not count: those whose final record arrived,
-        and those dead that refused a connection (a :class:`ProbeGroup`'s answer)."""
+        and those dead that refused a connection (a :class:`ProbeMembers`' answer)."""
         newer = self._newer(statuses)
         gone = gone_from(self.lost, statuses)
         if newer:
@@ -762,26 +778,26 @@ class Engine:
         own = statuses.get(self.id)
         if own is None or any(s.step > own.step for s in newer):
             return False  # the newest state went with them: going on would train from an older one
-        if any(not (s.left or s.dead) for s in newer):
+        if any(not (s.final or s.dead) for s in newer):
             return False
-        return {s.id for s in newer if not s.left} <= self.proven_gone
+        return {s.id for s in newer if not s.final} <= self.proven_gone
 
     def _probe_gone(self, now: float, cand: Candidate, statuses: dict[str, Status]) -> list[Action]:
         """While the members a refounding waits on (the dead that show a newer view, the
-        absent of the lost view) all seem dead, but not all for sure: a :class:`ProbeGroup`
+        absent of the lost view) all seem dead, but not all for sure: a :class:`ProbeMembers`
         of them, every chase interval (a member of the lost view of which no record is left
         here is as good as dead: gossip forgot it)."""
         newer = self._newer(statuses)
         own = statuses.get(self.id)
-        if own is None or any(s.step > own.step or not (s.left or s.dead) for s in newer):
+        if own is None or any(s.step > own.step or not (s.final or s.dead) for s in newer):
             return []
-        gone = gone_from(self.lost, statuses) | {s.id for s in newer if s.left}
-        suspects = self._absent(cand, gone) | {s.id for s in newer if not s.left}
+        gone = gone_from(self.lost, statuses) | {s.id for s in newer if s.final}
+        suspects = self._absent(cand, gone) | {s.id for s in newer if not s.final}
         if (not suspects or any(m in statuses and not statuses[m].dead for m in suspects)
                 or suspects <= self.proven_gone or now - self._probed_at < self.chase_interval):
             return []
         self._probed_at, self._probing = now, suspects
-        return [ProbeGroup(tuple(sorted(suspects)))]
+        return [ProbeMembers(tuple(sorted(suspects)))]
 
     def usable(self, cand: Candidate) -> bool:
         return (self.id in cand.members and len(cand.members) >= self.min_workers * self.replica_size

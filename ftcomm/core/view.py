@@ -112,6 +112,12 @@ class Status:
             return self.current_view
         return self.done_ops[0] if self.done_ops is not None else 0
 
+    @property
+    def final(self) -> bool:
+        """It left, and its final record arrived: it names the view it left (a ``left`` gossip
+        state with an older record may hide a newer view it left)."""
+        return self.left and self.phase == LEAVING and self.done_ops is not None
+
     @classmethod
     def from_metadata(cls, member_id: str, gossip_state: str, meta: dict) -> "Status | None":
         """Decode; None when the record is not an ftcomm worker's (or is malformed). An optional
@@ -256,7 +262,7 @@ def gone_from(previous: View | None, statuses: dict[str, Status]) -> set[str]:
     # counts: with an older record, or none naming a view (it had lost its view), it may
     # have left a newer view this member never saw.
     return {s.id for s in statuses.values()
-            if (s.left and s.phase == LEAVING and s.done_ops is not None and s.done_ops[0] <= limit)
+            if (s.final and s.done_ops[0] <= limit)
             or (s.benched is not None and s.benched == limit)}
 
 

@@ -27,8 +27,8 @@ import statistics
 from typing import Callable, Iterable, NamedTuple
 
 from ..core import engine as core
-from ..core.engine import (Action, Announce, Engine, Fetch, Form, ProbeGroup, ProbeSeeds, Publish, PublishProposal,
-                           Recontact, Rejoined, Sync)
+from ..core.engine import (Action, Announce, Engine, Fetch, Form, ProbeGroup, ProbeMembers, ProbeSeeds, Publish,
+                           PublishProposal, Recontact, Rejoined, Sync)
 from ..core.view import Status, View, group_ended, replica_broken
 from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, GroupEnded,
                       MembershipChanged, ReplicaLost)
@@ -191,6 +191,9 @@ class Driver:
             elif isinstance(action, ProbeGroup):
                 ports.membership.recontact_seeds()
                 engine.group_probed(action.members is not None and self.group_gone(action.members))
+            elif isinstance(action, ProbeMembers):
+                ports.membership.recontact_seeds()
+                engine.members_probed(self.refusing(action.members))
             elif isinstance(action, Rejoined):
                 self.notice(f"{engine.id} rejoins the group as a new member: {action.why}")
                 engine.joined_at = ports.clock.wall()
@@ -392,6 +395,26 @@ class Driver:
             return
         self._stall_probed = now
         self.ports.membership.probe_now([m for m in view.members if m != self.engine.id])
+
+    def refusing(self, members: Iterable[str]) -> list[str]:
+        """Which of ``members`` refuse connections (the process is gone): each probed at the
+        rendezvous port its record names, else at the port of its gossip record, else at the
+        gossip port its id names. One that cannot be addressed, or does not answer, is not
+        among them."""
+        records = {record.id: record for record in self.ports.membership.records()}
+        targets: dict[str, tuple[str, int]] = {}
+        for member in dict.fromkeys(members):
+            record = records.get(member)
+            if record is None:
+                address = member_address(member)
+            elif record.status is not None and record.status.rendezvous_port is not None:
+                address = (record.host, record.status.rendezvous_port)
+            else:
+                address = (record.host, record.port)
+            if address is not None:
+                targets[member] = address
+        refused = self.ports.prober.refused(list(targets.values()), core.PROBE_TIMEOUT_S)
+        return [member for member, gone in zip(targets, refused) if gone]
 
     def group_gone(self, members: Iterable[str]) -> bool:
         """Whether every worker of this job that held a view and has not left refuses
