@@ -229,7 +229,7 @@ def test_a_replica_that_received_some_of_its_shards_only_is_a_joiner_again_as_a_
     assert transfer.args[1:] == (0, True, 0)  # from replica A (view replica 0), loaded
     transfer.done(5)
     decide = phase.until("replica_decide")
-    assert decide.args == (("reconcile", 2, world.engine.view.digest), True)
+    assert decide.args == (("reconcile", 2, world.engine.view.digest, 1), True)
     decide.done(False)
     assert phase.done and world.engine.state == core.BROKEN and world.loop.step == 5
     world.engine.broken()
@@ -244,6 +244,24 @@ def test_a_replica_whose_every_shard_received_the_state_runs_the_view():
     decide.done(True)
     assert phase.done and world.engine.state == core.RUNNING and world.loop.step == 5
     assert not world.engine.joined_unreconciled
+
+
+def test_a_second_reconcile_in_the_same_view_is_a_decision_of_its_own():
+    # A restore in a running view reconciles again: its vote must not land in the slot the
+    # first reconcile's votes filled (write-once: it would read their answer, not its own).
+    world, phase = joining_replica_process(0)
+    phase.until("gather_states").done(summaries(5, 5, 0, 0))
+    phase.until("transfer").done(5)
+    first = phase.until("replica_decide")
+    first.done(True)
+    assert phase.done and world.engine.state == core.RUNNING
+    world.engine.restored()
+    again = Phase(world.loop.boundary())
+    again.until("gather_states").done(summaries(5, 5, 5, 5))
+    second = again.until("replica_decide")
+    assert second.args[0] != first.args[0] and second.args[0][:3] == first.args[0][:3]
+    second.done(True)
+    assert again.done and world.engine.state == core.RUNNING
 
 
 def test_shards_whose_newest_states_are_of_different_steps_end_in_state_lost():

@@ -85,6 +85,7 @@ class WorkerLoop:
         self.formations = 0  # views formed (and verified) by this worker
         self._settled = 0  # views formed before this worker's last completed gradient step or call
         self._reductions = 0  # gradient reductions started in the current view (names a step's replica decision)
+        self._reconciles = 0  # reconciles (after forming, after a restore) in the current view: names their decisions
         self.aligned = True  # every member of the last view formed was at the same position
         ports.communicators.attach(lambda: self.news.abort)
         ports.collective.attach(self.contribution, self.may_overlap)
@@ -231,7 +232,7 @@ class WorkerLoop:
             yield comms.form_shard(view)
         self.aligned = verified[6] == -verified[7]  # the lowest position is the highest: all at one place
         self.formations += 1
-        self._reductions = 0
+        self._reductions = self._reconciles = 0
         return Formed(verified[2] == 1 and verified[3] == 1, verified[4] == 1)
 
     def _reconcile_formed(self) -> Step[Reconciled]:
@@ -273,7 +274,9 @@ class WorkerLoop:
             if received is not None:
                 self.step = received
                 loaded, digest = True, state.digest(received)
-        if k > 1 and not (yield from self._replica_decides(("reconcile", view.id, view.digest), True)):
+        self._reconciles += 1  # (a restore reconciles again in the same view: a decision of its own)
+        if k > 1 and not (yield from self._replica_decides(("reconcile", view.id, view.digest, self._reconciles),
+                                                           True)):
             # Another process of this replica did not receive its shard (its source died):
             # the replica holds no whole state, and is a joiner again as a whole.
             raise CollectiveAborted(f"a process of this sharded replica did not receive its shard of view "
