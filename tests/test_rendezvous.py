@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -370,3 +373,19 @@ def test_abandoned_formations_leave_no_sockets_or_threads_behind():
         assert more_fds - fds <= 8 and more_threads - threads <= 2, (fds, more_fds, threads, more_threads)
     finally:
         r.close()
+
+
+def test_probes_run_from_an_exit_hook_still_answer():
+    """A worker leaving from its exit hook probes its peers while the interpreter shuts
+    down, when no thread pool takes new work: the probes run one by one instead."""
+    code = textwrap.dedent("""
+        import atexit, socket
+        from ftcomm.runtime.rendezvous import refused_many
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()  # nothing listens there: refused
+        atexit.register(lambda: print("probed", refused_many([("127.0.0.1", port)] * 2)))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "probed [True, True]" in out.stdout, out.stderr

@@ -6,16 +6,17 @@ every seed of the whole-group simulation: tests/test_groupsim.py.)"""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 
 from ftcomm.core import engine as core
-from ftcomm.core.view import JOINING, Status, View
+from ftcomm.core.view import JOINING, LEAVING, Status, StatusRecord, View
 from ftcomm.errors import (CollectiveAborted, CommunicatorError, FtcommTimeout, OutOfStep, QuorumLost,
                            RetryLimitExceeded, StateLost)
 from ftcomm.options import GroupOptions
 from ftcomm.runtime.ports import Contribution, Counters, Formed, StateSummary
-from tests.conftest import status
+from tests.conftest import CFG, status
 from tests.fakeports import Op, Phase, World, world_for
 
 
@@ -185,6 +186,31 @@ def test_a_failed_step_re_forms_and_returns_false_and_too_many_in_a_row_raise():
     with pytest.raises(RetryLimitExceeded, match="2 steps in a row"):
         step.settle()
     assert world.engine.state == core.BROKEN  # re-formed at the next call
+
+
+def test_a_member_that_left_after_deciding_the_step_lets_this_replica_decide_it_too():
+    """b0 and b1 committed the step and left (the end of the job) while this replica still
+    decides it: the departure is held until the decision is in, and the step commits here
+    as it did there (the departure, judged first, made this replica alone discard it)."""
+    statuses = {m: status(m, cv=1, replica=("A" if m < "b" else "B", m[-1] == "1" and 1 or 0, 2))
+                for m in ("a0", "a1", "b0", "b1")}
+    world = world_for("a0", statuses, replica=("A", 0, 2))
+    view = View(1, ("a0", "a1", "b0", "b1"))
+    world.engine.view, world.engine.state = view, core.RUNNING
+    step = Phase(world.loop.gradient_step())
+    step.until("reduce").done(Counters(2.0, 0.0, ()))
+    step.until("view_sum").done([4.0, 0.0])
+    decide = step.until("replica_decide")
+    for member in ("b0", "b1"):  # their final records: this view, one operation completed
+        record = StatusRecord(LEAVING, 0, (1, view.digest), 0.0, CFG, 1, 4000, done_ops=(1, 1),
+                              view_digest=view.digest)
+        world.loop.news.post(types.SimpleNamespace(kind="left", member=types.SimpleNamespace(
+            id=member, state="left", metadata=record.encode())))
+    world.loop.news.judge()
+    assert world.loop.news.abort.reason is None  # held while the step is decided here
+    decide.done(True)
+    assert step.done and step.result is True and world.loop.step == 1
+    assert world.loop.news.abort.reason is not None  # then the view re-forms without them
 
 
 def test_a_step_a_partner_of_the_replica_did_not_complete_breaks_the_view_here_too():
@@ -361,3 +387,37 @@ def test_leaving_says_so_lets_the_others_finish_and_stops_the_gossip():
     assert leave.done and world.membership.stopped and world.engine.state == core.CLOSED
     assert world.membership.exchanged and world.comms.abandoned >= 1
     assert list(world.loop.leave()) == []  # a second call does nothing
+
+
+def test_a_leaver_waits_for_a_suspect_member_still_in_its_view():
+    """On a busy host a slower member may be suspect for a moment while it still reads the
+    operation this worker completed: it has not moved on, so the leaver's connections stay
+    up (at most leave_grace). Dead, its port refusing connections, or no longer proposing
+    the view, it has moved on."""
+    world = running()
+    world.loop.operation_done()
+    world.membership.shown["b"] = dataclasses.replace(world.membership.shown["b"], alive=False)  # suspect
+    leave = Phase(world.loop.leave())
+    spread = world.clock.t + world.membership.propagate_time()
+    while world.clock.t < spread + 0.2:
+        world.clock.t += 0.05
+        leave.step()
+    assert not leave.done and not world.membership.stopped
+    world.membership.shown["b"] = dataclasses.replace(world.membership.shown["b"], dead=True)
+    world.clock.t += 0.05
+    leave.step()
+    assert leave.done and world.membership.stopped
+
+
+def test_a_leaver_does_not_wait_for_a_suspect_whose_port_refuses():
+    world = running()
+    world.loop.operation_done()
+    world.membership.shown["b"] = dataclasses.replace(world.membership.shown["b"], alive=False)  # suspect
+    world.prober.answers = {("10.0.0.1", 4000): True}  # its process is gone (b's rendezvous port)
+    began = world.clock.t
+    leave = Phase(world.loop.leave())
+    while not leave.done and world.clock.t < began + 5:
+        world.clock.t += 0.01
+        leave.step()
+    # gone once the notice spread, well before the grace (0.5 s here) runs out
+    assert leave.done and world.clock.t - began < world.membership.propagate_time() + 0.1

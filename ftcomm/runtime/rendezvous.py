@@ -150,8 +150,13 @@ def refused_many(addresses: list[tuple[str, int]], timeout: float = 0.25, settle
     """:func:`refused` for several addresses at once."""
     if not addresses:
         return []
-    with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
-        return list(pool.map(lambda a: refused(a[0], a[1], timeout, settle), addresses))
+    if len(addresses) > 1:
+        try:
+            with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
+                return list(pool.map(lambda a: refused(a[0], a[1], timeout, settle), addresses))
+        except RuntimeError:  # the interpreter is shutting down (a leave from an exit hook): one by one
+            pass
+    return [refused(host, port, timeout, settle) for host, port in addresses]
 
 
 class StoreServer:

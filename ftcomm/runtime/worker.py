@@ -468,9 +468,13 @@ class WorkerLoop:
             self._end_step(False)
             return False
         engine.count_success()
-        self.completed()
         verdict = driver.step_reduced(counters, bool(self.state.participants("batch_valid")))
         commit = yield from self._replica_decides(decision, verdict)
+        # Completed only now: a member that leaves after deciding this step counts it done,
+        # and the departure is held while this worker's replica still decides it (counted
+        # before the decision, the news aborted the decision, and this replica alone
+        # discarded the step every other replica committed).
+        self.completed()
         if verdict and not commit:
             self._partner_failed()
         if commit:
@@ -697,8 +701,15 @@ class WorkerLoop:
             return True
         key = (view.id, view.digest)
         statuses, _ = self.driver.statuses()
+        # A suspect counts unless its port refuses a connection (the process is gone): a
+        # member slow to answer on a busy host may be the one still reading the operation
+        # this worker completed.
         running = [m for m in view.members if m != self.engine.id and m in statuses
-                   and statuses[m].alive and statuses[m].proposal == key]
+                   and not (statuses[m].dead or statuses[m].left) and statuses[m].proposal == key]
+        suspects = [m for m in running if not statuses[m].alive]
+        if suspects:
+            gone = set(self.driver.refusing(suspects))
+            running = [m for m in running if m not in gone]
         if running:
             yield self.ports.membership.exchange(running[:1], timeout=0.1)
         return not running
