@@ -58,15 +58,13 @@ class GroupOptions:
     again, the one whose view is older (at equal ids: whose view digest is lower) rejoins
     the other and takes its state, losing the steps it committed meanwhile."""
 
-    leave_grace: float = 10.0
+    leave_grace: float = 2.0
     """A member that leaves gracefully after completing the group operation (gradient step
     or collective) this worker is still in has already sent its share of it: the operation
     is let finish (up to this many seconds) before the view is re-formed, instead of being
     aborted. Crashes and hangs abort at once. A leaving worker, for its part, stays
-    reachable until the others moved on, at most this long after its last operation. Both
-    waits end as soon as the operation does: the bound only matters on a busy host, where
-    a slower member may need seconds to read the last operation (at the end of a job, a
-    member that missed the last step would find nobody left to take it from)."""
+    reachable until the others moved on, at most this long after its last operation (a
+    suspect member whose port still accepts connections has not moved on)."""
 
     stall_probe_after: float = 0.05
     """A collective still waiting this long after this worker handed over its share, and 4
