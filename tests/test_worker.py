@@ -262,25 +262,29 @@ def test_a_replica_that_received_some_of_its_shards_only_is_a_joiner_again_as_a_
     assert world.engine.state == core.JOINING and world.engine.view is None  # a joiner again
 
 
-def test_a_replica_whose_every_shard_received_the_state_runs_the_view():
+def reconciled_replica_process() -> tuple[World, Op]:
+    """Shard 0 of replica B once every shard of it received the state of step 5 (its
+    replica decided the reconcile: the decision returned)."""
     world, phase = joining_replica_process(0)
     phase.until("gather_states").done(summaries(5, 5, 0, 0))
     phase.until("transfer").done(5)
     decide = phase.until("replica_decide")
     decide.done(True)
-    assert phase.done and world.engine.state == core.RUNNING and world.loop.step == 5
+    assert phase.done
+    return world, decide
+
+
+def test_a_replica_whose_every_shard_received_the_state_runs_the_view():
+    world, _ = reconciled_replica_process()
+    assert world.engine.state == core.RUNNING and world.loop.step == 5
     assert not world.engine.joined_unreconciled
 
 
 def test_a_second_reconcile_in_the_same_view_is_a_decision_of_its_own():
     # A restore in a running view reconciles again: its vote must not land in the slot the
     # first reconcile's votes filled (write-once: it would read their answer, not its own).
-    world, phase = joining_replica_process(0)
-    phase.until("gather_states").done(summaries(5, 5, 0, 0))
-    phase.until("transfer").done(5)
-    first = phase.until("replica_decide")
-    first.done(True)
-    assert phase.done and world.engine.state == core.RUNNING
+    world, first = reconciled_replica_process()
+    assert world.engine.state == core.RUNNING
     world.engine.restored()
     again = Phase(world.loop.boundary())
     again.until("gather_states").done(summaries(5, 5, 5, 5))

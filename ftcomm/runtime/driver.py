@@ -71,6 +71,15 @@ def member_address(member_id: str) -> Address | None:
     return (host, port) if 0 < port <= 65535 else None
 
 
+def probe_address(record) -> Address:
+    """Where a member in the gossip table is probed for a refusal: the rendezvous port its
+    status record names, else its gossip port."""
+    status = record.status
+    if status is not None and status.rendezvous_port is not None:
+        return (record.host, status.rendezvous_port)
+    return (record.host, record.port)
+
+
 class Look(NamedTuple):
     """What one look at the membership came to: the view to form now (None: none yet), and
     whether a proposal was fetched or this member's own published (the next look is due at
@@ -405,12 +414,7 @@ class Driver:
         targets: dict[str, tuple[str, int]] = {}
         for member in dict.fromkeys(members):
             record = records.get(member)
-            if record is None:
-                address = member_address(member)
-            elif record.status is not None and record.status.rendezvous_port is not None:
-                address = (record.host, record.status.rendezvous_port)
-            else:
-                address = (record.host, record.port)
+            address = member_address(member) if record is None else probe_address(record)
             if address is not None:
                 targets[member] = address
         refused = self.ports.prober.refused(list(targets.values()), core.PROBE_TIMEOUT_S)
@@ -431,8 +435,7 @@ class Driver:
             if record.id == engine.id or status is None or status.left or status.config != engine.config \
                     or status.last_view == 0:
                 continue
-            targets.append((record.host, status.rendezvous_port if status.rendezvous_port is not None
-                            else record.port))
+            targets.append(probe_address(record))
         unlisted = list(dict.fromkeys(a for a in (member_address(m) for m in members if m not in listed)
                                       if a is not None))
         refused = self.ports.prober.refused(targets + unlisted, core.PROBE_TIMEOUT_S)
