@@ -107,6 +107,11 @@ def assert_per_shard_invariants(job: Job, steps: int, first_step: int = 1, stopp
     assert sorted(by_step) == list(range(first_step, steps + 1))
     first = by_step[first_step][0]
     position = (first["epoch"], first["start"]) if first_step > 1 else (0, 0)
+    # A replica whose decision on a step broke after the step's gradients were reduced (a
+    # member seemed hung on a loaded machine) does not commit it and reports no share; the
+    # others committed it (with a sampler, only a step every rank contributed to commits),
+    # and the next view gives that replica the very state of the step.
+    received = {e["step"] for e in job.of("view") if e["state_digest"] is not None}
     seen: dict[int, set] = collections.defaultdict(set)
     for step in range(first_step, steps + 1):
         shares = by_step[step]
@@ -114,7 +119,9 @@ def assert_per_shard_invariants(job: Job, steps: int, first_step: int = 1, stopp
         assert len(plans) == 1, f"step {step} was planned differently: {plans}"
         epoch, start, size, world = plans.pop()
         unreported = set(range(world)) - set(shares)
-        assert unreported <= stopped, f"step {step}: ranks {sorted(shares)} of {world} reported"
+        whole = all({r // SHARDS * SHARDS + i for i in range(SHARDS)} <= unreported for r in unreported)
+        assert unreported <= stopped or (step in received and whole), \
+            f"step {step}: ranks {sorted(shares)} of {world} reported"
         stopped = stopped - unreported  # once each: the step it was stopped in
         if (epoch, start) != position:
             assert start == 0 and epoch == position[0] + 1, f"step {step} starts at {(epoch, start)}, not {position}"
