@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.log_indices:
                     share = sampler.committed
                     emit(ev="batch", step=ft.step, epoch=share.epoch, start=share.start, size=share.size,
-                         world=share.world, idx=sampler.indices(share) if share.count else [])
+                         world=share.world, pid=os.getpid(), idx=sampler.indices(share) if share.count else [])
                 if awaiting_commit:
                     awaiting_commit = False
                     emit(ev="first_step", pid=os.getpid(), view_id=ft.view.id, step=ft.step, since_init_s=time.time() - init_started,

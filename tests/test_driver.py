@@ -92,6 +92,20 @@ def test_only_the_members_asked_about_that_refuse_are_proven_gone():
     assert driver.refusing([]) == []  # nothing asked, nothing proven
 
 
+def test_a_member_whose_address_another_live_process_answers_from_is_gone_without_a_probe():
+    """One port, one process: a member started again at the dead one's gossip address (as a
+    launcher restarts it) proves the old process gone, whatever its rendezvous port does.
+    A record that never answered this member directly proves nothing (it may be forged)."""
+    statuses = {"n": status("n", JOINING, joined_at=5.0), "c": status("c", cv=1)}  # n answers at 10.0.0.1:7000
+    driver, membership, _, prober, _ = driver_for("c", statuses)
+    membership.unconfirmed["f"] = status("f", JOINING)  # unconfirmed, at 10.0.0.9:7000
+    old, elsewhere, forged = "10.0.0.1:7000/old", "10.0.0.1:7005/old", "10.0.0.9:7000/old"
+    prober.answers = {}
+    assert driver.refusing([old, elsewhere, forged]) == [old]
+    assert prober.probed[-1][0] == [("10.0.0.1", 7005), ("10.0.0.9", 7000)]  # the old one: not probed
+    assert driver.refusing(["n"]) == []  # (a member is not its own replacement)
+
+
 def test_a_probe_members_action_answers_the_engine_with_the_refusals_only():
     driver, membership, _, prober, _ = driver_for("c", {"a": status("a", cv=1), "c": status("c", cv=1)})
     answered = []

@@ -97,11 +97,13 @@ def test_a_member_without_a_quorum_asks_its_seeds_to_let_it_in_again_once_per_ch
     e.broken()
     statuses = {"a": status("a", cv=1), "b": status("b", cv=1, alive=False, dead=True),
                 "c": status("c", cv=1, alive=False, dead=True)}
-    assert e.agree(5.0, statuses) == [Recontact()]
-    assert e.agree(5.3, statuses) == []
-    assert e.agree(5.7, statuses) == [Recontact()] and e.state == core.AGREEING
-    assert e.agree(6.5, statuses) == []  # then twice as long each time
-    assert e.agree(6.95, statuses) == [Recontact()]
+    def recontacts(now: float) -> list:
+        return [a for a in e.agree(now, statuses) if not isinstance(a, core.ProbeMembers)]  # (b and c: no answer)
+    assert recontacts(5.0) == [Recontact()]
+    assert recontacts(5.3) == []
+    assert recontacts(5.7) == [Recontact()] and e.state == core.AGREEING
+    assert recontacts(6.5) == []  # then twice as long each time
+    assert recontacts(6.95) == [Recontact()]
 
 
 def test_a_member_below_min_workers_with_its_quorum_waits_for_workers_without_recontacting():
@@ -795,6 +797,62 @@ def test_a_member_that_lost_its_view_refounds_once_the_newer_group_ended_for_sur
     actions, _ = agree_until_form(c, statuses, 3.0)
     formed = actions[-1].view
     assert formed.members == ("c",) and formed.id > 2  # above every view the ended group formed
+
+
+def test_the_survivor_of_a_view_of_two_goes_on_once_rank_0_is_proven_dead():
+    """A tie goes to rank 0, so b alone is no quorum of view 1 (a, b): it probes a, and a
+    refused connection (a's process is gone, its host answers) takes a out of the count."""
+    b = running(engine("b"), members=("a", "b"))
+    b.broken()
+    statuses = {"a": status("a", cv=1, alive=False, dead=True), "b": published(b)}
+    actions = b.agree(1.0, statuses)
+    probe = next(a for a in actions if isinstance(a, core.ProbeMembers))
+    assert probe.members == ("a",)
+    assert not any(isinstance(a, (PublishProposal, Form)) for a in b.agree(1.1, statuses))  # not before the answer
+    b.members_probed(["a"])
+    actions, _ = agree_until_form(b, statuses, 2.0)
+    assert actions[-1].view == View(2, ("b",))
+
+
+def test_the_survivor_of_a_view_of_two_waits_while_rank_0_does_not_answer():
+    """Silence is no proof: a may be across a partition, training on (a tie is its)."""
+    b = running(engine("b"), members=("a", "b"))
+    b.broken()
+    statuses = {"a": status("a", cv=1, alive=False, dead=True), "b": published(b)}
+    b.agree(1.0, statuses)
+    b.members_probed(["c"])  # no answer from a (an answer it did not ask for changes nothing)
+    probed = []
+    for t in range(60):
+        actions = b.agree(1.1 + 0.1 * t, statuses)
+        assert not any(isinstance(a, (PublishProposal, Form)) for a in actions)
+        if any(isinstance(a, core.ProbeMembers) for a in actions):
+            probed.append(1.1 + 0.1 * t)
+            b.members_probed([])  # no answer (the driver answers at once)
+    # Probed every chase interval while a was seen alive lately (4 chase intervals: 2.4 s
+    # after b began to agree at 1.0); not after: lost sight of for longer, a may have gone
+    # on without b in a newer view before it died.
+    assert len(probed) >= 2 and max(probed) <= 1.0 + 4 * 0.6 + 1e-9, probed
+    b.members_probed(["a"])  # (an answer is for the probe it follows at once: this one is none)
+    assert not any(isinstance(a, (PublishProposal, Form)) for a in b.agree(8.0, statuses))
+    # Seen alive again, a is probed again once it is not (alive, but not usable here, it answers).
+    leaving = {**statuses, "a": status("a", LEAVING, cv=1)}
+    assert not any(isinstance(a, core.ProbeMembers) for a in b.agree(9.0, leaving))
+    assert any(isinstance(a, core.ProbeMembers) for a in b.agree(10.0, statuses))
+
+
+def test_some_members_proven_dead_leave_a_majority_of_the_rest():
+    """View (a, b, c, d): c and d are a tie without rank 0. a's port refuses, b's does not
+    answer: of b, c and d, the two here are a majority."""
+    c = running(engine("c"), members=("a", "b", "c", "d"))
+    c.broken()
+    statuses = {"a": status("a", cv=1, alive=False, dead=True), "b": status("b", cv=1, alive=False),
+                "c": published(c), "d": status("d", cv=1)}
+    probe = next(x for x in c.agree(1.0, statuses) if isinstance(x, core.ProbeMembers))
+    assert probe.members == ("a", "b")
+    c.members_probed(["a"])
+    statuses["d"] = status("d", cv=1)
+    actions, _ = agree_until_form(c, statuses, 2.0)
+    assert actions[-1].view.members == ("c", "d")
 
 
 def test_a_member_that_lost_its_view_waits_while_a_member_of_the_newer_group_may_live():

@@ -20,6 +20,10 @@ from ftcomm.runtime.worker import WorkerLoop
 
 pytestmark = pytest.mark.timeout(900)  # generous: the seeds are CPU-bound and CI machines may be loaded
 
+AS_FOUND = {"keep_live": 2}
+"""The seeds below were found when faults struck only while more than two workers (or
+replicas) lived: each replays its race in that world."""
+
 
 def test_five_hundred_random_seeds_keep_every_invariant():
     outcomes = run_seeds(list(range(500)), processes=2)
@@ -112,13 +116,13 @@ def test_a_member_cut_off_mid_step_confirms_before_committing():
     """After a hang or a short node loss, the member's old collective can still complete (the
     others' abandoned communicators finish it). It exchanges state with a view member first,
     sees the view moved on, and discards the step: no commit has to be rolled back."""
-    outcomes = run_seeds(HANG_AND_NODE_LOSS_SEEDS)
+    outcomes = run_seeds(HANG_AND_NODE_LOSS_SEEDS, **AS_FOUND)
     assert all(o.ok for o in outcomes) and sum(o.rolled_back for o in outcomes) == 0
 
 
 def test_without_the_confirmation_such_steps_commit_and_are_rolled_back(monkeypatch):
     monkeypatch.setattr(Driver, "confirmation", lambda self, *args: None)  # the driver's check, off
-    assert sum(o.rolled_back for o in run_seeds(HANG_AND_NODE_LOSS_SEEDS)) > 0
+    assert sum(o.rolled_back for o in run_seeds(HANG_AND_NODE_LOSS_SEEDS, **AS_FOUND)) > 0
 
 
 def test_a_straggler_chosen_by_a_step_stands_aside_and_returns_after_its_cooldown():
@@ -163,9 +167,9 @@ def test_a_rejoiner_that_sees_no_group_founds_none(monkeypatch):
     unconfirmed) and, founding its own, split the job; it now waits to join. (515, 777, 936,
     1150 and 1396 found it first; 87 and 91 strike it in today's world.)"""
     seeds = [87, 91]
-    assert all(o.ok for o in run_seeds(seeds))
+    assert all(o.ok for o in run_seeds(seeds, **AS_FOUND))
     monkeypatch.setattr(core.Engine, "_may_refound", lambda self, cand, statuses: True)
-    violations = [o for o in run_seeds(seeds) if not o.ok]
+    violations = [o for o in run_seeds(seeds, **AS_FOUND) if not o.ok]
     assert violations, "a rejoiner founding its own group should split some of these seeds"
     assert f"python -m ftcomm.groupsim --seed {violations[0].seed}" in violations[0].violation
 
@@ -226,7 +230,7 @@ def test_a_view_that_formed_only_on_a_member_that_died_does_not_hold_the_others_
     member before anyone runs it, a view forms on the joiner only in the instant between
     the others' contributions to the verification and their observing it, and these
     schedules no longer reach that instant."""
-    outcomes = run_seeds([4530, 12348]) + [joiner_crashes_as_the_lost_node_returns(seed) for seed in (1, 2)]
+    outcomes = run_seeds([4530, 12348], **AS_FOUND) + [joiner_crashes_as_the_lost_node_returns(seed) for seed in (1, 2)]
     assert all(o.ok for o in outcomes), next(o.violation for o in outcomes if not o.ok)
 
 
@@ -346,10 +350,10 @@ GUARDS = {
 @pytest.mark.parametrize("guard", sorted(GUARDS))
 def test_a_guard_of_the_shipped_loop_switched_off_breaks_an_invariant(guard, monkeypatch):
     (name, replacement), seeds, shows, k = GUARDS[guard]
-    assert all(o.ok for o in run_seeds(seeds, replica_size=k))
+    assert all(o.ok for o in run_seeds(seeds, replica_size=k, **AS_FOUND))
     owner = Stragglers if name == "chosen" else WorkerLoop
     monkeypatch.setattr(owner, name, replacement)
-    violations = [o for o in run_seeds(seeds, replica_size=k) if not o.ok]
+    violations = [o for o in run_seeds(seeds, replica_size=k, **AS_FOUND) if not o.ok]
     assert violations and all(shows in o.violation for o in violations), [o.violation for o in violations]
 
 
@@ -367,18 +371,18 @@ def test_a_collective_between_steps_waits_for_the_boundary_to_admit_a_joiner(mon
     (OutOfStep, which the scripts tolerate as the guide says). With joins at the step
     boundary only, none is."""
     seeds = [0, 9, 14]
-    assert not any(o.exits.get("OutOfStep (tolerated)") for o in run_seeds(seeds))
+    assert not any(o.exits.get("OutOfStep (tolerated)") for o in run_seeds(seeds, **AS_FOUND))
     monkeypatch.setattr(core.Engine, "due", lambda self, boundary=True: core.BOUNDARY.get(self.state, "resume"))
-    assert all(o.exits.get("OutOfStep (tolerated)") for o in run_seeds(seeds))
+    assert all(o.exits.get("OutOfStep (tolerated)") for o in run_seeds(seeds, **AS_FOUND))
 
 
 def test_a_call_between_steps_that_finds_the_members_elsewhere_is_not_run(monkeypatch):
     """Without OutOfStep, a worker back from a partition with the group's newer state runs
     again the metric of a step the group passed, and waits in it for ever."""
     seeds = [7, 72, 91]
-    assert all(o.ok for o in run_seeds(seeds))
+    assert all(o.ok for o in run_seeds(seeds, **AS_FOUND))
     monkeypatch.setattr(WorkerLoop, "_check_in_step", lambda self, replaced, what: None)
-    violations = [o for o in run_seeds(seeds) if not o.ok]
+    violations = [o for o in run_seeds(seeds, **AS_FOUND) if not o.ok]
     assert violations and all("invariant 6" in o.violation for o in violations)
 
 
@@ -387,7 +391,7 @@ def test_a_replica_that_received_some_of_its_shards_only_never_runs_with_its_sha
     reconcile; one of its processes had received its shard, the other had not. That one ran
     the view alone, and the next view started the replica's shards a step apart. A replica
     now takes a state all or none (tests/test_worker.py shows each step)."""
-    outcomes = run_seeds([2673, 4309], replica_size=2)
+    outcomes = run_seeds([2673, 4309], replica_size=2, **AS_FOUND)
     assert all(o.ok for o in outcomes), [o.violation for o in outcomes]
 
 
@@ -396,12 +400,12 @@ def test_a_member_left_out_of_a_group_that_ended_trains_on():
     left) while the other rejoined; the records of the newer view outlived it, and the
     survivor, holding the newest state, waited for ever. It now refounds once every member
     of the newer view left or refuses connections (tests/test_engine.py shows the rule)."""
-    outcomes = run_seeds([279, 602], replica_size=2)
+    outcomes = run_seeds([279, 602], replica_size=2, **AS_FOUND)
     assert all(o.ok for o in outcomes), [o.violation for o in outcomes]
     assert all(o.commits > 300 for o in outcomes)
     # Seed 6472 (plain): not on a tie of the view it lost, while a member of it that may be
     # in the newer view lives on (tests/test_engine.py shows the rule).
-    outcome = run_seeds([6472])[0]
+    outcome = run_seeds([6472], **AS_FOUND)[0]
     assert outcome.ok, outcome.violation
 
 
@@ -409,7 +413,7 @@ def test_a_group_that_started_over_is_not_counted_as_recovered():
     """Seed 412 of replicas: every replica that held the state left, died or was cut off;
     the replicas left founded anew at step 0. That is no recovery, and its time (from the
     last worker's start to a fresh group's first commit) is not among the recoveries'."""
-    outcome = run_seeds([412], replica_size=2)[0]
+    outcome = run_seeds([412], replica_size=2, **AS_FOUND)[0]
     assert outcome.ok, outcome.violation
     assert {kind for kind, _ in outcome.started_over} >= {"leave", "crash", "hang"}
     struck = {t for _, t in outcome.started_over}
@@ -421,7 +425,7 @@ def test_a_straggler_standing_aside_counts_as_gone_for_the_majority_of_its_view(
     cut rank 1 off from rank 2. Without the straggler the two are a tie, which goes to the
     lower rank: the cut-off worker alone goes on (one group), the other waits; the
     simulation's check counts the straggler gone too, as the engine's quorum rule does."""
-    outcome = run_seeds([1900])[0]
+    outcome = run_seeds([1900], **AS_FOUND)[0]
     assert outcome.ok, outcome.violation
     assert any(kind == "node_loss" for kind, *_ in outcome.recoveries)
 
@@ -429,9 +433,9 @@ def test_a_straggler_standing_aside_counts_as_gone_for_the_majority_of_its_view(
 def test_a_fresh_group_needs_a_majority_of_its_job(monkeypatch):
     """Seed 1051: without the majority, two workers founded a group while the group that
     held the newest state lived on."""
-    assert run_seeds([1051])[0].ok
+    assert run_seeds([1051], **AS_FOUND)[0].ok
     monkeypatch.setattr(core.Engine, "_may_found_with", lambda self, cand, seeds: True)
-    outcome = run_seeds([1051])[0]
+    outcome = run_seeds([1051], **AS_FOUND)[0]
     assert not outcome.ok and "invariant 4" in outcome.violation
 
 
@@ -442,3 +446,71 @@ def test_production_code_never_imports_the_simulation():
     for path in [*root.glob("core/*.py"), *root.glob("runtime/*.py"), *root.glob("training/*.py"),
                  *root.glob("backends/*.py"), *root.glob("gossip/*.py"), *root.glob("ops/*.py"), root / "group.py"]:
         assert not re.search(r"^\s*(from|import)\s+(ftcomm\.|\.+)?(sim|groupsim)\b", path.read_text(), re.M), path
+
+
+def two(kind: str, replica_size: int = 1) -> GroupSimulation:
+    """Two workers (or two sharded replicas of two processes) and one fault of rank 0 at 3 s
+    (a hang or node loss lasts 3 s)."""
+    return GroupSimulation(1, n=2 * replica_size, replica_size=replica_size, duration=10.0, keep_live=1,
+                           faults=[(3.0, kind, {"pick": 0.0, "length": 3.0})])
+
+
+@pytest.mark.parametrize("replica_size", [1, 2], ids=["plain", "replicas"])
+def test_the_survivor_of_two_goes_on_when_rank_0_dies(replica_size):
+    """Alone, the survivor is no majority of the view of two (a tie goes to rank 0); rank 0's
+    port refuses a connection, which proves its process gone: the survivor goes on within
+    a second, instead of waiting out the quorum timeout."""
+    sim = two("crash", replica_size)
+    outcome = sim.run()
+    assert outcome.ok, outcome.violation
+    survivors = [sim.workers[node] for node in range(replica_size, 2 * replica_size)]  # the other replica
+    for w in survivors:
+        after = [t for t, *_ in w.committed if t > 3.0]
+        assert after and after[0] < 4.0 and len(after) > 50, after[:3]
+    assert outcome.recovery["crash"][0] < 1.0
+
+
+@pytest.mark.parametrize("kind", ["node_loss", "hang"])
+def test_the_survivor_of_two_waits_while_rank_0_may_live(kind):
+    """A node lost or a process hung refuses nothing: rank 0 may be alive across a cut,
+    training on as the tie's winner, so the survivor commits nothing until it is back."""
+    sim = two(kind)
+    outcome = sim.run()
+    assert outcome.ok, outcome.violation
+    rank0, survivor = sim.workers[0], sim.workers[1]
+    assert not [t for t, *_ in survivor.committed if 3.2 < t < 6.0]
+    assert [t for t, *_ in survivor.committed if t > 6.0]  # together again after it
+    if kind == "node_loss":  # rank 0, cut off, trained on: the survivor received its state
+        assert [t for t, *_ in rank0.committed if 3.2 < t < 6.0]
+        assert rank0.loop.step == survivor.loop.step and rank0.state.value == survivor.state.value
+
+
+PROOF_GUARDS = {
+    # what is switched off: (the seed that shows it, how)
+    "a proof counts only while fresh": (1393, lambda monkeypatch: monkeypatch.setattr(core, "PROOF_FRESH", 10 ** 9)),
+    "no tie once members are proven gone": (590, lambda monkeypatch: monkeypatch.setattr(
+        core, "candidate", lambda *a, **kw: _with_ties(*a, **kw))),
+}
+
+
+def _with_ties(own_id, previous, statuses, config, max_workers, proven_gone=frozenset()):
+    """candidate() with a tie of the members not proven gone going to the lowest rank."""
+    from ftcomm.core import view
+    cand = view.candidate(own_id, previous, statuses, config, max_workers)
+    if proven_gone and not cand.quorum:
+        gone = view.gone_from(previous, statuses) | proven_gone
+        cand = view.Candidate(cand.members, cand.view_id, view.has_quorum(previous, cand.members, gone), cand.standby)
+    return cand
+
+
+@pytest.mark.parametrize("guard", sorted(PROOF_GUARDS))
+def test_a_guard_of_the_proof_of_death_switched_off_splits_the_group(guard, monkeypatch):
+    """Seeds 1393 and 590: a member cut off (or hung) for seconds came back, found the
+    members it had lost sight of dead, and counted them out, while the group had gone on
+    without it in a newer view it had not heard of yet; or a tie of the members left went
+    to a member the other side had counted out. Two groups committed the same steps."""
+    seed, switch_off = PROOF_GUARDS[guard]
+    assert run_seeds([seed])[0].ok
+    switch_off(monkeypatch)
+    outcome = run_seeds([seed])[0]
+    assert not outcome.ok and "invariant 4" in outcome.violation, outcome.violation

@@ -36,6 +36,43 @@ def launch(tmp_path, body: str, nproc: int = 1, **options) -> tuple[int, str]:
                     out=out).run(), out.getvalue()
 
 
+class Launched:
+    """``ftcomm run`` with ``arguments`` in a subprocess: the JSON lines its workers print,
+    each with its arrival time, and the launcher's log."""
+
+    def __init__(self, arguments: list[str]) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}
+        self.process = subprocess.Popen([sys.executable, "-m", "ftcomm", "run", *arguments], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=env)
+        self.timed: list[tuple[float, dict]] = []
+        self.log: list[str] = []
+        self._readers = [threading.Thread(target=self._read, daemon=True),
+                         threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True)]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self) -> None:
+        self.timed.extend((time.monotonic(), json.loads(untagged(line))) for line in self.process.stdout
+                          if untagged(line).startswith("{"))
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for _, e in list(self.timed) if e["ev"] == kind]
+
+    def finish(self, timeout: float) -> int | None:
+        """The launcher's exit status once its output is read; None when it outlived ``timeout``
+        (then it is killed)."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            for reader in self._readers:
+                reader.join(10)
+
+
 def test_each_worker_gets_its_address_the_others_a_secret_and_a_local_rank():
     launcher = Launcher(LaunchConfig(command=["true"], nproc=3, peers=("127.0.0.1:7000",)), environ={},
                         out=io.StringIO())
@@ -211,41 +248,66 @@ def test_a_killed_worker_is_restarted_rejoins_and_ends_with_the_others_state(tmp
     """A real job through the launcher: kill -9 one of three workers mid-training; it is
     restarted (a new process, or a warm standby taking its place), receives the state from
     its peers, and every worker ends with one digest."""
-    command = [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "3", "--restart-backoff", "0.2",
-               "--stop-timeout", "120", *(["--standby", "1"] if standby else []), str(EXAMPLE),
-               "--steps", "1500" if standby else "600", "--step-time", "0.03", "--report-every", "1000000"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    events: list[dict] = []
-    log: list[str] = []
-    readers = [threading.Thread(target=lambda: events.extend(json.loads(untagged(line)) for line in launcher.stdout
-                                                             if untagged(line).startswith("{")), daemon=True),
-               threading.Thread(target=lambda: log.extend(launcher.stderr), daemon=True)]
-    for reader in readers:
-        reader.start()
+    job = Launched(["--nproc-per-node", "3", "--restart-backoff", "0.2", "--stop-timeout", "120",
+                    *(["--standby", "1"] if standby else []), str(EXAMPLE), "--steps", "1500" if standby else "600",
+                    "--step-time", "0.03", "--report-every", "1000000"])
     try:
-        wait_until(lambda: sum(e["ev"] == "first_step" for e in list(events)) >= 3, 120, "three workers training")
+        wait_until(lambda: len(job.of("first_step")) >= 3, 120, "three workers training")
         if standby:
-            wait_until(lambda: "standby ready" in "".join(log), 120, "a standby ready")
-        victim = next(e for e in events if e["ev"] == "ready")
+            wait_until(lambda: "standby ready" in "".join(job.log), 120, "a standby ready")
+        victim = job.of("ready")[0]
         os.kill(victim["pid"], signal.SIGKILL)
-        wait_until(lambda: sum(e["ev"] == "ready" for e in list(events)) >= 4 or launcher.poll() is not None,
+        wait_until(lambda: len(job.of("ready")) >= 4 or job.process.poll() is not None,
                    120, "the restarted worker in the group")
-        code = launcher.wait(300)
+        code = job.finish(300)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    for reader in readers:
-        reader.join(10)
-    text = "".join(log)
+        job.finish(0)
+    text = "".join(job.log)
     assert code == 0, text[-3000:]
     assert "restart 1 of 3" in text and "signal SIGKILL" in text
     assert ("restart 1 (a warm standby)" in text) == standby, text[-3000:]
-    done = [e for e in events if e["ev"] == "done"]
+    done = job.of("done")
     assert len(done) == 3, text[-3000:]
     assert len({e["digest"] for e in done}) == 1 and len({e["step"] for e in done}) == 1
     assert victim["id"] not in {e["id"] for e in done}  # the restarted process is a new member
+
+
+def test_rank_0_of_two_killed_the_survivor_trains_on_alone_and_nothing_committed_is_lost():
+    """Two workers: kill -9 of rank 0. The survivor alone is no majority of their view (a tie
+    goes to rank 0), but rank 0's port refuses a connection: the process is gone, and the
+    survivor goes on alone instead of waiting out the quorum timeout; the restarted rank 0
+    joins it and receives its state. No step is committed twice (nothing starts over), every
+    step of the job is committed, and both end with one state."""
+    steps = 300
+    job = Launched(["--nproc-per-node", "2", "--restart-backoff", "0.2", "--min-workers", "1", str(EXAMPLE),
+                    "--steps", str(steps), "--step-time", "0.03", "--report-every", "1000000", "--log-indices"])
+    try:
+        wait_until(lambda: len(job.of("first_step")) >= 2 and max(e["step"] for e in job.of("batch")) >= 30, 120,
+                   lambda: f"two workers training: {''.join(job.log[-20:])}")
+        victim = next(e for e in job.of("ready") if e["rank"] == 0)
+        killed_at = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        code = job.finish(300)
+    finally:
+        job.finish(0)
+    text = "".join(job.log)
+    assert code == 0, text[-3000:]
+    assert "signal SIGKILL" in text and "QuorumLost" not in text and "GroupEnded" not in text, text[-3000:]
+    done = job.of("done")
+    assert len(done) == 2 and {e["step"] for e in done} == {steps}, text[-3000:]
+    assert len({e["digest"] for e in done}) == 1
+    survivor = next(e for e in job.of("ready") if e["rank"] == 1)
+    alone = [e for e in job.of("batch") if e["pid"] == survivor["pid"] and e["world"] == 1]
+    assert alone, "the survivor never committed a step alone"
+    # nothing committed twice: once past a step, no process commits it again (a start over
+    # from step 0 would), and every step of the job was committed
+    batches = [(t, e["step"], e["pid"]) for t, e in job.timed if e["ev"] == "batch"]
+    before = max(step for t, step, _ in batches if t < killed_at)
+    assert not [b for b in batches if b[0] > killed_at + 1.0 and b[1] < before - 1], "steps committed again"
+    for pid in {b[2] for b in batches}:
+        own = [step for _, step, p in batches if p == pid]
+        assert own == sorted(set(own)), f"process {pid} committed a step twice"
+    assert {step for _, step, _ in batches} == set(range(1, steps + 1))
 
 
 def test_save_at_breakpoint_persists_shared_memory_when_a_worker_dies(tmp_path):

@@ -137,6 +137,16 @@ def test_no_view_within_the_quorum_timeout_is_quorum_lost_naming_the_view():
             phase.step()
 
 
+def test_a_worker_without_a_quorum_names_the_members_it_waits_for():
+    statuses = {"a": status("a", cv=1, alive=False), "b": status("b", cv=1), "c": status("c", cv=1, alive=False)}
+    world = world_for("b", statuses)
+    world.engine.view, world.engine.state = View(1, ("a", "b", "c")), core.RUNNING
+    text = world.loop._waiting_for()
+    assert "majority of view 1 (3 members); a, c answer nothing and are not proven gone" in text
+    world.engine.proven_gone = frozenset({"a"})
+    assert "; c answers nothing and is not proven gone" in world.loop._waiting_for()
+
+
 def test_a_fresh_worker_below_min_workers_says_so_in_replicas():
     world = world_for("a", {"a": status("a", JOINING)}, min_workers=2, replica=("R", 0, 2))
     phase = Phase(world.loop.recover("init", world.clock.t, 1.0))

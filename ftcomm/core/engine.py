@@ -255,6 +255,10 @@ PROBE_TIMEOUT_S = 0.25
 """How long the driver waits for each connection of a :class:`ProbeGroup` (a refusal
 comes back within a round trip; a host that is lost or cut off never answers)."""
 
+PROOF_FRESH = 4
+"""A member of the view a member agrees over counts as proven gone by a refused connection
+only if it was seen alive within this many chase intervals (see Engine._probe_absent)."""
+
 
 @dataclass
 class Engine:
@@ -280,8 +284,10 @@ class Engine:
     seen_view: int = 0  # the newest view of this group shown by a member not known to be gone (as of the last look)
     saw_group: int = 0  # as a joiner that never had a view: the newest view of a group it saw (see _may_found)
     group_gone: bool = False  # the driver's answer to the last ProbeGroup
-    proven_gone: frozenset = frozenset()  # as a member that lost its view: the dead ones a ProbeMembers found refusing
-    _probing: frozenset = frozenset()  # the members of the ProbeMembers in flight (see _probe_gone)
+    proven_gone: frozenset = frozenset()  # the dead a ProbeMembers found refusing (see _probe_absent, _probe_gone)
+    _probing: frozenset = frozenset()  # the members of the ProbeMembers in flight
+    _alive_at: dict = field(default_factory=dict)  # member of the previous view -> when last seen alive (_probe_absent)
+    _alive_for: tuple | None = None  # the view (id, digest) _alive_at is about
     _probed_at: float = float("-inf")
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
     witnessed: tuple[int, str] | None = None  # as rank 0 of a large view: its proposal, seen made by every member
@@ -587,7 +593,11 @@ class Engine:
             # A view it entered formed on other members although its own formation failed:
             # that view, not the older one, is what the group goes on from.
             previous = entered
-        cand = candidate(self.id, previous, statuses, self.config, self.max_processes)
+        proven = frozenset()
+        if previous is not None:
+            self._saw_alive(now, previous, statuses)
+            proven = self.proven_gone
+        cand = candidate(self.id, previous, statuses, self.config, self.max_processes, proven)
         if self.state == REJOINING:
             if not self._may_refound(cand, statuses):
                 self._last = None
@@ -600,7 +610,8 @@ class Engine:
             self._last = None
             if previous is None or cand.quorum:  # (below min_workers: waiting for workers, not cut off)
                 return self._fetch_final_records(previous, statuses, now)
-            return self._fetch_final_records(previous, statuses, now) or self._recontact(now)
+            return (self._fetch_final_records(previous, statuses, now)
+                    or self._probe_absent(now, previous, cand, statuses) + self._recontact(now))
         if previous is None and unconfirmed:
             # A group is founded with every live worker its founders know of: a worker whose
             # record is not read yet may be founding too (it knows of this one, or of nobody
@@ -731,9 +742,51 @@ class Engine:
 
     def members_probed(self, refused: Iterable[str]) -> None:
         """The answer to a :class:`ProbeMembers`: these members refused a connection. Only
-        the members it asked about count, and only while it still lost its view."""
+        the members it asked about count, and only while it still agrees (a member of a
+        view: they add up, since a process proven gone never comes back under its id) or
+        lost its view."""
         if self.state == REJOINING:
             self.proven_gone = frozenset(refused) & self._probing
+        elif self.state == AGREEING:  # (one answer per probe: a proof is fresh, see _probe_absent)
+            self.proven_gone |= frozenset(refused) & self._probing
+            self._probing = frozenset()
+
+    def _saw_alive(self, now: float, previous: View, statuses: dict[str, Status]) -> None:
+        """When each member of ``previous`` was last seen alive: every one of them when this
+        member began to agree over that view (it ran in it with them until then), and since,
+        each time gossip shows it alive."""
+        key = (previous.id, previous.digest)
+        if self._alive_for != key:
+            self._alive_for, self._alive_at = key, dict.fromkeys(previous.members, now)
+        for m in previous.members:
+            status = statuses.get(m)
+            if status is not None and status.alive:
+                self._alive_at[m] = now
+
+    def _probe_absent(self, now: float, previous: View, cand: Candidate, statuses: dict[str, Status]) -> list[Action]:
+        """A member of ``previous`` without a quorum of it: the members it is missing are
+        probed while none of them is alive in gossip (suspect, dead or forgotten), every
+        chase interval. Those whose port refuses are proven gone and count no more (see
+        :func:`candidate`): the survivors of a view of two go on when the other one's process
+        died, instead of waiting out the quorum timeout for a member that can never come
+        back. One that does not answer (a lost node, a partition) is not proven gone: it
+        still counts, and the survivors wait.
+
+        Only a member seen alive within ``PROOF_FRESH`` chase intervals is probed: a member
+        it lost sight of longer ago (this member was cut off, or hung) may have gone on
+        without it in a newer view, with members it does not know of, before it died; its
+        death proves nothing about that view."""
+        gone = gone_from(previous, statuses) | self.proven_gone
+        absent = frozenset(m for m in previous.members if m not in cand.members and m not in gone)
+        fresh = now - PROOF_FRESH * self.chase_interval
+        if (not absent or any(m in statuses and statuses[m].alive for m in absent)
+                or now - self._probed_at < self.chase_interval):
+            return []
+        absent = frozenset(m for m in absent if self._alive_at.get(m, float("-inf")) >= fresh)
+        if not absent:
+            return []
+        self._probed_at, self._probing = now, absent
+        return [ProbeMembers(tuple(sorted(absent)))]
 
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
         """A member left out of a newer view sees no live group to join. It founds one only

@@ -235,8 +235,9 @@ class StatusRecord:
         return meta
 
 
-def has_quorum(previous: View | None, members: list[str] | tuple[str, ...], gone: set[str]) -> bool:
-    """Strict majority of the previous view's members not confirmed gone; ties to the lowest such rank."""
+def has_quorum(previous: View | None, members: list[str] | tuple[str, ...], gone: set[str], tie: bool = True) -> bool:
+    """Strict majority of the previous view's members not confirmed gone; ties to the lowest
+    such rank (unless ``tie`` is False)."""
     if previous is None:
         return True
     eligible = [m for m in previous.members if m not in gone]
@@ -247,7 +248,7 @@ def has_quorum(previous: View | None, members: list[str] | tuple[str, ...], gone
     if 2 * kept > len(eligible):
         return True
     # A tie goes to the side holding the oldest member not confirmed gone (rank 0 unless it left).
-    return 2 * kept == len(eligible) and eligible[0] in present
+    return tie and 2 * kept == len(eligible) and eligible[0] in present
 
 
 def gone_from(previous: View | None, statuses: dict[str, Status]) -> set[str]:
@@ -279,8 +280,13 @@ class Candidate:
 
 
 def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], config: str,
-              max_workers: int | None) -> Candidate:
-    """The view this member proposes, computed only from ``previous`` and gossip."""
+              max_workers: int | None, proven_gone: frozenset[str] = frozenset()) -> Candidate:
+    """The view this member proposes, computed only from ``previous`` and gossip.
+    ``proven_gone``: members of ``previous`` whose process is gone for sure (their port
+    refused a connection). None of them can be on the other side of a partition now, but
+    before it died one may have helped the other side form a newer view that this member
+    cannot see: without them, only a strict majority of the rest is a quorum (a tie would
+    go to whichever member each side happens to have proven the others dead before)."""
     usable = {s.id: s for s in statuses.values()
               if s.alive and s.phase != LEAVING and not s.aside and s.config == config}
     own = statuses.get(own_id)
@@ -302,7 +308,8 @@ def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], c
         limit -= limit % statuses[ordered[0]].replica[2]  # whole replicas only
     members, standby = tuple(ordered[:limit]), tuple(ordered[limit:])
     gone = gone_from(previous, statuses)
-    quorum = has_quorum(previous, members, gone)
+    quorum = has_quorum(previous, members, gone) or (
+        bool(proven_gone) and has_quorum(previous, members, gone | proven_gone, tie=False))
     view_id = 1 + max([statuses[m].current_view for m in members if m in statuses] +
                       [previous.id if previous else 0])
     view_id = max([view_id] + [statuses[m].floor for m in members if m in statuses])

@@ -408,17 +408,25 @@ class Driver:
     def refusing(self, members: Iterable[str]) -> list[str]:
         """Which of ``members`` refuse connections (the process is gone): each probed at the
         rendezvous port its record names, else at the port of its gossip record, else at the
-        gossip port its id names. One that cannot be addressed, or does not answer, is not
-        among them."""
+        gossip port its id names. A member whose gossip address another live process answers
+        from under another id is gone too, without a probe (its process was started again
+        there: one port, one process). One that cannot be addressed, or does not answer, is
+        not among them."""
         records = {record.id: record for record in self.ports.membership.records()}
+        held = {(r.host, r.port): r.id for r in records.values() if r.confirmed and r.state == "alive"}
         targets: dict[str, tuple[str, int]] = {}
+        replaced = []
         for member in dict.fromkeys(members):
             record = records.get(member)
-            address = member_address(member) if record is None else probe_address(record)
+            at = member_address(member) if record is None else (record.host, record.port)
+            if at is not None and held.get(at, member) != member:
+                replaced.append(member)
+                continue
+            address = at if record is None else probe_address(record)
             if address is not None:
                 targets[member] = address
-        refused = self.ports.prober.refused(list(targets.values()), core.PROBE_TIMEOUT_S)
-        return [member for member, gone in zip(targets, refused) if gone]
+        refused = self.ports.prober.refused(list(targets.values()), core.PROBE_TIMEOUT_S) if targets else []
+        return replaced + [member for member, gone in zip(targets, refused) if gone]
 
     def group_gone(self, members: Iterable[str]) -> bool:
         """Whether every worker of this job that held a view and has not left refuses

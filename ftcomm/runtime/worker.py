@@ -317,8 +317,19 @@ class WorkerLoop:
             return (f"{live} live member{'s' if live != 1 else ''} here, fewer than {self._min_workers_text()}: "
                     f"waiting for more to join or come back")
         if engine.view is not None:
-            return (f"{live} live members, waiting to agree on the next view with a majority of view "
+            states = {r.id: r.state for r in self.ports.membership.records()}
+            silent = [m for m in engine.view.members
+                      if m != engine.id and states.get(m) != "alive" and m not in engine.proven_gone]
+            text = (f"{live} live members, waiting to agree on the next view with a majority of view "
                     f"{engine.view.id} ({engine.view.size} members)")
+            if silent:
+                names = ", ".join(silent[:3]) + (f" and {len(silent) - 3} more" if len(silent) > 3 else "")
+                text += (f"; {names} answer{'s' if len(silent) == 1 else ''} nothing and "
+                         f"{'is' if len(silent) == 1 else 'are'} not proven gone (a lost node, a partition or "
+                         f"a stopped process refuses no connection, and a process that died long after this "
+                         f"worker lost sight of it proves nothing): this worker goes on once they answer again; "
+                         f"if they cannot come back, restart the job from its checkpoint")
+            return text
         return f"{live} live members, agreeing on the first view"
 
     def gossip_states(self) -> dict[str, str]:

@@ -149,8 +149,12 @@ class GroupSimulation:
                  exclude_stragglers: bool | None = None, straggler_cooldown: float = 2.0,
                  replica_size: int = 1, min_workers: int | None = None, launcher: bool | None = None,
                  dense: bool | None = None, late_registration: bool | None = None,
-                 max_retries: int | None = None) -> None:
+                 max_retries: int | None = None, keep_live: int | None = None) -> None:
         self.seed = seed
+        # Faults strike while more than this many workers (replicas) live: 1 for drawn
+        # schedules (down to one of two: the survivor goes on once the other is proven dead,
+        # and waits while it may live); 2 for a scripted one, as in the world it was found in.
+        self.keep_live = keep_live if keep_live is not None else 1 if faults is None else 2
         self.k = replica_size
         if faults is not None:  # a scripted schedule replays its race in the world it was found in
             min_workers = 1 if min_workers is None else min_workers
@@ -201,6 +205,7 @@ class GroupSimulation:
         self.liveness_bound = self.config.detection_bound(self.n + 4) + formation_timeout + 5.0
         """Seconds after the last fault within which every live member must run one view."""
         self.workers: dict[int, Worker] = {}
+        self.successor: dict[int, int] = {}  # node -> the node a launcher started its worker again on
         self.by_id: dict[str, Worker] = {}
         self.by_host: dict[str, Worker] = {}
         self.store: dict[tuple[int, tuple[int, str]], tuple[str, ...]] = {}
@@ -449,10 +454,19 @@ class GroupSimulation:
             if live:
                 node = self._add_node(live[0].node)
                 x = self._start_worker(node, self.sim.now)
-                x.seeds = w.seeds  # the launcher gives it the peers its predecessor had
+                # The launcher gives it the peers its predecessor had: ftcomm run starts a worker
+                # again at its address, so each is where that peer's latest start runs now.
+                self.successor[w.node] = node
+                x.seeds = tuple(dict.fromkeys(self._latest(seed) for seed in w.seeds if self._latest(seed) != node))
                 self.fault_log.append((self.sim.now, "restart", x.id))
                 self.sim.at(self.sim.now + self.config.join_retry_interval, lambda: self._retry_join(x, 1))
         self.sim.at(self.sim.now + delay, restart)
+
+    def _latest(self, node: int) -> int:
+        """The node of the latest start of the worker first started on ``node``."""
+        while node in self.successor:
+            node = self.successor[node]
+        return node
 
     # ------------------------------------------------------------------ the collectives' world
     def collective(self, w: Worker, key: tuple, members: tuple[str, ...], kind: str, payload: Any,
@@ -608,9 +622,9 @@ class GroupSimulation:
         live = self.live()
         if self.k > 1:  # a process of a replica that is whole and not being started again
             live = [w for w in live if w.replica[0] not in self.restarting]
-            if exclude_last and len({w.replica[0] for w in live}) <= 2:  # keep a group to recover
+            if exclude_last and len({w.replica[0] for w in live}) <= self.keep_live:  # keep a group to recover
                 return None
-        if not live or (len(live) <= 2 and exclude_last):  # keep a group to recover
+        if not live or (len(live) <= self.keep_live and exclude_last):  # keep a group to recover
             return None
         return live[int(frac * len(live)) % len(live)]
 
