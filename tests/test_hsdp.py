@@ -204,3 +204,32 @@ def test_a_whole_job_restart_restores_every_shard_at_the_newest_step_all_can_loa
     first_agreed = {e["shard"]: e["state_digest"] for e in reversed(agreed)}
     assert first_agreed == ended  # restored, shard for shard
     assert_per_shard_invariants(second, 80, first_step=61)
+
+
+def test_the_replica_of_two_left_when_rank_0_s_replica_loses_a_process_trains_on():
+    """Two replicas of two: kill -9 of rank 0. Its partner leaves with it (gone for the
+    quorum), and rank 0's port refuses a connection (its process is gone): the other
+    replica goes on alone instead of waiting out the quorum timeout, and the restarted
+    replica rejoins it; every shard ends with one state."""
+    steps = 240
+    job = Job(steps, command=[sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "4", "--replica-size", "2",
+                              "--restart-backoff", "0.2", EXAMPLE, "--steps", str(steps), "--min-workers", "1",
+                              "--step-time", "0.03", "--report-every", "10"])
+    try:
+        wait_until(lambda: len(job.of("ready")) >= 4 and max([e["step"] for e in job.of("step")] + [0]) >= 20, 120,
+                   lambda: f"the job did not start: {''.join(job.log[-40:])}")
+        victim = next(e for e in job.of("ready") if e["rank"] == 0)
+        before = max(e["view_id"] for e in job.of("view"))
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert job.finish() == 0, "".join(job.log[-60:])
+    finally:
+        job.finish(30)
+    log = "".join(job.log)
+    assert "exited with signal SIGKILL" in log and "QuorumLost" not in log
+    after = sorted((e for e in job.of("view") if e["view_id"] > before), key=lambda e: e["view_id"])
+    assert after and after[0]["reason"] == "crash" and len(after[0]["members"]) == SHARDS, after[:1]
+    assert victim["id"] not in after[0]["members"]
+    done = job.of("done")
+    assert len(done) == 4 and {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {4}
+    for shard in range(SHARDS):
+        assert len({d["digest"] for d in done if d["shard"] == shard}) == 1, f"shard {shard} ends with two states"
