@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 STALL_S = 0.25
 """A protocol timer firing this much later than due means the whole process was stopped
 or starved (its timers are never due further apart than a probe interval)."""
+
+STREAM_BATCH = 16  # TCP requests served back to back before the loop lets its timers and UDP reader run
+UDP_BATCH = 256  # datagrams read per call of the UDP reader (the rest: at its next call)
 BIND_WAIT_S = 2.0  # how long an explicit port that is in use is tried again (see _bind_sockets)
 
 try:  # pragma: no cover - depends on the platform
@@ -471,10 +474,11 @@ class GossipNode:
             self._flush()
 
     def _drain_udp(self) -> bool:
-        """Feed every queued datagram to the protocol; True if any arrived."""
+        """Feed the queued datagrams to the protocol, at most UDP_BATCH (the reader is called
+        again for the rest, after what else is due); True if any arrived."""
         protocol, faults, local = self._protocol, self.faults, (self.host, self.port)
         received = False
-        while True:
+        for _ in range(UDP_BATCH):
             try:
                 data, source = self._udp.recvfrom(65536)
             except (BlockingIOError, InterruptedError):
@@ -488,6 +492,7 @@ class GossipNode:
             except Exception as exc:
                 self._contain("datagram", exc)
             received = True
+        return received
 
     def _on_timer(self) -> None:
         late = time.monotonic() - self._timer_at
@@ -552,8 +557,15 @@ class GossipNode:
     # ------------------------------------------------------------------ TCP: push/pull and requests
     async def _serve_streams(self) -> None:
         router = self._router
+        served = 0
         while True:
             frames = await router.recv_multipart()
+            served += 1
+            if served % STREAM_BATCH == 0:
+                # While frames are queued, pyzmq hands back finished futures: awaiting one does
+                # not yield, and a flood (forged frames are dropped, but read) would keep the
+                # timers and the UDP port from ever running.
+                await asyncio.sleep(0)
             if len(frames) < 2:
                 continue
             try:

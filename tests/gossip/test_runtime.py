@@ -235,3 +235,44 @@ def _send_frame(node: GossipNode, frame: bytes) -> None:
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+FLOOD = r"""
+import os, sys, time, zmq
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.setsockopt(zmq.SNDHWM, 100000)
+sock.connect("tcp://" + sys.argv[1])
+frame, end, sent = os.urandom(164), time.monotonic() + float(sys.argv[2]), 0
+while time.monotonic() < end:
+    for _ in range(100):
+        sock.send(frame, copy=True)
+    sent += 100
+print(sent, flush=True)
+"""
+
+
+def test_a_flood_of_unauthenticated_tcp_frames_does_not_silence_a_member():
+    """An outsider with no secret sends frames with a bad HMAC on one connection as fast as
+    it can. The member drops each, and its loop still answers probes between them: its peer
+    never suspects it (while frames were queued, the loop used to read them back to back,
+    never getting to its timers or its UDP port, and was named dead within seconds)."""
+    import subprocess
+    import sys
+
+    a = GossipNode(config=FAST, secret="s").start()
+    b = GossipNode(config=FAST, secret="s").start([a.address])
+    suspected = []
+    b.subscribe(lambda event: suspected.append(event.kind) if event.member.id == a.id else None)
+    try:
+        wait_until(lambda: b.member(a.id) is not None and b.member(a.id).state == "alive", 5, "b to know a")
+        flood = subprocess.run([sys.executable, "-c", FLOOD, str(a.address), "6"], capture_output=True,
+                               text=True, timeout=60)
+        assert flood.returncode == 0, flood.stderr
+        assert int(flood.stdout) > 10000  # (it did flood)
+        assert sum(v for k, v in a.stats().items() if k.startswith("dropped")) > 1000, a.stats()
+        assert b.member(a.id).state == "alive" and "suspect" not in suspected and "dead" not in suspected, suspected
+    finally:
+        b.stop()
+        a.stop()
