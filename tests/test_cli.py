@@ -37,6 +37,20 @@ def test_members_shows_a_training_workers_committed_step(capsys):
     assert row[4] == "42" and "ph=active" in row[5:]
 
 
+def test_members_prints_forged_metadata_without_the_terminal_acting_on_it(capsys):
+    """Metadata comes from the network: an escape sequence in it (clear the screen, move the
+    cursor, set the title) is shown as its code, not sent to the terminal."""
+    forged = {"st": 1, "ph": "\x1b[2J\x1b]0;owned\x07", "x\x1b[1A": "line\nbreak"}
+    node = GossipNode(config=GossipConfig(), secret="topsecret", metadata=forged).start()
+    try:
+        assert main(["members", "--peer", node.address, "--secret", "topsecret"]) == 0
+    finally:
+        node.stop()
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and len(out.splitlines()) == 2
+    assert "ph=\\x1b[2J\\x1b]0;owned\\x07" in out and "x\\x1b[1A=line\\nbreak" in out
+
+
 def test_members_reads_the_secret_from_a_file_and_warns_about_one_on_the_command_line(member, capsys, tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("topsecret\n")

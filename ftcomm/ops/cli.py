@@ -66,6 +66,13 @@ def _members(args: argparse.Namespace) -> int:
         time.sleep(args.watch)
 
 
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (escape sequences, control
+    characters, line breaks) written as its code instead."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def _member_table(members: list, previous: tuple[float, dict[str, int]] | None = None,
                   now: float | None = None) -> str:
     """One row per member: id, address, state, incarnation, step, compute time per step
@@ -92,7 +99,7 @@ def _member_table(members: list, previous: tuple[float, dict[str, int]] | None =
                 now > previous[0] else None
             cells.append(f"{rate:.1f}" if rate is not None else "-")
         cells.append(" ".join(f"{k}={v}" for k, v in sorted(meta.items(), key=lambda kv: str(kv[0]))) or "-")
-        rows.append(cells)
+        rows.append([printable(cell) for cell in cells])  # ids and metadata come from the network
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows]
     if slow:
