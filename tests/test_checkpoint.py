@@ -668,6 +668,36 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_copied(name
     restorer.close()
 
 
+def test_a_newer_checkpoint_whose_tensor_shapes_do_not_fit_the_model_is_skipped_for_the_older_step(
+        name, caplog, group):
+    """Step 2 saved from a model one layer wider (valid checksums, the same names: planted,
+    or left by another run): every start failed on it. The older step that fits is restored
+    instead, and the copy that does not is kept (it may be the model that changed)."""
+    model, optimizer = trained_state(group, 16)
+    checkpoints = FlashCheckpointer(group, None, keep=3, name=name)
+    group.step = 1
+    checkpoints.save()
+    checkpoints.wait()
+    expected = group.state.digest(1)
+    wider = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    group.state.objects.clear()
+    adam = torch.optim.Adam(wider.parameters())
+    wider(torch.randn(4, 8)).sum().backward()
+    adam.step()
+    group.register_state(model=wider, optimizer=adam, note="hello", counts=[1, 2])
+    group.step = 2
+    checkpoints.save()
+    checkpoints.close()
+    group.state.objects.clear()
+    group.register_state(model=model, optimizer=optimizer, note="hello", counts=[1, 2])
+    restorer = FlashCheckpointer(group, None, keep=3, name=name)
+    assert restorer.restore() == 1
+    assert group.state.digest(1) == expected
+    assert "skipping checkpoint of step 2" in caplog.text and "holds model.2.weight as float32[4, 16]" in caplog.text
+    assert (restorer.shm / "step-000000000002.meta").exists()
+    restorer.close()
+
+
 def test_the_newest_checkpoint_in_shared_memory_is_persisted_at_a_breakpoint(tmp_path, name, group):
     """What a launcher does when a worker dies: shared memory only, then persisted; a
     corrupt newest copy is passed over for the newest one that verifies."""

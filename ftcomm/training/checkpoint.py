@@ -57,6 +57,12 @@ log = logging.getLogger(__name__)
 MAX_CANDIDATES = 32  # newest steps each member offers when agreeing on one to restore
 
 
+class OtherModel(StateError):
+    """A checkpoint holds other parameters (names, dtypes or shapes) than a registered module:
+    saved from another model, or planted. restore() skips it for an older step, and raises
+    this only when no copy fits."""
+
+
 @dataclass
 class _Slot:
     """A shared-memory buffer owned by this process, mapped once and reused. ``fd`` stays
@@ -133,6 +139,7 @@ class FlashCheckpointer:
         self._error: BaseException | None = None
         self._closed = False
         self._corrupt: set[tuple[pathlib.Path, int]] = set()  # copies restore() found corrupt
+        self._other_model: StateError | None = None  # why a copy of another model was skipped (see restore)
         self._worker = threading.Thread(target=self._background, name="ftcomm-checkpoint", daemon=True)
         self._worker.start()
 
@@ -458,13 +465,20 @@ class FlashCheckpointer:
         the group starts, or the whole job restarted): a worker restarted into a running group
         restores nothing and returns None at once, without a collective (the members are
         training, not restoring); it receives their state by reconciling.
+
+        Raises :class:`OtherModel` (a StateError) when every copy here holds other parameters
+        than the registered modules (restore with the model the checkpoints were saved from);
+        a newer copy that does not fit is skipped for an older one that does.
         """
         if not self.group.restorable:
             return None  # the others train: this worker receives their state at its first step
         rejected: set[int] = set()
+        self._other_model = None
         while True:
             agreed = self.group.execute(self._agree, rejected)
             if agreed is None:
+                if self._other_model is not None:
+                    raise self._other_model  # no copy here fits the registered model: another model?
                 return None
             step, everywhere, loaded, outcome = agreed
             ok = [o[0] for o in outcome]
@@ -523,13 +537,18 @@ class FlashCheckpointer:
         malformed or corrupt is remembered so that the next save's pruning deletes it. A copy
         whose optimizer or sampler state has another shape than the live one (a string where
         the live state holds a number, a missing field) is malformed too: loading it would
-        fail, or train on nonsense.
+        fail, or train on nonsense. A copy whose parameters do not fit a registered module
+        (another model's, or planted) is skipped but kept: restore() raises only when no
+        step fits.
         """
         for place in (self.shm, self.directory):
             if place is None or not (place / files.file_name(step, "meta")).exists():
                 continue
             try:
                 return self._open_verified(place, step)
+            except OtherModel as exc:  # planted, or the model changed: kept, and an older step tried
+                self._other_model = exc
+                reason = exc
             except StateError as exc:
                 self._corrupt.add((place, step))
                 reason: Exception = exc
@@ -543,6 +562,7 @@ class FlashCheckpointer:
         missing = sorted(set(self.group.state.objects) - set(meta.tree["objects"]), key=str)
         if missing:
             raise ValueError(f"it holds no state for {', '.join(missing)} (registered now)")
+        self._check_modules_fit(meta)
         for name, obj in self.group.state.objects.items():  # an optimizer's, a sampler's: what it would load
             if not isinstance(obj, torch.nn.Module):
                 files.check_like(sharded.to_local(obj.state_dict()), meta.tree["objects"][name], name)
@@ -559,7 +579,7 @@ class FlashCheckpointer:
                 continue
             saved, mine = saved_objects.get(name), sharded.to_local(obj.state_dict())
             if type(saved) is not dict or set(saved) != set(mine):
-                raise StateError(f"the checkpoint of step {meta.step} holds other parameters for module {name!r} "
+                raise OtherModel(f"the checkpoint of step {meta.step} holds other parameters for module {name!r} "
                                  f"than it has: restore with the model the checkpoint was saved from")
             for key, leaf in saved.items():
                 tensor = mine[key]
@@ -567,7 +587,7 @@ class FlashCheckpointer:
                     continue
                 _, dtype, shape, _ = meta.tensors[leaf.index]
                 if plain.DTYPES[dtype] != tensor.dtype or list(shape) != list(tensor.shape):
-                    raise StateError(f"the checkpoint of step {meta.step} holds {name}.{key} as {dtype}{list(shape)}, "
+                    raise OtherModel(f"the checkpoint of step {meta.step} holds {name}.{key} as {dtype}{list(shape)}, "
                                      f"the module has {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}: "
                                      f"restore with the model the checkpoint was saved from")
 
