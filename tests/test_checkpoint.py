@@ -818,6 +818,43 @@ def test_the_last_checkpointer_to_close_with_discard_removes_the_shared_memory(n
             g.shutdown()
 
 
+def test_removing_a_checkpoint_directory_touches_nothing_a_link_or_another_user_planted(tmp_path, name):
+    """What the launcher removes once a job completed (``remove_directory``, through
+    ``discard_if_unused``): only a directory private to this user, emptied through its
+    descriptor. A link in its place, a directory another user owns or can write, and links
+    inside it to files elsewhere make nothing outside it go."""
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o700)
+    (outside / "precious").write_text("keep me")
+    shm = pathlib.Path(f"/dev/shm/ftcomm-{name}")
+    try:
+        shm.symlink_to(outside)  # planted in its place
+        with pytest.raises(OSError):
+            checkpoint_files.remove_directory(shm)
+        assert not checkpoint_files.discard_if_unused(shm)
+        shm.unlink()
+        shm.mkdir(mode=0o700)
+        (shm / "precious-link").symlink_to(outside / "precious")  # a link inside: the link goes, not its target
+        (shm / "step-000000000001.meta").write_bytes(b"x")
+        os.chmod(shm, 0o777)  # others could plant in it meanwhile
+        with pytest.raises(PermissionError):
+            checkpoint_files.remove_directory(shm)
+        os.chmod(shm, 0o700)
+        if os.geteuid() == 0:  # (only root can give a directory away)
+            os.chown(shm, 65534, 65534)  # another user's
+            with pytest.raises(PermissionError):
+                checkpoint_files.remove_directory(shm)
+            assert not checkpoint_files.discard_if_unused(shm)
+            os.chown(shm, os.geteuid(), os.getegid())
+        assert checkpoint_files.discard_if_unused(shm)
+        assert not shm.exists() and (outside / "precious").read_text() == "keep me"
+    finally:
+        if shm.is_symlink():
+            shm.unlink()
+        shutil.rmtree(shm, ignore_errors=True)
+    assert sorted(os.listdir(outside)) == ["precious"]
+
+
 def test_only_unused_directories_of_ended_jobs_whose_newest_is_persisted_are_reclaimed(tmp_path):
     root, kept = tmp_path / "shm", tmp_path / "kept"
     root.mkdir()

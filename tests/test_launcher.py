@@ -696,6 +696,16 @@ def test_a_log_directory_others_can_write_or_plant_links_in_is_refused_and_a_los
     os.chmod(shared, 0o777)
     with pytest.raises(FtcommError, match="others can write"):
         Launcher(LaunchConfig(command=["true"], log_dir=str(shared)), environ={}, out=io.StringIO())
+    # Its own, but under a directory another user could rename and replace with theirs.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    if os.geteuid() == 0:  # (only root can give a directory away)
+        os.chown(theirs, 65534, 65534)
+    else:
+        os.chmod(theirs, 0o777)
+    (theirs / "logs").mkdir(mode=0o700)
+    with pytest.raises(FtcommError, match=f"{theirs} above it belongs to another user or others can write"):
+        Launcher(LaunchConfig(command=["true"], log_dir=str(theirs / "logs")), environ={}, out=io.StringIO())
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     with pytest.raises(FtcommError, match="cannot use --log-dir"):

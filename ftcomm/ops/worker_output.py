@@ -75,7 +75,17 @@ def private_log_directory(path: pathlib.Path) -> pathlib.Path:
     if info.st_uid != os.geteuid() or info.st_mode & 0o022:
         raise FtcommError(f"--log-dir {path} belongs to another user or others can write to it: they could "
                           f"redirect or read the workers' logs; use a directory of your own")
-    return path
+    # Nor may another user rename a directory above it and put one of theirs in its place:
+    # every directory on the way is root's or this user's, and only they can write to it
+    # (or it is sticky, as /tmp, where nobody renames another user's entries).
+    resolved = path.resolve()
+    for above in reversed(resolved.parents):
+        info = os.lstat(above)
+        if info.st_uid not in (0, os.geteuid()) or (info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX):
+            raise FtcommError(f"--log-dir {path}: {above} above it belongs to another user or others can write "
+                              f"to it, and could put a directory of theirs in its place; use a directory of your "
+                              f"own under directories only you (or root) can change")
+    return resolved
 
 
 class WorkerOutput:

@@ -12,6 +12,7 @@ back, so a malformed or planted file is refused, never run.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -250,13 +251,35 @@ def occupy(directory: pathlib.Path, persisted_to: pathlib.Path | None) -> int:
     return fd
 
 
+def open_private(directory: pathlib.Path, parent: int | None = None) -> int:
+    """A descriptor of ``directory`` itself (its name in the directory ``parent`` is open
+    on, if given), opened without following a link in its last component, that is a
+    directory this user owns and no other user can enter or write. Removing through it
+    (``dir_fd``) touches nothing elsewhere, whatever is renamed or linked meanwhile.
+    OSError (PermissionError when another user could plant in it)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(directory, flags) if parent is None else os.open(directory.name, flags, dir_fd=parent)
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        os.close(fd)
+        raise PermissionError(errno.EPERM, "not private to this user (owner or mode)", str(directory))
+    return fd
+
+
 def unused(directory: pathlib.Path) -> int | None:
     """An exclusive lock on ``directory``'s lock file when no process holds it (None when
-    one does, or it cannot be opened): the caller removes the directory, then closes it."""
+    one does, or it cannot be opened, or is not private to this user): the caller removes
+    the directory, then closes it."""
     try:
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        where = open_private(directory)
     except OSError:
         return None
+    try:
+        fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=where)
+    except OSError:
+        return None
+    finally:
+        os.close(where)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -277,12 +300,22 @@ def size_of(directory: pathlib.Path) -> int:
 def remove_directory(directory: pathlib.Path) -> None:
     """Remove a checkpoint directory: records first (no reader takes a half-removed
     checkpoint), then every other file, then the directory. Files that vanish meanwhile
-    are fine; other errors are raised (OSError)."""
-    names = sorted(os.listdir(directory), key=lambda n: (not META_NAME.match(n), n == LOCK_NAME))
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(directory / name)
-    os.rmdir(directory)
+    are fine; other errors are raised (OSError). Only a directory private to this user is
+    emptied, through its descriptor: a link planted in its place, or swapped in meanwhile,
+    makes nothing elsewhere go."""
+    parent = os.open(directory.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = open_private(directory, parent)
+        try:
+            names = sorted(os.listdir(fd), key=lambda n: (not META_NAME.match(n), n == LOCK_NAME))
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+        os.rmdir(directory.name, dir_fd=parent)
+    finally:
+        os.close(parent)
 
 
 def discard_if_unused(directory: pathlib.Path) -> bool:
