@@ -176,8 +176,10 @@ class GossipConfig:
     max_metadata_bytes: int = 256
     """Upper bound of one member's encoded metadata record."""
 
-    max_stream_bytes: int = 16 * 1024 * 1024
-    """Upper bound of one TCP request or response (push/pull of very large clusters)."""
+    max_stream_bytes: int = 4 * 1024 * 1024
+    """Upper bound of one TCP request or response: a push/pull carries the whole member
+    table (about 350 bytes a member at the default metadata size: 4 MB holds some 11,000).
+    A larger frame is refused before it is read; each connection queues at most one."""
 
     join_timeout: float = 10.0
     """How long start() keeps retrying the seeds before it gives up with an error."""

@@ -47,6 +47,7 @@ STALL_S = 0.25
 or starved (its timers are never due further apart than a probe interval)."""
 
 STREAM_BATCH = 16  # TCP requests served back to back before the loop lets its timers and UDP reader run
+STREAM_QUEUE = 1  # TCP requests queued per connection before zmq stops reading it (its default: 1000)
 UDP_BATCH = 256  # datagrams read per call of the UDP reader (the rest: at its next call)
 BIND_WAIT_S = 2.0  # how long an explicit port that is in use is tried again (see _bind_sockets)
 
@@ -407,6 +408,7 @@ class GossipNode:
             router = ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.MAXMSGSIZE, self.config.max_stream_bytes)
+            router.setsockopt(zmq.RCVHWM, STREAM_QUEUE)  # per connection: a flood waits in the kernel, not here
             try:
                 router.bind(f"tcp://{host}:{bound_port}")
             except zmq.ZMQError as exc:

@@ -56,6 +56,7 @@ _HEADER = struct.Struct(">2sBBq16s")
 HMAC_BYTES, CHECKSUM_BYTES = 32, 8
 FRESHNESS_S = 30.0  # a request older or newer than this (by the sender's clock) is dropped
 MAX_FRAME_BYTES = 4 << 20
+RECEIVE_QUEUE = 4  # requests queued per connection before zmq stops reading it (its default: 1000)
 MAX_KEY_CHARS = 1024
 MAX_VALUE_BYTES = 1 << 20
 MAX_KEYS = 65536
@@ -178,6 +179,7 @@ class StoreServer:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)  # per connection: a flood waits in the kernel, not here
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         try:
             self.port = self._socket.bind_to_random_port(f"tcp://{netif.resolve(host)}")
