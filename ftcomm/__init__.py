@@ -25,7 +25,7 @@ from .backends import BACKENDS
 from .core.view import View
 from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
                      GroupEnded, MembershipChanged, NcclUnavailable, NotInView, QuorumLost, ReplicaLost, RetryLimitExceeded,
-                     OutOfStep, SecretRequired, StateError, StateLost)
+                     OtherModel, OutOfStep, SecretRequired, StateError, StateLost)
 from .gossip import GossipConfig
 from .gossip.addresses import parse_address, parse_seed
 
@@ -55,7 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup",
     "FlashCheckpointer", "FtcommError", "FtcommTimeout", "GroupEnded", "GroupOptions", "LinearLRScaling", "MembershipChanged",
-    "NcclUnavailable", "NotInView", "QuorumLost", "ReplicaLost", "RetryLimitExceeded", "StateLost", "SecretRequired", "OutOfStep", "StateError", "View", "ViewChange", "init",
+    "NcclUnavailable", "NotInView", "OtherModel", "QuorumLost", "ReplicaLost", "RetryLimitExceeded", "StateLost", "SecretRequired", "OutOfStep", "StateError", "View", "ViewChange", "init",
 ]
 
 

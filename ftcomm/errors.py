@@ -97,3 +97,10 @@ class StateError(FtcommError, TypeError):
 
 class SecretRequired(FtcommError, ValueError):
     """A group reachable from other hosts was started without a secret (protected mode)."""
+
+
+class OtherModel(StateError):
+    """A checkpoint holds other parameters (names, dtypes or shapes) than a registered
+    module: saved from another model, or planted. ``FlashCheckpointer.restore()`` skips such
+    a copy for an older step that fits, and raises this only when no copy fits: restore
+    with the model the checkpoints were saved from."""

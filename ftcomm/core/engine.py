@@ -204,9 +204,9 @@ class ProbeGroup:
 
 @dataclass(frozen=True)
 class ProbeMembers:
-    """As a member that lost its view and would found a group again: find out which of
-    ``members`` (the members its refounding waits on, every one of them seemingly dead)
-    are gone for sure: the driver probes each at its port, the rendezvous port its record
+    """As a member that lost its view and would found a group again, or a member of a view
+    without a quorum of it: find out which of ``members`` (the members it waits on, every
+    one of them seemingly dead) are gone for sure: the driver probes each at its port, the rendezvous port its record
     names or the gossip port its id names, and answers with :meth:`Engine.members_probed`
     naming those that refused a connection (the process is gone, its host answers). One
     that does not answer may be across a partition: it is not proven gone."""

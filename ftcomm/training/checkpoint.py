@@ -47,7 +47,7 @@ import msgpack
 import torch
 import xxhash
 
-from ..errors import FtcommError, FtcommTimeout, StateError
+from ..errors import FtcommError, FtcommTimeout, OtherModel, StateError
 from . import checkpoint_files as files
 from . import plain, sharded
 from .state import tensor_bytes
@@ -55,12 +55,6 @@ from .state import tensor_bytes
 log = logging.getLogger(__name__)
 
 MAX_CANDIDATES = 32  # newest steps each member offers when agreeing on one to restore
-
-
-class OtherModel(StateError):
-    """A checkpoint holds other parameters (names, dtypes or shapes) than a registered module:
-    saved from another model, or planted. restore() skips it for an older step, and raises
-    this only when no copy fits."""
 
 
 @dataclass
