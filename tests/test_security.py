@@ -475,3 +475,54 @@ def test_large_forged_frames_on_two_connections_cost_a_worker_little_memory(port
         assert peak - before <= 64, f"{peak - before} MB more"
     finally:
         close()
+
+
+CONNECTION_FLOOD_TARGET = r"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from ftcomm.gossip import GossipNode
+from ftcomm.runtime.rendezvous import StoreServer
+node = GossipNode(secret="s").start()
+store = StoreServer("127.0.0.1", b"s")
+print(node.port, store.port, flush=True)
+for line in sys.stdin:
+    import os
+    print(len(os.listdir("/proc/self/fd")), node.connections.refused, store.connections.refused, flush=True)
+"""
+
+
+def test_thousands_of_connections_from_one_host_do_not_use_up_a_workers_descriptors():
+    """3,000 connections from one address to each zmq port (gossip and the rendezvous store)
+    of a worker whose descriptor limit is 1024, held open: each port keeps a few from that
+    host and shuts down the rest as they come, so the worker keeps descriptors to spare and
+    serves a member from another address (before, about 20,000 such connections killed a
+    worker at its limit)."""
+    from ftcomm.gossip import query_members
+    from ftcomm.runtime.rendezvous import StoreClient
+
+    target = subprocess.Popen([sys.executable, "-c", CONNECTION_FLOOD_TARGET], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    held: list[socket.socket] = []
+    try:
+        gossip_port, store_port = map(int, target.stdout.readline().split())
+        for port in (gossip_port, store_port):
+            for _ in range(3000):
+                conn = socket.socket()
+                conn.bind(("127.0.0.2", 0))  # the outsider's own address
+                conn.connect(("127.0.0.1", port))
+                held.append(conn)
+        time.sleep(1.0)  # (the ports read their connection events)
+        target.stdin.write("count\n")
+        target.stdin.flush()
+        descriptors, gossip_refused, store_refused = map(int, target.stdout.readline().split())
+        assert target.poll() is None and descriptors < 512, descriptors
+        assert gossip_refused >= 2900 and store_refused >= 2900, (gossip_refused, store_refused)
+        assert [m.port for m in query_members(f"127.0.0.1:{gossip_port}", secret="s")] == [gossip_port]
+        client = StoreClient("127.0.0.1", store_port, b"s", 5.0)
+        client.set("key", b"value")
+        assert client.get("key") == b"value"
+    finally:
+        for conn in held:
+            conn.close()
+        target.kill()
+        target.wait()

@@ -29,9 +29,11 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from .. import netif
 from ..errors import GossipError, JoinError
+from . import connections
 from .addresses import Resolver, is_dns, parse_address, parse_seed, resolve, system_resolver
 from .config import GossipConfig, recontact_targets
 from .faults import FaultFilter
@@ -151,6 +153,8 @@ class GossipNode:
         self.last_stall = float("-inf")
         """time.monotonic() when this process was last seen to have been stalled (see STALL_S)."""
         self._tasks: set[asyncio.Task] = set()
+        self._monitor = None  # the TCP port's connection events (see _watch_connections)
+        self.connections: connections.ConnectionCap | None = None
         self._snapshot: tuple[Member, ...] = ()
         self._snapshot_stale = True
         self._subscribers: list[Callable[[GossipEvent], None]] = []
@@ -439,6 +443,9 @@ class GossipNode:
             self._protocol.start(self._now())
             loop.add_reader(self._udp.fileno(), self._on_readable)
             self._spawn(self._serve_streams())
+            self._monitor = self._router.get_monitor_socket(connections.EVENTS)
+            self.connections = connections.ConnectionCap(self.port, *connections.caps())
+            self._spawn(self._watch_connections())
             self._flush()
         except BaseException as exc:  # pragma: no cover - reported to start()
             failure.append(exc)
@@ -459,6 +466,9 @@ class GossipNode:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._monitor is not None:
+            self._router.disable_monitor()
+            self._monitor.close(linger=0)
         self._router.close(linger=0)
         self._udp.close()
         self._zmq.term()
@@ -581,6 +591,16 @@ class GossipNode:
                 await router.send_multipart(frames[:-1] + [reply])
             except zmq.ZMQError as exc:  # the requester went away
                 log.debug("gossip stream reply failed: %s", exc)
+
+    async def _watch_connections(self) -> None:
+        """Feed the TCP port's connection events to its cap (a new connection over it is
+        shut down at once), yielding as the request loop does."""
+        watched = 0
+        while True:
+            self.connections.event(parse_monitor_message(await self._monitor.recv_multipart()))
+            watched += 1
+            if watched % STREAM_BATCH == 0:
+                await asyncio.sleep(0)
 
     async def _request(self, address: tuple[str, int], data: bytes) -> bytes | None:
         sock = self._zmq.socket(zmq.DEALER)

@@ -47,6 +47,7 @@ from zmq.utils.monitor import recv_monitor_message
 from .. import netif
 from ..core.view import View
 from ..errors import CommunicatorError
+from ..gossip import connections
 from ..gossip.wire import ReplayGuard
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,8 @@ class StoreServer:
         # each closed connection by its descriptor, and each request is tagged with the
         # descriptor it came through (the descriptor is closed only after the event is
         # sent, so it cannot name a newer connection yet).
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._socket.get_monitor_socket(connections.EVENTS)
+        self.connections = connections.ConnectionCap(self.port, *connections.caps())
         self._peer_of_fd: dict[int, bytes] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="ftcomm-rendezvous", daemon=True)
@@ -236,12 +238,16 @@ class StoreServer:
             self._expire()
 
     def _disconnected(self) -> None:
-        """Drop the waiting requests of every connection that closed."""
+        """Drop the waiting requests of every connection that closed (and shut down new ones
+        over the connection cap)."""
         while True:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self.connections.event(event)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
             peer = self._peer_of_fd.pop(event["value"], None)
             if peer is None:
                 continue

@@ -1,0 +1,87 @@
+"""A cap on the connections a listening zmq socket keeps open, per remote host and in all.
+
+zmq accepts every TCP connection to a bound socket and keeps it for as long as the peer
+does; it has no option that limits how many. An outsider who opens tens of thousands of
+idle connections to a worker's gossip or rendezvous port would use up the process's
+descriptors, and the next ``socket()`` or ``open()`` anywhere in the worker fails. The
+socket's monitor reports each accepted connection with its descriptor: one over the cap
+is shut down at once (through a duplicate of the descriptor: zmq reads the end of the
+stream and closes it as it closes any connection its peer ended).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+"""The monitor events a :class:`ConnectionCap` needs."""
+
+
+def caps(limit: int | None = None) -> tuple[int, int]:
+    """The connections one port keeps (per remote host, in all), from the process's
+    descriptor limit: an eighth of it in all (a worker serves two such ports, besides its
+    data plane and files), at most 4096, and a quarter of that per host (the workers of
+    one host together open a few per member)."""
+    if limit is None:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = 1 << 20 if limit == resource.RLIM_INFINITY else limit
+    total = max(16, min(4096, limit // 8))
+    return max(8, total // 4), total
+
+
+class ConnectionCap:
+    """Fed the monitor events of a zmq socket bound at ``port`` (see :data:`EVENTS`);
+    keeps at most ``per_host`` of its connections from one remote address and ``total``
+    in all, shutting down the rest as they are accepted. ``refused``: how many."""
+
+    def __init__(self, port: int, per_host: int, total: int) -> None:
+        self.port, self.per_host, self.total = port, per_host, total
+        self.refused = 0
+        self._host_of: dict[int, str] = {}  # descriptor -> remote address, of the connections kept
+        self._count: collections.Counter[str] = collections.Counter()
+
+    def event(self, event: dict) -> None:
+        """One event from the socket's monitor (``zmq.utils.monitor.parse_monitor_message``)."""
+        fd = event["value"]
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            self._accepted(fd)
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            host = self._host_of.pop(fd, None)
+            if host is not None:
+                self._count[host] -= 1
+                if not self._count[host]:
+                    del self._count[host]
+
+    def _accepted(self, fd: int) -> None:
+        try:
+            conn = socket.socket(fileno=os.dup(fd))
+        except OSError:  # closed already
+            return
+        try:
+            # The descriptor may have been closed and reused since the event was sent: only
+            # a connection to this socket's own port is one of its connections.
+            if conn.getsockname()[1] != self.port:
+                return
+            host = conn.getpeername()[0]
+            if self._count[host] >= self.per_host or len(self._host_of) >= self.total:
+                conn.shutdown(socket.SHUT_RDWR)
+                self.refused += 1
+                if self.refused in (1, 100, 10000):
+                    log.warning("port %d: %d connections shut down over the cap (%d from one host, %d in all); "
+                                "the last from %s", self.port, self.refused, self.per_host, self.total, host)
+                return
+            self._host_of[fd] = host
+            self._count[host] += 1
+        except OSError:  # the peer went away meanwhile
+            return
+        finally:
+            conn.close()  # the duplicate only
