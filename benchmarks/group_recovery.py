@@ -1,6 +1,6 @@
 """Group benchmarks 2-5: recovery after kill -9 and SIGSTOP, join time, re-formation time by size.
 
-    python benchmarks/group_recovery.py [--runs 5] [--sizes 2,3,4,5,6,7,8] [--only recovery,join,sizes]
+    python benchmarks/group_recovery.py [--runs 5] [--sizes 2,3,4,5,6,7,8] [--only recovery,join,sizes,two]
 
 Workers are ``examples/train_elastic.py`` processes on 127.0.0.1 with the default
 configuration. *Recovery* is the time from the signal to the moment every survivor has
@@ -13,7 +13,9 @@ in the same run is a cold start: the time from ``init()`` to the first committed
 when all workers start together (what a restart-everybody system pays at minimum,
 before any re-initialisation of its own). *Re-formation by size* kills one of N
 lightweight workers (a tiny model; their extra work per step is a sleep), so that the
-protocol's own cost shows on a 2-core machine running up to 8 of them.
+protocol's own cost shows on a 2-core machine running up to 8 of them. *Two* kills rank 0
+of two workers (the survivor goes on once rank 0's port refuses), with rank 1's kill as
+the baseline in the same run (``--only two``; not in the default set).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Group:
         self.grow(size)
 
     def grow(self, size: int) -> None:
+        self.seed = self.workers[0].address  # (the first worker may be gone)
         fresh = [worker(self.seed, self.extra, self.env()) for _ in range(size - len(self.workers))]
         for w in fresh:
             w.wait_ready(90)
@@ -170,7 +173,29 @@ def main() -> int:
         join(args, report)
     if "sizes" in parts:
         sizes_sweep(args, report)
+    if "two" in parts:
+        two(args, report)
     return 0
+
+
+def two(args, report: dict) -> None:
+    """Two workers, kill -9 of rank 0: the survivor alone is no majority of their view (a tie
+    goes to rank 0), and goes on once rank 0's port refuses a connection. The baseline in
+    the same run: kill -9 of rank 1, whose survivor holds the tie."""
+    group = Group(2)
+    try:
+        results: dict[str, list[dict]] = {"rank0": [], "rank1": []}
+        for _ in range(args.runs):
+            for name, victim in (("rank1", 1), ("rank0", 0)):
+                results[name].append(fault_run(group, signal.SIGKILL, victim_index=victim))
+                group.grow(2)
+    finally:
+        group.close()
+    report["kill9_rank0_of_two"] = summarize(results["rank0"])
+    report["kill9_rank1_of_two"] = summarize(results["rank1"])
+    print(json.dumps({k: {m: v for m, v in report[k].items() if m != "runs"}
+                      for k in ("kill9_rank0_of_two", "kill9_rank1_of_two")}), flush=True)
+    save(report, args.out)
 
 
 def recovery(args, report: dict) -> None:
