@@ -283,3 +283,33 @@ def test_a_flash_checkpoint_of_sharded_state_restores_into_a_new_group(tmp_path,
     for name, value in _local_state(model, optimizer).items():
         torch.testing.assert_close(value, after[name], rtol=1e-6, atol=1e-7, msg=name)
     group.shutdown()
+
+
+def _listening_on(port: int) -> set[str]:
+    """The local addresses (hex, as the kernel lists them) of the TCP sockets listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(address)
+    return found
+
+
+def test_the_replica_store_listens_on_the_replica_address_only():
+    """Shard 0 serves torch's store of the replica on the address it was given (torch's own
+    server listens on every address of the host, where anyone could reach it)."""
+    import datetime
+
+    from ftcomm.training.replica import _store
+
+    port = free_port()
+    store = _store(f"127.0.0.1:{port}", 0, 1, datetime.timedelta(seconds=10))
+    try:
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        assert _listening_on(port) == {"0100007F"}  # 127.0.0.1, and no wildcard
+    finally:
+        del store

@@ -21,10 +21,32 @@ from typing import Any, Callable
 import torch
 
 from ..errors import FtcommError, ReplicaLost, StateError
+from ..gossip.addresses import parse_address
 from ..backends import admission
 from . import sharded
 
 log = logging.getLogger(__name__)
+
+
+def _store(address: str, shard_rank: int, size: int, timeout: datetime.timedelta):
+    """Torch's TCP store of the replica at ``address`` (``HOST:PORT``), served by shard 0 on
+    that address only (torch's own server listens on every address of the host)."""
+    import socket
+
+    import torch.distributed as dist
+
+    host, port = parse_address(address)
+    if shard_rank != 0:
+        return dist.TCPStore(host, port, size, False, timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+    except OSError as exc:
+        listener.close()
+        raise FtcommError(f"cannot serve the replica's store on {address}: {exc.strerror or exc}") from None
+    return dist.TCPStore(host, port, size, True, timeout, master_listen_fd=listener.detach())
 
 
 class Replica:
@@ -48,8 +70,9 @@ class Replica:
                 raise ValueError("replica_size > 1 needs the replica's address (replica_addr='HOST:PORT' of its "
                                  "shard 0, or $FTCOMM_REPLICA_ADDR)")
             listening = set(admission.listening_sockets())
-            dist.init_process_group("nccl" if backend == "nccl" else "gloo", init_method=f"tcp://{address}",
-                                    rank=shard_rank, world_size=size, timeout=datetime.timedelta(seconds=timeout))
+            wait = datetime.timedelta(seconds=timeout)
+            dist.init_process_group("nccl" if backend == "nccl" else "gloo", store=_store(address, shard_rank, size, wait),
+                                    rank=shard_rank, world_size=size, timeout=wait)
             self._owned = True
         device = "cuda" if backend == "nccl" else "cpu"
         self.device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
