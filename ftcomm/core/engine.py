@@ -224,7 +224,7 @@ class Recontact:
 @dataclass(frozen=True)
 class ProbeSeeds:
     """A fresh worker cannot found a group yet: a majority of its job is not in sight (see
-    Engine._may_found_with). Probe the seed ``addresses`` no live member answers from: a
+    Engine._may_found_with), or fewer workers than ``min_workers``. Probe the seed ``addresses`` no live member answers from: a
     refused connection proves that worker gone (it no longer counts in the job; answer
     with :meth:`Engine.seeds_probed`); send the seeds a join request again."""
     addresses: tuple[tuple[str, int], ...]
@@ -608,6 +608,12 @@ class Engine:
             cand = dataclasses.replace(cand, view_id=self.floor)
         if not self.usable(cand):
             self._last = None
+            if previous is None and seeds:
+                # Below min_workers, a fresh worker asks its seeds that no live member answers
+                # from to let it in again: started while they were cut off or hung, it may
+                # have joined a gossip cluster of other newcomers only, which alone never
+                # reaches min_workers.
+                return self._probe_seeds(now, seeds)
             if previous is None or cand.quorum:  # (below min_workers: waiting for workers, not cut off)
                 return self._fetch_final_records(previous, statuses, now)
             return (self._fetch_final_records(previous, statuses, now)
@@ -621,11 +627,7 @@ class Engine:
             return []
         if previous is None and seeds and not self._may_found_with(cand, seeds):
             self._last = None
-            missing = tuple(a for a, member in seeds.items() if member is None and a not in self.seeds_gone)
-            if not missing or now - self._seeds_probed < self.chase_interval:
-                return []
-            self._seeds_probed = now
-            return [ProbeSeeds(missing)]
+            return self._probe_seeds(now, seeds)
         if cand != self._last:
             self._last, self._settled_since = cand, now
         settled = certain(cand, previous, statuses) or (joins_only(cand, previous, statuses) and (
@@ -730,6 +732,15 @@ class Engine:
         job = [member for address, member in seeds.items() if address not in self.seeds_gone]
         present = sum(1 for member in job if member is not None and member in cand.members)
         return 2 * (1 + present) > 1 + len(job)
+
+    def _probe_seeds(self, now: float, seeds: dict[tuple[str, int], str | None]) -> list[Action]:
+        """A :class:`ProbeSeeds` of the seeds no live member answers from (and not known
+        gone), at most once per chase interval."""
+        missing = tuple(a for a, member in seeds.items() if member is None and a not in self.seeds_gone)
+        if not missing or now - self._seeds_probed < self.chase_interval:
+            return []
+        self._seeds_probed = now
+        return [ProbeSeeds(missing)]
 
     def seeds_probed(self, refused: list[tuple[str, int]]) -> None:
         """The answer to a :class:`ProbeSeeds`: these seeds' ports refused a connection."""

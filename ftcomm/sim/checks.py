@@ -75,9 +75,11 @@ def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
         side_a, side_b, before = world.partition
         side = side_a if w.id in side_a else side_b
         # members that had left gracefully, or stood aside, before the cut do not count, as in
-        # the quorum rule
+        # the quorum rule; nor do those of the other side dead by now (that side holds none
+        # of them: the survivors may count them out once their ports refuse)
+        dead = {x.id for x in world.workers.values() if (x.crashed or x.exited) and x.id not in side}
         if set(view.members) <= side and not has_quorum(before, [m for m in before.members if m in side],
-                                                        world.partition_left):
+                                                        world.partition_left | dead):
             world.violation(4, f"{w.id} commits step {step} in view {view.id} on the minority side of a partition "
                                f"of view {before.id}")
     w.state.value = digest
