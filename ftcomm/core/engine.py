@@ -206,10 +206,11 @@ class ProbeGroup:
 class ProbeMembers:
     """As a member that lost its view and would found a group again, or a member of a view
     without a quorum of it: find out which of ``members`` (the members it waits on, every
-    one of them seemingly dead) are gone for sure: the driver probes each at its port, the rendezvous port its record
-    names or the gossip port its id names, and answers with :meth:`Engine.members_probed`
-    naming those that refused a connection (the process is gone, its host answers). One
-    that does not answer may be across a partition: it is not proven gone."""
+    one of them seemingly dead) are gone for sure: the driver probes each at its port (the
+    rendezvous port its record names or the gossip port its id names) and answers with
+    :meth:`Engine.members_probed` naming those that refused a connection (the process is
+    gone, its host answers). One that does not answer may be across a partition: it is
+    not proven gone."""
     members: tuple[str, ...]
 
 
@@ -224,9 +225,10 @@ class Recontact:
 @dataclass(frozen=True)
 class ProbeSeeds:
     """A fresh worker cannot found a group yet: a majority of its job is not in sight (see
-    Engine._may_found_with), or fewer workers than ``min_workers``. Probe the seed ``addresses`` no live member answers from: a
-    refused connection proves that worker gone (it no longer counts in the job; answer
-    with :meth:`Engine.seeds_probed`); send the seeds a join request again."""
+    Engine._may_found_with), or fewer workers than ``min_workers``. Probe the seed
+    ``addresses`` no live member answers from: a refused connection proves that worker gone
+    (it no longer counts in the job; answer with :meth:`Engine.seeds_probed`); send the
+    seeds a join request again."""
     addresses: tuple[tuple[str, int], ...]
 
 
