@@ -63,8 +63,13 @@ class ConnectionCap:
 
     def _accepted(self, fd: int) -> None:
         try:
-            conn = socket.socket(fileno=os.dup(fd))
+            copy = os.dup(fd)
         except OSError:  # closed already
+            return
+        try:
+            conn = socket.socket(fileno=copy)
+        except OSError:  # reused since, by something that is not a socket
+            os.close(copy)
             return
         try:
             # The descriptor may have been closed and reused since the event was sent: only
