@@ -428,22 +428,6 @@ def uuid_hex() -> str:
     return uuid.uuid4().hex[:8]
 
 
-FRAME_FLOOD = r"""
-import os, sys, time, zmq
-ctx = zmq.Context()
-sock = ctx.socket(zmq.DEALER)
-sock.setsockopt(zmq.LINGER, 0)
-sock.setsockopt(zmq.SNDHWM, 100)
-sock.connect(sys.argv[1])
-frame, end = os.urandom(int(sys.argv[2])), time.monotonic() + float(sys.argv[3])
-while time.monotonic() < end:
-    try:
-        sock.send(frame, zmq.NOBLOCK)
-    except zmq.Again:
-        time.sleep(0.001)
-"""
-
-
 def _resident_mb() -> int:
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
 
@@ -455,6 +439,7 @@ def test_large_forged_frames_on_two_connections_cost_a_worker_little_memory(port
     them: each is refused before it is read (over the port's frame limit) or read and
     dropped, and the port queues at most a few per connection, so the worker's memory
     grows by at most 64 MB (zmq's queue of 1,000 frames a connection held gigabytes)."""
+    from benchmarks.port_flood import FRAMES
     from ftcomm.gossip import GossipNode
     from ftcomm.runtime.rendezvous import StoreServer
 
@@ -466,7 +451,7 @@ def test_large_forged_frames_on_two_connections_cost_a_worker_little_memory(port
         address, close = f"tcp://127.0.0.1:{server.port}", server.close
     try:
         before = peak = _resident_mb()
-        floods = [subprocess.Popen([sys.executable, "-c", FRAME_FLOOD, address, str(megabytes << 20), "4"])
+        floods = [subprocess.Popen([sys.executable, "-c", FRAMES, address, str(megabytes << 20), "4"])
                   for _ in range(2)]
         while any(f.poll() is None for f in floods):
             peak = max(peak, _resident_mb())
