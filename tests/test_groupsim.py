@@ -339,7 +339,7 @@ def churn(seed: int) -> GroupSimulation:
 
 GUARDS = {
     # name: (what is switched off, the seeds, what they show, replica size)
-    "commit on the replica's verdict": (("_replica_decides", decides_alone), [192, 199], "invariant 3", 2),
+    "commit on the replica's verdict": (("_replica_decides", decides_alone), [213, 253], "invariant 3", 2),
     "reconcile after a view change": (("_reconcile_formed", no_reconcile), [0, 2, 3], "invariant 3", 1),
     "a straggler stands aside within min_workers": (
         ("chosen", staticmethod(lambda asking, world, min_workers: sorted(asking, reverse=True))),
@@ -370,7 +370,7 @@ def test_a_collective_between_steps_waits_for_the_boundary_to_admit_a_joiner(mon
     while the others run the metric: every metric with a joiner on its way is abandoned
     (OutOfStep, which the scripts tolerate as the guide says). With joins at the step
     boundary only, none is."""
-    seeds = [0, 9, 14]
+    seeds = [0, 3, 14]
     assert not any(o.exits.get("OutOfStep (tolerated)") for o in run_seeds(seeds, **AS_FOUND))
     monkeypatch.setattr(core.Engine, "due", lambda self, boundary=True: core.BOUNDARY.get(self.state, "resume"))
     assert all(o.exits.get("OutOfStep (tolerated)") for o in run_seeds(seeds, **AS_FOUND))

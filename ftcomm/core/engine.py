@@ -261,6 +261,13 @@ PROOF_FRESH = 4
 """A member of the view a member agrees over counts as proven gone by a refused connection
 only if it was seen alive within this many chase intervals (see Engine._probe_absent)."""
 
+PROOF_FIRST = 8
+"""The first probes of the members a member misses come a chase interval divided by this
+apart, each interval twice the one before, up to the chase interval: a process found
+silent but not refusing may be killed a moment later (a launcher kills a stopped worker),
+and its refusal then counts at once, while a lost node is not probed more than once per
+chase interval for long (see Engine._probe_absent)."""
+
 
 @dataclass
 class Engine:
@@ -291,6 +298,7 @@ class Engine:
     _alive_at: dict = field(default_factory=dict)  # member of the previous view -> when last seen alive (_probe_absent)
     _alive_for: tuple | None = None  # the view (id, digest) _alive_at is about
     _probed_at: float = float("-inf")
+    _absent_probes: int = 0  # ProbeMembers of the view _alive_at is about (their pace, see PROOF_FIRST)
     fetched: dict = field(default_factory=dict)  # proposal key -> member list (joiners)
     witnessed: tuple[int, str] | None = None  # as rank 0 of a large view: its proposal, seen made by every member
     vouched: frozenset = frozenset()  # members of the view entered whose own proposal of it was not seen here
@@ -771,6 +779,7 @@ class Engine:
         key = (previous.id, previous.digest)
         if self._alive_for != key:
             self._alive_for, self._alive_at = key, dict.fromkeys(previous.members, now)
+            self._absent_probes = 0
         for m in previous.members:
             status = statuses.get(m)
             if status is not None and status.alive:
@@ -779,7 +788,8 @@ class Engine:
     def _probe_absent(self, now: float, previous: View, cand: Candidate, statuses: dict[str, Status]) -> list[Action]:
         """A member of ``previous`` without a quorum of it: the members it is missing are
         probed while none of them is alive in gossip (suspect, dead or forgotten), every
-        chase interval. Those whose port refuses are proven gone and count no more (see
+        chase interval (the first ones sooner: see ``PROOF_FIRST``). Those whose port
+        refuses are proven gone and count no more (see
         :func:`candidate`): the survivors of a view of two go on when the other one's process
         died, instead of waiting out the quorum timeout for a member that can never come
         back. One that does not answer (a lost node, a partition) is not proven gone: it
@@ -792,13 +802,15 @@ class Engine:
         gone = gone_from(previous, statuses) | self.proven_gone
         absent = frozenset(m for m in previous.members if m not in cand.members and m not in gone)
         fresh = now - PROOF_FRESH * self.chase_interval
+        pace = min(self.chase_interval, self.chase_interval / PROOF_FIRST * 2 ** self._absent_probes)
         if (not absent or any(m in statuses and statuses[m].alive for m in absent)
-                or now - self._probed_at < self.chase_interval):
+                or now - self._probed_at < pace):
             return []
         absent = frozenset(m for m in absent if self._alive_at.get(m, float("-inf")) >= fresh)
         if not absent:
             return []
         self._probed_at, self._probing = now, absent
+        self._absent_probes += 1
         return [ProbeMembers(tuple(sorted(absent)))]
 
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
