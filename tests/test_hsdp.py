@@ -206,11 +206,12 @@ def test_a_whole_job_restart_restores_every_shard_at_the_newest_step_all_can_loa
     assert_per_shard_invariants(second, 80, first_step=61)
 
 
-def test_the_replica_of_two_left_when_rank_0_s_replica_loses_a_process_trains_on():
-    """Two replicas of two: kill -9 of rank 0. Its partner leaves with it (gone for the
-    quorum), and rank 0's port refuses a connection (its process is gone): the other
-    replica goes on alone instead of waiting out the quorum timeout, and the restarted
-    replica rejoins it; every shard ends with one state."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
+def test_the_replica_of_two_left_when_rank_0_s_replica_loses_a_process_trains_on(sig):
+    """Two replicas of two: kill -9 of rank 0, or SIGSTOP (the launcher then kills it). Its
+    partner leaves with it (gone for the quorum), and rank 0's port refuses a connection
+    (its process is gone): the other replica goes on alone instead of waiting out the
+    quorum timeout, and the restarted replica rejoins it; every shard ends with one state."""
     steps = 240
     job = Job(steps, command=[sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "4", "--replica-size", "2",
                               "--restart-backoff", "0.2", EXAMPLE, "--steps", str(steps), "--min-workers", "1",
@@ -220,14 +221,15 @@ def test_the_replica_of_two_left_when_rank_0_s_replica_loses_a_process_trains_on
                    lambda: f"the job did not start: {''.join(job.log[-40:])}")
         victim = next(e for e in job.of("ready") if e["rank"] == 0)
         before = max(e["view_id"] for e in job.of("view"))
-        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(victim["pid"], sig)
         assert job.finish() == 0, "".join(job.log[-60:])
     finally:
         job.finish(30)
     log = "".join(job.log)
     assert "exited with signal SIGKILL" in log and "QuorumLost" not in log
+    assert ("is stopped: killed" in log) == (sig == signal.SIGSTOP)
     after = sorted((e for e in job.of("view") if e["view_id"] > before), key=lambda e: e["view_id"])
-    assert after and after[0]["reason"] == "crash" and len(after[0]["members"]) == SHARDS, after[:1]
+    assert after and after[0]["reason"] in ("crash", "hang") and len(after[0]["members"]) == SHARDS, after[:1]
     assert victim["id"] not in after[0]["members"]
     done = job.of("done")
     assert len(done) == 4 and {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {4}

@@ -136,7 +136,8 @@ def _run(args: argparse.Namespace) -> int:
                           log_dir=args.log_dir, local_ranks_filter=args.local_ranks_filter,
                           min_workers=args.min_workers, max_workers=args.max_workers,
                           metrics_port=args.metrics_port, straggler_policy=args.straggler_policy,
-                          standby=args.standby, standby_imports=tuple(args.standby_import))
+                          standby=args.standby, standby_imports=tuple(args.standby_import),
+                          kill_stopped_after=args.kill_stopped_after)
     return Launcher(config).run()
 
 
@@ -169,6 +170,11 @@ def _seconds(text: str) -> float:
     if not (0 < value < math.inf):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return value
+
+
+def _stopped_after(text: str) -> float | None:
+    """argparse type of ``--kill-stopped-after``: seconds >= 0, or off (None)."""
+    return None if text.strip().lower() == "off" else _non_negative(text)
 
 
 def _non_negative(text: str) -> float:
@@ -234,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "an idle interpreter with torch (default 0)")
     run.add_argument("--standby-import", action="append", default=[], metavar="MODULE",
                      help="a module the standbys import ahead (repeatable), e.g. the script's own heavy imports")
+    run.add_argument("--kill-stopped-after", type=_stopped_after, default=0.25, metavar="S",
+                     help="kill a worker whose process stays stopped (SIGSTOP) this many seconds, so that the "
+                          "others go on without it and it is restarted; 'off' leaves it stopped, and the group "
+                          "waits for it (default 0.25)")
     run.add_argument("--stop-timeout", type=_seconds, default=30.0,
                      help="seconds workers get to leave after SIGTERM/SIGINT before they are killed (default 30)")
     run.add_argument("--status-interval", type=_seconds, default=10.0,

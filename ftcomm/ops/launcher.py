@@ -23,7 +23,10 @@ worker is restarted any more (it would start the training over), and the others 
 other exit (a crash, a kill, an exception) restarts the worker *process*, after
 at once the first time, then after ``restart_backoff`` seconds doubled on each further
 restart of the same worker (at most 60 s), up to ``max_restarts`` times; the new process rejoins through gossip and receives the
-state from its peers, the others do not stop. SIGTERM, SIGINT, SIGHUP or SIGQUIT to
+state from its peers, the others do not stop. A worker whose process stays stopped (SIGSTOP) for
+``kill_stopped_after`` seconds is killed and restarted the same way: stopped, it answers
+nothing, yet its ports accept connections, and the others could not tell it from a
+partition; killed, its ports refuse and they go on without it. SIGTERM, SIGINT, SIGHUP or SIGQUIT to
 the launcher is forwarded to every worker as SIGTERM (a graceful leave); whatever still
 runs after ``stop_timeout`` seconds, or at a second signal, is killed with what it
 started. A worker's leftover processes are killed when it exits (its pid is not signalled
@@ -129,6 +132,7 @@ class LaunchConfig:
     local_ranks_filter: tuple[int, ...] | None = None  # only these workers' output on the console
     standby: int = 0  # warm standby interpreters kept ready to replace a worker
     standby_imports: tuple[str, ...] = ()  # modules a standby imports beyond torch and ftcomm
+    kill_stopped_after: float | None = 0.25  # a worker stopped (SIGSTOP) this long is killed; None: left stopped
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -163,6 +167,8 @@ class LaunchConfig:
                              "(--replica-size > 1) trains only whole: use warn")
         if self.standby < 0:
             raise ValueError(f"--standby must be >= 0, got {self.standby}")
+        if self.kill_stopped_after is not None and not 0 <= self.kill_stopped_after < float("inf"):
+            raise ValueError(f"--kill-stopped-after must be >= 0 seconds, got {self.kill_stopped_after}")
         if self.standby:
             why = python_command(self.command)
             if why is not None:
@@ -188,6 +194,7 @@ class Worker:
     saving: threading.Thread | None = None  # persisting a checkpoint at its breakpoint: the restart waits
     status: str = "starting"  # running, halting (its replica lost a process), waiting (for a restart), finished, failed, stopped
     halt_by: float = 0.0  # halting: killed if still running then
+    stopped_since: float | None = None  # when the launcher first saw its process stopped (SIGSTOP)
     replica_addr: str = ""  # a sharded replica's processes: where they meet (torch's store), per start
     output: WorkerOutput | None = None  # the current start's output streams
     starts: list[dict] = dataclasses.field(default_factory=list)  # each start's end: exit, seconds, last lines
@@ -382,6 +389,8 @@ class Launcher:
         for worker in self.workers:
             if worker.status == "running" and worker.process.poll() is not None:
                 self._exited(worker, worker.process.returncode, now)
+            elif worker.status == "running" and self.config.kill_stopped_after is not None:
+                self._watch_stopped(worker, now)
             elif worker.status == "halting":
                 self._halting(worker, now)
         for worker in self.workers:  # after the exits: a first restart starts in the same step
@@ -471,6 +480,26 @@ class Launcher:
                  f"restart {worker.restarts + 1} of {self.config.max_restarts} in {delay:g} s"
                  + (", with the rest of its replica" if self.config.replica_size > 1 else ""))
         self._halt_replica(worker, now)
+
+    def _watch_stopped(self, worker: Worker, now: float) -> None:
+        """Kill a worker whose process stays stopped (SIGSTOP, SIGTSTP sent to it alone)
+        for ``kill_stopped_after`` seconds, seen so twice by this launcher: a stopped process
+        answers nothing, yet its node's kernel still accepts connections to its ports, so
+        the others cannot tell it from a partition and a group of two would wait for it.
+        Killed, its ports refuse: the others count it as proven gone and go on, and it is
+        restarted like any crashed worker. A process stopped by a debugger (tracing stop)
+        is left alone, and so are workers stopped together with this launcher (Ctrl-Z):
+        they are continued with it before it looks again."""
+        if not _stopped(worker.process.pid):
+            worker.stopped_since = None
+            return
+        if worker.stopped_since is None:
+            worker.stopped_since = now
+        elif now - worker.stopped_since >= self.config.kill_stopped_after:
+            worker.stopped_since = None
+            self.say(f"worker {worker.local_rank} (pid {worker.process.pid}) is stopped: killed (a stopped worker "
+                     f"stalls the group; see --kill-stopped-after)")
+            _kill_group(worker.process, signal.SIGKILL)
 
     # ------------------------------------------------------------------ sharded replicas
     def replica(self, worker: Worker) -> list[Worker]:
@@ -962,6 +991,17 @@ def _read_some(stream, limit: int = 8192) -> str:
         return ""
     finally:
         stream.close()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (state T; not t, a debugger's stop)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            line = stat.read()
+    except OSError:  # gone, or no /proc: not known to be stopped
+        return False
+    # pid (command) state ...: the command may itself hold parentheses and spaces
+    return line[line.rfind(b")") + 2:line.rfind(b")") + 3] == b"T"
 
 
 def _kill_group(process: subprocess.Popen, sig: int) -> None:
