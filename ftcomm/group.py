@@ -30,7 +30,7 @@ from .backends import communicator_class
 from .core import engine as core
 from .core.engine import Engine
 from .core.view import PROTOCOL, View
-from .errors import CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, NotInView
+from .errors import CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, NotInView, QuorumLost
 from .gossip import GossipNode
 from .gossip.runtime import parse_address
 from .ops import netcheck
@@ -113,6 +113,7 @@ class FaultTolerantGroup:
         self._replica: Replica | None = None
         self.replica_size, self.shard_rank = replica[0], replica[1]
         self._owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
+        self._keepers: weakref.WeakSet = weakref.WeakSet()  # FlashCheckpointers of this group (see _leave_with_state)
         try:
             if self.replica_size > 1:  # first: the replica's K processes meet (torch's process group)
                 self._replica = collective.replica = Replica(*replica, backend, opts.init_timeout)
@@ -268,7 +269,40 @@ class FaultTolerantGroup:
             raise FtcommError("the group was shut down")
         if loop.closed or not on_owner or self._collective.touched:
             return
-        self._run(loop.boundary())
+        self._at_boundary(loop.boundary())
+
+    def _at_boundary(self, phase: Any) -> Any:
+        """Run ``phase``, begun with the registered state at the committed step (between
+        steps, or in the gradient path before the optimizer steps), and keep that state in
+        the checkpoints before a QuorumLost leaves the group (see _leave_with_state)."""
+        try:
+            return self._run(phase)
+        except QuorumLost as exc:
+            self._leave_with_state(exc)
+            raise
+
+    def _leave_with_state(self, exc: QuorumLost) -> None:
+        """This worker is cut off and leaves the group holding the state of its committed
+        step, which the members it lost may never have had (the survivor of two whose
+        partner's node is lost): each FlashCheckpointer of the group writes it now, unless
+        it holds that step already, so that a restart of the whole job resumes from it
+        instead of from an older checkpoint. What was kept, or why not, is added to the
+        error's message."""
+        kept = []
+        for checkpointer in list(self._keepers):
+            try:
+                where = checkpointer.keep_before_leaving()
+            except Exception as failure:  # the QuorumLost is what the caller must see
+                log.warning("could not keep the state of step %d before leaving: %s", self.step, failure)
+                kept.append(f"could not keep the state of step {self.step}: {failure}")
+            else:
+                kept.append(f"the state of step {self.step} is in the flash checkpoints ({where}): a restart of "
+                             f"the job resumes from it")
+        if not kept and self.step > 0 and self.state.registered:
+            kept.append(f"the state of step {self.step} held here is lost with this process: no FlashCheckpointer "
+                        f"keeps it")
+        if kept:
+            exc.args = (f"{exc.args[0] if exc.args else exc}; {'; '.join(kept)}",) + exc.args[1:]
 
     def state_restored(self, step: int | None, same_everywhere: bool = False) -> None:
         """The registered state was loaded from a checkpoint of ``step`` (None: not on this member).
@@ -304,7 +338,7 @@ class FaultTolerantGroup:
         self._loop.check_open()
         self._owner = threading.get_ident()
         self._collective.use(_parameters(model_or_params))
-        return self._run(self._loop.gradient_step())
+        return self._at_boundary(self._loop.gradient_step())
 
     def no_sync(self):
         """Context manager: backward passes inside accumulate gradients locally and start

@@ -341,6 +341,54 @@ def test_rank_0_of_two_lost_the_survivor_trains_on_alone_and_nothing_committed_i
     assert {step for _, step, _ in batches} == set(range(1, steps + 1))
 
 
+def test_the_survivor_that_loses_quorum_keeps_its_state_and_the_job_restart_resumes_from_it(tmp_path):
+    """Two workers, rank 0 stopped and left stopped (as a lost node: nothing proves it gone):
+    the survivor waits out its quorum timeout and raises QuorumLost, but first writes the
+    state of its committed step to the flash checkpoints, though the periodic save is many
+    steps older. The job started again resumes from that step: no committed step is trained
+    again, every step of the job is committed once, and both end with one state."""
+    import uuid
+
+    steps, every = 200, 40
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    arguments = ["--nproc-per-node", "2", "--restart-backoff", "0.2", "--min-workers", "1",
+                 "--kill-stopped-after", "off", str(EXAMPLE), "--steps", str(steps), "--step-time", "0.03",
+                 "--report-every", "1000000", "--log-indices", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--checkpoint-every", str(every), "--checkpoint-name", name, "--options", '{"quorum_timeout": 3}']
+    try:
+        first = Launched(["--max-restarts", "0", *arguments])
+        try:
+            wait_until(lambda: max([e["step"] for e in first.of("batch")] + [0]) >= every + 15, 120,
+                       lambda: f"training past the first checkpoint: {''.join(first.log[-20:])}")
+            victim = next(e for e in first.of("ready") if e["rank"] == 0)
+            os.kill(victim["pid"], signal.SIGSTOP)
+            wait_until(lambda: "QuorumLost" in "".join(first.log), 120, "the survivor's QuorumLost")
+            wait_until(lambda: "no restarts left" in "".join(first.log), 60, "the survivor's exit")
+            os.kill(victim["pid"], signal.SIGKILL)  # the lost node's worker, gone for good
+            assert first.finish(60) == 1
+        finally:
+            first.finish(0)
+        text = "".join(first.log)
+        survivor = next(e for e in first.of("ready") if e["rank"] == 1)
+        held = max(e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"])
+        assert held % every and f"the state of step {held} is in the flash checkpoints" in text, text[-3000:]
+        second = Launched(arguments)
+        try:
+            code = second.finish(300)
+        finally:
+            second.finish(0)
+        text = "".join(second.log)
+        assert code == 0, text[-3000:]
+        assert {e["step"] for e in second.of("restored")} == {held}, second.of("restored")
+        done = second.of("done")
+        assert len(done) == 2 and {e["step"] for e in done} == {steps} and len({e["digest"] for e in done}) == 1
+        before = {e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"]}
+        after = sorted({e["step"] for e in second.of("batch")})
+        assert before == set(range(1, held + 1)) and after == list(range(held + 1, steps + 1))
+    finally:
+        shutil.rmtree(f"/dev/shm/ftcomm-{name}", ignore_errors=True)
+
+
 def test_save_at_breakpoint_persists_shared_memory_when_a_worker_dies(tmp_path):
     import shutil
     import uuid

@@ -136,6 +136,9 @@ class FlashCheckpointer:
         self._other_model: StateError | None = None  # why a copy of another model was skipped (see restore)
         self._worker = threading.Thread(target=self._background, name="ftcomm-checkpoint", daemon=True)
         self._worker.start()
+        keepers = getattr(group, "_keepers", None)
+        if keepers is not None:  # called when the group is lost (see keep_before_leaving)
+            keepers.add(self)
 
     # ------------------------------------------------------------------ save
     def is_writer(self) -> bool:
@@ -158,10 +161,24 @@ class FlashCheckpointer:
         tensors and plain data, FtcommTimeout when every buffer is held by writes that
         made no progress for ``write_timeout`` seconds. Never blocks longer than that.
         """
+        return self._save(self.is_writer())
+
+    def keep_before_leaving(self) -> str:
+        """The group is lost (QuorumLost): write the state of the committed step, whether
+        or not this member is its host's writer (the writer may be gone), unless a
+        checkpoint of that step is here already, and wait for it. Where it is, in words."""
+        step = self.group.step
+        self.wait()  # a save of this step may be on its way
+        if step not in self.available():
+            self._save(True)
+            self.wait()
+        return ", ".join(str(p) for p in (self.shm, self.directory) if p is not None)
+
+    def _save(self, writer: bool) -> float:
         self._raise_failure()
         if self._closed:
             raise FtcommError("save() after close(): create a new FlashCheckpointer")
-        if not self.is_writer():
+        if not writer:
             return 0.0
         started = time.perf_counter()
         step = self.group.step
