@@ -512,3 +512,15 @@ def test_a_side_whose_other_side_died_is_not_a_minority():
     the other side's dead as it counts its departed."""
     outcomes = run_seeds([3570, 6920, 9361])
     assert all(o.ok for o in outcomes), [o.violation for o in outcomes]
+
+
+def test_a_member_that_fails_on_its_own_while_a_straggler_is_chosen_is_not_the_choice_s_fault():
+    """Seed 7599 (min_workers 5 of 6): the step that chose the straggler was reduced with all
+    six members' shares, one of which then raised RetryLimitExceeded (its own step had
+    broken on a suspect) before the straggler stood aside, and the four left wait for its
+    return. The choice was right for the step it was made in; invariant 9 judges it by the
+    members that trained when that step began, and still catches a choice below min_workers
+    (the guard test above)."""
+    outcome = run_seeds([7599])[0]
+    assert outcome.ok, outcome.violation
+    assert outcome.exits.get("RetryLimitExceeded")

@@ -99,20 +99,36 @@ def state_lost(world: "GroupSimulation", w: "Worker") -> None:
                            f"committed by every process of a replica (a replica committed it on some processes only)")
 
 
+def step_started(world: "GroupSimulation", w: "Worker") -> None:
+    """``w`` begins a gradient step: who else trains then (see stood_aside)."""
+    w.step_with = _others_training(world, w)
+
+
 def step_ended(world: "GroupSimulation", w: "Worker", committed: bool, reformed: bool) -> None:
     """``w``'s gradient step returned (``reformed``: a re-formation ran inside it). Invariant
     8: more than ``max_retries`` steps in a row that failed and re-formed end in
     RetryLimitExceeded (the user learns that the membership keeps changing)."""
     w.failed_in_a_row = w.failed_in_a_row + 1 if not committed and reformed else 0
+    if w.loop.engine.state == "ASIDE_DUE" and w.chosen_with is None:  # this step chose it (see stood_aside)
+        w.chosen_with = w.step_with
     if w.failed_in_a_row > world.options.max_retries + 1:
         world.violation(8, f"{w.id}'s gradient steps failed and re-formed {w.failed_in_a_row} times in a row "
                            f"(max_retries={world.options.max_retries}) without RetryLimitExceeded")
 
 
+def _others_training(world: "GroupSimulation", w: "Worker") -> frozenset:
+    """The replicas other than ``w``'s that live and do not stand aside."""
+    return frozenset(x.replica[0] if x.replica is not None else x.id for x in world.live()
+                     if x is not w and x.loop.engine.state != "STANDING_ASIDE")
+
+
 def stood_aside(world: "GroupSimulation", w: "Worker") -> None:
-    """Invariant 9: a straggler stands aside only where the others still make min_workers."""
-    others = {x.replica[0] if x.replica is not None else x.id for x in world.live()
-              if x is not w and x.loop.engine.state != "STANDING_ASIDE"}
+    """Invariant 9: a straggler stands aside only where the others still make min_workers,
+    as they were when the step that chose it began (a member that fails or leaves on its
+    own while that step runs, after its share was reduced with it, is a fault of its own,
+    which the choice cannot foresee: seed 7599)."""
+    others = w.chosen_with if w.chosen_with is not None else _others_training(world, w)
+    w.chosen_with = None
     if len(others) < world.min_workers:
         world.violation(9, f"{w.id} stands aside as a straggler, leaving {len(others)} worker(s) below "
                            f"min_workers={world.min_workers}")

@@ -88,6 +88,8 @@ class Worker:
     last_view: tuple | None = None  # (view id, digest) of its last commit
     failed_in_a_row: int = 0  # gradient steps that failed and re-formed in a row (see checks.step_ended)
     aside: bool = False  # it stood aside as a straggler (as last seen)
+    step_with: frozenset = frozenset()  # the others training when its current gradient step began (checks)
+    chosen_with: frozenset | None = None  # the others training when the step that chose it to stand aside began
     leave_after_commit: bool = False
     register_at: float = 0.0  # its script registers the training state then (a model built after init)
     statuses: dict | None = None  # the status records as last read (see GroupSimulation.statuses)
@@ -311,6 +313,7 @@ class GroupSimulation:
             self.fault_times.append(self.sim.now)  # (the group waits for it: see _check_recoveries)
         while True:
             yield from loop.boundary()
+            checks.step_started(self, w)
             yield Sleep(self.sim.now + w.step_time * w.slow)
             views = len(loop.events)
             committed = yield from loop.gradient_step()
