@@ -168,6 +168,21 @@ def test_a_replica_whose_process_fails_is_stopped_and_restarted_as_a_whole(tmp_p
     assert starts["0-0"] == starts["1-0"] != starts["2-0"] == starts["3-0"] != starts["2-1"] == starts["3-1"]
 
 
+def test_a_replica_partner_of_a_killed_process_is_killed_after_a_short_grace(tmp_path):
+    """Shard 0 dies by a signal; shard 1 (in a collective with it, where no handler runs:
+    here it ignores SIGTERM) is killed after REPLICA_KILLED_HALT_S, not REPLICA_HALT_S, and the
+    replica starts again as a whole."""
+    body = ("import signal\n"
+            "if os.environ['FTCOMM_RESTARTS'] != '0': sys.exit(0)\n"
+            "if os.environ['FTCOMM_SHARD_RANK'] == '0': time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "time.sleep(30)\n")
+    code, log = launch(tmp_path, body, nproc=2, replica_size=2, restart_backoff=0.0)
+    assert code == 0, log
+    assert "worker 0 exited with signal SIGKILL" in log and "did not leave within 0.5 s" in log, log
+    assert "worker 1 left with its replica (signal SIGKILL)" in log, log
+
+
 def test_a_replica_partner_that_finishes_as_it_is_stopped_is_finished_not_restarted(tmp_path):
     # Shard 0 fails; shard 1 takes the stop as the end of its work and exits 0: it finished,
     # the job is ending, and nobody is started again.

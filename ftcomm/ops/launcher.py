@@ -38,8 +38,9 @@ With ``replica_size`` K > 1 each K consecutive local ranks are one sharded repli
 (``FTCOMM_REPLICA_SIZE``, ``FTCOMM_SHARD_RANK`` = local rank mod K, and
 ``FTCOMM_REPLICA_ADDR``: a fresh port for torch's process group inside the replica at each
 start of it). The replica is the unit of failure: when one of its processes exits other
-than finished, the others are stopped (SIGTERM, then SIGKILL after ``REPLICA_HALT_S``: a
-process blocked in a collective with the dead one may never reach its signal handler),
+than finished, the others are stopped (SIGTERM, then SIGKILL after ``REPLICA_HALT_S``, or
+``REPLICA_KILLED_HALT_S`` when it died by a signal: a process blocked in a collective with
+the dead one may never reach its signal handler),
 and the whole replica starts again once all have exited, counted as one restart of each.
 
 With ``standby`` N > 0 the launcher keeps N warm standby interpreters (see
@@ -91,6 +92,9 @@ from .worker_output import Console, WorkerOutput, private_log_directory, tag
 
 MAX_BACKOFF_S = 60.0
 REPLICA_HALT_S = 5.0
+REPLICA_KILLED_HALT_S = 0.5
+"""The stop's grace when the process that failed died by a signal (killed, crashed): its
+partners are blocked in a collective with it, most likely, where no signal handler runs."""
 """How long the other processes of a sharded replica that lost one have to leave the group
 after SIGTERM before they are killed."""
 POLL_S = 0.05
@@ -194,6 +198,7 @@ class Worker:
     saving: threading.Thread | None = None  # persisting a checkpoint at its breakpoint: the restart waits
     status: str = "starting"  # running, halting (its replica lost a process), waiting (for a restart), finished, failed, stopped
     halt_by: float = 0.0  # halting: killed if still running then
+    halt_grace: float = 0.0  # halting: how long it was given to leave
     stopped_since: float | None = None  # when the launcher first saw its process stopped (SIGSTOP)
     replica_addr: str = ""  # a sharded replica's processes: where they meet (torch's store), per start
     output: WorkerOutput | None = None  # the current start's output streams
@@ -471,7 +476,7 @@ class Launcher:
             worker.status = "failed"
             self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
                      f"no restarts left (--max-restarts {self.config.max_restarts})")
-            self._halt_replica(worker, now)
+            self._halt_replica(worker, now, code)
             return
         delay = 0.0 if worker.restarts == 0 else \
             min(MAX_BACKOFF_S, self.config.restart_backoff * 2 ** min(worker.restarts - 1, 16))
@@ -479,7 +484,7 @@ class Launcher:
         self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; "
                  f"restart {worker.restarts + 1} of {self.config.max_restarts} in {delay:g} s"
                  + (", with the rest of its replica" if self.config.replica_size > 1 else ""))
-        self._halt_replica(worker, now)
+        self._halt_replica(worker, now, code)
 
     def _watch_stopped(self, worker: Worker, now: float) -> None:
         """Kill a worker whose process stays stopped (SIGSTOP, SIGTSTP sent to it alone)
@@ -508,14 +513,16 @@ class Launcher:
         first = worker.local_rank - worker.local_rank % k
         return self.workers[first:first + k]
 
-    def _halt_replica(self, worker: Worker, now: float) -> None:
-        """``worker`` failed: the other processes of its replica are stopped, and the replica
-        restarts as a whole once every one of them exited (or fails with it)."""
+    def _halt_replica(self, worker: Worker, now: float, code: int) -> None:
+        """``worker`` failed with exit ``code``: the other processes of its replica are
+        stopped, and the replica restarts as a whole once every one of them exited (or
+        fails with it)."""
+        grace = REPLICA_KILLED_HALT_S if code < 0 else REPLICA_HALT_S
         for other in self.replica(worker):
             if other is worker:
                 continue
             if other.status == "running" and other.process.poll() is None:  # (one that exited: see _exited)
-                other.status, other.halt_by = "halting", now + REPLICA_HALT_S
+                other.status, other.halt_by, other.halt_grace = "halting", now + grace, grace
                 other.process.send_signal(signal.SIGTERM)  # its handler leaves the group
             elif other.status == "waiting" and worker.status == "failed":
                 other.status = "stopped"
@@ -527,7 +534,7 @@ class Launcher:
         if code is None:
             if now >= worker.halt_by:
                 self.say(f"worker {worker.local_rank} (pid {worker.process.pid}) did not leave within "
-                         f"{REPLICA_HALT_S:g} s of its replica losing a process: killed")
+                         f"{worker.halt_grace:g} s of its replica losing a process: killed")
                 _kill_group(worker.process, signal.SIGKILL)
                 worker.halt_by = float("inf")  # reaped at a later poll
             return

@@ -38,6 +38,7 @@ from .ports import (FORM_LATENCY, OP_LATENCY, TICK, SimClock, SimCollective, Sim
 CONFIG = "simcfg"
 REPLICA_RESTART_S = 3.0  # a launcher starting a sharded replica's processes again, until they join
 REPLICA_HALT_S = 5.0  # ftcomm.ops.launcher's: a process of a replica that lost one, SIGTERM to SIGKILL
+REPLICA_KILLED_HALT_S = 0.5  # the same, when the process the replica lost died by a signal
 RESTART_S = (0.2, 2.5)  # a launcher starting a failed worker again: a warm standby .. a cold start
 CRASH_ERROR_DELAY = 0.005  # a crashed member's connections reset this long after its death
 COLLECTIVE_EVERY = 7  # the script averages a metric over the group (execute) after every this many commits
@@ -690,7 +691,7 @@ class GroupSimulation:
             self._crash(w)
             self.pending_recovery.append((now, kind, survivors, isolated))
             if self.k > 1:
-                self._replica_failed(w.replica[0])
+                self._replica_failed(w.replica[0], REPLICA_KILLED_HALT_S)
             elif self.launcher:
                 self._restart_later(w)
         elif kind == "hang":
@@ -769,10 +770,11 @@ class GroupSimulation:
         self.fault_log.append((now, "replica_start", key))
         return started
 
-    def _replica_failed(self, key: str) -> None:
+    def _replica_failed(self, key: str, grace: float = REPLICA_HALT_S) -> None:
         """A process of replica ``key`` crashed, or exited on an error: the launcher stops
         the others (SIGTERM: a graceful leave; one that is stopped cannot leave and is
-        killed after REPLICA_HALT_S) and starts the replica again once none of them runs."""
+        killed after ``grace``, REPLICA_KILLED_HALT_S after a crash) and starts the replica
+        again once none of them runs."""
         if key in self.restarting:
             return
         self.restarting.add(key)
@@ -780,7 +782,7 @@ class GroupSimulation:
         for w in self.workers.values():
             if w.replica is not None and w.replica[0] == key and not w.crashed and not w.exited:
                 self.sim.at(now + 0.05, lambda w=w: self._leave(w))
-                self.sim.at(now + REPLICA_HALT_S, lambda w=w: None if w.crashed or w.exited else self._crash(w))
+                self.sim.at(now + grace, lambda w=w: None if w.crashed or w.exited else self._crash(w))
 
         self.starting += 1
 
