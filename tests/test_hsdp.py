@@ -148,8 +148,9 @@ def test_a_replica_that_loses_a_process_to_kill_9_leaves_whole_and_comes_back():
         job.finish(30)
     log = "".join(job.log)
     assert "exited with signal SIGKILL" in log and "with the rest of its replica" in log
-    # its partner, in the replica's collectives with it or not, left by itself: not stuck there
-    assert "left with its replica" in log and "did not leave within" not in log
+    # its partner, in the replica's collectives with it or not, left by itself or was killed
+    # after the short grace of a replica whose process died by a signal: never 5 s later
+    assert "left with its replica" in log and "did not leave within 5 s" not in log
     views = sorted((e for e in job.of("view") if e["view_id"] > before), key=lambda e: e["view_id"])
     assert views and views[0]["reason"] == "crash" and len(views[0]["members"]) == (REPLICAS - 1) * SHARDS, views[:1]
     assert victim["id"] not in views[0]["members"] and partner["id"] not in views[0]["members"]
