@@ -116,6 +116,8 @@ def test_each_worker_gets_its_address_the_others_a_secret_and_a_local_rank():
     ({"restart_backoff": -1.0}, ">= 0"),
     ({"nproc": 6, "replica_size": 4}, "must divide --nproc-per-node 6"),
     ({"kill_stopped_after": -1.0}, "kill-stopped-after"),
+    ({"nproc": 2, "min_workers": 3}, "--min-workers 3 cannot be met: this node runs 2 workers"),
+    ({"nproc": 4, "replica_size": 2, "min_workers": 3}, "this node runs 2 replicas"),
 ])
 def test_bad_options_are_refused_with_a_clear_error(options, message):
     with pytest.raises(ValueError, match=message):

@@ -161,6 +161,11 @@ class LaunchConfig:
                 self.max_workers is not None and self.max_workers < (self.min_workers or 1):
             raise ValueError(f"--min-workers {self.min_workers} and --max-workers {self.max_workers}: need "
                              f"1 <= min <= max")
+        if self.min_workers is not None and not self.peers and self.min_workers * self.replica_size > self.nproc:
+            unit = "replicas" if self.replica_size > 1 else "workers"
+            raise ValueError(f"--min-workers {self.min_workers} cannot be met: this node runs "
+                             f"{self.nproc // self.replica_size} {unit} and --peers names no other node (give "
+                             f"--peers, or a --min-workers of at most {self.nproc // self.replica_size})")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.nproc + 1:
             raise ValueError(f"--metrics-port {self.metrics_port}: the ports {self.metrics_port}.."
                              f"{self.metrics_port + self.nproc - 1} must be valid")
