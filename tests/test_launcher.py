@@ -436,6 +436,19 @@ def test_save_at_breakpoint_persists_shared_memory_when_a_worker_dies(tmp_path):
         shutil.rmtree(f"/dev/shm/ftcomm-{name}", ignore_errors=True)
 
 
+SAVES_STEP_7 = (
+    "import torch, ftcomm\n"
+    "from ftcomm.training.checkpoint import FlashCheckpointer\n"
+    "g = ftcomm.init()\n"
+    "g.register_state(model=torch.nn.Linear(4, 2))\n"
+    "c = FlashCheckpointer(g, None)\n"
+    "g.step = 7\n"
+    "c.save()\n"
+    "c.close()\n"
+    "g.shutdown()\n")
+"""A worker that saves a flash checkpoint of step 7 to shared memory alone."""
+
+
 def test_a_completed_run_removes_its_flash_checkpoints_once_persisted_and_keeps_the_only_copy(tmp_path):
     """A worker saves to shared memory (alone: no persistent directory); when training
     completes, the launcher persists the newest to --checkpoint-dir and removes the shared
@@ -446,16 +459,7 @@ def test_a_completed_run_removes_its_flash_checkpoints_once_persisted_and_keeps_
     from ftcomm.training.checkpoint_files import steps_in
 
     script = tmp_path / "train.py"
-    script.write_text(
-        "import torch, ftcomm\n"
-        "from ftcomm.training.checkpoint import FlashCheckpointer\n"
-        "g = ftcomm.init()\n"
-        "g.register_state(model=torch.nn.Linear(4, 2))\n"
-        "c = FlashCheckpointer(g, None)\n"
-        "g.step = 7\n"
-        "c.save()\n"
-        "c.close()\n"
-        "g.shutdown()\n")
+    script.write_text(SAVES_STEP_7)
     for persist in (True, False):
         name = f"test-{uuid.uuid4().hex[:8]}"
         shm = pathlib.Path(f"/dev/shm/ftcomm-{name}")
@@ -472,6 +476,32 @@ def test_a_completed_run_removes_its_flash_checkpoints_once_persisted_and_keeps_
                 assert f"its flash checkpoints stay in {shm}" in out.getvalue()
         finally:
             shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_the_launcher_names_the_checkpoints_a_start_resumes_from_and_fresh_removes_them(tmp_path):
+    import pathlib
+    import uuid
+
+    from ftcomm.training.checkpoint_files import steps_in
+
+    script = tmp_path / "train.py"
+    script.write_text(SAVES_STEP_7)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    shm = pathlib.Path(f"/dev/shm/ftcomm-{name}")
+    try:
+        first = io.StringIO()
+        assert Launcher(LaunchConfig(command=[sys.executable, str(script)], cluster=name),
+                        environ=dict(os.environ), out=first).run() == 0, first.getvalue()
+        assert steps_in(shm) == [7] and "flash checkpoints of job" not in first.getvalue()
+        again = io.StringIO()
+        assert Launcher(LaunchConfig(command=["true"], cluster=name), environ={}, out=again).run() == 0
+        assert f"flash checkpoints of job {name!r} here: newest step 7 in {shm}" in again.getvalue()
+        fresh = io.StringIO()
+        assert Launcher(LaunchConfig(command=["true"], cluster=name, fresh=True), environ={}, out=fresh).run() == 0
+        assert f"--fresh: removed the flash checkpoints of job {name!r} in {shm} (newest step 7)" in fresh.getvalue()
+        assert not shm.exists()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_a_worker_waiting_for_its_restart_is_not_restarted_once_another_finished(tmp_path):

@@ -137,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
                           min_workers=args.min_workers, max_workers=args.max_workers,
                           metrics_port=args.metrics_port, straggler_policy=args.straggler_policy,
                           standby=args.standby, standby_imports=tuple(args.standby_import),
-                          kill_stopped_after=args.kill_stopped_after)
+                          kill_stopped_after=args.kill_stopped_after, fresh=args.fresh)
     return Launcher(config).run()
 
 
@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="when a worker dies, persist the newest flash checkpoint in shared memory to "
                           "--checkpoint-dir before restarting it")
     run.add_argument("--checkpoint-dir", default=None, help="where --save-at-breakpoint persists checkpoints")
+    run.add_argument("--fresh", action="store_true",
+                     help="start over: remove this host's shared-memory flash checkpoints of the job before the "
+                          "workers start (the --checkpoint-dir copies are left alone)")
     run.add_argument("--checkpoint-name", default=None,
                      help="the FlashCheckpointer name of the job (default: the cluster name)")
     run.add_argument("--network-check", action="store_true",

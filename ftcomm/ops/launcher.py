@@ -137,6 +137,7 @@ class LaunchConfig:
     standby: int = 0  # warm standby interpreters kept ready to replace a worker
     standby_imports: tuple[str, ...] = ()  # modules a standby imports beyond torch and ftcomm
     kill_stopped_after: float | None = 0.25  # a worker stopped (SIGSTOP) this long is killed; None: left stopped
+    fresh: bool = False  # remove this host's flash checkpoints of the job before starting (a fresh start)
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -325,6 +326,7 @@ class Launcher:
             except (OSError, FtcommError) as exc:  # the job runs without: only the watch command is lost
                 self.say(f"no run file ({exc}): watch it with ftcomm members --peer "
                          f"{self.config.host}:{self.workers[0].port} and the group's secret")
+            self._announce_checkpoints()
             for worker in self.workers:
                 self._start(worker)
             while any(w.status in ("running", "halting", "waiting", "starting") for w in self.workers):
@@ -824,6 +826,34 @@ class Launcher:
         return [(pathlib.Path("/dev/shm", f"ftcomm-{name}-{shard_suffix(i)}"),
                  persist and pathlib.Path(persist, shard_suffix(i)), checkpoint_key(secret, name, i))
                 for i in range(self.config.replica_size)]
+
+    def _announce_checkpoints(self) -> None:
+        """Before the workers start: say which flash checkpoints of this job are here (a
+        script that restores resumes from the newest step every worker can load), or remove
+        this host's shared-memory copies with ``fresh`` (only when no live checkpointer uses
+        them; the persistent directory is the user's, and is only named)."""
+        from ..training import checkpoint_files as files
+
+        name = self.config.checkpoint_name or self.config.cluster
+        for shm, persist, _ in self._shm_places():
+            in_shm = files.steps_in(shm) if shm.is_dir() else []
+            kept = files.steps_in(persist) if persist is not None and persist.is_dir() else []
+            if self.config.fresh:
+                if shm.is_dir():
+                    removed = files.discard_if_unused(shm)
+                    self.say(f"--fresh: {'removed' if removed else 'could not remove (in use, or not yours)'} "
+                             f"the flash checkpoints of job {name!r} in {shm}"
+                             + (f" (newest step {in_shm[0]})" if in_shm else ""))
+                if kept:
+                    self.say(f"--fresh: the checkpoints in {persist} (newest step {kept[0]}) are left alone: a "
+                             f"script that restores from there resumes from them")
+                continue
+            if in_shm or kept:
+                where = ", ".join(f"step {steps[0]} in {place}" for steps, place in ((in_shm, shm), (kept, persist))
+                                  if steps)
+                self.say(f"flash checkpoints of job {name!r} here: newest {where}; a script that restores "
+                         f"(FlashCheckpointer.restore) resumes from the newest step every worker can load "
+                         f"(--fresh removes the shared-memory copies)")
 
     def _discard_flash_copies(self) -> None:
         """Training completed: remove this host's shared-memory checkpoints of the job once
