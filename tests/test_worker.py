@@ -42,12 +42,14 @@ def pair(registered: bool = True, **options) -> tuple[World, Phase]:
     return world, phase
 
 
-def formed(world: World, phase: Phase, founding: bool = True) -> None:
-    """Answer the forming and the verification (every member founding, none begun)."""
+def formed(world: World, phase: Phase, founding: bool = True, reason: str | None = None) -> None:
+    """Answer the forming and the verification (every member founding, none begun; rank 0's
+    ``reason``, else this member's)."""
     phase.waiting.done(None)
     verify = phase.until("verify")
     probe = verify.args[0]
-    verify.done([probe[0], probe[1], 1, 0 if not founding else 1, 1, 0, probe[6], probe[7]])
+    code = probe[8] if reason is None else core.reason_code(reason)
+    verify.done([probe[0], probe[1], 1, 0 if not founding else 1, 1, 0, probe[6], probe[7], code])
 
 
 def running(world: World | None = None, phase: Phase | None = None) -> World:
@@ -80,14 +82,24 @@ def test_a_re_formation_agrees_forms_verifies_reconciles_and_records_the_view_ch
     assert world.engine.founding and world.engine.restorable
 
 
+def test_every_member_records_rank_0_s_reason_for_a_view():
+    """A member that saw the view break differently (here: it founds the view, rank 0 saw a
+    crash) records the reason the verification reduced: rank 0's."""
+    world, phase = pair()
+    formed(world, phase, reason="crash")
+    gather = phase.until("gather_states")
+    gather.done([gather.args[0]] * 2)
+    assert phase.done and world.loop.events[-1].reason == "crash"
+
+
 def test_the_verification_carries_each_members_place_and_a_disagreement_on_the_digest_fails_the_view():
     world, phase = pair()
     phase.waiting.done(None)
     verify = phase.until("verify")
     check = int(View(1, ("a", "b")).digest, 16) >> 1
     # first view, no network check, not begun, before its first call
-    assert verify.args[0] == [check, -check, 1, 0, 1, 0, 2, -2]
-    verify.done([check - 1, -check, 1, 0, 1, 0, 2, -2])  # another member formed another view under this id
+    assert verify.args[0] == [check, -check, 1, 0, 1, 0, 2, -2, core.reason_code("init")]  # a is rank 0
+    verify.done([check - 1, -check, 1, 0, 1, 0, 2, -2, 0])  # another member formed another view under this id
     phase.settle()
     assert phase.waiting is not None and world.engine.agreeing and world.engine.floor == 2
     assert world.comms.abandoned >= 1
@@ -328,7 +340,7 @@ def test_execute_runs_again_when_every_member_of_the_new_view_is_at_the_same_cal
     verify = call.until("verify")
     position = verify.args[0][6]
     assert position == world.loop.position > 0
-    verify.done([*verify.args[0][:6], position, -position])  # every member at this call
+    verify.done([*verify.args[0][:6], position, -position, verify.args[0][8]])  # every member at this call
     gather = call.until("gather_states")
     gather.done([gather.args[0]] * 2)
     call.until("run").done(2.5)
@@ -352,7 +364,7 @@ def execute_reformed(reason: str) -> tuple[World, Phase, Phase]:
 
 def test_execute_whose_new_view_finds_members_elsewhere_is_out_of_step():
     world, call, verify = execute_reformed("c left")
-    verify.done([*verify.args[0][:6], 0, -verify.args[0][6]])  # a member is at its gradient step
+    verify.done([*verify.args[0][:6], 0, -verify.args[0][6], verify.args[0][8]])  # a member is at its gradient step
     gather = call.until("gather_states")
     gather.done([gather.args[0]] * 2)
     with pytest.raises(OutOfStep, match="other places of the training"):
@@ -364,7 +376,7 @@ def test_execute_that_received_the_groups_newer_state_is_out_of_step():
     world, call, verify = execute_reformed("the view moved on")
     position = verify.args[0][6]
     probe = verify.args[0]
-    verify.done([*probe[:4], 0, probe[5], position, -position])  # the other member has begun training
+    verify.done([*probe[:4], 0, probe[5], position, -position, probe[8]])  # the other member has begun training
     gather = call.until("gather_states")
     gather.done([gather.args[0], StateSummary(40, 3, 5)])  # the group went on to step 40
     call.until("transfer").done(40)

@@ -1167,6 +1167,16 @@ def classify(faults: list[tuple[str, str]], view_size: int | None, replica_size:
     return "crash" if "dead" in kinds else "backend"
 
 
+VIEW_REASONS = ("init", "crash", "hang", "leave", "partition", "join", "straggler", "rejoin", "superseded", "backend")
+"""Why a view formed, as :func:`reason_for` names it, in the order of their codes: the
+members of a view agree on one (rank 0's), reduced with the view's verification."""
+
+
+def reason_code(reason: str) -> int:
+    """``reason``'s code in VIEW_REASONS (an unknown one reads as backend)."""
+    return VIEW_REASONS.index(reason) if reason in VIEW_REASONS else VIEW_REASONS.index("backend")
+
+
 def reason_for(noticed: str, before: tuple[str, ...], after: tuple[str, ...], gossip_states: dict[str, str],
                replica_size: int = 1) -> str:
     """Name a re-formation from ``before`` to ``after`` by what happened to the members it

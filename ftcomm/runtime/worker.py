@@ -87,6 +87,8 @@ class WorkerLoop:
         self._reductions = 0  # gradient reductions started in the current view (names a step's replica decision)
         self._reconciles = 0  # reconciles (after forming, after a restore) in the current view: names their decisions
         self.aligned = True  # every member of the last view formed was at the same position
+        self._before: tuple[str, ...] = ()  # the members of the view a re-formation began in
+        self.agreed_reason = "init"  # why the last view formed, one value on its members (see _form)
         ports.communicators.attach(lambda: self.news.abort)
         ports.collective.attach(self.contribution, self.may_overlap)
 
@@ -140,6 +142,7 @@ class WorkerLoop:
         fired_at, gave_up_at = abort.fired_at, abort.noticed_at
         abort_latency = round(gave_up_at - fired_at, 4) if fired_at is not None and gave_up_at is not None else None
         previous = engine.view
+        self._before = previous.members if previous else ()
         self.check_open()
         driver.begin_recovery(reason)
         deadline = noticed + (timeout if timeout is not None else self.options.quorum_timeout)
@@ -162,9 +165,8 @@ class WorkerLoop:
             driver.view_reconciled(outcome)
         view = engine.view
         done = clock.now()
-        before = previous.members if previous else ()
-        why = ("rejoin" if engine.formed_from == core.REJOINING
-               else core.reason_for(driver.reason, before, view.members, self.gossip_states(), driver.replica_size))
+        before = self._before
+        why = self.agreed_reason  # the same on every member: rank 0's (see _form)
         change = ViewChange(view.id, view.members, why, tuple(m for m in view.members if m not in before),
                             tuple(m for m in before if m not in view.members), round(noticed - detected_at, 4),
                             round(driver.agreed_at - driver.agreeing_since, 4),
@@ -220,8 +222,13 @@ class WorkerLoop:
         check = int(view.digest, 16) >> 1
         rank, k = view.rank_of(engine.id), engine.replica_size
         misplaced = int(k > 1 and (view.size % k != 0 or rank % k != engine.replica[1]))
+        # Why the view formed, as rank 0 sees it (the others put a value above every code,
+        # so the minimum is rank 0's): one reason on every member, whatever each one saw.
+        why = ("rejoin" if engine.formed_from == core.REJOINING
+               else core.reason_for(self.driver.reason, self._before, view.members, self.gossip_states(), k))
         probe = [check, -check, int(engine.view is None), int(self.options.network_check), int(not engine.started),
-                 -misplaced, self.position, -self.position]
+                 -misplaced, self.position, -self.position,
+                 core.reason_code(why) if rank == 0 else len(core.VIEW_REASONS)]
         verified = yield comms.verify(probe)
         if verified[:2] != [check, -check]:
             raise CommunicatorError(f"view {view.id} failed verification: members disagree on its digest")
@@ -231,6 +238,7 @@ class WorkerLoop:
         if k > 1:
             yield comms.form_shard(view)
         self.aligned = verified[6] == -verified[7]  # the lowest position is the highest: all at one place
+        self.agreed_reason = core.VIEW_REASONS[min(verified[8], len(core.VIEW_REASONS) - 1)]
         self.formations += 1
         self._reductions = self._reconciles = 0
         return Formed(verified[2] == 1 and verified[3] == 1, verified[4] == 1)
