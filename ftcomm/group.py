@@ -284,12 +284,15 @@ class FaultTolerantGroup:
     def _leave_with_state(self, exc: QuorumLost) -> None:
         """This worker is cut off and leaves the group holding the state of its committed
         step, which the members it lost may never have had (the survivor of two whose
-        partner's node is lost): each FlashCheckpointer of the group writes it now, unless
-        it holds that step already, so that a restart of the whole job resumes from it
-        instead of from an older checkpoint. What was kept, or why not, is added to the
-        error's message."""
+        partner's node is lost): each open FlashCheckpointer of the group makes sure this
+        host's shared memory holds it (see FlashCheckpointer.keep_before_leaving), so that
+        a restart of the whole job resumes from it instead of from an older checkpoint.
+        What was kept, or why not, is added to the error's message. Nothing at step 0
+        (nothing trained: a joiner cut off before it received the group's state)."""
+        if self.step == 0:
+            return
         kept = []
-        for checkpointer in list(self._keepers):
+        for checkpointer in [c for c in list(self._keepers) if not c.closed]:
             try:
                 where = checkpointer.keep_before_leaving()
             except Exception as failure:  # the QuorumLost is what the caller must see
@@ -298,7 +301,7 @@ class FaultTolerantGroup:
             else:
                 kept.append(f"the state of step {self.step} is in the flash checkpoints ({where}): a restart of "
                              f"the job resumes from it")
-        if not kept and self.step > 0 and self.state.registered:
+        if not kept and self.state.registered:
             kept.append(f"the state of step {self.step} held here is lost with this process: no FlashCheckpointer "
                         f"keeps it")
         if kept:

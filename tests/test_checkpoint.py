@@ -892,3 +892,32 @@ def test_only_unused_directories_of_ended_jobs_whose_newest_is_persisted_are_rec
     assert sorted(p.name for p, _ in left) == ["ftcomm-c", "ftcomm-d"]
     assert all(p.exists() for p in (gone_only_copy, launcher_alive, in_use, not_private))
     assert all(size >= 4096 for _, size in left)
+
+
+def test_a_member_that_loses_the_quorum_keeps_its_step_in_shared_memory_despite_an_earlier_failure(
+        tmp_path, name, group, monkeypatch):
+    """keep_before_leaving (called when QuorumLost is about to reach the script): an earlier
+    background write's failure (the persistent directory full) is logged, not raised, and
+    the committed step is published in this host's shared memory; no spare buffer is
+    prepared afterwards."""
+    from ftcomm.errors import QuorumLost
+
+    trained_state(group, 3)
+    checkpoints = FlashCheckpointer(group, tmp_path / "kept", keep=2, name=name)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoints, "_persist", full)
+    group.step = 40
+    checkpoints.save()
+    wait_until(lambda: checkpoints._error is not None, 30, "the failed persist")
+    group.step = 47  # trained on; the cut-off worker is about to raise QuorumLost
+    lost = QuorumLost("cannot reach a majority")
+    group._leave_with_state(lost)
+    shm = pathlib.Path(f"/dev/shm/ftcomm-{name}")
+    assert steps_in(shm)[0] == 47
+    assert "the state of step 47 is in the flash checkpoints" in str(lost) and str(shm) in str(lost)
+    buffers = [n for n in files_in(shm) if n.startswith(".slot-")]
+    assert not buffers, buffers  # no spare made for a next save
+    with pytest.raises(FtcommError, match="No space left"):  # the directory's copy of step 47 failed too
+        checkpoints.close()

@@ -117,6 +117,7 @@ def test_each_worker_gets_its_address_the_others_a_secret_and_a_local_rank():
     ({"nproc": 6, "replica_size": 4}, "must divide --nproc-per-node 6"),
     ({"kill_stopped_after": -1.0}, "kill-stopped-after"),
     ({"nproc": 2, "min_workers": 3}, "--min-workers 3 cannot be met: this node runs 2 workers"),
+    ({"checkpoint_dir": " "}, "--checkpoint-dir is empty"),
     ({"nproc": 4, "replica_size": 2, "min_workers": 3}, "this node runs 2 replicas"),
 ])
 def test_bad_options_are_refused_with_a_clear_error(options, message):
@@ -213,6 +214,23 @@ def test_a_stopped_worker_is_killed_and_restarted(tmp_path):
     code, log = launch(tmp_path, body, kill_stopped_after=0.1)
     assert code == 0, log
     assert "is stopped: killed" in log and "signal SIGKILL" in log and "restart 1 of 3" in log
+
+
+def test_a_stopped_process_that_a_worker_started_gets_the_worker_killed_and_restarted(tmp_path):
+    """The script under a wrapper, or a data loader: a stopped child stalls the worker too."""
+    body = ("import signal, subprocess\n"
+            "if os.environ['FTCOMM_RESTARTS'] == '0':\n"
+            "    child = subprocess.Popen([sys.executable, '-c', 'import os, signal; os.kill(os.getpid(), "
+            "signal.SIGSTOP)'])\n"
+            "    child.wait()\n")
+    code, log = launch(tmp_path, body, kill_stopped_after=0.1)
+    assert code == 0, log
+    assert "is stopped: killed" in log and "restart 1 of 3" in log
+
+
+def test_a_min_workers_another_node_can_meet_is_accepted():
+    LaunchConfig(command=["true"], nproc=2, min_workers=4, port=41000)  # other nodes may list this one
+    LaunchConfig(command=["true"], nproc=2, min_workers=4, peers=("127.0.0.1:41000",))
 
 
 def test_a_stopped_worker_is_left_alone_when_asked_and_goes_on_once_continued(tmp_path):

@@ -156,17 +156,21 @@ class LaunchConfig:
         ipaddress.IPv4Address(self.host)  # ValueError names a bad address
         for peer in self.peers:
             parse_seed(peer)
+        if self.checkpoint_dir is not None and not str(self.checkpoint_dir).strip():
+            raise ValueError("--checkpoint-dir is empty: give a directory")
         if self.save_at_breakpoint and not self.checkpoint_dir:
             raise ValueError("--save-at-breakpoint needs --checkpoint-dir: where to persist the newest checkpoint")
         if self.min_workers is not None and self.min_workers < 1 or \
                 self.max_workers is not None and self.max_workers < (self.min_workers or 1):
             raise ValueError(f"--min-workers {self.min_workers} and --max-workers {self.max_workers}: need "
                              f"1 <= min <= max")
-        if self.min_workers is not None and not self.peers and self.min_workers * self.replica_size > self.nproc:
+        if self.min_workers is not None and not self.peers and not self.port and \
+                self.min_workers * self.replica_size > self.nproc:
             unit = "replicas" if self.replica_size > 1 else "workers"
             raise ValueError(f"--min-workers {self.min_workers} cannot be met: this node runs "
-                             f"{self.nproc // self.replica_size} {unit} and --peers names no other node (give "
-                             f"--peers, or a --min-workers of at most {self.nproc // self.replica_size})")
+                             f"{self.nproc // self.replica_size} {unit}, --peers names no other node, and no "
+                             f"other node can name this one (no --port): give --peers or --port, or a "
+                             f"--min-workers of at most {self.nproc // self.replica_size}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.nproc + 1:
             raise ValueError(f"--metrics-port {self.metrics_port}: the ports {self.metrics_port}.."
                              f"{self.metrics_port + self.nproc - 1} must be valid")
@@ -494,14 +498,14 @@ class Launcher:
         self._halt_replica(worker, now, code)
 
     def _watch_stopped(self, worker: Worker, now: float) -> None:
-        """Kill a worker whose process stays stopped (SIGSTOP, SIGTSTP sent to it alone)
-        for ``kill_stopped_after`` seconds, seen so twice by this launcher: a stopped process
-        answers nothing, yet its node's kernel still accepts connections to its ports, so
-        the others cannot tell it from a partition and a group of two would wait for it.
-        Killed, its ports refuse: the others count it as proven gone and go on, and it is
-        restarted like any crashed worker. A process stopped by a debugger (tracing stop)
-        is left alone, and so are workers stopped together with this launcher (Ctrl-Z):
-        they are continued with it before it looks again."""
+        """Kill a worker whose process, or one it started (the script under a wrapper,
+        a data loader), stays stopped (SIGSTOP, SIGTSTP) for ``kill_stopped_after`` seconds,
+        seen so twice by this launcher: a stopped process answers nothing, yet its node's
+        kernel still accepts connections to its ports, so the others cannot tell it from a
+        partition and a group of two would wait for it. Killed, its ports refuse: the others
+        count it as proven gone and go on, and it is restarted like any crashed worker. A
+        process stopped by a debugger (tracing stop) is left alone. (Each worker runs in a
+        session of its own: a Ctrl-Z at the terminal stops the launcher only.)"""
         if not _stopped(worker.process.pid):
             worker.stopped_since = None
             return
@@ -509,8 +513,8 @@ class Launcher:
             worker.stopped_since = now
         elif now - worker.stopped_since >= self.config.kill_stopped_after:
             worker.stopped_since = None
-            self.say(f"worker {worker.local_rank} (pid {worker.process.pid}) is stopped: killed (a stopped worker "
-                     f"stalls the group; see --kill-stopped-after)")
+            self.say(f"worker {worker.local_rank} (pid {worker.process.pid}, or a process it started) is stopped: "
+                     f"killed (a stopped worker stalls the group; see --kill-stopped-after)")
             _kill_group(worker.process, signal.SIGKILL)
 
     # ------------------------------------------------------------------ sharded replicas
@@ -573,7 +577,7 @@ class Launcher:
     def _start(self, worker: Worker) -> None:
         if worker.status == "waiting":
             worker.restarts += 1
-        worker.restart_at = None
+        worker.restart_at, worker.stopped_since = None, None
         if self.config.replica_size > 1 and worker.local_rank % self.config.replica_size == 0:
             address = f"{self.config.host}:{free_ports(self.config.host, 1)[0]}"  # torch's store: fresh each start
             for w in self.replica(worker):
@@ -1035,15 +1039,33 @@ def _read_some(stream, limit: int = 8192) -> str:
         stream.close()
 
 
+STOPPED_TREE_LIMIT = 64  # processes of a worker's tree looked at for a stopped one
+
+
 def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped by a signal (state T; not t, a debugger's stop)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            line = stat.read()
-    except OSError:  # gone, or no /proc: not known to be stopped
-        return False
-    # pid (command) state ...: the command may itself hold parentheses and spaces
-    return line[line.rfind(b")") + 2:line.rfind(b")") + 3] == b"T"
+    """Whether process ``pid`` or one it started (a script run through a wrapper, its data
+    loaders) is stopped by a signal (state T; not t, a debugger's stop)."""
+    pending, seen = [pid], set()
+    while pending and len(seen) < STOPPED_TREE_LIMIT:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            with open(f"/proc/{current}/stat", "rb") as stat:
+                line = stat.read()
+        except OSError:  # gone, or no /proc: not known to be stopped
+            continue
+        # pid (command) state ...: the command may itself hold parentheses and spaces
+        if line[line.rfind(b")") + 2:line.rfind(b")") + 3] == b"T":
+            return True
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children", "rb") as children:
+                    pending.extend(int(child) for child in children.read().split())
+        except (OSError, ValueError):  # gone meanwhile, or a kernel without the children files
+            continue
+    return False
 
 
 def _kill_group(process: subprocess.Popen, sig: int) -> None:

@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 MAX_CANDIDATES = 32  # newest steps each member offers when agreeing on one to restore
 
 
+LEAVING_WAIT_S = 60.0
+"""The longest a member that lost the quorum waits for its state's shared-memory copy
+before the QuorumLost reaches the script (see FlashCheckpointer.keep_before_leaving)."""
+
+
 @dataclass
 class _Slot:
     """A shared-memory buffer owned by this process, mapped once and reused. ``fd`` stays
@@ -134,6 +139,8 @@ class FlashCheckpointer:
         self._closed = False
         self._corrupt: set[tuple[pathlib.Path, int]] = set()  # copies restore() found corrupt
         self._other_model: StateError | None = None  # why a copy of another model was skipped (see restore)
+        self._queued: set[int] = set()  # steps saved and not yet written
+        self._leaving = False  # the group is lost (keep_before_leaving): no spare buffers any more
         self._worker = threading.Thread(target=self._background, name="ftcomm-checkpoint", daemon=True)
         self._worker.start()
         keepers = getattr(group, "_keepers", None)
@@ -144,12 +151,15 @@ class FlashCheckpointer:
     def is_writer(self) -> bool:
         """The member with the lowest rank on this host writes the host's copy (with sharded
         replicas: of its shard index, among the host's processes of that shard)."""
+        return self._host_writer() in (None, self.group.id)
+
+    def _host_writer(self) -> str | None:
         group = self.group
         hosts = {m.id: m.host for m in group.gossip.members()}
         mine = hosts.get(group.id, group.gossip.address.rsplit(":", 1)[0])
         members = group.view.members[group.view.rank_of(group.id) % self.shards::self.shards]
         local = [m for m in members if hosts.get(m, mine if m == group.id else None) == mine]
-        return not local or local[0] == group.id
+        return local[0] if local else None
 
     def save(self) -> float:
         """Checkpoint the registered state at the group's committed step; returns the pause in seconds.
@@ -163,16 +173,40 @@ class FlashCheckpointer:
         """
         return self._save(self.is_writer())
 
-    def keep_before_leaving(self) -> str:
-        """The group is lost (QuorumLost): write the state of the committed step, whether
-        or not this member is its host's writer (the writer may be gone), unless a
-        checkpoint of that step is here already, and wait for it. Where it is, in words."""
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def keep_before_leaving(self, timeout: float = LEAVING_WAIT_S) -> str:
+        """The group is lost (QuorumLost): make sure this host's shared memory holds the
+        state of the committed step, and say where it is. Written by this member when it
+        is its host's writer, or when the writer is not alive in gossip (gone: someone must
+        write it), unless a copy of that step is published or on its way; the others of the
+        host leave it to the writer, which loses the quorum with them (one buffer per host,
+        not one per process). An earlier write's failure is logged, not raised (it is not
+        this one's), and the wait is for the shared-memory copy alone, at most ``timeout``
+        seconds: a persistent directory on a filesystem cut off with the rest cannot hold
+        up the error. FtcommError when the copy was not published in that time. No spare
+        buffer is prepared from now on."""
+        self._leaving = True
         step = self.group.step
-        self.wait()  # a save of this step may be on its way
-        if step not in self.available():
-            self._save(True)
-            self.wait()
-        return ", ".join(str(p) for p in (self.shm, self.directory) if p is not None)
+        if self._error is not None:
+            log.warning("keeping step %d before leaving; an earlier write failed: %s", step, self._error)
+            self._error = None
+        writer = self._host_writer()
+        states = {m.id: m.state for m in self.group.gossip.members()}
+        if writer in (None, self.group.id) or states.get(writer) != "alive":
+            if step not in files.steps_in(self.shm) and step not in self._queued:
+                self._save(True)
+            deadline = time.monotonic() + timeout
+            with self._cond:
+                while step not in files.steps_in(self.shm):
+                    if self._error is not None or time.monotonic() >= deadline:
+                        raise FtcommError(f"the checkpoint of step {step} was not published in {self.shm} within "
+                                          f"{timeout:g} s" + (f": {self._error}" if self._error else ""))
+                    self._cond.wait(0.05)
+            return str(self.shm) + (f", then {self.directory}" if self.directory is not None else "")
+        return f"{self.shm}, written by this host's writer {writer}"
 
     def _save(self, writer: bool) -> float:
         self._raise_failure()
@@ -194,6 +228,7 @@ class FlashCheckpointer:
                 slot.busy = False
             raise
         self.last_pause_s = time.perf_counter() - started
+        self._queued.add(step)
         record = {"format": files.FORMAT, "step": step, "time": time.time(), "size": size, "chunk": files.CHUNK,
                   "tensors": entries, "structure": skeleton}
         with self._cond:
@@ -356,8 +391,10 @@ class FlashCheckpointer:
                     slot.busy = False
                     self._pending -= 1
                     self._finished += 1
+                    self._queued.discard(record["step"])
                     self._cond.notify_all()
-            self._prepare_spare(record["size"], record["step"])
+            if not self._leaving:
+                self._prepare_spare(record["size"], record["step"])
 
     def _publish(self, slot: _Slot, record: dict) -> None:
         """Publish the checkpoint in ``slot`` in shared memory and prune there, then persist
