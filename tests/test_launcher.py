@@ -803,6 +803,33 @@ def test_the_status_rate_is_steady_between_publications_and_restarts_with_each_v
     assert status.rate(203.0, 734) == 17.0
 
 
+def test_the_launcher_says_each_view_change_it_sees_with_its_reason_and_who(monkeypatch):
+    import types
+
+    from ftcomm.gossip import runtime
+    from ftcomm.ops.launcher import _StatusLine
+
+    out = io.StringIO()
+    launcher = Launcher(LaunchConfig(command=["true"]), environ={}, out=out)
+    launcher.workers[0].status = "running"
+    table: list = []
+    monkeypatch.setattr(runtime, "query_members", lambda *args, **kwargs: list(table))
+
+    def member(name: str, view: int, reason: str, state: str = "alive"):
+        return types.SimpleNamespace(id=name, state=state, metadata={"cv": view, "vr": reason, "st": 10, "ph": "active"})
+
+    status = _StatusLine(launcher)
+    table[:] = [member("a", 3, "init"), member("b", 3, "init"), member("c", 3, "init")]
+    status.read(1.0)
+    table[:] = [member("a", 4, "crash"), member("b", 4, "crash"), member("c", 3, "init", "dead")]
+    status.read(2.0)
+    table[:] = [member("a", 5, "join"), member("b", 5, "join"), member("d\x1b[2J", 5, "join")]
+    status.read(3.0)
+    lines = [line for line in out.getvalue().splitlines() if "formed" in line]
+    assert lines == ["[ftcomm run] view 4 formed (crash): without c",
+                     "[ftcomm run] view 5 formed (join): with d\\x1b[2J"], lines
+
+
 def test_progress_bars_and_endless_lines_are_relayed_without_waiting_for_a_newline(tmp_path):
     """A progress bar redraws itself with carriage returns and never ends its line: its
     updates reach the console (at most one a second) and the log (every one) while it

@@ -919,6 +919,7 @@ class _StatusLine:
         self._baseline: int | None = None  # the step of the window's first reading
         self._started_said = time.monotonic()
         self._view: tuple[int, float] | None = None  # (view id, first seen)
+        self._members: frozenset[str] = frozenset()  # the live members seen in the current view
         self._drawn = False
 
     def update(self, now: float) -> None:
@@ -987,10 +988,16 @@ class _StatusLine:
         newest = [r for r in records if r["cv"] == view]
         step = max((int(r["st"]) for r in newest if isinstance(r.get("st"), int)), default=0)
         reason = next((str(r["vr"]) for r in newest if isinstance(r.get("vr"), str)), None)
+        in_newest = frozenset(m.id for m in live if m.metadata.get("cv") == view)
         if self._view is None or self._view[0] != view:
+            if self._view is not None and view > self._view[0]:
+                self._changed(view, reason, in_newest, {m.id for m in live})
             self._view = (view, now)
+            self._members = in_newest
             self._seen.clear()
             self._baseline = None
+        else:
+            self._members |= in_newest
         rate = self.rate(now, step)
         local = sum(1 for w in launcher.workers if w.status == "running")
         in_view = sum(1 for r in newest if r.get("ph") == "active")
@@ -1001,6 +1008,20 @@ class _StatusLine:
                 + f", view {view}" + (f" ({reason}, {now - self._view[1]:.0f} s ago)" if reason else
                                        f" (for {now - self._view[1]:.0f} s)")
                 + f", restarts left {left}")
+
+    def _changed(self, view: int, reason: str | None, members: frozenset[str], live: set[str]) -> None:
+        """One line per view change seen (views that came and went between two readings are
+        not seen): its id, why it formed (the members' one reason), and who left and came
+        as far as this reading shows (members of the last view no longer alive here; live
+        members already in the new one)."""
+        from .cli import printable
+
+        gone = sorted(self._members - live)
+        came = sorted(members - self._members)
+        names = lambda ids: ", ".join(printable(i) for i in ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+        self.launcher.say(f"view {view} formed ({printable(reason or 'reason not yet published')})"
+                          + (f": without {names(gone)}" if gone else "")
+                          + (f"{'; with' if gone else ': with'} {names(came)}" if came else ""))
 
     def clear(self) -> None:
         """Erase the drawn line (the caller holds the console's lock)."""
