@@ -1064,8 +1064,10 @@ STOPPED_TREE_LIMIT = 64  # processes of a worker's tree looked at for a stopped 
 
 
 def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` or one it started (a script run through a wrapper, its data
-    loaders) is stopped by a signal (state T; not t, a debugger's stop)."""
+    """Whether process ``pid`` or one its main thread started, and so on down (a script run
+    through a wrapper, its data loaders), is stopped by a signal (state T; not t, a
+    debugger's stop). Two reads per process, every poll: the children other threads
+    started are not looked at."""
     pending, seen = [pid], set()
     while pending and len(seen) < STOPPED_TREE_LIMIT:
         current = pending.pop()
@@ -1080,10 +1082,9 @@ def _stopped(pid: int) -> bool:
         # pid (command) state ...: the command may itself hold parentheses and spaces
         if line[line.rfind(b")") + 2:line.rfind(b")") + 3] == b"T":
             return True
-        try:
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children", "rb") as children:
-                    pending.extend(int(child) for child in children.read().split())
+        try:  # the children its main thread started (a wrapper's script, data loaders): one read per process
+            with open(f"/proc/{current}/task/{current}/children", "rb") as children:
+                pending.extend(int(child) for child in children.read().split())
         except (OSError, ValueError):  # gone meanwhile, or a kernel without the children files
             continue
     return False
