@@ -198,7 +198,10 @@ class ElasticRayJob:
         self.min_workers, self.max_workers = low, high
         self.cpus, self.gpus = cpus_per_worker, gpus_per_worker
         self.max_restarts, self.scale_interval, self.start_timeout = max_restarts, scale_interval, start_timeout
+        # The group's worker counts are the job's, unless the training function passes its own
+        # to ftcomm.init (or env sets them).
         self.env = {"FTCOMM_SECRET": secret or secrets.token_hex(32), "FTCOMM_CLUSTER": cluster,
+                    "FTCOMM_MIN_WORKERS": str(low), "FTCOMM_MAX_WORKERS": str(high),
                     "PYTHONUNBUFFERED": "1", **(env or {})}
         self.slots: list[_Slot] = []
         self.restarts = 0  # training functions started again in a restarted actor

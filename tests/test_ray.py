@@ -192,3 +192,10 @@ def test_report_with_a_checkpointer_saves_and_names_the_step(tmp_path):
         checkpoints.close(discard=True)
     finally:
         group.shutdown()
+
+
+def test_the_workers_get_the_jobs_worker_counts_unless_env_sets_them():
+    job = ElasticRayJob(_nap, num_workers=(2, 4))
+    assert (job.env["FTCOMM_MIN_WORKERS"], job.env["FTCOMM_MAX_WORKERS"]) == ("2", "4")
+    mine = ElasticRayJob(_nap, num_workers=3, env={"FTCOMM_MIN_WORKERS": "1"})
+    assert (mine.env["FTCOMM_MIN_WORKERS"], mine.env["FTCOMM_MAX_WORKERS"]) == ("1", "3")
