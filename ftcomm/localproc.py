@@ -100,10 +100,8 @@ class ChildProcess:
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) == self.process.pid:
                 continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
+            fields = stat_fields(entry)
+            if fields is None:
                 continue
             if int(fields[2]) == self.process.pid and fields[0] != "Z":  # process group, not a zombie
                 pids.append(int(entry))
@@ -138,11 +136,21 @@ class ChildProcess:
                 pass
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command (state first, then the parent,
+    the process group, ...; the command may itself hold parentheses and spaces), None when
+    the process does not run (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
 def process_start(pid: int) -> int | None:
     """Process ``pid``'s start time (clock ticks since boot), None when it does not run:
     with the pid, it names one process, never a later one that reuses the pid."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[19])
-    except (OSError, ValueError, IndexError):
+        return int(stat_fields(pid)[19])
+    except (TypeError, ValueError, IndexError):
         return None

@@ -83,7 +83,7 @@ from typing import TextIO
 
 from ..errors import AddressError, FtcommError
 from ..gossip.addresses import parse_seed
-from ..localproc import process_start
+from ..localproc import process_start, stat_fields
 from ..options import check_addresses, check_protection
 from . import runfile
 from .standby import FD_ENV as STANDBY_FD_ENV, IMPORTS_ENV as STANDBY_IMPORTS_ENV, order, python_command, \
@@ -92,11 +92,11 @@ from .worker_output import Console, WorkerOutput, private_log_directory, tag
 
 MAX_BACKOFF_S = 60.0
 REPLICA_HALT_S = 5.0
-REPLICA_KILLED_HALT_S = 0.5
-"""The stop's grace when the process that failed died by a signal (killed, crashed): its
-partners are blocked in a collective with it, most likely, where no signal handler runs."""
 """How long the other processes of a sharded replica that lost one have to leave the group
 after SIGTERM before they are killed."""
+REPLICA_KILLED_HALT_S = 0.5
+"""The same when the process that failed died by a signal (killed, crashed): its partners
+are blocked in a collective with it, most likely, where no signal handler runs."""
 POLL_S = 0.05
 STANDBY_RESPAWN_S = 3.0
 """After a standby took over (or another was started), the next is started this much later."""
@@ -840,8 +840,7 @@ class Launcher:
 
         name = self.config.checkpoint_name or self.config.cluster
         for shm, persist, _ in self._shm_places():
-            in_shm = files.steps_in(shm) if shm.is_dir() else []
-            kept = files.steps_in(persist) if persist is not None and persist.is_dir() else []
+            in_shm, kept = files.steps_in(shm), files.steps_in(persist)
             if self.config.fresh:
                 if shm.is_dir():
                     removed = files.discard_if_unused(shm)
@@ -1074,13 +1073,10 @@ def _stopped(pid: int) -> bool:
         if current in seen:
             continue
         seen.add(current)
-        try:
-            with open(f"/proc/{current}/stat", "rb") as stat:
-                line = stat.read()
-        except OSError:  # gone, or no /proc: not known to be stopped
+        fields = stat_fields(current)
+        if fields is None:  # gone, or no /proc: not known to be stopped
             continue
-        # pid (command) state ...: the command may itself hold parentheses and spaces
-        if line[line.rfind(b")") + 2:line.rfind(b")") + 3] == b"T":
+        if fields[0] == "T":
             return True
         try:  # the children its main thread started (a wrapper's script, data loaders): one read per process
             with open(f"/proc/{current}/task/{current}/children", "rb") as children:
