@@ -45,7 +45,8 @@ class ConfigMismatch(FtcommError):
 
 class GroupEnded(FtcommError):
     """This worker joined a group whose members then all left gracefully (the job finished,
-    or was scaled to zero) before it was admitted: there is no group to join, and founding
+    or was scaled to zero) before it was admitted, or arrived to find only the final records
+    of members that left the group after training: there is no group to join, and founding
     a new one would train from scratch beside the job's result. Exit; a job started again
     founds its group anew."""
 

@@ -46,6 +46,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the extra
     raise ImportError("ftcomm.ray needs Ray: pip install 'ftcomm[ray]'") from exc
 
+from .errors import GroupEnded, JoinError
+
 log = logging.getLogger(__name__)
 
 
@@ -94,6 +96,21 @@ class Report:
     time: float  # time.time() in the worker
     metrics: dict
     checkpoint: int | None = None  # the step a FlashCheckpointer saved with this report
+
+
+@dataclasses.dataclass
+class Result:
+    """What a job came to (:attr:`ElasticRayJob.result`, once :meth:`ElasticRayJob.run`
+    returned), as Ray Train's ``Result``: the values the training functions returned, the
+    metrics of the newest report (the highest step, the latest among equals), the newest
+    step a report named as checkpointed (its FlashCheckpointer holds it), every report, and
+    why each worker given up on failed."""
+
+    values: list
+    metrics: dict | None
+    checkpoint: int | None
+    reports: list[Report]
+    errors: list[str]
 
 
 _REPORTS: list[dict] = []  # this actor process's reports not yet collected by the driver
@@ -209,14 +226,16 @@ class ElasticRayJob:
         self.errors: list[str] = []  # why each of them failed
         self.reports: list[Report] = []  # what the training functions reported, in arrival order
         self.on_report = on_report
+        self.result: Result | None = None  # set when run returns
         self._collecting: dict[int, Any] = {}  # slot index -> its pending ``collect`` call
         # Three threads: ``pid``, ``prepare`` and ``collect`` answer while ``run`` trains.
         self._actor_class = ray.remote(max_restarts=max_restarts, max_task_retries=0, max_concurrency=3)(_Worker)
 
     # ------------------------------------------------------------------ running
     def run(self, timeout: float | None = None) -> list:
-        """Train; the values returned by the workers whose training function returned.
-        Raises RuntimeError when every worker failed."""
+        """Train; the values returned by the workers whose training function returned (also
+        in :attr:`result`, with the newest reported metrics and checkpoint). Raises
+        RuntimeError when every worker failed."""
         if not ray.is_initialized():
             ray.init()
         self.slots, self.restarts, self.failed, self.errors = [], 0, 0, []
@@ -245,6 +264,10 @@ class ElasticRayJob:
                     ray.kill(slot.actor, no_restart=True)
         if not results:
             raise RuntimeError(f"every worker failed: {'; '.join(self.errors) or 'no worker could be started'}")
+        newest = max(self.reports, key=lambda r: (r.step if r.step is not None else -1, r.time), default=None)
+        saved = [r.checkpoint for r in self.reports if r.checkpoint is not None]
+        self.result = Result(results, newest.metrics if newest is not None else None, max(saved, default=None),
+                             list(self.reports), list(self.errors))
         return results
 
     def _collect(self, only: "_Slot | None" = None, final: bool = False) -> None:
@@ -376,6 +399,12 @@ class ElasticRayJob:
             reason = exc
         lines = [line for line in str(reason).splitlines() if line.strip()]
         why = lines[-1][:300] if lines else type(reason).__name__  # the exception, after Ray's traceback
+        cause = getattr(reason, "cause", None)
+        if isinstance(cause, GroupEnded) or (results and isinstance(cause, JoinError)):
+            # Started as the others finished: the job's group ended before letting it in (or
+            # nobody answered it any more). Nothing failed, and nothing is left to train.
+            log.info("worker at %s arrived after the job's group ended: %s", slot.address, type(cause).__name__)
+            return
         if results or slot.starts > self.max_restarts:
             self.failed += 1
             self.errors.append(why)

@@ -254,6 +254,37 @@ def test_a_joiner_whose_group_ended_by_leaving_raises_rather_than_founding_one()
     driver.look()
 
 
+def test_a_fresh_worker_that_finds_only_the_final_records_of_a_group_that_trained_raises_rather_than_founding():
+    # It joined the gossip of the job's last member while that member announced its
+    # departure after step 200: the group trained and ended before this worker arrived.
+    # Founding one of its own would train the job a second time from step 0.
+    left = {m: dataclasses.replace(status(m, LEAVING, done_ops=(1, 200), step=200), alive=False, left=True)
+            for m in "ab"}
+    driver, membership, _, _, clock = driver_for("j", {"j": status("j", JOINING, joined_at=5.0), **left},
+                                                 joined_at=5.0)
+    with pytest.raises(GroupEnded, match="trained and ended before this worker arrived"):
+        driver.look()
+    # Members that left before training anything leave nothing to lose: it founds.
+    for m in "ab":
+        membership.shown[m] = dataclasses.replace(left[m], step=0)
+    driver.look()
+    clock.t += 0.06
+    assert driver.look() == (None, True)  # its own proposal published
+    assert driver.look().form == View(1, ("j",))
+
+
+def test_a_final_record_beside_a_live_member_holding_a_view_is_a_scale_down_not_an_end():
+    # "a" left after step 200, "c" (not confirmed yet) still trains in view 4: the group lives.
+    statuses = {"j": status("j", JOINING, joined_at=5.0),
+                "a": dataclasses.replace(status("a", LEAVING, done_ops=(3, 200), step=200), alive=False, left=True)}
+    driver, membership, _, _, clock = driver_for("j", statuses, joined_at=5.0)
+    membership.unconfirmed["c"] = status("c", cv=4, step=210)
+    for _ in range(3):
+        driver.look()
+        clock.t += 0.1
+    assert driver.engine.view is None and driver.engine.state != core.FORMING
+
+
 # ---------------------------------------------------------------------- founding
 def test_a_fresh_worker_founds_only_with_a_majority_of_its_job_and_probes_the_silent_seeds():
     driver, membership, _, prober, clock = driver_for("a", {"a": status("a", JOINING)})

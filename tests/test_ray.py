@@ -141,6 +141,10 @@ def test_actors_are_added_when_resources_appear(cluster, tmp_path):
     worlds = {r.metrics["world"] for r in job.reports}
     formed = {len(members) for r in results for _, members, _ in r["views"]}
     assert {2, 3} <= worlds <= formed and steps in {r.step for r in job.reports}
+    # The job's Result: the values, the newest report's metrics (nothing checkpointed here).
+    result = job.result
+    assert result.values == results and result.reports == job.reports and result.errors == []
+    assert result.metrics == [r for r in job.reports if r.step == steps][-1].metrics and result.checkpoint is None
 
 
 def _nap(config: dict) -> int:

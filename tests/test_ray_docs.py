@@ -1,5 +1,6 @@
-"""docs/RAY.md's example, run as written (its own ray.init) on this machine: it must fit
-any machine Ray runs on, train to its last step and print what the workers reported."""
+"""docs/RAY.md's example, run as written (its own ray.init) on this machine, ten times: it
+must fit any machine Ray runs on, train to its last step in one group and print what the
+workers reported, and nothing else."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_the_example_of_the_ray_page_runs_as_written(tmp_path):
+@pytest.mark.parametrize("run", range(10))  # its worker starts race: 1 run in 4 trained the job twice
+def test_the_example_of_the_ray_page_runs_as_written(tmp_path, run):
     page = (ROOT / "docs" / "RAY.md").read_text()
     example = re.search(r"```python\n(.*?)```", page, re.S).group(1)
     script = tmp_path / "example.py"
@@ -29,3 +31,15 @@ def test_the_example_of_the_ray_page_runs_as_written(tmp_path):
     assert re.search(r"worker 0 step 50: \{'loss': [\d.]+, 'world': [12]\}", done.stdout), done.stdout[-2000:]
     results = ast.literal_eval(done.stdout.strip().splitlines()[-1])  # the printed list of plain dicts
     assert results and all(r["step"] == 200 for r in results) and len({r["digest"] for r in results}) == 1
+    # One group: two workers that report the same step at the same world size hold
+    # different ranks of it. Two groups of one (each training the job alone, from step 0)
+    # would both report rank 0's figures at world 1 with identical losses.
+    reported = re.findall(r"worker (\d+) step (\d+): \{'loss': ([\d.]+), 'world': (\d)\}", done.stdout)
+    by_step: dict[tuple, set] = {}
+    for worker, step, _, world in reported:
+        by_step.setdefault((step, world), set()).add(worker)
+    assert all(len(workers) <= int(world) for (_, world), workers in by_step.items()), done.stdout[-2000:]
+    # Nothing but Ray's own start-up notices on stderr: no worker failed, no error printed.
+    noise = [line for line in done.stderr.splitlines()
+             if line.strip() and not re.search(r"(INFO|WARNING) \S+\.py:\d+ -- ", line)]
+    assert not noise, done.stderr[-3000:]

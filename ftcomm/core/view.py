@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -359,12 +360,26 @@ def replica_broken(own: tuple[str, int, int] | None, statuses: dict[str, Status]
     return None
 
 
-def group_ended(own: Status, statuses: dict[str, Status], saw_view: int) -> bool:
+def group_ended(own: Status, records: Iterable[Status], saw_view: int) -> bool:
     """A joiner saw a group (its newest view ``saw_view``), and every member of it that held
     that view or a newer one has since left gracefully (none died: a crash of the rest is
-    not an end). The group ended before admitting it."""
-    members = [s for s in statuses.values() if s.id != own.id and s.config == own.config and s.last_view >= saw_view]
+    not an end). The group ended before admitting it. ``records``: every member of the
+    local table, confirmed or not (one not confirmed yet that holds a newer view shows the
+    group alive)."""
+    members = [s for s in records if s.id != own.id and s.config == own.config and s.last_view >= saw_view]
     return saw_view > 0 and bool(members) and all(s.left for s in members)
+
+
+def group_finished(own: Status, records: Iterable[Status]) -> bool:
+    """A fresh worker that never saw its group live finds only the records of members that
+    left it after training (their final records name a view and a committed step), and no
+    member holding a view that did not leave (a dead one may live on across a partition):
+    the group trained and ended before this worker arrived
+    (its last member was still announcing its departure when this one joined). Founding a
+    group now would train the job a second time, from scratch. ``records``: every member
+    of the local table, confirmed or not, the dead and the departed included."""
+    mine = [s for s in records if s.id != own.id and s.config == own.config]
+    return any(s.final and s.step > 0 for s in mine) and all(s.left for s in mine if s.last_view > 0)
 
 
 def agreed(proposal: Candidate, statuses: dict[str, Status]) -> bool:

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, NamedTuple
 from ..core import engine as core
 from ..core.engine import (Action, Announce, Engine, Fetch, Form, ProbeGroup, ProbeMembers, ProbeSeeds, Publish,
                            PublishProposal, Recontact, Rejoined, Sync)
-from ..core.view import Status, View, group_ended, replica_broken
+from ..core.view import Status, View, group_ended, group_finished, replica_broken
 from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, GroupEnded,
                       MembershipChanged, ReplicaLost)
 from ..gossip.addresses import parse_address
@@ -128,19 +128,32 @@ class Driver:
     def look(self) -> Look:
         """One look at the membership while the engine is agreeing: every action but
         forming is performed here; the view to form comes back. Raises GroupEnded when the
-        group a joiner saw ended before admitting it, ReplicaLost when a process of this
-        sharded replica is gone, ConfigMismatch when
-        a live member of the group was started with other settings."""
+        group a joiner saw ended before admitting it (or had ended, trained, before a fresh
+        worker arrived: see group_finished), ReplicaLost when a process of this sharded
+        replica is gone, ConfigMismatch when a live member of the group was started with
+        other settings."""
         engine = self.engine
         statuses, addresses = self.statuses()
         conflict = core.settings_conflict(engine, engine.settings, statuses)
         if conflict is not None:
             raise ConfigMismatch(conflict)
         own = statuses.get(engine.id)
-        if engine.state == core.JOINING and own is not None and group_ended(own, statuses, engine.saw_group):
-            raise GroupEnded("every member of the group this worker joined left before it was admitted (the "
-                             "job finished, or was scaled to zero): there is no group to join, and founding one "
-                             "would train from scratch")
+        now = self.ports.clock.now()
+        founding = engine.view is None and engine.state in (core.JOINING, core.HOLDING_BACK)
+        table = list(self.ports.membership.records()) if founding or now - self._confirmed_at >= engine.chase_interval \
+            else []
+        if founding and own is not None:
+            # Every record counts here, answered or not: a member not confirmed yet that holds
+            # a newer view shows the group alive (this worker's contact was cut off from it).
+            known = [r.status for r in table if r.status is not None]
+            if engine.state == core.JOINING and group_ended(own, known, engine.saw_group):
+                raise GroupEnded("every member of the group this worker joined left before it was admitted (the "
+                                 "job finished, or was scaled to zero): there is no group to join, and founding "
+                                 "one would train from scratch")
+            if engine.entered_view is None and group_finished(own, known):
+                raise GroupEnded("the group of this job trained and ended before this worker arrived (its members "
+                                 "left after committing steps: the job finished, or was scaled to zero); founding "
+                                 "another would train the job again from scratch")
         gone = replica_broken(engine.replica, statuses)
         if gone is not None:
             raise ReplicaLost(f"{gone}, a process of this worker's sharded replica, "
@@ -149,10 +162,8 @@ class Driver:
                               f"replica again (ftcomm run --replica-size does) to rejoin")
         unconfirmed: tuple[Status, ...] = ()
         seeds = None
-        now = self.ports.clock.now()
-        founding = engine.view is None and engine.state in (core.JOINING, core.HOLDING_BACK)
         if founding or now - self._confirmed_at >= engine.chase_interval:
-            records = [r for r in self.ports.membership.records() if r.state in ("alive", "suspect")]
+            records = [r for r in table if r.state in ("alive", "suspect")]
             waiting = [r for r in records if not r.confirmed and r.id not in statuses and r.status is not None]
             suspects = [r for r in records if r.state == "suspect" and r.status is not None
                         and r.status.config == engine.config]
