@@ -129,7 +129,9 @@ class FaultTolerantGroup:
                 self._metrics = MetricsServer(self, host, opts.metrics_port)
             backend_class.prepare(host)  # after the group's own listeners: see GlooCommunicator.prepare
             self._install_exit_hooks()
-            self._run(loop.recover("init", time.monotonic(), opts.init_timeout))
+            if not self._run(loop.start(time.monotonic(), opts.init_timeout)):
+                log.info("a group is training: this worker asks it for admission once its state is registered "
+                         "(register_state), so that the group does not wait for this worker meanwhile")
             if engine.founding:
                 self._check_network()
             _RUNNING.add(self)
@@ -151,6 +153,7 @@ class FaultTolerantGroup:
     # ------------------------------------------------------------------ public attributes
     @property
     def view(self) -> View:
+        self._admit_before_state("view")
         return self._loop.view
 
     @property
@@ -181,14 +184,28 @@ class FaultTolerantGroup:
         """This worker's rank in the current view (after ``shutdown``: in the view it left).
         Raises NotInView while it is in none (a straggler standing aside, a worker that lost
         its view and rejoins)."""
-        return self._in_view().rank_of(self.id)
+        return self._in_view("rank").rank_of(self.id)
 
     @property
     def world_size(self) -> int:
         """Members of the current view. Raises NotInView while this worker is in none."""
-        return self._in_view().size
+        return self._in_view("world_size").size
 
-    def _in_view(self) -> View:
+    def _admit_before_state(self, what: str) -> None:
+        """Read on the training thread of a worker that holds back from a running group until
+        its state is registered (see register_state), ``what`` (its rank, world size or view)
+        needs a view: it asks to be admitted now, and the group waits in its next reconcile
+        until this worker registers its state."""
+        loop = self._loop
+        if not loop.awaiting_state or loop.closed or threading.get_ident() != self._owner:
+            return
+        log.warning("ft.%s was read before register_state: this worker asks the running group to admit it now, "
+                    "and the group waits until its state is registered; register the state right after init "
+                    "(see docs/API.md, 'Order of the calls')", what)
+        self._at_boundary(loop.admit())
+
+    def _in_view(self, what: str) -> View:
+        self._admit_before_state(what)
         view = self._loop.view  # read once: the training thread may leave it meanwhile
         if view is None:
             state = self._loop.engine.state
@@ -240,11 +257,19 @@ class FaultTolerantGroup:
         :class:`ftcomm.LinearLRScaling`) are bound to it here; see docs/API.md. With
         ``replica_size`` > 1, StateError for a module with a parameter not sharded over
         :attr:`shard_mesh` (its shards would not match the other replicas'). FtcommError after
-        ``shutdown``."""
+        ``shutdown``.
+
+        A worker that found a running group at ``init`` is admitted to it here: it held back
+        until now, so that the group never waited while it built its model. Called on the
+        thread that created the group, this then raises what joining raises (FtcommTimeout
+        after ``init_timeout``, GroupEnded, ConfigMismatch)."""
         self._loop.check_open()
         if self._replica is not None:
             self._replica.check_sharded({"model": model, **extras})
         self.state.register(model=model, optimizer=optimizer, sampler=sampler, **extras)
+        loop = self._loop
+        if loop.awaiting_state and threading.get_ident() == self._owner:
+            self._at_boundary(loop.admit())  # the state is here: the running group lets this worker in
         for obj in self.state.objects.values():
             if hasattr(obj, "bind_group"):
                 obj.bind_group(self)

@@ -247,11 +247,15 @@ def test_a_worker_let_in_while_the_group_restores_restores_with_it(tmp_path, nam
             trained_state(g, 6)
         checkpoints = [FlashCheckpointer(g, tmp_path, name=name) for g in groups[:2]]
         holder: list = []
-        joining = threading.Thread(target=lambda: holder.append(ftcomm.init(
-            peers=[groups[0].gossip.address], bind="127.0.0.1:0", min_workers=2, handle_signals=False,
-            init_timeout=60, settle_interval=0.5)), daemon=True)
+
+        def join() -> None:  # init, then register_state: admitted once its state is registered
+            holder.append(ftcomm.init(peers=[groups[0].gossip.address], bind="127.0.0.1:0", min_workers=2,
+                                      handle_signals=False, init_timeout=60, settle_interval=0.5))
+            trained_state(holder[0], 7)
+        joining = threading.Thread(target=join, daemon=True)
         joining.start()
-        wait_until(lambda: len(groups[0].gossip.members()) == 4, 30, "the newcomer known to the group")
+        wait_until(lambda: holder and not holder[0]._loop.engine.state_pending, 30,
+                   "the newcomer asking for admission, its state registered")
         leaver.shutdown()  # the restore's first collective re-forms, and the newcomer is let in
         restoring = threading.Thread(target=lambda: holder.append(in_threads(
             groups[:2], lambda i, g: checkpoints[i].restore())), daemon=True)
@@ -259,7 +263,6 @@ def test_a_worker_let_in_while_the_group_restores_restores_with_it(tmp_path, nam
         joining.join(60)
         assert holder and isinstance(holder[0], ftcomm.FaultTolerantGroup)
         late = holder[0]
-        trained_state(late, 7)
         assert late.restorable and late.world_size == 3
         mine = FlashCheckpointer(late, tmp_path, name=name)
         assert mine.restore() is None  # nothing saved yet: it took part in agreeing on that

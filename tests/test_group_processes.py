@@ -6,6 +6,7 @@ at the end, abort latency within 100 ms, and no two sides committing during a pa
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -14,8 +15,11 @@ import time
 
 import pytest
 
+from ftcomm.localproc import ChildProcess
+
+from .conftest import free_port
 from .polling import wait_until
-from .train_cluster import TrainCluster, assert_invariants
+from .train_cluster import BASE_ARGS, EXAMPLE, TrainCluster, assert_invariants
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -80,6 +84,29 @@ def test_join_two_to_four_switches_at_the_same_step_and_joiners_get_state(cluste
     assert len({(v["view_id"], v["step"], v["state_digest"]) for v in views}) == 1, views
     assert {v["reason"] for v in views[:2]} == {"join"}
     assert_invariants(everyone, cluster.finish(everyone))
+
+
+@pytest.mark.parametrize("peers", ["the first alone", "each other"])
+def test_two_founders_at_min_workers_1_started_together_end_in_one_group(cluster, peers):
+    """Two processes started at the same moment, either may found a group alone (one is
+    enough at min_workers=1): the first given no peer and the second the first (as
+    ElasticRayJob and a script given one address start them), or each given the other (as
+    ftcomm run does), started in a random order. They end in one group, one state."""
+    ports = [free_port(), free_port()]
+    first, second = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
+    given = {first: [] if peers == "the first alone" else [second], second: [first]}
+    order = random.sample([first, second], 2)
+    workers = []
+    for bind in order:
+        command = [sys.executable, "-u", str(EXAMPLE), "--bind", bind, *BASE_ARGS, "--min-workers", "1"]
+        command += ["--peers", ",".join(given[bind])] if given[bind] else []
+        worker = ChildProcess(command, ready_timeout=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cluster.workers.append(worker)
+        workers.append(worker)
+        time.sleep(random.uniform(0.0, 0.3))
+    views = cluster.wait_view(workers, 2, timeout=60)
+    assert len({(v["view_id"], v["state_digest"]) for v in views}) == 1, views
+    assert_invariants(workers, cluster.finish(workers))
 
 
 def test_graceful_leave_reforms_without_waiting_for_suspicion(cluster):

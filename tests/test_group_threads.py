@@ -77,6 +77,59 @@ def run_steps(groups, models, optimizers, steps: int) -> None:
     in_threads(groups, loop)
 
 
+def test_a_joiner_that_registers_its_state_late_does_not_pause_the_running_group():
+    """The tutorial's order: init first, then build the model, then register_state. The
+    joiner holds back from the running group until its state is registered, so the group
+    trains on while it builds (before, the group waited in its reconcile for the joiner's
+    model); once registered, it enters and receives the group's state."""
+    groups = start_groups(2)  # min_workers=1
+    joiner = None
+    target = [10**9]  # the step everyone trains to (set once the joiner is in)
+    commits: list[list[float]] = [[], [], []]
+    try:
+        models, optimizers = linear_models(groups)
+
+        def train(i: int, g: ftcomm.FaultTolerantGroup, m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
+            while g.step < target[0]:
+                m(torch.randn(8, 4)).pow(2).sum().backward()
+                if g.wait_gradients_ready(m):
+                    o.step()
+                    commits[i].append(time.monotonic())
+                o.zero_grad()
+                time.sleep(0.01)
+        threads = [threading.Thread(target=train, args=(i, g, models[i], optimizers[i]), daemon=True)
+                   for i, g in enumerate(groups)]
+        for t in threads:
+            t.start()
+        while min(len(c) for c in commits[:2]) < 3:
+            time.sleep(0.05)
+        joiner = ftcomm.init(peers=[f"127.0.0.1:{groups[0]._membership.node.port}"], bind="127.0.0.1:0",
+                             min_workers=1, handle_signals=False, init_timeout=30, settle_interval=0.5)
+        assert joiner._loop.awaiting_state and joiner._loop.view is None  # init returned without a view
+        returned = time.monotonic()
+        time.sleep(4.0)  # building its model
+        built = time.monotonic()
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        joiner.register_state(model=model, optimizer=optimizer)  # admitted here
+        assert not joiner._loop.awaiting_state and joiner.world_size == 3
+        # The group committed steps all the while the joiner built its model.
+        for c in commits[:2]:
+            assert any(returned + 1.0 < t < built for t in c), "the running group paused for the joiner"
+        assert joiner.step >= len(commits[0]) - 1 > 0  # it received the group's state (its step)
+        target[0] = joiner.step + 5
+        train(2, joiner, model, optimizer)
+        for t in threads:
+            t.join(30)
+        everyone = groups + [joiner]
+        assert {g.world_size for g in everyone} == {3} and len(commits[2]) == 5
+        assert len({(g.step, g.state.digest(g.step)) for g in everyone}) == 1
+    finally:
+        target[0] = 0
+        for g in groups + ([joiner] if joiner is not None else []):
+            g.shutdown()
+
+
 def test_a_step_committed_by_some_members_only_is_reconciled_from_the_most_advanced():
     groups = start_groups(4)
     try:

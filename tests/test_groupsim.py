@@ -34,6 +34,20 @@ def test_five_hundred_random_seeds_keep_every_invariant():
     assert {"crash", "hang", "node_loss", "leave"} <= set(summary["recovery_to_next_commit"])
 
 
+def test_workers_started_in_turn_the_first_alone_at_min_workers_1_end_in_one_group():
+    """As ElasticRayJob starts a job (and a script given one peer's address): the first
+    worker starts a gossip cluster alone and, at min_workers=1, founds a group at once; the
+    others start within a second, in turn, each given those started before it, and hold
+    back from the running group until their state is registered (some register it late).
+    With and without faults, every worker ends in one group with all the others (invariant
+    6 after the last start) and no two groups commit the same step (invariant 4)."""
+    outcomes = [GroupSimulation(seed, min_workers=1, first_alone=True, late_registration=seed % 2 == 0,
+                                faults=[] if seed < 10 else None).run() for seed in range(20)]
+    assert all(o.first_alone for o in outcomes)
+    assert [o.violation for o in outcomes if not o.ok] == []
+    assert all(o.commits > 0 and not o.exits for o in outcomes[:10]), [o.exits for o in outcomes[:10]]
+
+
 def test_sharded_replicas_keep_every_invariant_shard_by_shard():
     """Replicas of 2 processes: crashes and hangs strike one process, node losses,
     partitions, joins and leaves whole replicas; a replica whose process failed is started

@@ -232,8 +232,16 @@ class ProbeSeeds:
     addresses: tuple[tuple[str, int], ...]
 
 
+@dataclass(frozen=True)
+class AwaitState:
+    """A fresh worker whose training state is not registered yet found a running group: it
+    holds back (no candidate view includes it) and asks to be admitted once its state is
+    registered (see :attr:`Engine.state_pending`), so that the group never waits in a
+    reconcile for this worker to build its model."""
+
+
 Action = (Publish | PublishProposal | Announce | Fetch | Sync | Form | Rejoined | ProbeGroup | ProbeMembers | Recontact
-          | ProbeSeeds)
+          | ProbeSeeds | AwaitState)
 
 RECONTACT_MAX_S = 2.0
 """A member without a quorum asks its seeds again after a chase interval, then twice as
@@ -327,6 +335,7 @@ class Engine:
     _recontact_after: float = 0.0  # the wait before the next Recontact (doubles; see RECONTACT_MAX_S)
     max_retries: int = 5  # operations failed in a row before the caller gives up (see count_failure)
     seeds_gone: frozenset = frozenset()  # seed addresses found gone (a refused connection) while founding
+    state_pending: bool = False  # a fresh worker that has no training state registered yet (see AwaitState)
     _seeds_probed: float = float("-inf")
     failures: int = 0  # operations (gradient steps, execute's attempts) failed in a row (see count_failure)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -576,12 +585,19 @@ class Engine:
                                   if s.id != self.id and s.config == self.config and not (s.left or s.dead)], default=0)
             if self.seen_view > 0 and self.state != REJOINING:
                 self.saw_group, self.group_gone = max(self.saw_group, self.seen_view), False
-            holding = not (self._group_exists(statuses) or self._group_seen() or self._may_found())
+            # Admitted to a running group, a worker whose state is not registered yet would
+            # hold the group in its reconcile while it builds its model: it holds back until
+            # then (a group still founding waits for every founder's state anyway).
+            awaiting = self.state_pending and self.state != REJOINING and self._group_exists(statuses)
+            holding = awaiting or not (self._group_exists(statuses) or self._group_seen() or self._may_found())
             if holding != self.holding:
                 # Holding back, it reads as standing aside: a fresh worker beside it would
                 # otherwise propose a view with it, and wait for it to agree.
                 self._move("hold" if holding else "release")
                 return [Publish()]
+            if awaiting:
+                self._last = None
+                return [AwaitState()]
             if self._group_exists(statuses):
                 return self._adopt(now, statuses)
             if self._group_seen():

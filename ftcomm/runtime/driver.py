@@ -27,8 +27,8 @@ import statistics
 from typing import Callable, Iterable, NamedTuple
 
 from ..core import engine as core
-from ..core.engine import (Action, Announce, Engine, Fetch, Form, ProbeGroup, ProbeMembers, ProbeSeeds, Publish,
-                           PublishProposal, Recontact, Rejoined, Sync)
+from ..core.engine import (Action, Announce, AwaitState, Engine, Fetch, Form, ProbeGroup, ProbeMembers, ProbeSeeds,
+                           Publish, PublishProposal, Recontact, Rejoined, Sync)
 from ..core.view import Status, View, group_ended, group_finished, replica_broken
 from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, GroupEnded,
                       MembershipChanged, ReplicaLost)
@@ -89,6 +89,13 @@ class Look(NamedTuple):
     again: bool
 
 
+class AwaitingState(Exception):
+    """Raised out of a look by a fresh worker that holds back from a running group until its
+    training state is registered (:class:`ftcomm.core.engine.AwaitState`): ``init``
+    returns without a view, and registering the state (or the first collective) asks to be
+    admitted."""
+
+
 class Driver:
     """Performs one member's engine actions through ``ports``; ``news``: its gossip news and
     the abort signal of the view it forms or runs. ``facts()``: the member's committed step
@@ -129,9 +136,10 @@ class Driver:
         """One look at the membership while the engine is agreeing: every action but
         forming is performed here; the view to form comes back. Raises GroupEnded when the
         group a joiner saw ended before admitting it (or had ended, trained, before a fresh
-        worker arrived: see group_finished), ReplicaLost when a process of this sharded
-        replica is gone, ConfigMismatch when a live member of the group was started with
-        other settings."""
+        worker arrived: see group_finished), ReplicaLost when a process of this
+        sharded replica is gone, ConfigMismatch when a live member of the group was started
+        with other settings, AwaitingState when a fresh worker without a registered state
+        holds back from a running group."""
         engine = self.engine
         statuses, addresses = self.statuses()
         conflict = core.settings_conflict(engine, engine.settings, statuses)
@@ -181,6 +189,9 @@ class Driver:
                 seeds = {address: at.get(address) for address in self.ports.membership.seeds()}
         actions = engine.agree(now, statuses, unconfirmed, seeds)
         form = actions.pop().view if actions and isinstance(actions[-1], Form) else None
+        if actions and isinstance(actions[-1], AwaitState):
+            self.perform(actions[:-1], addresses)
+            raise AwaitingState()
         self.perform(actions, addresses)
         return Look(form, any(isinstance(a, (Fetch, PublishProposal, ProbeSeeds)) for a in actions))
 

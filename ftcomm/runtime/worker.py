@@ -36,7 +36,7 @@ from ..core.view import View
 from ..errors import (CollectiveAborted, CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged,
                       QuorumLost, RetryLimitExceeded, OutOfStep, StateLost)
 from ..options import GroupOptions, ViewChange
-from .driver import Driver
+from .driver import AwaitingState, Driver
 from .news import GossipNews
 from .ports import Contribution, Counters, Formed, Pause, Ports, Reconciled, StateSummary
 from .stragglers import Stragglers
@@ -367,10 +367,37 @@ class WorkerLoop:
         replaced = yield from self.reform_if_due(boundary)
         return (yield from self.reconcile_if_due()) or replaced
 
+    def start(self, began: float, timeout: float) -> Step[bool]:
+        """``init``: agree on the first view and form it, or, finding a running group, hold
+        back from it until the training state is registered (nothing can be before init; see
+        ftcomm.core.engine.AwaitState and :meth:`admit`); whether this worker is in a view."""
+        self.engine.state_pending = True
+        try:
+            yield from self.recover("init", began, timeout)
+        except AwaitingState:
+            return False
+        self.engine.state_pending = False
+        return True
+
+    @property
+    def awaiting_state(self) -> bool:
+        """A fresh worker holding back from a running group until its training state is
+        registered (see ftcomm.core.engine.AwaitState): it is in no view yet."""
+        return self.engine.state_pending and self.engine.view is None
+
+    def admit(self) -> Step[bool]:
+        """Ask the running group to admit this worker, which held back until now (its state
+        is registered, or a collective is due without one); whether its state was replaced
+        (by the group's). Raises what ``recover`` raises, FtcommTimeout after ``init_timeout``."""
+        self.engine.state_pending = False
+        return (yield from self.recover("join", self.ports.clock.now(), self.options.init_timeout))
+
     def reform_if_due(self, boundary: bool = True) -> Step[bool]:
         """Re-form when the engine says so (see Engine.due): a joiner is admitted, and a
         straggler stands aside, only at a step ``boundary``; whether the state was replaced."""
         clock, engine = self.ports.clock, self.engine
+        if self.awaiting_state:
+            return (yield from self.admit())
         due = engine.due(boundary)
         if due == "recover":
             return (yield from self.recover(engine.fault, self.waiting_since))

@@ -27,7 +27,9 @@ virtual clock, loss and delay). This package holds only the world:
 * :mod:`ftcomm.sim.cli`: seeds, their summary, the command line.
 
 Each seed draws a group size, ``min_workers``, ``max_retries``, network conditions, whether a launcher
-restarts failed workers, whether joiners register their state late, and a fault schedule
+restarts failed workers, whether joiners register their state late, whether the workers
+start at once (each given all the others as peers) or in turn (the first alone, each other
+one given those started before it), and a fault schedule
 (sparse, or dense and overlapping; from t = 0) of crashes, hangs and resumes, node losses
 and returns, partitions and heals, joins, graceful leaves, leaves right after a commit and
 slow members (which, with ``straggler_policy="exclude"``, judge themselves stragglers and

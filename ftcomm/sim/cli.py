@@ -61,6 +61,7 @@ def summarize(outcomes: list[Outcome]) -> dict:
             "seeds_started_over": sum(bool(o.started_over) for o in outcomes),
             "seeds_by_min_workers": {str(m): sum(o.min_workers == m for o in outcomes)
                                      for m in sorted({o.min_workers for o in outcomes})},
+            "seeds_started_in_turn": sum(o.first_alone for o in outcomes),
             "scripts_ended_on": dict(sorted(exits.items())),
             "simulated_commits": sum(o.commits for o in outcomes),
             "wall_s_per_seed": round(statistics.mean(o.wall_s for o in outcomes), 4) if outcomes else 0.0}
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(outcome.__dict__))
         else:
             print(f"seed {outcome.seed}: {outcome.n} workers, min_workers {sim.min_workers}, loss {sim.loss:g}, "
-                  f"launcher {sim.launcher}, {'dense' if sim.dense else 'sparse'} faults:")
+                  f"launcher {sim.launcher}, {'started in turn, ' if sim.first_alone else ''}"
+                  f"{'dense' if sim.dense else 'sparse'} faults:")
             for t, kind, who in outcome.faults:
                 print(f"  {t:8.3f} {kind:20s} {who}")
             for line in sim.log:

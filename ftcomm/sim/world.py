@@ -126,6 +126,7 @@ class Outcome:
     exits: dict = field(default_factory=dict)  # error a worker's script ended on -> count
     recoveries: list = field(default_factory=list)  # (kind, fault time, allowed from, seconds, isolated)
     started_over: list = field(default_factory=list)  # (kind, fault time): the survivors lacked the newest state
+    first_alone: bool = False  # the workers started in turn, the first alone (GroupSimulation.first_alone)
 
 
 class GroupSimulation:
@@ -152,7 +153,8 @@ class GroupSimulation:
                  exclude_stragglers: bool | None = None, straggler_cooldown: float = 2.0,
                  replica_size: int = 1, min_workers: int | None = None, launcher: bool | None = None,
                  dense: bool | None = None, late_registration: bool | None = None,
-                 max_retries: int | None = None, keep_live: int | None = None) -> None:
+                 max_retries: int | None = None, keep_live: int | None = None,
+                 first_alone: bool | None = None) -> None:
         self.seed = seed
         # Faults strike while more than this many workers (replicas) live: 1 for drawn
         # schedules (down to one of two: the survivor goes on once the other is proven dead,
@@ -170,6 +172,13 @@ class GroupSimulation:
         self.dense = random.Random(f"{seed}/dense").random() < 0.25 if dense is None else dense
         self.late_registration = (random.Random(f"{seed}/late").random() < 0.3 if late_registration is None
                                   else late_registration)
+        # How the job starts: as ftcomm run starts it (every worker at once, each given all the
+        # others as peers), or as a job that hands each worker the workers started before it
+        # (ElasticRayJob, scripts given the first worker's address): the first starts a gossip
+        # cluster alone, the others start within a second, in turn.
+        if first_alone is None:
+            first_alone = faults is None and random.Random(f"{seed}/start").random() < 0.25
+        self.first_alone = first_alone and replica_size == 1 and not converged
         self.rng = random.Random(seed)
         self.recontact_rng = random.Random(f"{seed}/recontact")  # which seeds a cut-off worker asks
         self.n = n if n is not None else self.rng.randint(3, 7) if self.k == 1 else self.k * self.rng.randint(2, 4)
@@ -234,10 +243,17 @@ class GroupSimulation:
         self.starting = 0  # restarts a launcher has scheduled and not made yet
         self.settled_at: float | None = None  # when every live worker ran one view of all, committing
         self.sim.listeners.append(self._on_event)
+        starts = random.Random(f"{seed}/start/times")
         for i in range(self.n):
+            if self.first_alone and i:
+                self.sim.at(starts.uniform(0.0, 1.0), lambda i=i: self._start_in_turn(i))
+                continue
             # As ftcomm run starts them: each is given every other worker as a peer, and joins
             # through them (the gossip simulation sends the first request through worker 0).
             w = self._start_worker(i, 0.0, joined=converged)
+            if self.first_alone:
+                w.seeds, w.joined = (), True  # the first worker starts a gossip cluster of its own
+                continue
             if not w.joined:
                 self.sim.at(self.config.join_retry_interval * (i == 0), lambda w=w: self._retry_join(w, 1))
         self.scripted = faults is not None
@@ -304,14 +320,26 @@ class GroupSimulation:
             w.loop.driver.publish()  # (a converged start's members know this record already)
         return w
 
+    def _start_in_turn(self, node: int) -> None:
+        """A job that starts its workers in turn (:attr:`first_alone`): the worker on ``node``
+        is given the workers started before it as peers (those still running, each where its
+        latest start runs) and joins through them."""
+        started = sorted(x.node for x in self.live())
+        w = self._start_worker(node, self.sim.now)
+        w.seeds, w.joined = tuple(x for x in started if x != node), not started
+        if not w.joined:
+            self._retry_join(w, 1)
+
     def _script(self, w: Worker) -> Generator:
         """What a user's training script does with the group (see the module docstring)."""
         loop = w.loop
-        yield from loop.recover("init", self.sim.now, self.options.init_timeout)
-        if not w.state.registered:  # the model is built after init: the first boundary reconciles
+        yield from loop.start(self.sim.now, self.options.init_timeout)
+        if not w.state.registered:  # the model is built after init
             yield Sleep(w.register_at)
             w.state.registered = True
-            self.fault_times.append(self.sim.now)  # (the group waits for it: see _check_recoveries)
+            self.fault_times.append(self.sim.now)  # a joiner asks for admission now; founders wait for it
+        if loop.awaiting_state:  # found a running group: register_state asks to be admitted
+            yield from loop.admit()
         while True:
             yield from loop.boundary()
             checks.step_started(self, w)
@@ -1029,4 +1057,4 @@ class GroupSimulation:
                        [(round(t, 3), k, m) for t, k, m in self.fault_log], commits, views,
                        self.recovery, self.recovery_overlapping, settle, self.quorum_survived, self.rolled_back,
                        round(time.perf_counter() - started, 3), self.min_workers, dict(self.exits), self.recoveries,
-                       self.started_over)
+                       self.started_over, self.first_alone)
