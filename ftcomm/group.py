@@ -209,7 +209,9 @@ class FaultTolerantGroup:
         view = self._loop.view  # read once: the training thread may leave it meanwhile
         if view is None:
             state = self._loop.engine.state
-            why = "it stands aside as a straggler" if state == core.STANDING_ASIDE else "it is rejoining the group"
+            why = ("it stands aside as a straggler" if state == core.STANDING_ASIDE
+                   else "it holds back from the running group until its state is registered (register_state)"
+                   if self._loop.awaiting_state else "it is rejoining the group")
             raise NotInView(f"this worker is in no view now ({why}); rank and world_size have a value again once "
                             f"it joins one (its training thread does so inside its current call to the group)")
         return view
@@ -260,19 +262,23 @@ class FaultTolerantGroup:
         ``shutdown``.
 
         A worker that found a running group at ``init`` is admitted to it here: it held back
-        until now, so that the group never waited while it built its model. Called on the
-        thread that created the group, this then raises what joining raises (FtcommTimeout
-        after ``init_timeout``, GroupEnded, ConfigMismatch)."""
+        until now, so that the group never waited while it built its model. The calling
+        thread is then the one that trains (it acts at step boundaries), and this raises what
+        joining raises (FtcommTimeout after ``init_timeout``, GroupEnded, ConfigMismatch),
+        the registered objects already bound."""
         self._loop.check_open()
         if self._replica is not None:
             self._replica.check_sharded({"model": model, **extras})
         self.state.register(model=model, optimizer=optimizer, sampler=sampler, **extras)
-        loop = self._loop
-        if loop.awaiting_state and threading.get_ident() == self._owner:
-            self._at_boundary(loop.admit())  # the state is here: the running group lets this worker in
         for obj in self.state.objects.values():
             if hasattr(obj, "bind_group"):
                 obj.bind_group(self)
+        loop = self._loop
+        if loop.awaiting_state:
+            # The state is here: the running group lets this worker in. The thread that
+            # registers it is the one that trains (the sampler reads the rank on it).
+            self._owner = threading.get_ident()
+            self._at_boundary(loop.admit())
 
     def step_boundary(self) -> None:
         """Between two steps (after the optimizer stepped, before the next batch's compute):

@@ -224,6 +224,7 @@ class ElasticRayJob:
         self.restarts = 0  # training functions started again in a restarted actor
         self.failed = 0  # workers given up on (no restarts left, or the job was ending)
         self.errors: list[str] = []  # why each of them failed
+        self.ended: list[str] = []  # workers that arrived after the group ended (GroupEnded): not run again
         self.reports: list[Report] = []  # what the training functions reported, in arrival order
         self.on_report = on_report
         self.result: Result | None = None  # set when run returns
@@ -238,7 +239,7 @@ class ElasticRayJob:
         RuntimeError when every worker failed."""
         if not ray.is_initialized():
             ray.init()
-        self.slots, self.restarts, self.failed, self.errors = [], 0, 0, []
+        self.slots, self.restarts, self.failed, self.errors, self.ended = [], 0, 0, [], []
         deadline = None if timeout is None else time.monotonic() + timeout
         results: list = []
         try:
@@ -263,7 +264,8 @@ class ElasticRayJob:
                 for slot in self.slots:
                     ray.kill(slot.actor, no_restart=True)
         if not results:
-            raise RuntimeError(f"every worker failed: {'; '.join(self.errors) or 'no worker could be started'}")
+            raise RuntimeError(f"every worker failed: "
+                               f"{'; '.join(self.errors + self.ended) or 'no worker could be started'}")
         newest = max(self.reports, key=lambda r: (r.step if r.step is not None else -1, r.time), default=None)
         saved = [r.checkpoint for r in self.reports if r.checkpoint is not None]
         self.result = Result(results, newest.metrics if newest is not None else None, max(saved, default=None),
@@ -402,7 +404,9 @@ class ElasticRayJob:
         cause = getattr(reason, "cause", None)
         if isinstance(cause, GroupEnded) or (results and isinstance(cause, JoinError)):
             # Started as the others finished: the job's group ended before letting it in (or
-            # nobody answered it any more). Nothing failed, and nothing is left to train.
+            # nobody answered it any more). Nothing is left to train: it is not run again,
+            # and it counts as a failure only if no worker's function returns.
+            self.ended.append(why)
             log.info("worker at %s arrived after the job's group ended: %s", slot.address, type(cause).__name__)
             return
         if results or slot.starts > self.max_restarts:

@@ -273,6 +273,21 @@ def test_a_fresh_worker_that_finds_only_the_final_records_of_a_group_that_traine
     assert driver.look().form == View(1, ("j",))
 
 
+@pytest.mark.parametrize("other", ["rejoining", "standing aside", "dead"])
+def test_a_final_record_beside_a_member_of_the_group_in_no_view_now_is_no_end(other):
+    # "a" left after step 200; "b" trained too and did not leave: it rejoins after losing
+    # its view, stands aside as a straggler, or is dead here (it may live across a cut).
+    left = dataclasses.replace(status("a", LEAVING, done_ops=(3, 200), step=200), alive=False, left=True)
+    b = {"rejoining": status("b", JOINING, step=200, floor=4),
+         "standing aside": status("b", JOINING, step=200, benched=3, aside=True),
+         "dead": dataclasses.replace(status("b", cv=3, step=200), alive=False, dead=True)}[other]
+    driver, _, _, _, clock = driver_for("j", {"j": status("j", JOINING, joined_at=5.0), "a": left, "b": b},
+                                        joined_at=5.0)
+    for _ in range(3):
+        driver.look()  # no GroupEnded: what it does next is the founding rules' (Engine._may_found)
+        clock.t += 0.1
+
+
 def test_a_final_record_beside_a_live_member_holding_a_view_is_a_scale_down_not_an_end():
     # "a" left after step 200, "c" (not confirmed yet) still trains in view 4: the group lives.
     statuses = {"j": status("j", JOINING, joined_at=5.0),

@@ -130,6 +130,57 @@ def test_a_joiner_that_registers_its_state_late_does_not_pause_the_running_group
             g.shutdown()
 
 
+def test_a_joiner_that_registers_and_trains_on_another_thread_than_init_is_admitted_there():
+    """init on one thread, register_state and the sampler's loop on another: the registering
+    thread asks for admission and trains (the sampler reads the rank on it)."""
+    data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randn(256, 2))
+    groups = start_groups(2)  # min_workers=1
+    joiner = None
+    target = [10**9]
+    try:
+        def train(g: ftcomm.FaultTolerantGroup, seed: int, ready: threading.Event | None = None) -> None:
+            torch.manual_seed(0)
+            m = torch.nn.Linear(4, 2)
+            o = torch.optim.SGD(m.parameters(), lr=0.1)
+            sampler = ftcomm.ElasticSampler(len(data), global_batch=16, seed=1)
+            g.register_state(model=m, optimizer=o, sampler=sampler)
+            if ready is not None:
+                ready.set()
+            loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+            while g.step < target[0]:
+                for x, y in sampler.steps(loader):
+                    torch.nn.functional.mse_loss(m(x), y).backward()
+                    if g.wait_gradients_ready(m):
+                        o.step()
+                    o.zero_grad()
+                    if g.step >= target[0]:
+                        break
+        ready = [threading.Event(), threading.Event()]
+        threads = [threading.Thread(target=train, args=(g, i, ready[i]), daemon=True) for i, g in enumerate(groups)]
+        for t in threads:
+            t.start()
+        assert all(r.wait(30) for r in ready)
+        joiner = ftcomm.init(peers=[f"127.0.0.1:{groups[0]._membership.node.port}"], bind="127.0.0.1:0",
+                             min_workers=1, handle_signals=False, init_timeout=30, settle_interval=0.5)
+        assert joiner._loop.awaiting_state
+        trainer = threading.Thread(target=train, args=(joiner, 2), daemon=True)
+        trainer.start()
+        from tests.polling import wait_until
+        wait_until(lambda: not joiner._loop.awaiting_state and joiner.view is not None and joiner.step > 0, 30,
+                   "the joiner admitted and trained")
+        target[0] = max(g.step for g in groups + [joiner]) + 5
+        for t in threads + [trainer]:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads + [trainer])
+        everyone = groups + [joiner]
+        assert {g.world_size for g in everyone} == {3}
+        assert len({(g.step, g.state.digest(g.step)) for g in everyone}) == 1
+    finally:
+        target[0] = 0
+        for g in groups + ([joiner] if joiner is not None else []):
+            g.shutdown()
+
+
 def test_a_step_committed_by_some_members_only_is_reconciled_from_the_most_advanced():
     groups = start_groups(4)
     try:

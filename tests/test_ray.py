@@ -15,6 +15,7 @@ import ray
 import torch
 
 from benchmarks.convergence import check_exactly_once
+import ftcomm.ray as ftcomm_ray
 from ftcomm.ray import ElasticRayJob, cache, fetch
 from tests.ray_training import train
 
@@ -196,6 +197,26 @@ def test_report_with_a_checkpointer_saves_and_names_the_step(tmp_path):
         checkpoints.close(discard=True)
     finally:
         group.shutdown()
+
+
+@pytest.mark.parametrize("others_returned", [False, True])
+def test_a_worker_that_arrives_after_the_group_ended_is_not_run_again_nor_a_failure(monkeypatch, others_returned):
+    """Its training function raised GroupEnded (the job's group had ended before letting it
+    in): it is not run again, whether or not another worker's result is in yet; the job
+    fails on it only when no worker's function returns (the error then names it)."""
+    from ftcomm.errors import GroupEnded
+
+    job = ElasticRayJob(_nap, num_workers=(1, 2))
+    slot = ftcomm_ray._Slot(actor=None, address="10.0.0.1:7000", run="ref", starts=1)
+
+    def raised(ref, timeout=None):
+        raise ray.exceptions.RayTaskError("train", "Traceback ...", GroupEnded("the group of this job trained and ended"))
+    monkeypatch.setattr(ftcomm_ray.ray, "get", raised)
+    monkeypatch.setattr(job, "_launch", lambda s: pytest.fail("a worker whose group ended was run again"))
+    results = [{"step": 200}] if others_returned else []
+    job._finished(slot, results)
+    assert job.failed == 0 and job.errors == [] and len(job.ended) == 1 and slot.run is None
+    assert results == ([{"step": 200}] if others_returned else [])
 
 
 def test_the_workers_get_the_jobs_worker_counts_unless_env_sets_them():

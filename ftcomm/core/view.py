@@ -373,13 +373,17 @@ def group_ended(own: Status, records: Iterable[Status], saw_view: int) -> bool:
 def group_finished(own: Status, records: Iterable[Status]) -> bool:
     """A fresh worker that never saw its group live finds only the records of members that
     left it after training (their final records name a view and a committed step), and no
-    member holding a view that did not leave (a dead one may live on across a partition):
-    the group trained and ended before this worker arrived
-    (its last member was still announcing its departure when this one joined). Founding a
-    group now would train the job a second time, from scratch. ``records``: every member
-    of the local table, confirmed or not, the dead and the departed included."""
+    member of the group that did not leave (one that holds a view or trained: a dead one
+    may live on across a partition, a rejoining one is in no view for a moment): the group
+    trained and ended before this worker arrived (its last member was still announcing its
+    departure when this one joined). Founding a group now would train the job a second
+    time, from scratch. ``records``: every member of the local table, confirmed or not,
+    the dead and the departed included."""
     mine = [s for s in records if s.id != own.id and s.config == own.config]
-    return any(s.final and s.step > 0 for s in mine) and all(s.left for s in mine if s.last_view > 0)
+    # A member that holds a view, or trained (one rejoining after it lost its view, a
+    # straggler standing aside: in no view now), is the group unless it left.
+    group = [s for s in mine if s.last_view > 0 or s.step > 0 or s.floor > 0 or s.benched is not None]
+    return any(s.final and s.step > 0 for s in mine) and all(s.left for s in group)
 
 
 def agreed(proposal: Candidate, statuses: dict[str, Status]) -> bool:
