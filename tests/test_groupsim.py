@@ -384,7 +384,7 @@ def test_a_collective_between_steps_waits_for_the_boundary_to_admit_a_joiner(mon
     while the others run the metric: every metric with a joiner on its way is abandoned
     (OutOfStep, which the scripts tolerate as the guide says). With joins at the step
     boundary only, none is."""
-    seeds = [0, 3, 14]
+    seeds = [3, 9, 14]
     assert not any(o.exits.get("OutOfStep (tolerated)") for o in run_seeds(seeds, **AS_FOUND))
     monkeypatch.setattr(core.Engine, "due", lambda self, boundary=True: core.BOUNDARY.get(self.state, "resume"))
     assert all(o.exits.get("OutOfStep (tolerated)") for o in run_seeds(seeds, **AS_FOUND))
@@ -416,7 +416,12 @@ def test_a_member_left_out_of_a_group_that_ended_trains_on():
     of the newer view left or refuses connections (tests/test_engine.py shows the rule)."""
     outcomes = run_seeds([279, 602], replica_size=2, **AS_FOUND)
     assert all(o.ok for o in outcomes), [o.violation for o in outcomes]
-    assert all(o.commits > 300 for o in outcomes)
+    assert outcomes[0].commits > 300
+    # Seed 602 no longer strikes the race: the replica that joined as the faults began holds
+    # back until its state is registered, so it never receives the winner's newest step;
+    # when the winner dies, nobody alive holds that step, and the survivor rightly waits (no
+    # liveness is owed: the group's newest state did not survive).
+    assert not outcomes[1].quorum_survived
     # Seed 6472 (plain): not on a tie of the view it lost, while a member of it that may be
     # in the newer view lives on (tests/test_engine.py shows the rule).
     outcome = run_seeds([6472], **AS_FOUND)[0]
@@ -424,12 +429,13 @@ def test_a_member_left_out_of_a_group_that_ended_trains_on():
 
 
 def test_a_group_that_started_over_is_not_counted_as_recovered():
-    """Seed 412 of replicas: every replica that held the state left, died or was cut off;
-    the replicas left founded anew at step 0. That is no recovery, and its time (from the
-    last worker's start to a fresh group's first commit) is not among the recoveries'."""
-    outcome = run_seeds([412], replica_size=2, **AS_FOUND)[0]
+    """Seed 499 of replicas (412 struck it while joiners entered before registering their
+    state): every replica that held the state left, died or was cut off; the replicas left
+    founded anew at step 0. That is no recovery, and its time (from the last worker's start
+    to a fresh group's first commit) is not among the recoveries'."""
+    outcome = run_seeds([499], replica_size=2, **AS_FOUND)[0]
     assert outcome.ok, outcome.violation
-    assert {kind for kind, _ in outcome.started_over} >= {"leave", "crash", "hang"}
+    assert {kind for kind, _ in outcome.started_over} >= {"leave", "crash", "node_loss"}
     struck = {t for _, t in outcome.started_over}
     assert not any(t in struck for _, t, *_ in outcome.recoveries)
 

@@ -336,6 +336,7 @@ class Engine:
     max_retries: int = 5  # operations failed in a row before the caller gives up (see count_failure)
     seeds_gone: frozenset = frozenset()  # seed addresses found gone (a refused connection) while founding
     state_pending: bool = False  # a fresh worker that has no training state registered yet (see AwaitState)
+    _awaiting_since: float | None = None  # when it first found a running group while state_pending
     _seeds_probed: float = float("-inf")
     failures: int = 0  # operations (gradient steps, execute's attempts) failed in a row (see count_failure)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -596,8 +597,16 @@ class Engine:
                 self._move("hold" if holding else "release")
                 return [Publish()]
             if awaiting:
+                # It reads the member list of the group's view first (for a chase interval at
+                # most): should the group vanish out of sight before this worker is let in,
+                # only that list can show it gone for sure (see ProbeGroup).
                 self._last = None
-                return [AwaitState()]
+                if self._awaiting_since is None:
+                    self._awaiting_since = now
+                _, reads = self._read_proposals(now, statuses, self._newest(statuses))
+                if reads and now - self._awaiting_since < self.chase_interval:
+                    return reads
+                return reads + [AwaitState()]
             if self._group_exists(statuses):
                 return self._adopt(now, statuses)
             if self._group_seen():
@@ -904,24 +913,9 @@ class Engine:
         A member whose formation of that view failed entered it (its floor is above it) and
         is not left out of it: when the view formed only on members that have since died,
         its record outlives them, and the members that entered it are the group."""
-        actions: list[Action] = []
-        newest = max([s.last_view for s in statuses.values() if s.config == self.config] +
-                     [self.lost.id if self.lost is not None else 0])
-        if len(self._fetching) > 256:
-            self._fetching.clear()
-        proposers = [s for s in statuses.values()
-                     if s.alive and s.phase == ACTIVE and s.proposal and s.config == self.config
-                     and self._holds_newest(s, newest) and s.proposal[0] >= self.floor]
-        # (a proposal below its floor failed to form here: it waits for the retry's proposal)
-        for key in dict.fromkeys(s.proposal for s in proposers if s.proposal not in self.fetched):
-            # One read per proposal and look, from the proposer asked least recently: one
-            # that died since it proposed answers nothing, and must not be asked every time.
-            owners = [s.id for s in proposers if s.proposal == key and s.rendezvous_port is not None]
-            asked = {m: self._fetching.get((m, key), float("-inf")) for m in owners}
-            member = min(owners, key=lambda m: (asked[m], m), default=None)
-            if member is not None and now - asked[member] >= self.refetch_interval:
-                self._fetching[(member, key)] = now
-                actions.append(Fetch(member, key))
+        newest = self._newest(statuses)
+        proposers, reads = self._read_proposals(now, statuses, newest)
+        actions: list[Action] = list(reads)
         for status in proposers:
             key = status.proposal
             members = self.fetched.get(key)
@@ -938,6 +932,33 @@ class Engine:
         if not actions and self.proposal is None:
             actions = self._announce_waiting(newest, statuses, now)
         return actions
+
+    def _newest(self, statuses: dict[str, Status]) -> int:
+        """The newest view of the group known here (the one this member lost included)."""
+        return max([s.last_view for s in statuses.values() if s.config == self.config] +
+                   [self.lost.id if self.lost is not None else 0])
+
+    def _read_proposals(self, now: float, statuses: dict[str, Status],
+                        newest: int) -> tuple[list[Status], list[Action]]:
+        """The members that propose and hold the group's newest view, and a :class:`Fetch`
+        of each of their proposals whose member list is not read yet: one read per proposal
+        and look, from the proposer asked least recently (one that died since it proposed
+        answers nothing, and must not be asked every time)."""
+        if len(self._fetching) > 256:
+            self._fetching.clear()
+        proposers = [s for s in statuses.values()
+                     if s.alive and s.phase == ACTIVE and s.proposal and s.config == self.config
+                     and self._holds_newest(s, newest) and s.proposal[0] >= self.floor]
+        # (a proposal below its floor failed to form here: it waits for the retry's proposal)
+        reads: list[Action] = []
+        for key in dict.fromkeys(s.proposal for s in proposers if s.proposal not in self.fetched):
+            owners = [s.id for s in proposers if s.proposal == key and s.rendezvous_port is not None]
+            asked = {m: self._fetching.get((m, key), float("-inf")) for m in owners}
+            member = min(owners, key=lambda m: (asked[m], m), default=None)
+            if member is not None and now - asked[member] >= self.refetch_interval:
+                self._fetching[(member, key)] = now
+                reads.append(Fetch(member, key))
+        return proposers, reads
 
     def _announce_waiting(self, newest: int, statuses: dict[str, Status], now: float) -> list[Action]:
         """A joiner that the group runs without: send its record straight to the members of

@@ -456,14 +456,16 @@ class Driver:
         ``members`` it has no record of at the gossip port their id names (and those that do
         not refuse get a join request: they may be alive and never told of this worker).
         Refused: the process is gone. One that does not answer may be across a partition
-        (see Engine._may_found)."""
+        (see Engine._may_found). A worker whose record shows no view counts too unless it is
+        alive here: one out of sight may have joined the group since (a worker that held
+        back until its state was registered saw only the group's view of then)."""
         engine, membership = self.engine, self.ports.membership
         targets, listed = [], set()
         for record in membership.records():
             listed.add(record.id)
             status = record.status
             if record.id == engine.id or status is None or status.left or status.config != engine.config \
-                    or status.last_view == 0:
+                    or (status.last_view == 0 and record.state == "alive"):
                 continue
             targets.append(probe_address(record))
         unlisted = list(dict.fromkeys(a for a in (member_address(m) for m in members if m not in listed)

@@ -487,9 +487,13 @@ class GroupSimulation:
                 node = self._add_node(live[0].node)
                 x = self._start_worker(node, self.sim.now)
                 # The launcher gives it the peers its predecessor had: ftcomm run starts a worker
-                # again at its address, so each is where that peer's latest start runs now.
+                # again at its address, so each is where that peer's latest start runs now. A
+                # job that starts its workers in turn (first_alone: ElasticRayJob) gives it every
+                # other worker running now (what _start_worker gave it).
                 self.successor[w.node] = node
-                x.seeds = tuple(dict.fromkeys(self._latest(seed) for seed in w.seeds if self._latest(seed) != node))
+                if not self.first_alone:
+                    x.seeds = tuple(dict.fromkeys(self._latest(seed) for seed in w.seeds
+                                                  if self._latest(seed) != node))
                 self.fault_log.append((self.sim.now, "restart", x.id))
                 self.sim.at(self.sim.now + self.config.join_retry_interval, lambda: self._retry_join(x, 1))
         self.sim.at(self.sim.now + delay, restart)
