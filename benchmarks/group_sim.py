@@ -3,6 +3,7 @@ kind, and agreement time after a crash by group size.
 
     python benchmarks/group_sim.py --seeds 10000 --replica-seeds 10000   # about an hour on 2 cores
     python benchmarks/group_sim.py --scale 8,64,256,1000  # one crash per size; about a minute
+    python benchmarks/group_sim.py --starve-seeds 2000    # CPU starvation drawn too; about 10 minutes
 
 Seeds: each draws the users' world and a fault schedule (see ftcomm/sim); the summary
 counts invariant violations and gives the time from when the world allowed each
@@ -99,6 +100,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=0)
     parser.add_argument("--replica-seeds", type=int, default=0,
                         help="also run N seeds of sharded replicas of 2 processes")
+    parser.add_argument("--starve-seeds", type=int, default=0,
+                        help="also run N seeds with CPU starvation drawn, plain and sharded replicas of 2")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--baseline-seeds", type=int, default=0,
                         help="also run the first N seeds with and without on-demand stall probing")
@@ -123,6 +126,14 @@ def main() -> int:
         summary["wall_s"] = round(time.perf_counter() - started, 1)
         result["replica_seeds"] = summary
         print(json.dumps(summary, indent=2), flush=True)
+    for name, replica_size in (("starvation_seeds", 1), ("starvation_replica_seeds", 2)):
+        if args.starve_seeds:
+            started = time.perf_counter()
+            summary = summarize(run_seeds(list(range(args.starve_seeds)), processes=args.processes,
+                                          replica_size=replica_size, starve=True))
+            summary["wall_s"] = round(time.perf_counter() - started, 1)
+            result[name] = summary
+            print(name, json.dumps(summary, indent=2), flush=True)
     if args.baseline_seeds:
         # The same seeds with the driver's on-demand probing of a stalled operation off (what
         # the simulation modelled before it ran the driver's watch_stall): its gain.
@@ -141,7 +152,8 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    violations = sum(result.get(key, {}).get("violations", 0) for key in ("seeds", "replica_seeds"))
+    violations = sum(result.get(key, {}).get("violations", 0)
+                     for key in ("seeds", "replica_seeds", "starvation_seeds", "starvation_replica_seeds"))
     return 0 if violations == 0 else 1
 
 

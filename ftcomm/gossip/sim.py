@@ -37,6 +37,8 @@ class _Node:
     stalled: bool = False
     inbox: list = field(default_factory=list)
     scheduled: float = math.inf
+    due: float = math.inf  # while starved: the protocol's deadline that ``lagged`` delays
+    lagged: float = math.inf
 
 
 class Simulation:
@@ -59,6 +61,10 @@ class Simulation:
         self._seq = 0
         self._partition: tuple[frozenset[int], frozenset[int]] | None = None
         self.slow: dict[int, float] = {}  # member index -> extra delay of every datagram it sends
+        # member index -> its CPU starvation: each of its timers, each datagram it sends or
+        # receives and each TCP exchange it takes part in runs up to this many seconds late
+        self.starved: dict[int, float] = {}
+        self._starve_rng = random.Random(f"{seed}/starved")  # (drawn from only while one is starved)
         self.nodes: list[_Node] = []
         self._by_address: dict[tuple[str, int], int] = {}
         self._by_id: dict[str, int] = {}
@@ -209,23 +215,34 @@ class Simulation:
                 continue
             if self.loss and self._rng.random() < self.loss:
                 continue
-            self._push(now + self._rng.uniform(*self.delay) + self.slow.get(node.index, 0.0), _DELIVER,
+            self._push(now + self._rng.uniform(*self.delay) + self.slow.get(node.index, 0.0)
+                       + self.late(node.index) + self.late(dst), _DELIVER,
                        (dst, datagram.data, (protocol.id.split(":")[0], PORT)))
         for request in protocol.take_stream_requests():
             dst = self._by_address.get(request.address)
             if dst is not None:
                 if not self.nodes[dst].crashed:  # (a crashed node stays down: its exchange will fail)
                     request.data  # built now, as a driver sends it now
-                self._push(now + self._rng.uniform(*self.delay), _STREAM, (node.index, dst, request))
+                self._push(now + self._rng.uniform(*self.delay) + self.late(node.index) + self.late(dst), _STREAM,
+                           (node.index, dst, request))
         events = protocol.take_events()
         if events and self.listeners:
             for event in events:
                 for listener in self.listeners:
                     listener(node.index, event)
         deadline = max(now, protocol.next_deadline())
+        if node.index in self.starved and deadline < math.inf:  # its timer fires late, by one draw per deadline
+            if deadline != node.due:
+                node.due, node.lagged = deadline, deadline + self.late(node.index)
+            deadline = node.lagged
         if deadline != node.scheduled and deadline < math.inf:
             node.scheduled = deadline
             self._push(deadline, _TIMER, node.index)
+
+    def late(self, index: int) -> float:
+        """How late a starved member (:attr:`starved`) runs this once; 0 for any other."""
+        lag = self.starved.get(index)
+        return self._starve_rng.uniform(0.0, lag) if lag else 0.0
 
     def _stream(self, src: int, dst: int, message: bytes | StreamRequest) -> None:
         target = self.nodes[dst]
@@ -235,7 +252,7 @@ class Simulation:
         reply = target.protocol.handle_stream(data, self.now)
         self._after(target)
         address = target.protocol.address
-        self._push(self.now + self._rng.uniform(*self.delay), _STREAM_REPLY, (src, reply, address))
+        self._push(self.now + self._rng.uniform(*self.delay) + self.late(src), _STREAM_REPLY, (src, reply, address))
 
     def _resume(self, node: _Node) -> None:
         node.stalled = False

@@ -14,7 +14,8 @@ every live member is in one view with all live members and commits within
 (7) every communicator a member formed is closed or abandoned, except the current one;
 (8) a worker whose gradient steps fail and re-form more than ``max_retries`` times in a
 row is told so (RetryLimitExceeded); (9) a straggler stands aside only where the others
-still make ``min_workers``.
+still make ``min_workers``; (10) with CPU starvation drawn, no view leaves out a member
+that was merely starved by at most ``STARVED_TOLERATED``.
 Invariant 0 is the simulation's own: a worker's script raised what no user's script
 should see, or its loop spun without virtual time passing.
 """
@@ -181,3 +182,51 @@ def at_end(world: "GroupSimulation") -> None:
         allowed = [current[w.id]] if w.id in current else []
         if any(c not in allowed for c in open_comms):
             world.violation(7, f"{w.id} still holds communicators {open_comms} (current {current.get(w.id)})")
+
+
+def view_changed(world: "GroupSimulation", w: "Worker") -> None:
+    """Invariant 10: a view that ``w``'s loop formed since the last look left out no member
+    whose CPU was merely starved (no fault struck it) by less than the detector tolerates
+    (STARVED_TOLERATED): it kept answering, late, and must not be named hung."""
+    events = w.loop.events
+    for change in events[w.views_seen:]:
+        for member in change.removed:
+            x = world.by_id.get(member)
+            lag = _merely_starved(world, x) if x is not None else None
+            if lag is None:
+                continue
+            world.starved_excluded.append((member, lag, change.reason))
+            if lag <= STARVED_TOLERATED:
+                world.violation(10, f"view {change.view_id} ({change.reason}) left out {member}, whose CPU was "
+                                    f"starved by up to {lag:g} s only: it kept answering")
+    w.views_seen = len(events)
+
+
+def _merely_starved(world: "GroupSimulation", x: "Worker") -> float | None:
+    """The lag of ``x``'s recent starvation when nothing else struck it (a sharded replica
+    leaves as a whole: nothing else struck any of its processes, and the lag is the
+    largest of theirs); None when it was not starved lately or something else struck."""
+    processes = ([p for p in world.workers.values() if p.replica is not None and p.replica[0] == x.replica[0]]
+                 if x.replica is not None else [x])
+    lags = []
+    for p in processes:
+        if p.crashed or p.hung or p.gone or p.exited or p.slow > 1.0 or p.aside or _cut_off(world, p):
+            return None
+        if p.starved_lag and world.sim.now <= p.starved_until + STARVED_GRACE_S:
+            lags.append(p.starved_lag)
+    return max(lags) if lags else None
+
+
+def _cut_off(world: "GroupSimulation", x: "Worker") -> bool:
+    return world.partition is not None and any(x.id in side for side in world.partition[:2])
+
+
+STARVED_TOLERATED = 0.05
+"""A member whose loop, timers, sends and receptions each run up to this late (a round trip
+up to twice as late, plus the network's) keeps answering well within the detector's
+windows (``urgent_probe_timeout`` 0.1 s, stretched after slow answers, up to
+``probe_timeout``): it is never to be left out. Starved longer, it may be, as a member
+that is stopped for as long would be."""
+
+STARVED_GRACE_S = 1.0
+"""A view that formed this long after a member's starvation ended may still be about it."""

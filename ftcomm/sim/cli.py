@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import multiprocessing
 import statistics
 import sys
 
+from .checks import STARVED_TOLERATED
 from .world import GroupSimulation, Outcome
 
 
@@ -62,9 +64,19 @@ def summarize(outcomes: list[Outcome]) -> dict:
             "seeds_by_min_workers": {str(m): sum(o.min_workers == m for o in outcomes)
                                      for m in sorted({o.min_workers for o in outcomes})},
             "seeds_started_in_turn": sum(o.first_alone for o in outcomes),
+            **({"starvation": starvation(outcomes)} if any(o.starvations for o in outcomes) else {}),
             "scripts_ended_on": dict(sorted(exits.items())),
             "simulated_commits": sum(o.commits for o in outcomes),
             "wall_s_per_seed": round(statistics.mean(o.wall_s for o in outcomes), 4) if outcomes else 0.0}
+
+
+def starvation(outcomes: list[Outcome]) -> dict:
+    """CPU starvation windows drawn, and members left out of a view while starved, by lag."""
+    windows = collections.Counter(lag for o in outcomes for _, _, lag in o.starvations)
+    excluded = collections.Counter(lag for o in outcomes for _, lag, _ in o.starved_excluded)
+    return {"windows_by_lag": {f"{lag:g}": windows[lag] for lag in sorted(windows)},
+            "left_out_by_lag": {f"{lag:g}": excluded[lag] for lag in sorted(windows)},
+            "tolerated_lag": STARVED_TOLERATED}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,12 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0, help="first seed of --seeds")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--replica-size", type=int, default=1, help="sharded replicas of this many processes")
+    parser.add_argument("--starve", action="store_true",
+                        help="draw CPU starvation too: members whose loop, timers and packets run late (invariant 10)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.seed is None:  # many seeds: the workers' own warnings (waits, stragglers) are noise here
         logging.getLogger("ftcomm").setLevel(logging.ERROR)
     if args.seed is not None:
-        sim = GroupSimulation(args.seed, replica_size=args.replica_size)
+        sim = GroupSimulation(args.seed, replica_size=args.replica_size, starve=args.starve)
         outcome = sim.run()
         if args.json:
             print(json.dumps(outcome.__dict__))
@@ -101,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print("OK" if outcome.ok else outcome.violation)
         return 0 if outcome.ok else 1
     outcomes = run_seeds(list(range(args.first, args.first + args.seeds)), args.processes,
-                         replica_size=args.replica_size)
+                         replica_size=args.replica_size, starve=args.starve)
     summary = summarize(outcomes)
     print(json.dumps(summary, indent=None if args.json else 2))
     return 0 if summary["violations"] == 0 else 1

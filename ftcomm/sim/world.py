@@ -97,6 +97,11 @@ class Worker:
     news: dict | None = None  # member -> its news began with its joining, since the last read (None: read all)
     table_size: int = 0  # members in the gossip table at the last read
     read_view: View | None = None  # its view at the last read (whose members count although unconfirmed)
+    starved: float = 0.0  # while its CPU is starved: how late (up to) its loop and its gossip run
+    starved_lag: float = 0.0  # the lag of its latest starvation, and until when it lasted
+    starved_until: float = float("-inf")
+    late_until: float = 0.0  # starved: its loop runs again from then
+    views_seen: int = 0  # its loop's view changes checked so far (checks.view_changed)
 
     @property
     def id(self) -> str:
@@ -127,6 +132,8 @@ class Outcome:
     recoveries: list = field(default_factory=list)  # (kind, fault time, allowed from, seconds, isolated)
     started_over: list = field(default_factory=list)  # (kind, fault time): the survivors lacked the newest state
     first_alone: bool = False  # the workers started in turn, the first alone (GroupSimulation.first_alone)
+    starvations: list = field(default_factory=list)  # (start, length, lag) of each CPU starvation drawn
+    starved_excluded: list = field(default_factory=list)  # (member, lag, reason): starved ones left out of a view
 
 
 class GroupSimulation:
@@ -154,7 +161,7 @@ class GroupSimulation:
                  replica_size: int = 1, min_workers: int | None = None, launcher: bool | None = None,
                  dense: bool | None = None, late_registration: bool | None = None,
                  max_retries: int | None = None, keep_live: int | None = None,
-                 first_alone: bool | None = None) -> None:
+                 first_alone: bool | None = None, starve: bool = False) -> None:
         self.seed = seed
         # Faults strike while more than this many workers (replicas) live: 1 for drawn
         # schedules (down to one of two: the survivor goes on once the other is proven dead,
@@ -179,6 +186,18 @@ class GroupSimulation:
         if first_alone is None:
             first_alone = faults is None and random.Random(f"{seed}/start").random() < 0.25
         self.first_alone = first_alone and replica_size == 1 and not converged
+        # CPU starvation (``starve``: a host whose cores busy processes take): a member's loop,
+        # timers and packets run late by up to a drawn lag, for seconds at a time, on any
+        # member, the prober included. Not a fault: a member that keeps answering within the
+        # detector's windows is never to be named hung (checks.view_changed).
+        self.starve_rng = random.Random(f"{seed}/starve/lag")
+        self.starvations: list[tuple[float, float, float, float]] = []  # (start, length, lag, pick)
+        self.starved_excluded: list[tuple[str, float, str]] = []  # (member, lag, reason): see checks.view_changed
+        if starve:
+            when = random.Random(f"{seed}/starve/when")
+            self.starvations = [(when.uniform(0.0, duration * 0.8), when.uniform(1.0, 6.0),
+                                 when.choice([0.01, 0.02, 0.05, 0.1, 0.2, 0.4]), when.random())
+                                for _ in range(when.randint(1, 3))]
         self.rng = random.Random(seed)
         self.recontact_rng = random.Random(f"{seed}/recontact")  # which seeds a cut-off worker asks
         self.n = n if n is not None else self.rng.randint(3, 7) if self.k == 1 else self.k * self.rng.randint(2, 4)
@@ -261,6 +280,9 @@ class GroupSimulation:
         self.end_faults = max((t + a.get("length", 0.0) if k in ("hang", "node_loss", "partition")
                                else t + a["length"] + 4 * straggler_cooldown if k == "slow" and self.exclude_stragglers
                                else t for t, k, a in self.faults), default=0.0)
+        for t, length, lag, pick in self.starvations:
+            self.sim.at(t, lambda length=length, lag=lag, pick=pick: self._starve(length, lag, pick))
+            self.end_faults = max(self.end_faults, t + length)
         self.history: dict[tuple[int, int], tuple] = {}  # (step, shard) -> (first contents, by which view's members)
         self.whole: dict[int, dict] = {}  # step -> replica -> the shards that committed it (see checks.state_lost)
         self._healthy_cache: tuple = (None, float("inf"), False)
@@ -320,6 +342,24 @@ class GroupSimulation:
             w.loop.driver.publish()  # (a converged start's members know this record already)
         return w
 
+    def _starve(self, length: float, lag: float, pick: float) -> None:
+        """A live worker's CPU is starved for ``length`` seconds: its loop, its gossip timers,
+        what it sends and what it receives run up to ``lag`` seconds late."""
+        w = self._pick(pick, exclude_last=False)
+        if w is None or w.starved:
+            return
+        now = self.sim.now
+        self.fault_times += [now, now + length]
+        self.fault_log.append((now, "starve", f"{w.id} lag {lag:g} s for {length:.2f} s"))
+        w.starved = w.starved_lag = lag
+        w.starved_until = now + length
+        self.sim.starved[w.node] = lag
+
+        def fed() -> None:
+            w.starved = 0.0
+            self.sim.starved.pop(w.node, None)
+        self.sim.at(now + length, fed)
+
     def _start_in_turn(self, node: int) -> None:
         """A job that starts its workers in turn (:attr:`first_alone`): the worker on ``node``
         is given the workers started before it as peers (those still running, each where its
@@ -342,10 +382,12 @@ class GroupSimulation:
             yield from loop.admit()
         while True:
             yield from loop.boundary()
+            checks.view_changed(self, w)
             checks.step_started(self, w)
             yield Sleep(self.sim.now + w.step_time * w.slow)
             views = len(loop.events)
             committed = yield from loop.gradient_step()
+            checks.view_changed(self, w)
             checks.step_ended(self, w, committed, len(loop.events) > views)
             if not committed:
                 continue
@@ -371,6 +413,10 @@ class GroupSimulation:
         for w in list(self.workers.values()):
             if w.crashed or w.exited or w.hung or now < w.busy_until:
                 continue
+            if w.starved:  # its loop runs late: once per drawn lag at most
+                if now < w.late_until:
+                    continue
+                w.late_until = now + self.starve_rng.uniform(0.0, w.starved)
             if not w.joined:
                 if self.sim.nodes[w.node].protocol.num_members() < 2:
                     continue
@@ -1061,4 +1107,5 @@ class GroupSimulation:
                        [(round(t, 3), k, m) for t, k, m in self.fault_log], commits, views,
                        self.recovery, self.recovery_overlapping, settle, self.quorum_survived, self.rolled_back,
                        round(time.perf_counter() - started, 3), self.min_workers, dict(self.exits), self.recoveries,
-                       self.started_over, self.first_alone)
+                       self.started_over, self.first_alone, [w[:3] for w in self.starvations],
+                       self.starved_excluded)
