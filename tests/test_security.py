@@ -22,7 +22,7 @@ import torch
 import ftcomm
 from ftcomm import netif
 from ftcomm.core.view import JOINING, StatusRecord
-from ftcomm.errors import ConfigMismatch, FtcommError, SecretRequired, StateError
+from ftcomm.errors import CollectiveAborted, ConfigMismatch, FtcommError, SecretRequired, StateError
 from ftcomm.gossip import wire
 from ftcomm.gossip.runtime import query_members
 from ftcomm.runtime import transfer
@@ -294,6 +294,33 @@ def test_members_whose_models_differ_raise_config_mismatch_on_every_worker():
     finally:
         for g in groups:
             g.shutdown()
+
+
+class _LeftFirst:
+    """A communicator whose collectives are aborted: another member raised and left."""
+    rank, device = 0, torch.device("cpu")
+
+    def allgather(self, tensor):
+        return self
+
+    def wait(self, abort):
+        raise CollectiveAborted("a member left")
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_member_whose_exchange_of_descriptions_is_interrupted_refuses_all_the_same(shards):
+    """Before: the first member to raise ConfigMismatch left, which aborted the exchange of
+    descriptions on a member still in it; that member re-formed and went on training with
+    its different model."""
+    state = TrainingState()
+    state.register(model=torch.nn.Linear(4, 2))
+    view = ftcomm.View(1, ("a", "b", "c", "d"))
+    gathered = [(0, 0, 7), (0, 0, 7), (0, 0, 9), (0, 0, 9)]
+    with pytest.raises(ConfigMismatch, match="model signatures differ"):
+        if shards == 1:
+            transfer.raise_model_mismatch(_LeftFirst(), None, state, view, gathered)
+        else:
+            transfer.raise_shard_mismatch(_LeftFirst(), None, state, view, gathered, shards)
 
 
 def test_a_worker_of_another_group_protocol_is_refused_naming_both_versions(monkeypatch):

@@ -19,7 +19,7 @@ import torch
 
 from ..backends.base import AbortSignal, Communicator
 from ..core.view import View
-from ..errors import CommunicatorError, ConfigMismatch, StateError
+from ..errors import CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, StateError
 from ..training.state import TrainingState, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,13 @@ def raise_shard_mismatch(comm: Communicator, abort: AbortSignal, state: Training
     ConfigMismatch naming the shard and the first tensor that differs."""
     if not any(len({g[2] for g in gathered[i::shards]}) > 1 for i in range(shards)):
         return
-    models = describe_all(comm, abort, state)
+    models = describe_or_none(comm, abort, state)
     for i in range(shards):
         other = next((r for r in range(i, len(gathered), shards) if gathered[r][2] != gathered[i][2]), None)
         if other is not None:
             raise ConfigMismatch(
                 f"the registered model of shard {i} differs between the replicas of view {view.id}: "
-                f"{first_difference(models[i], models[other])} on member {view.members[i]} (rank {i}) and "
+                f"{difference(models, i, other)} on member {view.members[i]} (rank {i}) and "
                 f"member {view.members[other]} (rank {other}); start every replica with the same model, "
                 f"sharded the same way")
 
@@ -108,15 +108,35 @@ def describe_all(comm: Communicator, abort: AbortSignal, state: TrainingState) -
             for blob, length in zip(theirs, lengths)]
 
 
+def describe_or_none(comm: Communicator, abort: AbortSignal, state: TrainingState) -> list[list] | None:
+    """:func:`describe_all`, or None when a member that already knows the models differ
+    raised and left before the exchange completed here. The signatures every member
+    gathered show the difference either way, so every member refuses the group; only the
+    words naming the first differing tensor can be missing."""
+    try:
+        return describe_all(comm, abort, state)
+    except (CollectiveAborted, CommunicatorError, FtcommTimeout) as exc:
+        log.info("the models' descriptions could not be exchanged (%s); refusing without them", exc)
+        return None
+
+
+def difference(models: list[list] | None, mine: int, other: int) -> str:
+    """How the models of ranks ``mine`` and ``other`` differ, in words."""
+    if models is None:
+        return "the model signatures differ (which tensor differs is not known here: a member left first)"
+    return first_difference(models[mine], models[other])
+
+
 def raise_model_mismatch(comm: Communicator, abort: AbortSignal, state: TrainingState, view: View,
                          gathered: list[tuple[int, int, int]]) -> None:
-    """Every member raises ConfigMismatch saying how the models differ (one more allgather)."""
-    models = describe_all(comm, abort, state)
-    for rank, other in enumerate(models):
+    """Every member raises ConfigMismatch saying how the models differ (one more allgather;
+    without the words when another member left before it completed)."""
+    models = describe_or_none(comm, abort, state)
+    for rank in range(len(gathered)):
         if gathered[rank][2] == gathered[comm.rank][2]:
             continue
         raise ConfigMismatch(f"the registered model of member {view.members[rank]} (rank {rank}) differs from "
-                             f"this worker's: {first_difference(models[comm.rank], other)}; start every worker "
+                             f"this worker's: {difference(models, comm.rank, rank)}; start every worker "
                              f"with the same model")
 
 
