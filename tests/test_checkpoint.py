@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import pathlib
 import pickle
@@ -95,6 +96,26 @@ def test_save_restore_round_trip_and_keep(tmp_path, name, group):
     assert group.step == 9 and group.state.digest(9) == digests[9]
     assert group.state.values["note"] == "hello"
     checkpoints.close()
+
+
+def test_a_job_resuming_from_shared_memory_says_so_and_that_its_directory_lacks_the_step(tmp_path, name, group,
+                                                                                            caplog):
+    """Before: with its checkpoint directory deleted, a job resumed from the shared-memory
+    copies an earlier run left, and said nothing above INFO."""
+    trained_state(group, 0)
+    first = FlashCheckpointer(group, tmp_path / "kept", name=name)
+    group.step = 4
+    first.save()
+    first.wait()
+    first.close()
+    shutil.rmtree(tmp_path / "kept")  # the user's way of asking for a fresh start
+    again = FlashCheckpointer(group, tmp_path / "kept", name=name)
+    with caplog.at_level(logging.WARNING, logger="ftcomm"):
+        assert again.restore() == 4
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"resuming job {name!r} from step 4" in m and f"/dev/shm/ftcomm-{name}" in m
+               and "does not hold it" in m and "--fresh" in m for m in said), said
+    again.close()
 
 
 def test_a_restore_round_broken_halfway_starts_again_from_the_offers(tmp_path, name, group, monkeypatch):

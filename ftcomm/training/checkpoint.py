@@ -100,6 +100,7 @@ class FlashCheckpointer:
         if keep < 1 or write_timeout <= 0 or "/" in job or "\0" in job:
             raise ValueError("keep must be at least 1, write_timeout positive, and name free of '/' and NUL")
         self.group, self.keep, self.sync, self.write_timeout = group, keep, sync, write_timeout
+        self.job = job
         self.directory = pathlib.Path(directory) if directory is not None else None
         self.shards = getattr(group, "replica_size", 1)
         # Signed with the group's secret, for this job and shard (one the launcher drew for a
@@ -139,6 +140,7 @@ class FlashCheckpointer:
         self._closed = False
         self._corrupt: set[tuple[pathlib.Path, int]] = set()  # copies restore() found corrupt
         self._other_model: StateError | None = None  # why a copy of another model was skipped (see restore)
+        self._loaded_from: pathlib.Path | None = None  # where the restored step was read (see restore)
         self._queued: set[int] = set()  # steps saved and not yet written
         self._leaving = False  # the group is lost (keep_before_leaving): no spare buffers any more
         self._worker = threading.Thread(target=self._background, name="ftcomm-checkpoint", daemon=True)
@@ -539,7 +541,20 @@ class FlashCheckpointer:
             self.group.state_restored(step if loaded is not None else None,
                                       same_everywhere=all(ok) and len({o[1] for o in outcome}) == 1)
             log.info("restored step %d%s", step, "" if everywhere else " (on some members; reconciled to the rest)")
+            if loaded is not None:
+                self._say_resumed(step)
             return step
+
+    def _say_resumed(self, step: int) -> None:
+        """Say where the job resumes from (a run that meant to start fresh sees why it did
+        not: shared memory outlives a job, and a job's name is its cluster's by default)."""
+        place = self._loaded_from
+        missing = (f"; the directory {self.directory} does not hold it (removed, or not written yet)"
+                   if place == self.shm and self.directory is not None
+                   and step not in files.steps_in(self.directory) else "")
+        log.warning("resuming job %r from step %d, the checkpoint in %s%s; to start fresh, remove it "
+                    "(ftcomm run --fresh removes the shared-memory copies) or give the job another name",
+                    self.job, step, place, missing)
 
     def _agree(self, rejected: set[int]) -> tuple[int, bool, tuple | None, list[list[int]]] | None:
         """One whole round of agreement: offers, then who loaded the chosen step. Run by
@@ -593,7 +608,9 @@ class FlashCheckpointer:
             if place is None or not (place / files.file_name(step, "meta")).exists():
                 continue
             try:
-                return self._open_verified(place, step)
+                opened = self._open_verified(place, step)
+                self._loaded_from = place
+                return opened
             except OtherModel as exc:  # planted, or the model changed: kept, and an older step tried
                 self._other_model = exc
                 reason = exc
