@@ -77,6 +77,15 @@ def run_steps(groups, models, optimizers, steps: int) -> None:
     in_threads(groups, loop)
 
 
+def join_running(groups) -> ftcomm.FaultTolerantGroup:
+    """A fresh worker started beside the running ``groups`` without its state registered:
+    init returns at once, the worker holding back in no view."""
+    joiner = ftcomm.init(peers=[f"127.0.0.1:{groups[0]._membership.node.port}"], bind="127.0.0.1:0",
+                         min_workers=1, handle_signals=False, init_timeout=30, settle_interval=0.5)
+    assert joiner._loop.awaiting_state and joiner._loop.view is None
+    return joiner
+
+
 def test_a_joiner_that_registers_its_state_late_does_not_pause_the_running_group():
     """The tutorial's order: init first, then build the model, then register_state. The
     joiner holds back from the running group until its state is registered, so the group
@@ -103,9 +112,7 @@ def test_a_joiner_that_registers_its_state_late_does_not_pause_the_running_group
             t.start()
         while min(len(c) for c in commits[:2]) < 3:
             time.sleep(0.05)
-        joiner = ftcomm.init(peers=[f"127.0.0.1:{groups[0]._membership.node.port}"], bind="127.0.0.1:0",
-                             min_workers=1, handle_signals=False, init_timeout=30, settle_interval=0.5)
-        assert joiner._loop.awaiting_state and joiner._loop.view is None  # init returned without a view
+        joiner = join_running(groups)
         returned = time.monotonic()
         time.sleep(4.0)  # building its model
         built = time.monotonic()
@@ -138,7 +145,7 @@ def test_a_joiner_that_registers_and_trains_on_another_thread_than_init_is_admit
     joiner = None
     target = [10**9]
     try:
-        def train(g: ftcomm.FaultTolerantGroup, seed: int, ready: threading.Event | None = None) -> None:
+        def train(g: ftcomm.FaultTolerantGroup, ready: threading.Event | None = None) -> None:
             torch.manual_seed(0)
             m = torch.nn.Linear(4, 2)
             o = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -156,14 +163,12 @@ def test_a_joiner_that_registers_and_trains_on_another_thread_than_init_is_admit
                     if g.step >= target[0]:
                         break
         ready = [threading.Event(), threading.Event()]
-        threads = [threading.Thread(target=train, args=(g, i, ready[i]), daemon=True) for i, g in enumerate(groups)]
+        threads = [threading.Thread(target=train, args=(g, ready[i]), daemon=True) for i, g in enumerate(groups)]
         for t in threads:
             t.start()
         assert all(r.wait(30) for r in ready)
-        joiner = ftcomm.init(peers=[f"127.0.0.1:{groups[0]._membership.node.port}"], bind="127.0.0.1:0",
-                             min_workers=1, handle_signals=False, init_timeout=30, settle_interval=0.5)
-        assert joiner._loop.awaiting_state
-        trainer = threading.Thread(target=train, args=(joiner, 2), daemon=True)
+        joiner = join_running(groups)
+        trainer = threading.Thread(target=train, args=(joiner,), daemon=True)
         trainer.start()
         from tests.polling import wait_until
         wait_until(lambda: not joiner._loop.awaiting_state and joiner.view is not None and joiner.step > 0, 30,

@@ -669,7 +669,8 @@ class GroupSimulation:
     def violation(self, number: int, text: str) -> None:
         how = (f"GroupSimulation({self.seed}, n={self.n}, replica_size={self.k}, faults=<this run's scripted "
                f"schedule>).run()" if self.scripted
-               else f"python -m ftcomm.groupsim --seed {self.seed}" + (f" --replica-size {self.k}" if self.k > 1 else ""))
+               else f"python -m ftcomm.groupsim --seed {self.seed}" + (f" --replica-size {self.k}" if self.k > 1 else "")
+               + (" --starve" if self.starvations else ""))
         raise InvariantViolation(f"invariant {number} violated at t={self.sim.now:.3f} (seed {self.seed}): {text}; "
                                  f"reproduce: {how}")
 
