@@ -52,13 +52,18 @@ class MemberState:
     """The longest of this member's direct answers to our pings, in seconds, as of
     ``answered_at``; it halves every ``ANSWER_HALF_LIFE_S`` (see :meth:`recent_slowest`)."""
     answered_at: float = 0.0
+    lateness: float = 0.0
+    """How late this member said it runs (its own timers fired up to this many seconds
+    late: its CPU is starved), in its answers to our pings, as of ``answered_at``; it
+    halves like ``slowest_answer``."""
 
     @property
     def address(self) -> tuple[str, int]:
         return (self.host, self.port)
 
-    def answered(self, round_trip: float, now: float) -> None:
+    def answered(self, round_trip: float, now: float, lateness: float = 0.0) -> None:
         self.slowest_answer = max(round_trip, self.recent_slowest(now))
+        self.lateness = max(lateness, self.recent_lateness(now))
         self.answered_at = now
 
     def recent_slowest(self, now: float) -> float:
@@ -66,6 +71,10 @@ class MemberState:
         ``ANSWER_HALF_LIFE_S`` since, so that one slow answer (or a pause of this member
         while an answer waited to be read) stops counting within seconds."""
         return self.slowest_answer * 0.5 ** (max(0.0, now - self.answered_at) / ANSWER_HALF_LIFE_S)
+
+    def recent_lateness(self, now: float) -> float:
+        """How late this member said it runs, lately (halved as :meth:`recent_slowest`)."""
+        return self.lateness * 0.5 ** (max(0.0, now - self.answered_at) / ANSWER_HALF_LIFE_S)
 
     def info(self) -> MemberInfo:
         return MemberInfo(self.id, self.host, self.port, self.incarnation,

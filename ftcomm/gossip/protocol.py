@@ -33,6 +33,7 @@ from .broadcast import BroadcastQueue
 from .config import GossipConfig, push_pull_interval, suspicion_confirmations
 from .lifeguard import Awareness, Suspicion
 from .members import (
+    ANSWER_HALF_LIFE_S,
     ALIVE_STATE,
     DEAD_STATE,
     LEFT_STATE,
@@ -115,6 +116,9 @@ MAX_INCARNATION_STEP = 1 << 20
 one, so no member ever gets near this; a larger jump is forged (see Protocol._implausible)."""
 URGENT_ANSWER_MULT = 4.0
 """An on-demand probe waits at least this many times the member's slowest recent answer."""
+URGENT_LATENESS_MULT = 2.0
+"""...and ``urgent_probe_timeout`` plus this many times how late the member and this one
+said they run (a starved member reads the ping late and sends the ack late)."""
 
 
 @dataclass
@@ -169,6 +173,8 @@ class Protocol:
         self.stats: Counter[str] = Counter()
         self.leaving = False
         self.last_refuted = float("-inf")  # the driver's clock when this member last refuted a suspicion
+        self._armed = _INF  # the deadline the driver was last given (see next_deadline)
+        self._late, self._late_at = 0.0, 0.0  # how late this member's ticks came (see lateness)
         self.started = False
 
     # ---------------------------------------------------------------- public API
@@ -188,6 +194,15 @@ class Protocol:
     @property
     def awareness(self) -> int:
         return self._awareness.score
+
+    def lateness(self, now: float) -> float:
+        """How late this member runs: the latest of its ticks behind the deadline the driver
+        was given (:meth:`next_deadline`), halved every ``ANSWER_HALF_LIFE_S`` since. A
+        starved CPU delays its timers (busy processes take its cores); its answers to pings
+        say so, and the members probing it on demand wait longer before they suspect it
+        (Lifeguard's local health, told to the prober). A pause longer than a probe interval
+        does not count: the process was stopped, not slow (see ``tick``)."""
+        return self._late * 0.5 ** (max(0.0, now - self._late_at) / ANSWER_HALF_LIFE_S)
 
     def num_members(self) -> int:
         """Members believed alive or suspect, this one included."""
@@ -376,7 +391,7 @@ class Protocol:
             if kind == PING:
                 self._on_ping(message, source, sender)
             elif kind == ACK:
-                self._on_ack(message[1], sender, now)
+                self._on_ack(message[1], sender, now, message[2] / 1000 if len(message) > 2 else 0.0)
             elif kind == PING_REQ:
                 self._on_ping_req(message, source, sender, now)
             elif kind == NACK:
@@ -437,6 +452,9 @@ class Protocol:
             return
         self._now = now
         cfg = self.config
+        if self._armed < now <= self._armed + cfg.probe_interval:
+            self._late, self._late_at = max(now - self._armed, self.lateness(now)), now
+        self._armed = _INF
         if self._relays:
             self._expire_relays(now)
         for seq in [seq for seq, p in self._urgent.items() if now >= p.ack_deadline]:
@@ -485,7 +503,8 @@ class Protocol:
             self._table.reap(now, cfg.gossip_to_the_dead_time, cfg.dead_member_retention, cfg.left_member_retention)
 
     def next_deadline(self) -> float:
-        """The earliest time at which :meth:`tick` has work to do."""
+        """The earliest time at which :meth:`tick` has work to do (the driver arms its timer
+        for it: a tick that comes later tells how late this member runs, see :meth:`lateness`)."""
         t = self._timers
         deadline = min(t.probe, t.push_pull)
         if len(self._broadcasts):
@@ -501,6 +520,9 @@ class Protocol:
             deadline = min(deadline, relay.deadline)
         for urgent in self._urgent.values():
             deadline = min(deadline, urgent.ack_deadline)
+        # The driver's timer is set for it (at once for one already past, such as a lazy
+        # timer's): a tick later than that ran late.
+        self._armed = max(deadline, self._now)
         return deadline
 
     def take_datagrams(self) -> list[Datagram]:
@@ -574,9 +596,9 @@ class Protocol:
     def probe_now(self, member_ids: list[str], now: float) -> int:
         """Probe these members at once, directly and through ``indirect_checks`` helpers in
         the same moment (the driver asks when a collective has waited on them far longer than
-        usual). A member that answers neither within ``urgent_probe_timeout`` (stretched to four
-        times its slowest recent answer, up to ``probe_timeout``: a loaded host answers late
-        but answers) is suspected, as after a regular probe; Lifeguard's suspicion timeout and
+        usual). A member that answers neither within ``urgent_probe_timeout`` (stretched on a
+        busy host, see :meth:`_urgent_timeout`: a loaded host answers late but answers) is
+        suspected, as after a regular probe; Lifeguard's suspicion timeout and
         refutation still decide whether it is declared dead. One such probe per member at a
         time; returns how many started. A suspect is told it is suspected with the ping (it
         refutes at once if it runs)."""
@@ -590,8 +612,7 @@ class Protocol:
             if m is None or member_id == self.id or member_id in busy or m.state not in (ALIVE_STATE, SUSPECT_STATE):
                 continue
             seq = self._next_seq()
-            stretched = min(URGENT_ANSWER_MULT * m.recent_slowest(now), self.config.probe_timeout)
-            timeout = self._awareness.scale(max(self.config.urgent_probe_timeout, stretched))
+            timeout = self._awareness.scale(self._urgent_timeout(m, now))
             probe = _Probe(member_id, m.address, seq, now + timeout, now)
             buddy = None
             if m.state == SUSPECT_STATE:  # Lifeguard buddy system: tell the suspect first, it refutes
@@ -602,6 +623,16 @@ class Protocol:
             started += 1
         self.stats["urgent_probes"] += started
         return started
+
+    def _urgent_timeout(self, m: MemberState, now: float) -> float:
+        """How long an on-demand probe of ``m`` waits: ``urgent_probe_timeout`` on a quiet
+        host; on a busy one, stretched by what the evidence says (``m``'s slowest recent
+        answers, how late it and this member said they run), up to ``probe_interval``."""
+        cfg = self.config
+        slow = min(URGENT_ANSWER_MULT * m.recent_slowest(now), cfg.probe_timeout)
+        late = min(cfg.urgent_probe_timeout + URGENT_LATENESS_MULT * (m.recent_lateness(now) + self.lateness(now)),
+                   cfg.probe_interval)
+        return max(cfg.urgent_probe_timeout, slow, late)
 
     def _finish_probe(self, probe: _Probe, now: float) -> None:
         self._probe = None
@@ -636,9 +667,10 @@ class Protocol:
         m = self._table.get(sender)
         if m is not None and m.state == DEAD_STATE:  # it must learn it was declared dead
             notice = wire.encode([DEAD, sender, m.incarnation, self.id])
-        self._send(source, sender, [wire.encode([ACK, message[1]])], notice)
+        late = min(round(self.lateness(self._now) * 1000), wire.MAX_LATENESS_MS)
+        self._send(source, sender, [wire.encode([ACK, message[1], late] if late else [ACK, message[1]])], notice)
 
-    def _on_ack(self, seq: int, sender: str, now: float) -> None:
+    def _on_ack(self, seq: int, sender: str, now: float, lateness: float = 0.0) -> None:
         if self._dead_pings.get(seq) == sender:  # a member declared dead answers: tell it, it refutes
             del self._dead_pings[seq]
             m = self._table.get(sender)
@@ -655,7 +687,7 @@ class Protocol:
                 self._confirm(sender, probe.address, now)
                 m = self._table.get(sender)
                 if m is not None:
-                    m.answered(now - probe.sent, now)
+                    m.answered(now - probe.sent, now, lateness)
             return
         confirmation = self._confirmations.get(seq)
         if confirmation is not None:

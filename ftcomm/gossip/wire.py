@@ -58,7 +58,7 @@ MAX_RECORDS = 65536  # member records in one push/pull or members reply
 
 # Datagram message types.
 PING = 0  # [PING, seq, target_id]
-ACK = 1  # [ACK, seq]
+ACK = 1  # [ACK, seq(, lateness_ms)]: the answering member's own lateness, when it runs late
 PING_REQ = 2  # [PING_REQ, seq, target_id, target_host, target_port]
 NACK = 3  # [NACK, seq]
 ALIVE = 4  # [ALIVE, member_id, incarnation, host, port, metadata]
@@ -98,6 +98,8 @@ _REASON = _Field("reason", str, 0, MAX_REASON_CHARS, printable=True)
 _RECORDS = _Field("records", list, 0, MAX_RECORDS)
 _FLAGS = _Field("confirmed flags", list, 0, MAX_RECORDS)
 _BOOL = _Field("flag", bool)
+MAX_LATENESS_MS = 60_000
+_LATENESS = _Field("lateness", int, 0, MAX_LATENESS_MS)
 
 _SCHEMAS: dict[int, tuple[_Field, ...]] = {
     PING: (_SEQ, _ID),
@@ -113,6 +115,7 @@ _SCHEMAS: dict[int, tuple[_Field, ...]] = {
     ERROR: (_REASON,),
 }
 _DEAD_LEFT = (_ID, _INCARNATION, _ID, _METADATA)
+_ACK_LATE = (_SEQ, _LATENESS)
 _RECORD_SCHEMA = (_ID, _HOST, _PORT, _INCARNATION, _STATE, _METADATA)
 DATAGRAM_TYPES = frozenset({PING, ACK, PING_REQ, NACK, ALIVE, SUSPECT, DEAD})
 STREAM_TYPES = frozenset({PUSH_PULL, MEMBERS_QUERY, MEMBERS_REPLY, ERROR})
@@ -292,6 +295,8 @@ def validate_message(message: object, allowed_types: frozenset[int]) -> None:
     schema = _SCHEMAS[kind]
     if kind == DEAD and len(message) == len(_DEAD_LEFT) + 1:
         schema = _DEAD_LEFT  # a departure notice carries the member's final metadata
+    elif kind == ACK and len(message) == len(_ACK_LATE) + 1:
+        schema = _ACK_LATE  # an answer from a member that runs late says how late
     if len(message) != len(schema) + 1:
         raise WireError("malformed", f"type {kind} has {len(message) - 1} fields, expected {len(schema)}")
     _check_fields(message[1:], schema, "message")

@@ -287,6 +287,34 @@ def test_an_urgent_probe_waits_longer_on_a_member_that_answered_slowly_of_late()
     assert slow is not None and slow.time - started >= min(4 * slowest, CFG.probe_timeout) - 0.01 > quick.time - started
 
 
+def test_a_member_that_runs_late_says_so_and_is_probed_on_demand_with_a_window_that_fits():
+    """Lifeguard's local health, told to the prober: member 1's timers fire 150 ms late (its
+    cores are taken by busy processes); its answers say so, and an on-demand probe of it
+    then waits long enough for an answer as late as that, while a quiet member's window
+    stays ``urgent_probe_timeout``."""
+    net = MiniNet(3, config=GossipConfig(probe_interval=0.5))
+    net.run(1.0)
+    starved = net.nodes[1]
+    for _ in range(4):  # its timer is due; it runs 150 ms later
+        due = starved.next_deadline()
+        starved.tick(due + 0.15)
+        net._deliver()
+    assert 0.14 < starved.lateness(net.now) <= 0.151
+    prober = net.nodes[0]
+    prober.probe_now([member_id(1)], net.now)
+    net._deliver()  # member 1 answers at once this time, saying how late it runs
+    said = prober._table.get(member_id(1))
+    assert 0.14 < said.recent_lateness(net.now) <= 0.151
+    quiet, late = prober._table.get(member_id(2)), said
+    assert prober._urgent_timeout(quiet, net.now) < CFG.urgent_probe_timeout + 0.05
+    assert prober._urgent_timeout(late, net.now) >= CFG.urgent_probe_timeout + 2 * 0.14
+    assert prober._urgent_timeout(late, net.now) <= 0.5  # never beyond a probe interval
+    # A stopped process is not a slow one: a pause of seconds is not published as lateness.
+    paused = net.nodes[2]
+    paused.tick(paused.next_deadline() + 3.0)
+    assert paused.lateness(net.now + 3.0) < 0.01
+
+
 def test_a_slow_answer_stops_stretching_the_urgent_probe_within_seconds():
     # One slow answer (or this member paused while the answer waited to be read) must not
     # stretch the on-demand probe of that member for minutes in a large group, where the

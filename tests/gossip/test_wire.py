@@ -177,6 +177,8 @@ OUT_OF_RANGE = {
     "incarnation": [ALIVE, member_id(3), wire.MAX_INCARNATION + 1, *address(3), b""],
     "negative incarnation": [SUSPECT, member_id(3), -1, member_id(4)],
     "seq": [ACK, wire.MAX_SEQ + 1],
+    "lateness": [ACK, 1, wire.MAX_LATENESS_MS + 1],
+    "negative lateness": [ACK, 1, -1],
     "negative seq": [PING, -5, member_id(0)],
     "port": [PING_REQ, 1, member_id(3), "10.0.0.3", 65536],
     "port zero": [ALIVE, member_id(3), 1, "10.0.0.3", 0, b""],
