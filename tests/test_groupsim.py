@@ -21,9 +21,10 @@ from ftcomm.sim import checks
 
 pytestmark = pytest.mark.timeout(900)  # generous: the seeds are CPU-bound and CI machines may be loaded
 
-AS_FOUND = {"keep_live": 2}
+AS_FOUND = {"keep_live": 2, "stop_kills": 0.0}
 """The seeds below were found when faults struck only while more than two workers (or
-replicas) lived: each replays its race in that world."""
+replicas) lived, and before a launcher killed stopped workers: each replays its race in
+that world."""
 
 
 def test_five_hundred_random_seeds_keep_every_invariant():
@@ -467,6 +468,28 @@ def test_a_group_that_started_over_is_not_counted_as_recovered():
     assert {kind for kind, _ in outcome.started_over} >= {"leave", "crash", "hang"}
     struck = {t for _, t in outcome.started_over}
     assert not any(t in struck for _, t, *_ in outcome.recoveries)
+
+
+@pytest.mark.parametrize("stop_kills", [1.0, 0.0])
+def test_a_stopped_rank_0_of_two_killed_by_its_launcher_leaves_a_survivor_that_trains_on(stop_kills):
+    """ftcomm run kills a worker that stays stopped (--kill-stopped-after): its ports then
+    refuse, which proves it gone, and the survivor of two goes on alone and is joined by
+    the restarted worker. Without the launcher's kill, the survivor waits for the stopped
+    one (it may be across a partition) until the stop ends."""
+    faults = [(3.0, "hang", {"length": 8.0, "pick": 0.0})]  # the first worker started: rank 0
+    world = GroupSimulation(5, n=2, faults=faults, loss=0.0, keep_live=1, launcher=True, min_workers=1,
+                            stop_kills=stop_kills)
+    outcome = world.run()
+    assert outcome.ok, outcome.violation
+    killed = [entry for entry in world.fault_log if entry[1] == "stopped_killed"]
+    survivor = world.workers[1]  # the second worker started, rank 1
+    while_stopped = [t for t, *_ in survivor.committed if 3.5 < t < 11.0]
+    if stop_kills:
+        assert len(killed) == 1 and 3.25 <= killed[0][0] <= 3.3
+        assert while_stopped and min(while_stopped) < 5.0  # it went on soon after the kill
+        assert any(entry[1] == "restart" for entry in world.fault_log)
+    else:
+        assert not killed and not while_stopped  # it waited for the stopped one
 
 
 def test_a_straggler_standing_aside_counts_as_gone_for_the_majority_of_its_view():

@@ -40,6 +40,12 @@ REPLICA_RESTART_S = 3.0  # a launcher starting a sharded replica's processes aga
 REPLICA_HALT_S = 5.0  # ftcomm.ops.launcher's: a process of a replica that lost one, SIGTERM to SIGKILL
 REPLICA_KILLED_HALT_S = 0.5  # the same, when the process the replica lost died by a signal
 RESTART_S = (0.2, 2.5)  # a launcher starting a failed worker again: a warm standby .. a cold start
+KILL_STOPPED_S = (0.25, 0.30)
+"""ftcomm run's ``--kill-stopped-after`` (0.25 s, seen on two looks 50 ms apart): a worker
+whose process is stopped (SIGSTOP) is killed this long after, which proves it gone (its
+ports refuse), and started again. Half the hangs drawn under a launcher are such stops
+(``stop_kills``); the rest answer nothing without being stopped (a process stuck in the
+kernel, a frozen node), which no launcher sees."""
 CRASH_ERROR_DELAY = 0.005  # a crashed member's connections reset this long after its death
 COLLECTIVE_EVERY = 7  # the script averages a metric over the group (execute) after every this many commits
 SETTLED_RUN_S = 3.0
@@ -149,7 +155,10 @@ class GroupSimulation:
     :meth:`_fault`), and a launcher starts a replica whose process failed again as a whole;
     ``min_workers``: the users' (in replicas; None: drawn; ``max_retries`` is drawn too);
     ``launcher``: a launcher starts
-    a worker whose process ended on a failure again (None: drawn); ``dense``: many faults
+    a worker whose process ended on a failure again (None: drawn); ``stop_kills``: the
+    share of hangs that are stops a launcher sees and kills (KILL_STOPPED_S; None: half with
+    a launcher, and with sharded replicas, which always have one; none without a launcher
+    or in a scripted schedule); ``dense``: many faults
     close together instead of a few apart (None: drawn)."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
@@ -161,7 +170,7 @@ class GroupSimulation:
                  replica_size: int = 1, min_workers: int | None = None, launcher: bool | None = None,
                  dense: bool | None = None, late_registration: bool | None = None,
                  max_retries: int | None = None, keep_live: int | None = None,
-                 first_alone: bool | None = None, starve: bool = False) -> None:
+                 first_alone: bool | None = None, starve: bool = False, stop_kills: float | None = None) -> None:
         self.seed = seed
         # Faults strike while more than this many workers (replicas) live: 1 for drawn
         # schedules (down to one of two: the survivor goes on once the other is proven dead,
@@ -172,6 +181,7 @@ class GroupSimulation:
             min_workers = 1 if min_workers is None else min_workers
             launcher = False if launcher is None else launcher
             late_registration = False if late_registration is None else late_registration
+            stop_kills = 0.0 if stop_kills is None else stop_kills
         # Drawn apart, so that one draw does not move the others.
         self.exclude_stragglers = (random.Random(f"{seed}/stragglers").random() < 0.5
                                    if exclude_stragglers is None else exclude_stragglers) and replica_size == 1
@@ -200,6 +210,8 @@ class GroupSimulation:
                                 for _ in range(when.randint(1, 3))]
         self.rng = random.Random(seed)
         self.recontact_rng = random.Random(f"{seed}/recontact")  # which seeds a cut-off worker asks
+        self.stop_rng = random.Random(f"{seed}/stopped")  # which hangs a launcher sees as stops (KILL_STOPPED_S)
+        self.stop_kills = (0.5 if self.launcher or self.k > 1 else 0.0) if stop_kills is None else stop_kills
         self.n = n if n is not None else self.rng.randint(3, 7) if self.k == 1 else self.k * self.rng.randint(2, 4)
         replicas = self.n // self.k
         if min_workers is None:
@@ -778,6 +790,8 @@ class GroupSimulation:
             self.sim.nodes[w.node].stalled = True
             self.pending_recovery.append((now, kind, survivors, isolated))
             self.sim.at(now + args["length"], lambda: self._unhang(w))
+            if self.stop_kills and self.stop_rng.random() < self.stop_kills:
+                self.sim.at(now + self.stop_rng.uniform(*KILL_STOPPED_S), lambda: self._kill_stopped(w))
         elif kind == "node_loss":
             others = set(range(len(self.sim.nodes))) - {w.node}
             self._cut(now, {w.node}, others, args["length"], kind, (survivors, isolated))
@@ -944,7 +958,22 @@ class GroupSimulation:
         for entry in w.comms:  # the process is gone: so are its communicators
             entry[1] = True
 
+    def _kill_stopped(self, w: Worker) -> None:
+        """The launcher kills ``w``, stopped since its hang began (see KILL_STOPPED_S): gone
+        like a crashed process, and started again (a sharded replica as a whole)."""
+        if not w.hung or w.crashed or w.exited:
+            return
+        self.fault_log.append((self.sim.now, "stopped_killed", w.id))
+        w.hung = False
+        self._crash(w)
+        if self.k > 1:
+            self._replica_failed(w.replica[0], REPLICA_KILLED_HALT_S)
+        else:
+            self._restart_later(w)
+
     def _unhang(self, w: Worker) -> None:
+        if w.crashed:  # killed by its launcher meanwhile
+            return
         w.hung = False
         w.resumed_at = self.sim.now
         self.sim.resume(w.node)
