@@ -198,7 +198,11 @@ def test_a_whole_job_restart_restores_every_shard_at_the_newest_step_all_can_loa
     finally:
         for shard in ("shard0", "shard1"):
             shutil.rmtree(f"/dev/shm/ftcomm-{name}-{shard}", ignore_errors=True)
-    assert [e["step"] for e in second.of("restored")] == [60] * (REPLICAS * SHARDS)
+    # The replicas that start the group together restore step 60 (min_workers is 2); on a
+    # loaded machine the third may come once they train (it restores nothing and takes their
+    # state), or once the 20 steps are done (the job has ended: it never gets this far).
+    restored = [e["step"] for e in second.of("restored")]
+    assert restored.count(60) >= 2 * SHARDS and set(restored) <= {60, None}, restored
     # The first state the shards agree on is the one restored (a view that broke before its
     # reconcile, as a loaded start's first can, records no state).
     agreed = sorted((e for e in second.of("view") if e["state_digest"] is not None), key=lambda e: e["view_id"])
