@@ -203,7 +203,7 @@ def view_changed(world: "GroupSimulation", w: "Worker") -> None:
 
 
 def _merely_starved(world: "GroupSimulation", x: "Worker") -> float | None:
-    """The lag of ``x``'s recent starvation when nothing else struck it (a sharded replica
+    """The lag of ``x``'s recent starvations (the worst) when nothing else struck it (a sharded replica
     leaves as a whole: nothing else struck any of its processes, and the lag is the
     largest of theirs); None when it was not starved lately or something else struck."""
     processes = ([p for p in world.workers.values() if p.replica is not None and p.replica[0] == x.replica[0]]
@@ -212,8 +212,7 @@ def _merely_starved(world: "GroupSimulation", x: "Worker") -> float | None:
     for p in processes:
         if p.crashed or p.hung or p.gone or p.exited or p.slow > 1.0 or p.aside or _cut_off(world, p):
             return None
-        if p.starved_lag and world.sim.now <= p.starved_until + STARVED_GRACE_S:
-            lags.append(p.starved_lag)
+        lags += [lag for lag, until in p.starved_windows if world.sim.now <= until + STARVED_GRACE_S]
     return max(lags) if lags else None
 
 
@@ -228,5 +227,8 @@ windows (``urgent_probe_timeout`` 0.1 s, stretched after slow answers, up to
 ``probe_timeout``): it is never to be left out. Starved longer, it may be, as a member
 that is stopped for as long would be."""
 
-STARVED_GRACE_S = 1.0
-"""A view that formed this long after a member's starvation ended may still be about it."""
+STARVED_GRACE_S = 3.0
+"""A view that formed this long after a member's starvation ended may still be about it: a
+suspicion raised while it was starved becomes a death up to Lifeguard's suspicion timeout
+later (2.5 s for five members), and a fault elsewhere can hold the agreement that long. A
+member starved twice in that time is judged by the worse of the two lags."""

@@ -104,8 +104,7 @@ class Worker:
     table_size: int = 0  # members in the gossip table at the last read
     read_view: View | None = None  # its view at the last read (whose members count although unconfirmed)
     starved: float = 0.0  # while its CPU is starved: how late (up to) its loop and its gossip run
-    starved_lag: float = 0.0  # the lag of its latest starvation, and until when it lasted
-    starved_until: float = float("-inf")
+    starved_windows: list = field(default_factory=list)  # (lag, until) of each of its CPU starvations
     late_until: float = 0.0  # starved: its loop runs again from then
     views_seen: int = 0  # its loop's view changes checked so far (checks.view_changed)
 
@@ -363,8 +362,8 @@ class GroupSimulation:
         now = self.sim.now
         self.fault_times += [now, now + length]
         self.fault_log.append((now, "starve", f"{w.id} lag {lag:g} s for {length:.2f} s"))
-        w.starved = w.starved_lag = lag
-        w.starved_until = now + length
+        w.starved = lag
+        w.starved_windows.append((lag, now + length))
         self.sim.starved[w.node] = lag
 
         def fed() -> None:
