@@ -217,7 +217,9 @@ def _merely_starved(world: "GroupSimulation", x: "Worker") -> float | None:
 
 
 def _cut_off(world: "GroupSimulation", x: "Worker") -> bool:
-    return world.partition is not None and any(x.id in side for side in world.partition[:2])
+    """``x`` is on a side of a cut, or a cut healed within STARVED_GRACE_S: a view it was
+    left out of may be the cut's (every member is on one side or the other)."""
+    return world.partition is not None or world.sim.now <= world.healed_at + STARVED_GRACE_S
 
 
 STARVED_TOLERATED = 0.05

@@ -304,6 +304,7 @@ class GroupSimulation:
         self.lost_state = 0  # steps committed again after every member that held them died or left
         self.restarting: set[str] = set()  # replicas the launcher stopped, to start again
         self.quorum_survived = True
+        self.healed_at = float("-inf")  # when the latest partition or node loss healed
         for t, kind, args in self.faults:
             self.sim.at(t, lambda kind=kind, args=args: self._fault(kind, args))
         self.sim.at(0.0, self._tick)
@@ -945,6 +946,7 @@ class GroupSimulation:
 
     def _heal(self) -> None:
         self.partition = None
+        self.healed_at = self.sim.now
         self.sim.heal()
 
     def _crash(self, w: Worker) -> None:
