@@ -157,10 +157,17 @@ def at_end(world: "GroupSimulation") -> None:
     # from an older state would commit its steps again.
     # With sharded replicas, the state survives in a replica whose every shard holds it (one
     # that received some of its shards only holds no model).
+    # A worker one step behind holds it only when its view committed that step on others
+    # and not on it; one that was not in any view that committed it never held it (seed
+    # 7754 of replicas: a replica cut off before the step, whose view went on and was then
+    # lost whole, is two states behind the group, not one commit).
     newest_step = max((step for step, _ in world.history), default=0)
+    committing = {view for x in world.workers.values() for _, step, view in x.committed if step == newest_step}
+    in_committing = {m for x in world.workers.values() for change in x.loop.events if change.view_id in committing
+                     for m in change.members}
     holders: dict[str, set[int]] = collections.defaultdict(set)
     for w in live:
-        if w.loop.step >= newest_step - 1:
+        if w.loop.step >= newest_step or (w.loop.step == newest_step - 1 and w.id in in_committing):
             holders[w.replica[0] if w.replica is not None else w.id].add(w.shard)
     if world.quorum_survived and newest_step and not any(len(shards) == world.k for shards in holders.values()):
         world.quorum_survived = False
