@@ -70,6 +70,30 @@ def test_invariant_10_fails_a_seed_that_leaves_out_a_member_starved_within_what_
     assert any(not o.ok and "invariant 10" in o.violation for o in outcomes)
 
 
+@pytest.mark.parametrize("seed, replica_size", [(1400, 1), (1000, 2)])
+def test_a_member_left_out_for_a_worse_starvation_or_a_cut_is_not_held_merely_starved(seed, replica_size):
+    """Seed 1400: a member starved by 0.4 s was suspected then, and left out 1.7 s later,
+    during a second starvation of 0.02 s; seed 1000 (replicas): a view formed just after a
+    partition healed left out a replica whose process was starved by 0.01 s. Each exclusion
+    is the worse fault's, which invariant 10 does not forbid; the check once judged the
+    member by its latest starvation alone."""
+    outcome = GroupSimulation(seed, starve=True, replica_size=replica_size).run()
+    assert outcome.ok, outcome.violation
+    assert any(lag <= checks.STARVED_TOLERATED for *_, lag in outcome.starvations)
+
+
+def test_no_liveness_is_owed_to_a_replica_two_states_behind_a_group_that_was_lost_whole():
+    """Seed 7754 (replicas of 2): a replica cut off at step 33 is left out; the group
+    commits step 34 without it; its last replica is then stopped and killed by the
+    launcher. The replica left behind holds step 33 of a view that never committed 34: it
+    cannot go on (it would train step 34 again) and is owed no liveness."""
+    world = GroupSimulation(7754, replica_size=2)
+    outcome = world.run()
+    assert outcome.ok, outcome.violation
+    assert not outcome.quorum_survived
+    assert any(kind == "stopped_killed" for _, kind, _ in world.fault_log)
+
+
 def test_joiners_holding_back_for_their_state_neither_wait_for_ever_nor_found_a_second_group():
     """Seeds 868 and 5075 (workers started in turn): joiners that held back from the first
     worker's group until their state was registered saw it vanish (cut off, then crashed).
