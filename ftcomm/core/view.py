@@ -43,7 +43,8 @@ MAX_VIEW_ID = 2**31  # far beyond any group's lifetime; larger ids in a record a
 # The group protocol's version: this record, the view verification probe and the step rounds.
 # Workers that speak different versions never form a group (it is one of the settings that
 # must match); a record from before the version was carried reads as version 1.
-PROTOCOL = 5  # 5: the verification probe carries rank 0's reason for the view
+PROTOCOL = 6  # 5: the verification probe carries rank 0's reason for the view; 6: acks may say how late
+# their member runs (a member of version 5 drops them)
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,7 @@ class Protocol:
         self.stats: Counter[str] = Counter()
         self.leaving = False
         self.last_refuted = float("-inf")  # the driver's clock when this member last refuted a suspicion
-        self._armed = _INF  # the deadline the driver was last given (see next_deadline)
+        self._armed = _INF  # when the driver's timer is set to fire (see timer_armed)
         self._late, self._late_at = 0.0, 0.0  # how late this member's ticks came (see lateness)
         self.started = False
 
@@ -196,8 +196,8 @@ class Protocol:
         return self._awareness.score
 
     def lateness(self, now: float) -> float:
-        """How late this member runs: the latest of its ticks behind the deadline the driver
-        was given (:meth:`next_deadline`), halved every ``ANSWER_HALF_LIFE_S`` since. A
+        """How late this member runs: the latest of its ticks behind the time the driver's
+        timer was set for (:meth:`timer_armed`), halved every ``ANSWER_HALF_LIFE_S`` since. A
         starved CPU delays its timers (busy processes take its cores); its answers to pings
         say so, and the members probing it on demand wait longer before they suspect it
         (Lifeguard's local health, told to the prober). A pause longer than a probe interval
@@ -503,8 +503,8 @@ class Protocol:
             self._table.reap(now, cfg.gossip_to_the_dead_time, cfg.dead_member_retention, cfg.left_member_retention)
 
     def next_deadline(self) -> float:
-        """The earliest time at which :meth:`tick` has work to do (the driver arms its timer
-        for it: a tick that comes later tells how late this member runs, see :meth:`lateness`)."""
+        """The earliest time at which :meth:`tick` has work to do (a driver that sets its
+        timer for it says so with :meth:`timer_armed`)."""
         t = self._timers
         deadline = min(t.probe, t.push_pull)
         if len(self._broadcasts):
@@ -520,10 +520,14 @@ class Protocol:
             deadline = min(deadline, relay.deadline)
         for urgent in self._urgent.values():
             deadline = min(deadline, urgent.ack_deadline)
-        # The driver's timer is set for it (at once for one already past, such as a lazy
-        # timer's): a tick later than that ran late.
-        self._armed = max(deadline, self._now)
         return deadline
+
+    def timer_armed(self, at: float) -> None:
+        """The driver set its timer to call :meth:`tick` at ``at`` (a deadline from
+        :meth:`next_deadline`; at once for one already past): a tick that comes later than
+        that ran late (see :meth:`lateness`). A driver that keeps an earlier timer armed does
+        not call it; one that never calls it measures no lateness."""
+        self._armed = at
 
     def take_datagrams(self) -> list[Datagram]:
         out, self._out = self._out, []
@@ -612,7 +616,7 @@ class Protocol:
             if m is None or member_id == self.id or member_id in busy or m.state not in (ALIVE_STATE, SUSPECT_STATE):
                 continue
             seq = self._next_seq()
-            timeout = self._awareness.scale(self._urgent_timeout(m, now))
+            timeout = self._urgent_timeout(m, now)
             probe = _Probe(member_id, m.address, seq, now + timeout, now)
             buddy = None
             if m.state == SUSPECT_STATE:  # Lifeguard buddy system: tell the suspect first, it refutes
@@ -626,13 +630,15 @@ class Protocol:
 
     def _urgent_timeout(self, m: MemberState, now: float) -> float:
         """How long an on-demand probe of ``m`` waits: ``urgent_probe_timeout`` on a quiet
-        host; on a busy one, stretched by what the evidence says (``m``'s slowest recent
-        answers, how late it and this member said they run), up to ``probe_interval``."""
+        host; stretched to four times ``m``'s slowest recent answer, up to ``probe_timeout``,
+        both scaled by this member's awareness (Lifeguard); or to ``urgent_probe_timeout``
+        plus twice how late ``m`` and this member said they run, up to ``probe_interval``
+        (not scaled again: a starved member's lateness is its health already)."""
         cfg = self.config
         slow = min(URGENT_ANSWER_MULT * m.recent_slowest(now), cfg.probe_timeout)
         late = min(cfg.urgent_probe_timeout + URGENT_LATENESS_MULT * (m.recent_lateness(now) + self.lateness(now)),
                    cfg.probe_interval)
-        return max(cfg.urgent_probe_timeout, slow, late)
+        return max(self._awareness.scale(max(cfg.urgent_probe_timeout, slow)), late)
 
     def _finish_probe(self, probe: _Probe, now: float) -> None:
         self._probe = None
@@ -686,8 +692,8 @@ class Protocol:
             if sender == probe.target:  # not an ack relayed by a helper
                 self._confirm(sender, probe.address, now)
                 m = self._table.get(sender)
-                if m is not None:
-                    m.answered(now - probe.sent, now, lateness)
+                if m is not None:  # (an honest member's figure never exceeds its probe interval)
+                    m.answered(now - probe.sent, now, min(lateness, self.config.probe_interval))
             return
         confirmation = self._confirmations.get(seq)
         if confirmation is not None:

@@ -548,6 +548,7 @@ class GossipNode:
                 self._timer.cancel()
             self._timer_at = deadline
             self._timer = self._loop.call_later(max(0.0, deadline - time.monotonic()), self._on_timer)
+            protocol.timer_armed(max(deadline, self._now()))
 
     def _sendto(self, data: bytes, address: tuple[str, int]) -> None:
         try:

@@ -230,7 +230,7 @@ class Simulation:
             for event in events:
                 for listener in self.listeners:
                     listener(node.index, event)
-        deadline = max(now, protocol.next_deadline())
+        deadline = due = max(now, protocol.next_deadline())
         if node.index in self.starved and deadline < math.inf:  # its timer fires late, by one draw per deadline
             if deadline != node.due:
                 node.due, node.lagged = deadline, deadline + self.late(node.index)
@@ -238,6 +238,7 @@ class Simulation:
         if deadline != node.scheduled and deadline < math.inf:
             node.scheduled = deadline
             self._push(deadline, _TIMER, node.index)
+            protocol.timer_armed(due)  # (a starved member's timer fires later than that)
 
     def late(self, index: int) -> float:
         """How late a starved member (:attr:`starved`) runs this once; 0 for any other."""

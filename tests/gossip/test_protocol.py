@@ -295,8 +295,9 @@ def test_a_member_that_runs_late_says_so_and_is_probed_on_demand_with_a_window_t
     net = MiniNet(3, config=GossipConfig(probe_interval=0.5))
     net.run(1.0)
     starved = net.nodes[1]
-    for _ in range(4):  # its timer is due; it runs 150 ms later
+    for _ in range(4):  # its timer is set for the deadline; it runs 150 ms later
         due = starved.next_deadline()
+        starved.timer_armed(due)
         starved.tick(due + 0.15)
         net._deliver()
     assert 0.14 < starved.lateness(net.now) <= 0.151
@@ -311,8 +312,16 @@ def test_a_member_that_runs_late_says_so_and_is_probed_on_demand_with_a_window_t
     assert prober._urgent_timeout(late, net.now) <= 0.5  # never beyond a probe interval
     # A stopped process is not a slow one: a pause of seconds is not published as lateness.
     paused = net.nodes[2]
+    paused.timer_armed(paused.next_deadline())
     paused.tick(paused.next_deadline() + 3.0)
     assert paused.lateness(net.now + 3.0) < 0.01
+    # What a member says is held to a probe interval: one answer cannot stretch it for long.
+    prober.probe_now([member_id(2)], net.now)
+    (ping,) = [d for d in prober.take_datagrams() if d.address == address(2)][:1]
+    seq = decode(ping.data)[0][1]
+    prober.receive(packet([ACK, seq, wire.MAX_LATENESS_MS], sender=member_id(2)), address(2), net.now)
+    assert 0.49 < prober._table.get(member_id(2)).recent_lateness(net.now) <= 0.5  # (60 s said)
+    assert prober._urgent_timeout(prober._table.get(member_id(2)), net.now) <= 0.5
 
 
 def test_a_slow_answer_stops_stretching_the_urgent_probe_within_seconds():

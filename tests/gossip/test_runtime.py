@@ -276,3 +276,19 @@ def test_a_flood_of_unauthenticated_tcp_frames_does_not_silence_a_member():
     finally:
         b.stop()
         a.stop()
+
+
+def test_a_member_whose_loop_runs_late_measures_it_even_when_packets_wait_for_it(nodes):
+    """The gossip loop of member b is held 0.15 s at a time (a starved CPU) while member a
+    pings it, so that a datagram waits for b each time it runs again. Before, the datagram
+    was handled first and re-armed the measurement at that moment: the overdue timer then
+    read as on time, and a starved member said it ran on time."""
+    a, b = nodes(2)
+    wait_until(lambda: len(a.members()) == 2 and len(b.members()) == 2, 10, "both members")
+    for _ in range(8):
+        held = threading.Event()
+        b._loop.call_soon_threadsafe(lambda: (held.set(), time.sleep(0.15)))
+        held.wait(5)
+        a.probe_now([b.id])  # its ping waits in b's socket while b's loop is held
+        time.sleep(0.25)
+    assert b._protocol.lateness(time.monotonic()) > 0.05
