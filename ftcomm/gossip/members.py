@@ -15,6 +15,11 @@ ALIVE_STATE, SUSPECT_STATE, DEAD_STATE, LEFT_STATE = (
 ANSWER_HALF_LIFE_S = 5.0  # see MemberState.recent_slowest
 
 
+def halved(value: float, since: float, now: float) -> float:
+    """``value`` as of ``since``, halved every ``ANSWER_HALF_LIFE_S`` until ``now``."""
+    return value * 0.5 ** (max(0.0, now - since) / ANSWER_HALF_LIFE_S)
+
+
 @dataclass(frozen=True)
 class MemberInfo:
     """A snapshot of one member as this member sees it."""
@@ -70,11 +75,11 @@ class MemberState:
         """How slow this member's answers were lately: the slowest, halved for every
         ``ANSWER_HALF_LIFE_S`` since, so that one slow answer (or a pause of this member
         while an answer waited to be read) stops counting within seconds."""
-        return self.slowest_answer * 0.5 ** (max(0.0, now - self.answered_at) / ANSWER_HALF_LIFE_S)
+        return halved(self.slowest_answer, self.answered_at, now)
 
     def recent_lateness(self, now: float) -> float:
         """How late this member said it runs, lately (halved as :meth:`recent_slowest`)."""
-        return self.lateness * 0.5 ** (max(0.0, now - self.answered_at) / ANSWER_HALF_LIFE_S)
+        return halved(self.lateness, self.answered_at, now)
 
     def info(self) -> MemberInfo:
         return MemberInfo(self.id, self.host, self.port, self.incarnation,

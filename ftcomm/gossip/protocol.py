@@ -33,7 +33,6 @@ from .broadcast import BroadcastQueue
 from .config import GossipConfig, push_pull_interval, suspicion_confirmations
 from .lifeguard import Awareness, Suspicion
 from .members import (
-    ANSWER_HALF_LIFE_S,
     ALIVE_STATE,
     DEAD_STATE,
     LEFT_STATE,
@@ -41,6 +40,7 @@ from .members import (
     MemberInfo,
     MemberState,
     MemberTable,
+    halved,
 )
 from .wire import ACK, ALIVE, DEAD, NACK, PING, PING_REQ, SUSPECT
 
@@ -202,7 +202,7 @@ class Protocol:
         say so, and the members probing it on demand wait longer before they suspect it
         (Lifeguard's local health, told to the prober). A pause longer than a probe interval
         does not count: the process was stopped, not slow (see ``tick``)."""
-        return self._late * 0.5 ** (max(0.0, now - self._late_at) / ANSWER_HALF_LIFE_S)
+        return halved(self._late, self._late_at, now)
 
     def num_members(self) -> int:
         """Members believed alive or suspect, this one included."""

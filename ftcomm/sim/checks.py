@@ -215,17 +215,19 @@ def _merely_starved(world: "GroupSimulation", x: "Worker") -> float | None:
     largest of theirs); None when it was not starved lately or something else struck."""
     processes = ([p for p in world.workers.values() if p.replica is not None and p.replica[0] == x.replica[0]]
                  if x.replica is not None else [x])
+    if _cut_lately(world):
+        return None
     lags = []
     for p in processes:
-        if p.crashed or p.hung or p.gone or p.exited or p.slow > 1.0 or p.aside or _cut_off(world, p):
+        if p.crashed or p.hung or p.gone or p.exited or p.slow > 1.0 or p.aside:
             return None
         lags += [lag for lag, until in p.starved_windows if world.sim.now <= until + STARVED_GRACE_S]
     return max(lags) if lags else None
 
 
-def _cut_off(world: "GroupSimulation", x: "Worker") -> bool:
-    """``x`` is on a side of a cut, or a cut healed within STARVED_GRACE_S: a view it was
-    left out of may be the cut's (every member is on one side or the other)."""
+def _cut_lately(world: "GroupSimulation") -> bool:
+    """A cut is active (every member is on one side or the other), or healed within
+    STARVED_GRACE_S: a view a member was left out of may be the cut's."""
     return world.partition is not None or world.sim.now <= world.healed_at + STARVED_GRACE_S
 
 

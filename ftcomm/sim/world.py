@@ -779,12 +779,8 @@ class GroupSimulation:
         if self.k > 1:  # the other replicas survive it
             survivors = {x.id for x in self.live() if x.replica[0] != w.replica[0]}
         if kind == "crash":
-            self._crash(w)
             self.pending_recovery.append((now, kind, survivors, isolated))
-            if self.k > 1:
-                self._replica_failed(w.replica[0], REPLICA_KILLED_HALT_S)
-            elif self.launcher:
-                self._restart_later(w)
+            self._killed(w)
         elif kind == "hang":
             w.hung = True
             self.sim.nodes[w.node].stalled = True
@@ -966,10 +962,15 @@ class GroupSimulation:
             return
         self.fault_log.append((self.sim.now, "stopped_killed", w.id))
         w.hung = False
+        self._killed(w)
+
+    def _killed(self, w: Worker) -> None:
+        """``w``'s process died by a signal: the launcher stops the rest of a sharded replica
+        and starts it again, or starts a plain worker again."""
         self._crash(w)
         if self.k > 1:
             self._replica_failed(w.replica[0], REPLICA_KILLED_HALT_S)
-        else:
+        elif self.launcher:
             self._restart_later(w)
 
     def _unhang(self, w: Worker) -> None:
