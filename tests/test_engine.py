@@ -840,6 +840,57 @@ def test_the_survivor_of_a_view_of_two_waits_while_rank_0_does_not_answer():
     assert any(isinstance(a, core.ProbeMembers) for a in b.agree(10.0, statuses))
 
 
+def replicas_of_two(member: str, shard: int, members=("a0", "a1", "b0", "b1")) -> tuple[Engine, dict]:
+    """Process ``member`` of view 1 of replicas of two (a0 and a1 are replica A), agreeing
+    after the view broke; every other process alive."""
+    key = member[0].upper()
+    e = engine(member, replica=(key, shard, 2))
+    statuses = {m: dataclasses.replace(status(m, JOINING, joined_at=i), replica=(m[0].upper(), int(m[1]), 2))
+                for i, m in enumerate(members)}
+    statuses[member] = published(e)
+    agree_until_form(e, statuses)
+    e.formed()
+    e.reconciled()
+    e.broken()
+    statuses = {m: dataclasses.replace(status(m, cv=1), replica=(m[0].upper(), int(m[1]), 2)) for m in members}
+    statuses[member] = published(e)
+    return e, statuses
+
+
+def test_a_process_whose_partner_stays_silent_stands_aside_so_the_other_replica_has_a_quorum():
+    """Replica A holds rank 0: with a0 hung, B alone is a tie without rank 0, and A cannot
+    train (it is not whole). a1 stands aside once a0 has been silent for a chase interval;
+    its record says from which view, so b0 and b1 are a majority of the rest (a0, b0, b1)."""
+    a1, statuses = replicas_of_two("a1", 1)
+    statuses["a0"] = dataclasses.replace(statuses["a0"], alive=False)  # suspect: not dead yet
+    assert not any(isinstance(x, Rejoined) for x in a1.agree(1.0, statuses))
+    assert a1.state == core.AGREEING  # silent for less than a chase interval
+    actions = a1.agree(1.0 + 0.6, statuses)
+    assert any(isinstance(x, Rejoined) and "a0" in x.why for x in actions) and a1.state == core.REJOINING
+    b0, others = replicas_of_two("b0", 0)
+    others.update(a0=statuses["a0"], a1=published(a1))
+    formed, _ = agree_until_form(b0, {**others, "b1": dataclasses.replace(others["b1"], proposal=None)}, 2.0)
+    assert formed[-1].view.members == ("b0", "b1")
+
+
+@pytest.mark.parametrize("member,silent", [("b0", ("b1",)), ("b0", ("a0", "b1")), ("a0", ("a1", "c0", "c1"))])
+def test_a_process_stands_aside_for_its_silent_partner_only_when_that_gives_the_others_a_quorum(member, silent):
+    """b1 silent: A holds the tie and goes on without B, which b0 need not stand aside for.
+    a0 and b1 silent (cut in two across the replicas): no replica is whole on either side.
+    Of three replicas, a1 and all of C silent: B alone is no majority of the rest. Standing
+    aside would give nobody a quorum."""
+    members = ("a0", "a1", "b0", "b1") + (("c0", "c1") if "c0" in silent else ())
+    e, statuses = replicas_of_two(member, int(member[1]), members)
+    for m in silent:
+        statuses[m] = dataclasses.replace(statuses[m], alive=False)
+    for t in range(30):
+        actions = e.agree(1.0 + 0.1 * t, statuses)
+        assert not any(isinstance(x, Rejoined) for x in actions)
+        if any(isinstance(x, Form) for x in actions):
+            break
+    assert e.benched is None and e.state == core.AGREEING
+
+
 def test_some_members_proven_dead_leave_a_majority_of_the_rest():
     """View (a, b, c, d): c and d are a tie without rank 0. a's port refuses, b's does not
     answer: of b, c and d, the two here are a majority."""

@@ -133,6 +133,26 @@ def test_a_replica_that_loses_a_process_leaves_whole_and_comes_back_with_every_s
     assert {w.state.value for w in sim.live() if w.shard == 0} != {w.state.value for w in sim.live() if w.shard == 1}
 
 
+@pytest.mark.parametrize("length", [8.0, 1.6])
+def test_a_hang_no_launcher_sees_in_the_replica_holding_the_tie_stalls_the_other_replica_no_longer_than_detection(
+        length):
+    """Two replicas of two; a process hangs (no launcher stops it). In the replica that holds
+    rank 0 of the tie, its partner stands aside once it has been silent for a chase interval
+    (then leaves when it is declared dead), so the other replica commits again within about
+    a second, not after the seconds a death takes to be declared. Back in time, the hung
+    process and its partner rejoin as a whole replica; hung for good, it is replaced."""
+    for pick in (0.0, 0.3, 0.6, 0.9):  # each process of the view once
+        sim = GroupSimulation(3, n=4, faults=[(3.0, "hang", {"pick": pick, "length": length})], duration=12.0,
+                              replica_size=2, keep_live=1)
+        outcome = sim.run()
+        assert outcome.ok, outcome.violation
+        assert max(outcome.recovery["hang"]) < 2.0, (pick, outcome.recovery)
+        final = sim.live()[0].loop.engine.view
+        assert all(w.loop.engine.view == final for w in sim.live())
+        hung = next(member for _, kind, member in sim.fault_log if kind == "hang")
+        assert len(final.members) == 4 and (hung in final.members) == (length < 5), (pick, final)
+
+
 def test_seeds_agreeing_through_rank_0_keep_every_invariant():
     """With an announce limit of 1, every view of two or more agrees as a view above
     ANNOUNCE_LIMIT does: each member announces its proposal to the view's rank 0 only, and

@@ -187,6 +187,18 @@ def test_views_hold_whole_replicas_in_shard_order_and_a_replica_missing_a_proces
     assert candidate("x0", None, twice, CFG, max_workers=None).members == ()
 
 
+def test_a_replica_of_which_one_process_survives_and_one_joins_gets_consecutive_ranks():
+    """a1 stood aside (its partner a0 was silent); a0 answered again before the others formed
+    without them: a0 survives the view, a1 joins, and the replica still gets ranks in shard
+    order next to each other (torch's mesh inside it needs them)."""
+    previous = View(4, ("a0", "a1", "b0", "b1"))
+    statuses = table(rp("a0", "A", 0, cv=4), rp("a1", "A", 1, phase=JOINING, cv=0, joined_at=9.0),
+                     rp("b0", "B", 0, cv=4), rp("b1", "B", 1, cv=4))
+    cand = candidate("b0", previous, statuses, CFG, max_workers=None)
+    assert cand.members == ("a0", "a1", "b0", "b1") and cand.quorum
+    assert [statuses[m].replica[1] for m in cand.members] == [0, 1, 0, 1]
+
+
 def test_a_replica_whose_process_died_or_left_is_broken_and_one_merely_suspected_is_not():
     own = ("A", 0, 2)
     assert replica_broken(own, table(rp("a0", "A", 0), rp("a1", "A", 1, alive=False))) is None  # suspect

@@ -95,6 +95,7 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     **{(state, "broken unreconciled joiner"): JOINING for state in UNRECONCILED},
     **{(state, "broken unreconciled rejoiner"): REJOINING for state in UNRECONCILED},
     (AGREEING, "superseded"): REJOINING,
+    (AGREEING, "replica silent"): REJOINING,  # stands aside with its replica, whose other process is silent
     (STANDING_ASIDE, "rested"): REJOINING,
     (LEAVING, "closed"): CLOSED,
     **{(state, "leave"): LEAVING for state in (*JOINERS, AGREEING, FORMING, RECONCILING, *IN_VIEW)},
@@ -651,6 +652,12 @@ class Engine:
                 return self._probe_seeds(now, seeds)
             if previous is None or cand.quorum:  # (below min_workers: waiting for workers, not cut off)
                 return self._fetch_final_records(previous, statuses, now)
+            silent = self._silent_partner(now, previous, cand, statuses)
+            if silent is not None:
+                self.benched = previous.id
+                return self._rejoin(f"{silent}, a process of this sharded replica, has not answered for "
+                                    f"{now - self._alive_at[silent]:.1f} s: the replica stands aside so that the "
+                                    f"others have a quorum without it", "replica silent")
             return (self._fetch_final_records(previous, statuses, now)
                     or self._probe_absent(now, previous, cand, statuses) + self._recontact(now))
         if previous is None and unconfirmed:
@@ -837,6 +844,26 @@ class Engine:
         self._probed_at, self._probing = now, absent
         self._absent_probes += 1
         return [ProbeMembers(tuple(sorted(absent)))]
+
+    def _silent_partner(self, now: float, previous: View, cand: Candidate, statuses: dict[str, Status]) -> str | None:
+        """A process of this member's sharded replica that no gossip has shown alive for a
+        chase interval (suspect, not yet dead), while the others lack a quorum of
+        ``previous`` only because this member counts in it: the replica cannot train (it is
+        not whole), and as it holds the tie, the other replicas would wait until that
+        process is declared dead and this one leaves (seconds). Standing aside (its record
+        says from which view, so it counts as gone for the quorum, as a straggler's does)
+        lets them go on now; this member joins again with its replica when the process
+        answers, or leaves with ReplicaLost when it is declared dead. Returns that
+        process, or None."""
+        if self.replica is None or not cand.members or self.id in cand.members:
+            return None
+        key = self.replica[0]
+        quiet = [m for m in previous.members if m != self.id and m in statuses and statuses[m].replica is not None
+                 and statuses[m].replica[0] == key and not statuses[m].alive
+                 and now - self._alive_at.get(m, now) >= self.chase_interval]
+        if not quiet or not has_quorum(previous, cand.members, gone_from(previous, statuses) | {self.id}):
+            return None
+        return quiet[0]
 
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
         """A member left out of a newer view sees no live group to join. It founds one only

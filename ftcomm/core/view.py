@@ -305,6 +305,8 @@ def candidate(own_id: str, previous: View | None, statuses: dict[str, Status], c
     whole = whole_replicas({m: usable[m] for m in survivors} | {s.id: s for s in joiners})
     survivors, joiners = [m for m in survivors if m in whole], [s for s in joiners if s.id in whole]
     ordered = survivors + [s.id for s in sorted(joiners, key=joiner_order(joiners))]
+    if own is not None and own.replica is not None:
+        ordered = consecutive_replicas(ordered, usable)
     limit = len(ordered) if max_workers is None else max_workers
     if ordered and statuses[ordered[0]].replica is not None:
         limit -= limit % statuses[ordered[0]].replica[2]  # whole replicas only
@@ -332,6 +334,16 @@ def whole_replicas(usable: dict[str, Status]) -> dict[str, Status]:
     whole = {key for key, ranks in shards.items()
              if len(sizes[key]) == 1 and sorted(ranks) == list(range(next(iter(sizes[key]))))}
     return {m: s for m, s in usable.items() if s.replica is None or s.replica[0] in whole}
+
+
+def consecutive_replicas(ordered: list[str], usable: dict[str, Status]) -> list[str]:
+    """``ordered`` with each sharded replica's processes consecutive, in shard order, at the
+    place of its first process: a replica of which one process survives a view and another
+    joins (it stood aside, see Engine._silent_partner) gets ranks its mesh can use."""
+    first: dict[str, int] = {}
+    for position, m in enumerate(ordered):
+        first.setdefault(usable[m].replica[0], position)
+    return sorted(ordered, key=lambda m: (first[usable[m].replica[0]], usable[m].replica[1]))
 
 
 def joiner_order(joiners: list[Status]):

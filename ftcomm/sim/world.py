@@ -920,10 +920,11 @@ class GroupSimulation:
         before = max((w.loop.engine.view for w in self.live() if w.loop.engine.view is not None),
                      key=lambda v: v.id, default=None)
         self.partition = (frozenset(ids[i] for i in side_a), frozenset(ids[i] for i in side_b), before)
-        # Members that left gracefully, or stand aside as stragglers, before the cut: gone for
-        # the quorum, as in the engine's rule (ftcomm.core.view.gone_from).
-        self.partition_left = {x.id for x in self.workers.values()
-                               if not x.crashed and (x.gone or x.loop.engine.state == core.STANDING_ASIDE)}
+        # Members that left gracefully, or stood aside from that view (a straggler, a process
+        # whose partner was silent), before the cut: gone for the quorum, as in the engine's
+        # rule (ftcomm.core.view.gone_from).
+        self.partition_left = {x.id for x in self.workers.values() if not x.crashed and (
+            x.gone or (before is not None and x.loop.engine.benched == before.id))}
         self.sim.partition(side_a, side_b)
         self.fault_log.append((now, kind, f"{sorted(ids[i] for i in side_a)}"))
         if survivors is not None:
