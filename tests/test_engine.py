@@ -873,6 +873,26 @@ def test_a_process_whose_partner_stays_silent_stands_aside_so_the_other_replica_
     assert formed[-1].view.members == ("b0", "b1")
 
 
+def test_a_process_that_stood_aside_lends_no_vote_to_a_proposal_that_counts_it_present():
+    """a1 stood aside for a0; a0, back and cut off from B, read a1's record from before and
+    proposes (a0, a1) as a tie holding rank 0, while B may have formed (b0, b1) counting a1
+    gone. a1 does not adopt it; it adopts one that is a quorum with it counted gone."""
+    a1, statuses = replicas_of_two("a1", 1)
+    statuses["a0"] = dataclasses.replace(statuses["a0"], alive=False)
+    a1.agree(1.0, statuses)
+    a1.agree(1.6, statuses)
+    assert a1.state == core.REJOINING and a1.benched == 1
+    pair, everyone = View(2, ("a0", "a1")), View(2, ("a0", "a1", "b0", "b1"))
+    for view, adopted in ((pair, False), (everyone, True)):
+        seen = {**statuses, "a0": dataclasses.replace(statuses["a0"], alive=True, proposal=(2, view.digest)),
+                "a1": published(a1)}
+        actions = a1.agree(2.0, seen)
+        for fetch in (x for x in actions if isinstance(x, Fetch)):
+            a1.fetched_proposal(fetch.key, view.members)
+        a1.agree(2.01, seen)
+        assert (a1.proposal == (2, view.digest)) == adopted, view
+
+
 @pytest.mark.parametrize("member,silent", [("b0", ("b1",)), ("b0", ("a0", "b1")), ("a0", ("a1", "c0", "c1"))])
 def test_a_process_stands_aside_for_its_silent_partner_only_when_that_gives_the_others_a_quorum(member, silent):
     """b1 silent: A holds the tie and goes on without B, which b0 need not stand aside for.

@@ -948,7 +948,7 @@ class Engine:
             members = self.fetched.get(key)
             if members is None:
                 continue
-            if self.id not in members:
+            if self.id not in members or self._would_vote_twice(status, members, statuses):
                 continue
             if self.proposal != key:
                 self.proposal = key
@@ -959,6 +959,17 @@ class Engine:
         if not actions and self.proposal is None:
             actions = self._announce_waiting(newest, statuses, now)
         return actions
+
+    def _would_vote_twice(self, proposer: Status, members: tuple[str, ...], statuses: dict[str, Status]) -> bool:
+        """This member stood aside from the view it lost (its record says so, and the others
+        may have formed a view counting it as gone), and ``members``, proposed by a member
+        that holds no newer view, are a quorum of that view only with this member counted
+        present (the proposer read a record of it from before it stood aside): adopting would
+        lend the view it stood aside from a second vote."""
+        lost = self.lost
+        if lost is None or self.benched != lost.id or proposer.last_view > lost.id:
+            return False
+        return not has_quorum(lost, members, gone_from(lost, statuses) | {self.id})
 
     def _newest(self, statuses: dict[str, Status]) -> int:
         """The newest view of the group known here (the one this member lost included)."""
