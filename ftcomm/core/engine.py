@@ -854,16 +854,25 @@ class Engine:
         says from which view, so it counts as gone for the quorum, as a straggler's does)
         lets them go on now; this member joins again with its replica when the process
         answers, or leaves with ReplicaLost when it is declared dead. Returns that
-        process, or None."""
-        if self.replica is None or not cand.members or self.id in cand.members:
+        process, or None.
+
+        Only over the view it holds (``previous`` is not a newer one it entered that formed
+        elsewhere): the view it stands aside from is then the one it loses, which
+        :meth:`_would_vote_twice` reads."""
+        if self.replica is None or previous != self.view or not cand.members or self.id in cand.members:
             return None
         key = self.replica[0]
         quiet = [m for m in previous.members if m != self.id and m in statuses and statuses[m].replica is not None
                  and statuses[m].replica[0] == key and not statuses[m].alive
                  and now - self._alive_at.get(m, now) >= self.chase_interval]
-        if not quiet or not has_quorum(previous, cand.members, gone_from(previous, statuses) | {self.id}):
+        if not quiet or not self._quorum_without_self(previous, cand.members, statuses):
             return None
         return quiet[0]
+
+    def _quorum_without_self(self, view: View, members: tuple[str, ...], statuses: dict[str, Status]) -> bool:
+        """``members`` are a quorum of ``view`` with this member counted gone (as its record
+        says once it stood aside from ``view``)."""
+        return has_quorum(view, members, gone_from(view, statuses) | {self.id})
 
     def _may_refound(self, cand: Candidate, statuses: dict[str, Status]) -> bool:
         """A member left out of a newer view sees no live group to join. It founds one only
@@ -969,7 +978,7 @@ class Engine:
         lost = self.lost
         if lost is None or self.benched != lost.id or proposer.last_view > lost.id:
             return False
-        return not has_quorum(lost, members, gone_from(lost, statuses) | {self.id})
+        return not self._quorum_without_self(lost, members, statuses)
 
     def _newest(self, statuses: dict[str, Status]) -> int:
         """The newest view of the group known here (the one this member lost included)."""
