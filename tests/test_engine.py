@@ -893,6 +893,27 @@ def test_a_process_that_stood_aside_lends_no_vote_to_a_proposal_that_counts_it_p
         assert (a1.proposal == (2, view.digest)) == adopted, view
 
 
+def test_a_process_stands_aside_for_its_silent_partner_only_over_the_view_it_holds():
+    """a1 entered view 2 (all four), whose formation failed here but which formed on the
+    others: it agrees over view 2, not the view 1 it holds. Standing aside from view 2
+    would leave its record naming a view other than the one it loses (which the guard
+    against a second vote reads): it waits for a0's death instead, as before."""
+    a1, statuses = replicas_of_two("a1", 1)
+    everyone = View(2, ("a0", "a1", "b0", "b1"))
+    agreed_all = {m: dataclasses.replace(s, proposal=(2, everyone.digest)) for m, s in statuses.items()}
+    actions, _ = agree_until_form(a1, agreed_all, 0.5)
+    assert actions[-1].view == everyone
+    a1.form_failed()
+    assert a1.state == core.AGREEING and a1.view.id == 1 and a1.entered_view == everyone
+    formed = {m: dataclasses.replace(s, current_view=2, view_digest=everyone.digest)
+              for m, s in statuses.items() if m != "a1"}
+    formed["a0"] = dataclasses.replace(formed["a0"], alive=False)
+    formed["a1"] = published(a1)
+    for t in range(30):
+        assert not any(isinstance(x, Rejoined) for x in a1.agree(1.0 + 0.1 * t, formed))
+    assert a1.benched is None
+
+
 @pytest.mark.parametrize("member,silent", [("b0", ("b1",)), ("b0", ("a0", "b1")), ("a0", ("a1", "c0", "c1"))])
 def test_a_process_stands_aside_for_its_silent_partner_only_when_that_gives_the_others_a_quorum(member, silent):
     """b1 silent: A holds the tie and goes on without B, which b0 need not stand aside for.
