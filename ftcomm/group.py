@@ -367,7 +367,11 @@ class FaultTolerantGroup:
 
         With ``overlap`` on, buckets are already being reduced during backward (hooks
         installed by the first call, so the first step is not overlapped) and this call
-        waits only for what is still in flight.
+        waits only for what is still in flight. When the view re-forms after backward
+        began reducing and before this call (in an ``execute`` between them), this
+        worker's gradients of the step went with the old view: the step still runs, with
+        them counted as none (as for a worker whose state was just replaced), so that
+        every member of the new view runs it alike.
         """
         self._loop.check_open()
         self._owner = threading.get_ident()

@@ -220,9 +220,10 @@ class FakeCollective:
 
     def discard(self):
         self.discarded += 1
+        self.touched = self.lost = False
 
     def drop(self):
-        self.lost = True
+        self.touched, self.lost = False, True
 
     def run(self, operation):
         self.ops.append(Op(kind="run", args=(operation,)))

@@ -198,8 +198,11 @@ def test_a_step_whose_reductions_a_re_formation_dropped_is_lost_until_it_ends():
     buckets.drop()  # the view re-formed inside the step (execute), after backward began reducing
     assert buckets.lost and not buckets.touched
     assert all(not buckets._is_bucket_view(p.grad) for p in m.parameters())  # the gradients are the model's own
-    buckets.discard()  # the step ends, discarded
-    assert not buckets.lost
+    buckets.discard()  # the step goes on in the new view, this worker's share counted as none
+    assert not buckets.lost and not buckets.touched
+    tail = reduce(buckets, valid=False)
+    assert tail.tolist()[0] == 0.0 and all(float(f.abs().sum()) == 0.0 for f in buckets._flats)
+    buckets.hand_back(1.0)
     world.backward(m, 2)
     reduce(buckets)
     assert not buckets.lost  # the next step counts again

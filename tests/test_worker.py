@@ -326,9 +326,9 @@ def test_shards_whose_newest_states_are_of_different_steps_end_in_state_lost():
 
 
 # ---------------------------------------------------------------------- collectives between steps
-def test_execute_runs_again_when_every_member_of_the_new_view_is_at_the_same_call():
-    world = running()
-
+def metric_re_formed_at_the_same_call(world: World) -> Phase:
+    """``world``'s execute() of a metric fails ("c left"), re-forms into a view whose every
+    member is at the same call, and runs again: the call, its metric answered 2.5."""
     def attempt():
         return (yield from world.loop.collective("the mean loss"))
     call = Phase(world.loop.execute(attempt))
@@ -344,6 +344,11 @@ def test_execute_runs_again_when_every_member_of_the_new_view_is_at_the_same_cal
     gather = call.until("gather_states")
     gather.done([gather.args[0]] * 2)
     call.until("run").done(2.5)
+    return call
+
+
+def test_execute_runs_again_when_every_member_of_the_new_view_is_at_the_same_call():
+    call = metric_re_formed_at_the_same_call(running())
     assert call.done and call.result == 2.5
 
 
@@ -370,6 +375,46 @@ def test_execute_whose_new_view_finds_members_elsewhere_is_out_of_step():
     with pytest.raises(OutOfStep, match="other places of the training"):
         while not call.done:
             call.step()
+
+
+def test_a_call_after_a_failed_step_whose_new_view_found_members_elsewhere_is_out_of_step_too():
+    """A member whose gradient step failed re-formed into a view whose other members were in
+    an execute (called between backward and the step; they abandon it, OutOfStep): its
+    own next call, that same execute, is abandoned too instead of waiting for members that
+    went on to the step (a seed of the simulation found that hang)."""
+    world = running()
+    step = Phase(world.loop.gradient_step())
+    step.until("reduce").fail(CollectiveAborted("c is suspected"))
+    agreed(world, step)
+    step.waiting.done(None)
+    verify = step.until("verify")
+    elsewhere = 1 + 4096 + 1  # the other member: at its first call of step 0's execute
+    verify.done([*verify.args[0][:6], 0, -elsewhere, verify.args[0][8]])
+    gather = step.until("gather_states")
+    gather.done([gather.args[0]] * 2)
+    assert step.done and step.result is False and not world.loop.aligned
+
+    def attempt():
+        return (yield from world.loop.collective("the mean loss"))
+    with pytest.raises(OutOfStep, match="other places of the training"):
+        Phase(world.loop.execute(attempt)).settle()
+    assert not any(op.kind == "run" for op in world.collective.ops)
+
+
+def test_a_step_whose_reduction_was_dropped_with_the_view_still_takes_part_contributing_none():
+    """Backward began reducing, then the view re-formed in an execute before the step: this
+    member's share went with the old view. It runs the step's reduction all the same
+    (members whose backward had not begun run it) with its gradients counted as none, and
+    commits on the same verdict as they do."""
+    world = running()
+    world.collective.touched = True  # backward began reducing
+    call = metric_re_formed_at_the_same_call(world)
+    assert call.done and world.collective.lost
+    step = Phase(world.loop.gradient_step())
+    reduce = step.until("reduce")
+    assert reduce.args == (Contribution(False, False, None),) and not world.collective.lost
+    reduce.done(Counters(1.0, 0.0, ()))
+    assert step.done and step.result is True and world.loop.step == 1
 
 
 def test_execute_that_received_the_groups_newer_state_is_out_of_step():

@@ -266,8 +266,9 @@ class Collective(Protocol):
 
     @property
     def lost(self) -> bool:
-        """This step's reduction was dropped (:meth:`drop`) after backward began it: the
-        step cannot commit (until :meth:`discard` ends it)."""
+        """This step's reduction was dropped (:meth:`drop`) after backward began it: this
+        member's gradients of the step are gone (until :meth:`discard` ends it; the loop
+        then reduces the step with them counted as none)."""
 
     def reduce(self, valid: bool) -> Pending[Counters]:
         """Finish and wait for this step's reduction (over the shard communicator with
@@ -291,7 +292,8 @@ class Collective(Protocol):
         """The step does not commit: the reduction's buffers are dropped."""
 
     def drop(self) -> None:
-        """The view re-forms inside a step that backward began reducing: the step is lost."""
+        """The view re-forms inside a step that backward began reducing: this member's
+        share of the step is lost (:attr:`lost`)."""
 
     def run(self, operation: Any) -> Pending[Any]:
         """One of the user's collectives on the view's communicator (``operation`` starts it

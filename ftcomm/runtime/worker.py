@@ -83,7 +83,7 @@ class WorkerLoop:
         self._calls = 0  # calls outside gradient steps completed since the last gradient step
         self._in_call = False  # inside execute or a collective (a nested collective is part of it)
         self.formations = 0  # views formed (and verified) by this worker
-        self._settled = 0  # views formed before this worker's last completed gradient step or call
+        self._settled = 0  # views formed before this worker's last completed gradient reduction or call
         self._reductions = 0  # gradient reductions started in the current view (names a step's replica decision)
         self._reconciles = 0  # reconciles (after forming, after a restore) in the current view: names their decisions
         self.aligned = True  # every member of the last view formed was at the same position
@@ -122,7 +122,8 @@ class WorkerLoop:
     def recover(self, reason: str, detected_at: float, timeout: float | None = None) -> Step[bool]:
         """Re-form (``reason``: what broke the view, or why this worker re-forms) until the
         new view runs, RUNNING or RECONCILE_DUE when no state is registered yet; whether this
-        worker's state was replaced meanwhile. A step that backward began reducing is lost.
+        worker's state was replaced meanwhile. This worker's share of a step that backward began
+        reducing is lost (the step then counts its gradients as none).
         Raises FtcommTimeout or QuorumLost when no view is agreed within ``timeout``
         (default ``quorum_timeout``), and what agreeing raises (GroupEnded, ReplicaLost,
         ConfigMismatch)."""
@@ -478,10 +479,12 @@ class WorkerLoop:
         self.news.judge()
         for obj in self.state.participants("check_step"):
             obj.check_step()
-        if collective.lost:  # the group re-formed (in execute) after backward began reducing
+        # The group re-formed (in execute) after backward began reducing: this worker's share
+        # went with the old view. It still takes part in the step (the others, whose backward
+        # had not begun reducing, run it), contributing none, as after its state was replaced.
+        lost = collective.lost
+        if lost:
             collective.discard()
-            self._end_step(False)
-            return False
         decision = None  # the name of this step's decision in its replica, once it contributed
         self.waiting_since = self.ports.clock.now()
         try:
@@ -490,7 +493,7 @@ class WorkerLoop:
                 raise CollectiveAborted(self.news.abort.reason or f"the view broke ({engine.fault})")
             replaced = yield from self.prepare()
             # Gradients computed on state that was just replaced are not valid: contribute none.
-            reduction = collective.reduce(valid=not replaced)
+            reduction = collective.reduce(valid=not (replaced or lost))
             self._reductions += 1
             decision = ("step", engine.view.id, engine.view.digest, self._reductions)
             self.stragglers.compute.add(self.contributed())
@@ -530,7 +533,7 @@ class WorkerLoop:
             collective.hand_back(reduced.contributors)  # the sum is over the gradient communicator's members
         else:
             collective.discard()
-        self._end_step(commit)
+        self._end_step(commit, reduced=True)
         if commit:
             self._commit()
         return commit
@@ -563,8 +566,13 @@ class WorkerLoop:
             return vote
         return (yield self.ports.collective.replica_decide(decision, vote))
 
-    def _end_step(self, committed: bool) -> None:
-        self._settled = self.formations
+    def _end_step(self, committed: bool, reduced: bool = False) -> None:
+        """The gradient step ends (``committed``); ``reduced``: its reduction completed in the
+        view, so the views formed before it are settled (every member was at this step). A
+        step that failed settles nothing: the view it re-formed into may have found the
+        others elsewhere (in a call this worker has not made), and its next call checks."""
+        if reduced:
+            self._settled = self.formations
         for obj in self.state.participants("step_ended"):
             obj.step_ended(committed)
         self.news.operation_ended()

@@ -95,8 +95,8 @@ class GradientBuckets:
 
     @property
     def lost(self) -> bool:
-        """This step's reductions were dropped (:meth:`drop`) after backward began them: the
-        step cannot commit. Until the step ends (:meth:`discard`)."""
+        """This step's reductions were dropped (:meth:`drop`) after backward began them:
+        the gradients copied into them are gone. Until the step ends (:meth:`discard`)."""
         return self._lost
 
     # ------------------------------------------------------------------ per step
