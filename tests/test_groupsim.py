@@ -21,10 +21,12 @@ from ftcomm.sim import checks
 
 pytestmark = pytest.mark.timeout(900)  # generous: the seeds are CPU-bound and CI machines may be loaded
 
-AS_FOUND = {"keep_live": 2, "stop_kills": 0.0}
+AS_FOUND = {"keep_live": 2, "stop_kills": 0.0, "overlap": False, "log_in_step": False, "transfer_s": 0.0,
+            "observe_jitter": 0.0}
 """The seeds below were found when faults struck only while more than two workers (or
-replicas) lived, and before a launcher killed stopped workers: each replays its race in
-that world."""
+replicas) lived, before a launcher killed stopped workers, and before the scripts
+overlapped backward, logged inside a step, sent their state in measurable time or saw
+members observe an operation apart: each replays its race in that world."""
 
 
 def test_five_hundred_random_seeds_keep_every_invariant():
@@ -640,3 +642,41 @@ def test_a_member_that_fails_on_its_own_while_a_straggler_is_chosen_is_not_the_c
     outcome = run_seeds([7599])[0]
     assert outcome.ok, outcome.violation
     assert outcome.exits.get("RetryLimitExceeded")
+
+
+# Seeds 9 and 169 of plain workers whose scripts average a metric between backward and the
+# step, in the world each was found in.
+STRADDLED = {9: {"overlap": False, "log_in_step": True, "transfer_s": 0.0, "observe_jitter": 0.02},
+             169: {"overlap": True, "log_in_step": True, "transfer_s": 0.24522133209016897, "observe_jitter": 0.0}}
+
+
+def test_a_worker_whose_step_failed_into_a_view_of_members_elsewhere_skips_the_call_they_abandoned(monkeypatch):
+    """Seed 9: the metric completed on two members and not yet on a third when the view
+    broke; the two re-formed from it (and abandoned it, OutOfStep, the view not aligned),
+    the third from its gradient step, and then made the call the others had abandoned,
+    waiting in it for ever while they waited in the step. A failed step now settles no
+    view: the call after it checks the view it re-formed into."""
+    assert GroupSimulation(9, **STRADDLED[9]).run().ok
+    settle_always = WorkerLoop._end_step
+    monkeypatch.setattr(WorkerLoop, "_end_step", lambda self, committed, reduced=False: settle_always(self, committed, True))
+    outcome = GroupSimulation(9, **STRADDLED[9]).run()
+    assert not outcome.ok and "invariant 6" in outcome.violation
+
+
+def test_a_worker_whose_share_of_a_step_went_with_the_old_view_still_runs_the_step(monkeypatch):
+    """Seed 169: backward had begun reducing on two members when a straggler stood aside
+    inside the metric's call; their share went with the old view (lost). Skipping the
+    step, they went round to the metric again while the others waited in the step, for
+    ever. The step now runs on every member, counting their gradients as none."""
+    assert GroupSimulation(169, **STRADDLED[169]).run().ok
+    shipped = WorkerLoop.gradient_step
+
+    def skipping(self):  # the step before: a lost share skipped the step's reduction
+        if self.ports.collective.lost:
+            self.ports.collective.discard()
+            self._end_step(False)
+            return False
+        return (yield from shipped(self))
+    monkeypatch.setattr(WorkerLoop, "gradient_step", skipping)
+    outcome = GroupSimulation(169, **STRADDLED[169]).run()
+    assert not outcome.ok and "invariant 6" in outcome.violation

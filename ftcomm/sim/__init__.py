@@ -15,18 +15,24 @@ virtual clock, loss and delay). This package holds only the world:
   operation on a communicator (the verification, the state gather and transfer, a
   step's reduction of its counters, the sum over the view of sharded replicas, a user's
   collective) completes once every member contributed, and each member observes it a
-  little later; a member that crashes, hangs or is cut off before another observed it
+  little later (drawn apart by up to 0, 5 or 20 ms); a transfer that sends a state
+  takes as long as the seed's model needs. With overlap, backward asks the loop at its
+  first gradient whether it may start reducing, and the step's counters go out at its
+  end, as the gradient buckets do. A member that crashes, hangs or is cut off before another observed it
   leaves that one waiting (so a step may commit on some members only). A crashed
   process's peers get a connection error at once; a lost node or a hung process gives
   none, only gossip tells. A sharded replica's decision is a set of write-once slots in
   its store (served by its shard 0: ReplicaLost once that process is gone).
 * :mod:`ftcomm.sim.world`: the workers' training scripts (init, steps with compute time,
-  now and then a collective inside ``execute``, leaving), the fault schedule, a launcher
+  now and then a collective inside ``execute``, after a commit or between backward and
+  the step, leaving), the fault schedule, a launcher
   that starts failed workers again, and the gossip simulator underneath.
 * :mod:`ftcomm.sim.checks`: the invariants, after every commit and at the end.
 * :mod:`ftcomm.sim.cli`: seeds, their summary, the command line.
 
-Each seed draws a group size, ``min_workers``, ``max_retries``, network conditions, whether a launcher
+Each seed draws a group size, ``min_workers``, ``max_retries``, network conditions, whether
+backward overlaps the reduction, where the script's collective sits, how long a state
+transfer takes, how far apart members observe an operation, whether a launcher
 restarts failed workers, whether joiners register their state late, whether the workers
 start at once (each given all the others as peers) or in turn (the first alone, each other
 one given those started before it), and a fault schedule

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..core.engine import FETCH_TIMEOUT_S
 from ..core.view import Status, View
+from ..errors import FtcommError
 from ..gossip.config import recontact_targets
 from ..gossip.runtime import encode_metadata
 from ..runtime.ports import UNDER_WAY, Address, Contribution, Counters, MemberRecord, StateSummary
@@ -227,13 +228,15 @@ class SimCommunicators:
         return self._abort()
 
     def operation(self, comm: tuple, members: tuple[str, ...], kind: str, payload: Any,
-                  combine: Callable[[list], Any], timeout: float | None = None) -> SimOperation:
+                  combine: Callable[[list], Any], timeout: float | None = None,
+                  duration: Callable[[list], float] | None = None) -> SimOperation:
         """The next operation on communicator ``comm`` (its ``members`` in rank order): this
         member's ``payload`` goes in, ``combine`` of every member's comes out (members whose
-        operations differ in ``kind`` never complete it)."""
+        operations differ in ``kind`` never complete it); ``duration``: see
+        GroupSimulation.collective."""
         seq = self._seq[comm] = self._seq.get(comm, 0) + 1
         return self.world.collective(self.w, (comm, seq), members, kind, payload, combine, self._abort(),
-                                     None if timeout is None else self.world.sim.now + timeout)
+                                     None if timeout is None else self.world.sim.now + timeout, duration)
 
     def form(self, view: View) -> SimOperation:
         world, w = self.world, self.w
@@ -271,7 +274,10 @@ class SimCommunicators:
     def transfer(self, view: View, source: int, load: bool, step: int) -> SimOperation:
         w, k = self.w, self.w.loop.engine.replica_size
         comm, members = (self.comm, view.members) if k == 1 else (self.shard, view.members[self.shard[2]::k])
-        inner = self.operation(comm, members, "transfer", (step, w.state.value), lambda all_: all_[source])
+        # The state is sent when some member's differs (GroupSimulation.transfer_s: the model's size).
+        cost = self.world.transfer_s
+        inner = self.operation(comm, members, "transfer", (step, w.state.value), lambda all_: all_[source],
+                               duration=lambda all_: cost if len(set(all_)) > 1 else 0.0)
 
         def poll() -> Any:
             sent = inner.poll()
@@ -291,26 +297,50 @@ class SimCommunicators:
 class SimCollective:
     """A worker's gradient steps and collectives in the simulated world: a step's reduction
     sums every member's contribution over the gradient communicator (the shard's with
-    sharded replicas) once all contributed; nothing overlaps backward here."""
+    sharded replicas) once all contributed. With overlap, backward starts the reduction
+    when the loop allows it (``may_overlap``, asked at backward's first gradient) and its
+    counters go out when its last bucket launches, at the end of backward, as
+    :class:`~ftcomm.training.buckets.GradientBuckets` does; the step then reduces what
+    backward started."""
 
     def __init__(self, world: "GroupSimulation", w: "Worker", comms: SimCommunicators) -> None:
         self.world, self.w, self.comms = world, w, comms
         self._contribution: Callable[[bool], Contribution] = lambda valid: Contribution(valid, False, None)
-        self.touched = False  # (backward never starts a reduction here)
+        self._may_overlap: Callable[[], bool] = lambda: False
+        self.touched = False  # backward began reducing this step
         self.lost = False
+        self._launched: Contribution | None = None  # the counters backward's last bucket carried
 
     def attach(self, contribution: Callable[[bool], Contribution], may_overlap: Callable[[], bool]) -> None:
-        self._contribution = contribution
+        self._contribution, self._may_overlap = contribution, may_overlap
 
     def no_sync(self) -> Any:
         raise AssertionError("simulated workers do not accumulate")
 
+    def backward_began(self) -> None:
+        """Backward's first gradient of a step: reducing starts when the loop allows it."""
+        gradient_comm = self.comms.comm if self.w.loop.engine.replica_size == 1 else self.comms.shard
+        if not self.touched and not self.lost and gradient_comm is not None and self._may_overlap():
+            self.touched = True
+
+    def backward_ended(self) -> None:
+        """Backward's last gradient: a step it began reducing launches its last bucket, with
+        this member's counters."""
+        if self.touched and self._launched is None:
+            self._launched = self._contribution(True)
+
     def reduce(self, valid: bool) -> SimOperation:
         comms, view = self.comms, self.w.loop.engine.view
         k = self.w.loop.engine.replica_size
-        contribution = self._contribution(valid)
+        if self.touched and not valid:  # as GradientBuckets.finish
+            raise FtcommError("a step already being reduced cannot be marked invalid")
+        contribution = self._launched if self._launched is not None else self._contribution(valid)
+        self.touched, self._launched = True, None  # every bucket launched (until hand_back or discard)
         comm, members = (comms.comm, view.members) if k == 1 else (comms.shard, view.members[comms.shard[2]::k])
         return comms.operation(comm, members, "gradients", contribution, _counters)
+
+    def _new_step(self, lost: bool = False) -> None:
+        self.touched, self.lost, self._launched = False, lost, None
 
     def view_sum(self, values: list[float]) -> SimOperation:
         return self.comms.operation(self.comms.comm, self.w.loop.engine.view.members, "view sum", values,
@@ -320,13 +350,13 @@ class SimCollective:
         return self.world.replica_decision(self.w, key, vote, self.comms.abort())
 
     def hand_back(self, contributors: float) -> None:
-        pass
+        self._new_step()
 
     def discard(self) -> None:
-        pass
+        self._new_step()
 
     def drop(self) -> None:
-        pass
+        self._new_step(lost=True)
 
     def run(self, operation: Any) -> SimOperation:
         return self.comms.operation(self.comms.comm, self.w.loop.engine.view.members, str(operation), None,

@@ -48,6 +48,7 @@ ports refuse), and started again. Half the hangs drawn under a launcher are such
 kernel, a frozen node), which no launcher sees."""
 CRASH_ERROR_DELAY = 0.005  # a crashed member's connections reset this long after its death
 COLLECTIVE_EVERY = 7  # the script averages a metric over the group (execute) after every this many commits
+TRANSFER_S = (0.02, 0.3)  # a state transfer's time, for seeds whose model's state takes time to send
 SETTLED_RUN_S = 3.0
 """Once every live worker runs one view of all of them and commits, and no worker is on its
 way (a launcher's restart), the run goes on this long, then ends."""
@@ -169,7 +170,9 @@ class GroupSimulation:
                  replica_size: int = 1, min_workers: int | None = None, launcher: bool | None = None,
                  dense: bool | None = None, late_registration: bool | None = None,
                  max_retries: int | None = None, keep_live: int | None = None,
-                 first_alone: bool | None = None, starve: bool = False, stop_kills: float | None = None) -> None:
+                 first_alone: bool | None = None, starve: bool = False, stop_kills: float | None = None,
+                 overlap: bool | None = None, log_in_step: bool | None = None,
+                 transfer_s: float | None = None, observe_jitter: float | None = None) -> None:
         self.seed = seed
         # Faults strike while more than this many workers (replicas) live: 1 for drawn
         # schedules (down to one of two: the survivor goes on once the other is proven dead,
@@ -181,6 +184,10 @@ class GroupSimulation:
             launcher = False if launcher is None else launcher
             late_registration = False if late_registration is None else late_registration
             stop_kills = 0.0 if stop_kills is None else stop_kills
+            overlap = False if overlap is None else overlap
+            log_in_step = False if log_in_step is None else log_in_step
+            transfer_s = 0.0 if transfer_s is None else transfer_s
+            observe_jitter = 0.0 if observe_jitter is None else observe_jitter
         # Drawn apart, so that one draw does not move the others.
         self.exclude_stragglers = (random.Random(f"{seed}/stragglers").random() < 0.5
                                    if exclude_stragglers is None else exclude_stragglers) and replica_size == 1
@@ -188,6 +195,24 @@ class GroupSimulation:
         self.dense = random.Random(f"{seed}/dense").random() < 0.25 if dense is None else dense
         self.late_registration = (random.Random(f"{seed}/late").random() < 0.3 if late_registration is None
                                   else late_registration)
+        # The script as users write it: backward reduces as it goes (overlap, the default) or
+        # leaves the whole reduction to wait_gradients_ready; the metric it averages for the
+        # log (execute) is taken after the step commits, or between backward and the step.
+        script = random.Random(f"{seed}/script")
+        drawn_overlap, drawn_in_step = script.random() < 0.75, script.random() < 0.3
+        self.overlap = drawn_overlap if overlap is None else overlap
+        self.log_in_step = drawn_in_step if log_in_step is None else log_in_step
+        # How long sending the state to a member that lacks it takes (the model's size): none
+        # worth counting, or up to TRANSFER_S (a model of a few million parameters on loopback).
+        state = random.Random(f"{seed}/state")
+        drawn_transfer = state.uniform(*TRANSFER_S) if state.random() < 0.5 else 0.0
+        self.transfer_s = drawn_transfer if transfer_s is None else transfer_s
+        # Members observe a collective's completion up to this much apart (a ring's last
+        # chunks, a busy host's thread): one may have completed an operation, and said so,
+        # while another still waits for it.
+        self.observe_rng = random.Random(f"{seed}/observe")
+        drawn_jitter = self.observe_rng.choice([0.0, 0.005, 0.02])
+        self.observe_jitter = drawn_jitter if observe_jitter is None else observe_jitter
         # How the job starts: as ftcomm run starts it (every worker at once, each given all the
         # others as peers), or as a job that hands each worker the workers started before it
         # (ElasticRayJob, scripts given the first worker's address): the first starts a gossip
@@ -252,7 +277,7 @@ class GroupSimulation:
         self.by_host: dict[str, Worker] = {}
         self.store: dict[tuple[int, tuple[int, str]], tuple[str, ...]] = {}
         self.formations: dict[tuple[int, str], dict[str, float]] = {}
-        self.operations: dict[tuple, dict[str, tuple[float, Any]]] = {}  # (communicator, seq) -> member -> (t, payload)
+        self.operations: dict[tuple, dict[str, tuple]] = {}  # (communicator, seq) -> member -> (t, kind, payload, late)
         self.registration: dict[str, float] = {}  # replica key (or member) -> when its script registers its state
         self.slots: dict[tuple, str] = {}  # (replica, decision, shard) -> vote or veto (Replica.decide's store)
         self.contents: dict[tuple, int] = {}  # (step, view) -> digest committed there (invariant 1)
@@ -392,12 +417,19 @@ class GroupSimulation:
             self.fault_times.append(self.sim.now)  # a joiner asks for admission now; founders wait for it
         if loop.awaiting_state:  # found a running group: register_state asks to be admitted
             yield from loop.admit()
+        collective = loop.ports.collective
         while True:
             yield from loop.boundary()
             checks.view_changed(self, w)
             checks.step_started(self, w)
-            yield Sleep(self.sim.now + w.step_time * w.slow)
+            compute = w.step_time * w.slow
+            if self.overlap:  # backward begins halfway through: its first gradient may start reducing
+                self.sim.at(self.sim.now + compute / 2, lambda: self._backward(w))
+            yield Sleep(self.sim.now + compute)
+            collective.backward_ended()
             views = len(loop.events)
+            if self.log_in_step and (loop.step + 1) % COLLECTIVE_EVERY == 0:
+                yield from self._log_metric(w)
             committed = yield from loop.gradient_step()
             checks.view_changed(self, w)
             checks.step_ended(self, w, committed, len(loop.events) > views)
@@ -408,11 +440,23 @@ class GroupSimulation:
                 w.gone = True
                 yield from loop.leave()
                 return
-            if loop.step % COLLECTIVE_EVERY == 0:  # a metric averaged for the log, inside execute
-                try:
-                    yield from loop.execute(lambda: loop.collective("the mean loss"))
-                except OutOfStep:  # the group re-formed and is elsewhere: nothing to log (docs/GUIDE.md)
-                    self.exits["OutOfStep (tolerated)"] = self.exits.get("OutOfStep (tolerated)", 0) + 1
+            if not self.log_in_step and loop.step % COLLECTIVE_EVERY == 0:
+                yield from self._log_metric(w)
+
+    def _log_metric(self, w: Worker) -> Generator:
+        """The script averages a metric over the group for its log, inside ``execute``."""
+        loop = w.loop
+        try:
+            yield from loop.execute(lambda: loop.collective("the mean loss"))
+        except OutOfStep:  # the group re-formed and is elsewhere: nothing to log (docs/GUIDE.md)
+            self.exits["OutOfStep (tolerated)"] = self.exits.get("OutOfStep (tolerated)", 0) + 1
+
+    def _backward(self, w: Worker) -> None:
+        """``w``'s backward pass begins (on autograd's thread, while its script computes): its
+        first gradient asks whether reducing may start now. A process that is gone, stopped
+        or hung runs no backward then; its step is then reduced whole at the step."""
+        if not (w.crashed or w.exited or w.gone or w.hung):
+            w.loop.ports.collective.backward_began()
 
     def live(self) -> list[Worker]:
         return [w for w in self.workers.values() if not w.crashed and not w.gone]
@@ -564,7 +608,8 @@ class GroupSimulation:
 
     # ------------------------------------------------------------------ the collectives' world
     def collective(self, w: Worker, key: tuple, members: tuple[str, ...], kind: str, payload: Any,
-                   combine: Callable[[list], Any], abort: Any, deadline: float | None) -> SimOperation:
+                   combine: Callable[[list], Any], abort: Any, deadline: float | None,
+                   duration: Callable[[list], float] | None = None) -> SimOperation:
         """``w`` contributes ``payload`` to operation ``key`` among ``members``. It completes
         once every member contributed, and each member observes it a little later (its own
         latency); a member that crashes, hangs or is cut off before another observed it
@@ -572,9 +617,11 @@ class GroupSimulation:
         member's peers get a connection error at once (their crash fast path declares it
         dead); a lost node or a hung process gives none, only gossip tells. It fails when
         the view's abort signal fires first (gossip news judged on each look, as a waiting
-        thread does), and after ``deadline``."""
+        thread does), and after ``deadline``. ``duration``: the seconds it takes once every
+        member contributed, from their payloads (beyond the latency)."""
         contributions = self.operations.setdefault(key, {})
-        contributions[w.id] = (self.sim.now, kind, payload)
+        late = self.observe_rng.uniform(0.0, self.observe_jitter) if self.observe_jitter else 0.0
+        contributions[w.id] = (self.sim.now, kind, payload, late)
         workers = [self.by_id[m] for m in members]
 
         def poll() -> Any:
@@ -582,8 +629,10 @@ class GroupSimulation:
             # (members that run different operations at once, as after a step that committed
             # on some of them only, never complete it: their view breaks first)
             if len(contributions) == len(members) and all(c[1] == kind for c in contributions.values()):
-                last = max(t for t, _, _ in contributions.values())
-                done_at = last + OP_LATENCY * w.slow
+                last = max(c[0] for c in contributions.values())
+                done_at = last + OP_LATENCY * w.slow + contributions[w.id][3]
+                if duration is not None:
+                    done_at += duration([c[2] for c in contributions.values()])
                 if now >= done_at and self._healthy(w, workers, done_at, key):
                     return combine([contributions[m][2] for m in members])
             if abort.check() is not None:  # the news judged, and the stall watched, as a waiting thread does
