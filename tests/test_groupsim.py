@@ -680,3 +680,21 @@ def test_a_worker_whose_share_of_a_step_went_with_the_old_view_still_runs_the_st
     monkeypatch.setattr(WorkerLoop, "gradient_step", skipping)
     outcome = GroupSimulation(169, **STRADDLED[169]).run()
     assert not outcome.ok and "invariant 6" in outcome.violation
+
+
+def test_a_step_committed_on_some_members_only_and_overwritten_by_a_later_view_is_a_rollback_not_two_groups():
+    """Seeds 8392 and 5155 (the check, not the code): in 8392 a step committed on one member of
+    a view of two only; the other, holding the tie, formed a view with a joiner and died
+    while sending it the state, and the joiner alone committed the step again (view 5 does
+    not share a member with view 3, but descends from it through view 4). In 5155 every
+    worker of the first group ended on RetryLimitExceeded, its state gone with them, and
+    the restarted workers' new group committed its steps again; a worker of that new group,
+    cut off, held its step 6: not the old group's state. Neither is two groups committing
+    the same step; a view that neither descends from the first commit's view, while a
+    worker that ran that one's line still lives, is."""
+    worlds = {8392: {"overlap": False, "log_in_step": True, "transfer_s": 0.15062724832125174, "observe_jitter": 0.02},
+              5155: {"overlap": True, "log_in_step": False, "transfer_s": 0.13895733545174613, "observe_jitter": 0.0}}
+    rolled = GroupSimulation(8392, **worlds[8392])
+    assert rolled.run().ok and rolled.rolled_back >= 1
+    started_over = GroupSimulation(5155, **worlds[5155])
+    assert started_over.run().ok and started_over.lost_state > 0

@@ -6,7 +6,9 @@ such a commit is overwritten when its member is reconciled, and the summary coun
 without a second commit round nothing can prevent it); (2) each member's committed steps
 strictly increase; (3) the members of a view hold equal state before their first commit
 in it (per shard with sharded replicas, and every shard at one step); (4) with the quorum policy no side of a partition that lacks a majority of the
-view before it commits, and no two disjoint groups commit the same step; (5) the
+view before it commits, and no two disjoint groups commit the same step (a view that
+descends from the first commit's view overwrites a partial commit: a rollback; a group
+started over after every worker of the old one's line was gone is no second group); (5) the
 committed steps of the group are contiguous (every sample of an epoch consumed once: the
 sampler's share of a step is a function of the step); (6) liveness: once faults stop,
 every live member is in one view with all live members and commits within
@@ -56,11 +58,14 @@ def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
     known = world.contents.setdefault((step, *key, w.shard), digest)
     if known != digest:
         world.violation(1, f"step {step} committed with two contents in view {view.id} (by {w.id})")
-    first, first_members = world.history.setdefault((step, w.shard), (digest, frozenset(view.members)))
+    first, first_members, first_view = world.history.setdefault((step, w.shard),
+                                                                (digest, frozenset(view.members), key))
     if first != digest:
-        if not first_members & set(view.members):
+        parents = _view_parents(world)
+        if not first_members & set(view.members) and not _descends(parents, key, first_view):
             newest = max(s for s, _ in world.history)
-            if any(x.loop.step >= newest - 1 for x in world.live() if x.id not in view.member_set):
+            if any(x.loop.step >= newest - 1 and _ran_from(parents, x, first_view)
+                   for x in world.live() if x.id not in view.member_set):
                 world.violation(4, f"step {step} committed by two disjoint groups: view {view.id} "
                                    f"({len(view.members)} members) and an earlier view of {len(first_members)}, "
                                    f"while a worker outside it holds the group's newest state")
@@ -189,6 +194,40 @@ def at_end(world: "GroupSimulation") -> None:
         allowed = [current[w.id]] if w.id in current else []
         if any(c not in allowed for c in open_comms):
             world.violation(7, f"{w.id} still holds communicators {open_comms} (current {current.get(w.id)})")
+
+
+def _view_parents(world: "GroupSimulation") -> dict[tuple, set]:
+    """Each view's parents: the views the workers that ran it ran just before it."""
+    parents: dict[tuple, set] = collections.defaultdict(set)
+    for x in world.workers.values():
+        held = [(change.view_id, View(change.view_id, change.members).digest) for change in x.loop.events]
+        for before, after in zip(held, held[1:]):
+            parents[after].add(before)
+    return parents
+
+
+def _descends(parents: dict[tuple, set], key: tuple, ancestor: tuple) -> bool:
+    """View ``key`` was formed, through one or more views, from view ``ancestor`` (some
+    member of each view ran the one before). A step committed on some members of
+    ``ancestor`` only, whose other members went on (a tie holder with a joiner, say) and
+    then left the view to the joiner alone, is overwritten by a descendant's commit: a
+    rollback, not two groups."""
+    seen, todo = set(), [key]
+    while todo:
+        current = todo.pop()
+        if current == ancestor:
+            return True
+        if current not in seen:
+            seen.add(current)
+            todo.extend(parents[current])
+    return False
+
+
+def _ran_from(parents: dict[tuple, set], x: "Worker", ancestor: tuple) -> bool:
+    """``x`` ran ``ancestor`` or a view formed from it: it may hold that group's state (a
+    worker of a group started over after every holder of the old one was gone does not)."""
+    return any(_descends(parents, (change.view_id, View(change.view_id, change.members).digest), ancestor)
+               for change in x.loop.events)
 
 
 def view_changed(world: "GroupSimulation", w: "Worker") -> None:

@@ -319,7 +319,7 @@ class GroupSimulation:
         for t, length, lag, pick in self.starvations:
             self.sim.at(t, lambda length=length, lag=lag, pick=pick: self._starve(length, lag, pick))
             self.end_faults = max(self.end_faults, t + length)
-        self.history: dict[tuple[int, int], tuple] = {}  # (step, shard) -> (first contents, by which view's members)
+        self.history: dict[tuple[int, int], tuple] = {}  # (step, shard) -> (first contents, by which view's members, its key)
         self.whole: dict[int, dict] = {}  # step -> replica -> the shards that committed it (see checks.state_lost)
         self._healthy_cache: tuple = (None, float("inf"), False)
         self._decoded: dict[tuple[str, str, bytes], Status | None] = {}  # see status
