@@ -16,6 +16,7 @@ from ftcomm.errors import (CollectiveAborted, CommunicatorError, FtcommTimeout, 
                            RetryLimitExceeded, StateLost)
 from ftcomm.options import GroupOptions
 from ftcomm.runtime.ports import Contribution, Counters, Formed, StateSummary
+from ftcomm.runtime.worker import BEFORE_STEP, IN_STEP
 from tests.conftest import CFG, status
 from tests.fakeports import Op, Phase, World, world_for
 
@@ -399,6 +400,43 @@ def test_a_call_after_a_failed_step_whose_new_view_found_members_elsewhere_is_ou
     with pytest.raises(OutOfStep, match="other places of the training"):
         Phase(world.loop.execute(attempt)).settle()
     assert not any(op.kind == "run" for op in world.collective.ops)
+
+
+def test_a_step_that_re_forms_before_its_reduction_tells_its_place_apart_from_a_step_boundary():
+    """The view broke while this member computed (news before its reduction): it re-forms in
+    the step's preparation and reduces at once in the new view, so it tells the verification
+    it is in the step (IN_STEP), not at a boundary where a call before the step may come first."""
+    world = running()
+    world.loop.driver.perform(world.engine.failed("crash"))
+    step = Phase(world.loop.gradient_step())
+    agreed(world, step)
+    step.waiting.done(None)
+    verify = step.until("verify")
+    assert verify.args[0][6] == IN_STEP == -verify.args[0][7]
+
+
+def test_a_call_after_a_failed_step_is_out_of_step_when_another_member_reduces_at_once():
+    """This member's step failed in its reduction and re-formed; another member re-formed
+    before reducing (IN_STEP) and waits in the step's reduction in the new view. This member
+    computes the step again, so a call the script makes before the step is abandoned
+    (OutOfStep) instead of waiting for a member that is in the reduction (the view is not
+    aligned)."""
+    world = running()
+    step = Phase(world.loop.gradient_step())
+    step.until("reduce").fail(CollectiveAborted("c is suspected"))
+    agreed(world, step)
+    step.waiting.done(None)
+    verify = step.until("verify")
+    assert verify.args[0][6] == BEFORE_STEP
+    verify.done([*verify.args[0][:6], IN_STEP, -BEFORE_STEP, verify.args[0][8]])
+    gather = step.until("gather_states")
+    gather.done([gather.args[0]] * 2)
+    assert step.done and step.result is False and not world.loop.aligned
+
+    def attempt():
+        return (yield from world.loop.collective("the mean loss"))
+    with pytest.raises(OutOfStep, match="other places of the training"):
+        Phase(world.loop.execute(attempt)).settle()
 
 
 def test_a_step_whose_reduction_was_dropped_with_the_view_still_takes_part_contributing_none():

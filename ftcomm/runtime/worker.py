@@ -47,6 +47,12 @@ T = TypeVar("T")
 Step = Generator[Any, Any, T]
 """A phase of the loop: yields Pending operations and Pauses, returns ``T``."""
 
+BEFORE_STEP, IN_STEP = 0, -1
+"""Places in the training a worker tells in a view's verification (see WorkerLoop._place):
+at a step boundary, or after a step that failed (its next collective follows a step's
+compute: a call before the step, or the step's reduction), and in a gradient step whose
+gradients are computed (the step's reduction is its next collective). Members whose next
+collectives differ find the view not aligned, and calls outside the steps give way."""
 LOOK_INTERVAL_S = 0.02
 """While agreeing, the membership is looked at again after news, or after this long."""
 WAIT_NOTICE_S = 5.0
@@ -77,8 +83,11 @@ class WorkerLoop:
         self.op_began = now  # when the operation in flight began (the previous one ended)
         self.contributed_at = now  # when this worker's share of it was handed over
         self.waiting_since = now  # when the operation that may fail began to wait (detection counts from there)
-        # Where in the training this worker is (see _place): 0 at a gradient step; before its
-        # first call, where that call is if it is one outside a gradient step (a restore, say).
+        # Where in the training this worker is (see _place): BEFORE_STEP at a step boundary or
+        # after a step that failed (its next collective comes after computing a step),
+        # IN_STEP in a gradient step whose gradients are computed (its reduction is next);
+        # before its first call, where that call is if it is one outside a gradient step (a
+        # restore, say).
         self.position = 2
         self._calls = 0  # calls outside gradient steps completed since the last gradient step
         self._in_call = False  # inside execute or a collective (a nested collective is part of it)
@@ -352,7 +361,7 @@ class WorkerLoop:
         (see ftcomm.FaultTolerantGroup.step_boundary). A reconcile that fails leaves the view
         BROKEN, re-formed before the next collective."""
         self.engine.began()
-        self.position, self._calls = 0, 0
+        self.position, self._calls = BEFORE_STEP, 0
         yield from self.reform_if_due()
         if self.engine.state != core.RECONCILE_DUE:
             return
@@ -475,7 +484,7 @@ class WorkerLoop:
         ``max_retries`` in a row raise RetryLimitExceeded."""
         engine, collective, driver = self.engine, self.ports.collective, self.driver
         engine.began()
-        self.position, self._calls = 0, 0
+        self.position, self._calls = IN_STEP, 0
         self.news.judge()
         for obj in self.state.participants("check_step"):
             obj.check_step()
@@ -504,6 +513,11 @@ class WorkerLoop:
             yield from self.confirm_after_stall()
         except MembershipChanged as exc:
             collective.discard()
+            # This worker computes the step again before its next collective: in the view it
+            # re-forms into it stands with those at a step boundary, apart from those whose
+            # gradients are computed and who reduce at once (and who may be in a call the
+            # script makes before the step, which it would meet first).
+            self.position = BEFORE_STEP
             self.check_open()  # shut down from another thread: FtcommError, nothing to re-form
             if decision is not None:
                 yield from self._replica_decides(decision, False)
