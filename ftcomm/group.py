@@ -371,7 +371,8 @@ class FaultTolerantGroup:
         began reducing and before this call (in an ``execute`` between them), this
         worker's gradients of the step went with the old view: the step still runs, with
         them counted as none (as for a worker whose state was just replaced), so that
-        every member of the new view runs it alike.
+        every member of the new view runs it alike (with an ElasticSampler, whose steps
+        must count every member's batch, it is then discarded on every member).
         """
         self._loop.check_open()
         self._owner = threading.get_ident()

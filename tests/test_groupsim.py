@@ -646,8 +646,10 @@ def test_a_member_that_fails_on_its_own_while_a_straggler_is_chosen_is_not_the_c
 
 # Seeds 9 and 169 of plain workers whose scripts average a metric between backward and the
 # step, in the world each was found in.
-STRADDLED = {9: {"overlap": False, "log_in_step": True, "transfer_s": 0.0, "observe_jitter": 0.02},
-             169: {"overlap": True, "log_in_step": True, "transfer_s": 0.24522133209016897, "observe_jitter": 0.0}}
+BEFORE_HOOKS = {"first_step_overlaps": True, "metric_read": False}  # the worlds these seeds were found in
+STRADDLED = {9: {"overlap": False, "log_in_step": True, "transfer_s": 0.0, "observe_jitter": 0.02, **BEFORE_HOOKS},
+             169: {"overlap": True, "log_in_step": True, "transfer_s": 0.24522133209016897, "observe_jitter": 0.0,
+                   **BEFORE_HOOKS}}
 
 
 def test_a_worker_whose_step_failed_into_a_view_of_members_elsewhere_skips_the_call_they_abandoned(monkeypatch):
@@ -692,8 +694,10 @@ def test_a_step_committed_on_some_members_only_and_overwritten_by_a_later_view_i
     cut off, held its step 6: not the old group's state. Neither is two groups committing
     the same step; a view that neither descends from the first commit's view, while a
     worker that ran that one's line still lives, is."""
-    worlds = {8392: {"overlap": False, "log_in_step": True, "transfer_s": 0.15062724832125174, "observe_jitter": 0.02},
-              5155: {"overlap": True, "log_in_step": False, "transfer_s": 0.13895733545174613, "observe_jitter": 0.0}}
+    worlds = {8392: {"overlap": False, "log_in_step": True, "transfer_s": 0.15062724832125174, "observe_jitter": 0.02,
+                     **BEFORE_HOOKS},
+              5155: {"overlap": True, "log_in_step": False, "transfer_s": 0.13895733545174613, "observe_jitter": 0.0,
+                     **BEFORE_HOOKS}}
     rolled = GroupSimulation(8392, **worlds[8392])
     assert rolled.run().ok and rolled.rolled_back >= 1
     started_over = GroupSimulation(5155, **worlds[5155])

@@ -108,6 +108,7 @@ class Worker:
     starved_windows: list = field(default_factory=list)  # (lag, until) of each of its CPU starvations
     late_until: float = 0.0  # starved: its loop runs again from then
     views_seen: int = 0  # its loop's view changes checked so far (checks.view_changed)
+    hooked: bool = False  # its first wait_gradients_ready installed the buckets' hooks (overlap from then on)
 
     @property
     def id(self) -> str:
@@ -172,7 +173,8 @@ class GroupSimulation:
                  max_retries: int | None = None, keep_live: int | None = None,
                  first_alone: bool | None = None, starve: bool = False, stop_kills: float | None = None,
                  overlap: bool | None = None, log_in_step: bool | None = None,
-                 transfer_s: float | None = None, observe_jitter: float | None = None) -> None:
+                 transfer_s: float | None = None, observe_jitter: float | None = None,
+                 first_step_overlaps: bool = False, metric_read: bool = True) -> None:
         self.seed = seed
         # Faults strike while more than this many workers (replicas) live: 1 for drawn
         # schedules (down to one of two: the survivor goes on once the other is proven dead,
@@ -202,6 +204,9 @@ class GroupSimulation:
         drawn_overlap, drawn_in_step = script.random() < 0.75, script.random() < 0.3
         self.overlap = drawn_overlap if overlap is None else overlap
         self.log_in_step = drawn_in_step if log_in_step is None else log_in_step
+        # (``first_step_overlaps``, ``metric_read``: the worlds that seeds found before the
+        # first call installed the hooks and before the script read the metric's value)
+        self.first_step_overlaps, self.metric_read = first_step_overlaps, metric_read
         # How long sending the state to a member that lacks it takes (the model's size): none
         # worth counting, or up to TRANSFER_S (a model of a few million parameters on loopback).
         state = random.Random(f"{seed}/state")
@@ -423,13 +428,16 @@ class GroupSimulation:
             checks.view_changed(self, w)
             checks.step_started(self, w)
             compute = w.step_time * w.slow
-            if self.overlap:  # backward begins halfway through: its first gradient may start reducing
+            if self.overlap and (w.hooked or self.first_step_overlaps):  # backward begins halfway through: its first gradient may start reducing
                 self.sim.at(self.sim.now + compute / 2, lambda: self._backward(w))
             yield Sleep(self.sim.now + compute)
             collective.backward_ended()
             views = len(loop.events)
             if self.log_in_step and (loop.step + 1) % COLLECTIVE_EVERY == 0:
                 yield from self._log_metric(w)
+                if self.metric_read:  # the script reads the metric's value (until the next tick)
+                    yield Sleep(self.sim.now + 0.001)
+            w.hooked = True  # (the first call installs the hooks: the first step is not overlapped)
             committed = yield from loop.gradient_step()
             checks.view_changed(self, w)
             checks.step_ended(self, w, committed, len(loop.events) > views)
