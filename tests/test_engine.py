@@ -12,6 +12,7 @@ from ftcomm.core.engine import (
     Engine,
     Fetch,
     Form,
+    ProbeMembers,
     Publish,
     PublishProposal,
     Recontact,
@@ -1002,4 +1003,31 @@ def test_a_member_that_lost_its_view_never_counts_on_a_tie_while_a_newer_view_ex
         assert not any(isinstance(x, (PublishProposal, Form)) for x in a.agree(4.0 + 0.1 * t, statuses))
     a.members_probed(["c"])  # c's port refuses connections: the process is gone
     actions, _ = agree_until_form(a, statuses, 6.0)
+    assert actions[-1].view.members == ("a",)
+
+
+def test_a_member_whose_formation_failed_here_forms_no_view_without_a_quorum_of_the_view_it_entered():
+    """a (rank 0 of view 1, a and b) entered view 2 with the joiner c; the cut came as the
+    verification completed on b and c but not on a: they formed view 2 and go on from it
+    with a majority of it. a, alone and with no sign that view 2 formed, holds the tie of
+    view 1; forming alone from it would make a second group. It forms nothing until b and
+    c are proven gone (a seed of the simulation found the second group)."""
+    e = running(engine(), members=("a", "b"))
+    e.broken()
+    everyone = View(2, ("a", "b", "c"))
+    statuses = {"a": published(e), "b": status("b", cv=1, joined_at=1), "c": status("c", JOINING, joined_at=2)}
+    actions, _ = agree_until_form(e, statuses, 0.5)
+    assert actions[-1].view == everyone
+    e.form_failed()
+    assert e.view.id == 1 and e.entered_view == everyone
+    cut = {"a": published(e), "b": dataclasses.replace(statuses["b"], alive=False),
+           "c": dataclasses.replace(statuses["c"], alive=False)}
+    probes = []
+    for t in range(40):
+        actions = e.agree(1.0 + 0.1 * t, {**cut, "a": published(e)})
+        assert not any(isinstance(x, Form) for x in actions)
+        probes += [x for x in actions if isinstance(x, ProbeMembers)]
+    assert probes and set(probes[-1].members) == {"b", "c"}  # the members of the view it entered are probed
+    e.members_probed(["b", "c"])  # their ports refuse: gone for sure
+    actions, _ = agree_until_form(e, {**cut, "a": published(e)}, 5.0)
     assert actions[-1].view.members == ("a",)

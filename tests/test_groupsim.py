@@ -702,3 +702,16 @@ def test_a_step_committed_on_some_members_only_and_overwritten_by_a_later_view_i
     assert rolled.run().ok and rolled.rolled_back >= 1
     started_over = GroupSimulation(5155, **worlds[5155])
     assert started_over.run().ok and started_over.lost_state > 0
+
+
+def test_a_member_whose_formation_failed_as_the_others_formed_the_view_forms_no_second_group(monkeypatch):
+    """Seed 8418 of plain workers: view 2 (rank 0 and one other) admitted a joiner; the cut
+    isolating rank 0 came as view 3's verification completed on the other two and not on
+    rank 0. They went on from view 3 (a majority of it); rank 0, seeing no record of view 3
+    formed, held the tie of view 2 and formed a view alone, committing beside them. A
+    candidate must be a quorum of a view entered and failed here too."""
+    world = {"overlap": True, "log_in_step": True, "transfer_s": 0.0, "observe_jitter": 0.02}
+    assert GroupSimulation(8418, **world).run().ok
+    monkeypatch.setattr(core.Engine, "_quorum_of_entered", staticmethod(lambda *args: True))
+    outcome = GroupSimulation(8418, **world).run()
+    assert not outcome.ok and "invariant 4" in outcome.violation

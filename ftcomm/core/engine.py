@@ -630,10 +630,17 @@ class Engine:
             # that view, not the older one, is what the group goes on from.
             previous = entered
         proven = frozenset()
+        short_of = previous  # the view whose quorum a candidate lacks, when it lacks one
+        unsure = previous is not None and entered is not None and entered.id > previous.id
         if previous is not None:
-            self._saw_alive(now, previous, statuses)
+            # (with a view entered and failed here, the members of both are watched and probed)
+            watched = View(entered.id, tuple(dict.fromkeys((*previous.members, *entered.members)))) if unsure \
+                else previous
+            self._saw_alive(now, watched, statuses)
             proven = self.proven_gone
         cand = candidate(self.id, previous, statuses, self.config, self.max_processes, proven)
+        if unsure and cand.quorum and not self._quorum_of_entered(entered, cand, statuses, proven):
+            cand, short_of = dataclasses.replace(cand, quorum=False), entered
         if self.state == REJOINING:
             if not self._may_refound(cand, statuses):
                 self._last = None
@@ -659,7 +666,7 @@ class Engine:
                                     f"{now - self._alive_at[silent]:.1f} s: the replica stands aside so that the "
                                     f"others have a quorum without it", "replica silent")
             return (self._fetch_final_records(previous, statuses, now)
-                    or self._probe_absent(now, previous, cand, statuses) + self._recontact(now))
+                    or self._probe_absent(now, short_of, cand, statuses) + self._recontact(now))
         if previous is None and unconfirmed:
             # A group is founded with every live worker its founders know of: a worker whose
             # record is not read yet may be founding too (it knows of this one, or of nobody
@@ -684,6 +691,18 @@ class Engine:
         if agreed(cand, statuses) or self._witnessed(key, cand.members, statuses):
             return actions + self._enter(View(cand.view_id, cand.members), statuses)
         return actions + self._chase(key, cand.members, statuses, now)
+
+    @staticmethod
+    def _quorum_of_entered(entered: View, cand: Candidate, statuses: dict[str, Status],
+                           proven: frozenset[str]) -> bool:
+        """A view this member entered whose formation failed here, with no sign of it having
+        formed elsewhere: it may have formed on the others all the same (their verification
+        completed and this member's did not, the network cut just then), and they go on from
+        it. A candidate must then be a quorum of that view too, or the two sides of a cut
+        would each form one: this member from the view before, the others from that one."""
+        gone = gone_from(entered, statuses)
+        return has_quorum(entered, cand.members, gone) or (
+            bool(proven) and has_quorum(entered, cand.members, gone | proven, tie=False))
 
     def _published(self, members: tuple[str, ...]) -> list[Action]:
         """A new proposal: publish the record, and send it straight to the members waiting on
