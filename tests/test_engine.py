@@ -737,13 +737,21 @@ def test_the_boundary_dispatch_is_a_table_and_joins_wait_for_a_step_boundary():
     assert e.due() == "resume" and e.due(boundary=False) == "resume"
 
 
-def test_failures_in_a_row_are_counted_once_for_steps_and_execute():
+def test_failures_in_a_row_are_counted_for_steps_and_for_calls_and_a_call_does_not_break_a_row_of_steps():
+    """Seed 330 of replicas: a metric averaged before each step completed every time while
+    every step failed and re-formed; counted as one row of operations, each metric reset
+    it and the user never learned that every step was discarded."""
     e = engine(max_retries=2)
     assert [e.count_failure() for _ in range(3)] == [False, False, True]
     assert e.failures == 0  # a caller that goes on gets max_retries more
     e.count_failure()
-    e.count_success()
-    assert e.failures == 0
+    e.count_call_success()  # a metric between the steps completed
+    assert [e.count_failure() for _ in range(2)] == [False, True]
+    assert [e.count_call_failure() for _ in range(3)] == [False, False, True]
+    e.count_call_failure()
+    e.count_failure()
+    e.count_success()  # a step completed: both rows start again
+    assert e.failures == e.call_failures == 0
 
 
 def test_min_workers_counts_replicas_and_views_count_processes():

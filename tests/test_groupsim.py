@@ -715,3 +715,18 @@ def test_a_member_whose_formation_failed_as_the_others_formed_the_view_forms_no_
     monkeypatch.setattr(core.Engine, "_quorum_of_entered", staticmethod(lambda *args: True))
     outcome = GroupSimulation(8418, **world).run()
     assert not outcome.ok and "invariant 4" in outcome.violation
+
+
+def test_failed_steps_in_a_row_between_which_a_metric_completes_end_in_the_retry_limit(monkeypatch):
+    """Seeds 330 and 1705 of replicas (a metric averaged before each step): in 330 every
+    step failed and re-formed while every metric completed, and each metric reset the
+    count, so the user was never told (invariant 8); in 1705 a re-formation inside the
+    metric was counted as the step's (the check's count now starts at the step)."""
+    worlds = {330: {"transfer_s": 0.09017202380220259, "observe_jitter": 0.005},
+              1705: {"transfer_s": 0.12473094961957708, "observe_jitter": 0.02}}
+    for seed, world in worlds.items():
+        outcome = GroupSimulation(seed, replica_size=2, overlap=True, log_in_step=True, **world).run()
+        assert outcome.ok, outcome.violation
+    monkeypatch.setattr(core.Engine, "count_call_success", core.Engine.count_success)  # a call ends the row
+    outcome = GroupSimulation(330, replica_size=2, overlap=True, log_in_step=True, **worlds[330]).run()
+    assert not outcome.ok and "invariant 8" in outcome.violation

@@ -339,7 +339,8 @@ class Engine:
     state_pending: bool = False  # a fresh worker that has no training state registered yet (see AwaitState)
     _awaiting_since: float | None = None  # when it first found a running group while state_pending
     _seeds_probed: float = float("-inf")
-    failures: int = 0  # operations (gradient steps, execute's attempts) failed in a row (see count_failure)
+    failures: int = 0  # gradient steps failed in a row (see count_failure)
+    call_failures: int = 0  # attempts of execute failed in a row (see count_call_failure)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     # ------------------------------------------------------------------ transitions
@@ -375,18 +376,31 @@ class Engine:
         return (BOUNDARY if boundary else BETWEEN).get(self.state, "resume")
 
     def count_failure(self) -> bool:
-        """An operation (a gradient step, an attempt of ``execute``) failed and re-forms:
-        whether that makes more than ``max_retries`` in a row (the caller gives up, raising
-        RetryLimitExceeded; a caller that goes on gets ``max_retries`` more)."""
-        self.failures += 1
-        if self.failures <= self.max_retries:
-            return False
-        self.failures = 0
-        return True
+        """A gradient step failed and re-forms: whether that makes more than ``max_retries``
+        in a row (the caller gives up, raising RetryLimitExceeded; a caller that goes on
+        gets ``max_retries`` more). Calls that complete between the steps (a metric before
+        each step, say) do not break the row: every step is still discarded."""
+        self.failures, exhausted = self._one_more(self.failures)
+        return exhausted
+
+    def _one_more(self, failures: int) -> tuple[int, bool]:
+        """One more failure in a row: the new count (none again once over ``max_retries``)
+        and whether it went over."""
+        return (0, True) if failures + 1 > self.max_retries else (failures + 1, False)
 
     def count_success(self) -> None:
-        """An operation completed: the failures in a row start again from none."""
-        self.failures = 0
+        """A gradient step completed: the failures in a row start again from none."""
+        self.failures = self.call_failures = 0
+
+    def count_call_failure(self) -> bool:
+        """An attempt of a call outside the steps (``execute``) failed and re-forms: whether
+        that makes more than ``max_retries`` in a row, as :meth:`count_failure`."""
+        self.call_failures, exhausted = self._one_more(self.call_failures)
+        return exhausted
+
+    def count_call_success(self) -> None:
+        """A call outside the steps completed: its attempts' failures start again from none."""
+        self.call_failures = 0
 
     @property
     def holding(self) -> bool:

@@ -664,7 +664,7 @@ class WorkerLoop:
                         self._check_in_step(replaced, "execute")
                     result = yield from attempt()
                 except MembershipChanged as exc:
-                    if self.engine.count_failure():
+                    if self.engine.count_call_failure():
                         raise RetryLimitExceeded(
                             f"execute failed {self.options.max_retries + 1} times in a row because the membership "
                             f"kept changing (last: {exc}); raise max_retries or investigate the unstable workers"
@@ -674,7 +674,7 @@ class WorkerLoop:
                     if not nested:
                         self._check_in_step(replaced, "execute")
                     continue
-                self.engine.count_success()
+                self.engine.count_call_success()
                 if not nested:
                     self._calls, self._settled = self._calls + 1, self.formations
                 return result

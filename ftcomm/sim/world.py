@@ -432,12 +432,12 @@ class GroupSimulation:
                 self.sim.at(self.sim.now + compute / 2, lambda: self._backward(w))
             yield Sleep(self.sim.now + compute)
             collective.backward_ended()
-            views = len(loop.events)
             if self.log_in_step and (loop.step + 1) % COLLECTIVE_EVERY == 0:
                 yield from self._log_metric(w)
                 if self.metric_read:  # the script reads the metric's value (until the next tick)
                     yield Sleep(self.sim.now + 0.001)
             w.hooked = True  # (the first call installs the hooks: the first step is not overlapped)
+            views = len(loop.events)  # (a re-formation in the metric is the call's, not the step's)
             committed = yield from loop.gradient_step()
             checks.view_changed(self, w)
             checks.step_ended(self, w, committed, len(loop.events) > views)
