@@ -61,10 +61,10 @@ def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
     first, first_members, first_view = world.history.setdefault((step, w.shard),
                                                                 (digest, frozenset(view.members), key))
     if first != digest:
-        parents = _view_parents(world)
-        if not first_members & set(view.members) and not _descends(parents, key, first_view):
+        line = _line_of(world, first_view) if not first_members & set(view.members) else None
+        if line is not None and key not in line:
             newest = max(s for s, _ in world.history)
-            if any(x.loop.step >= newest - 1 and _ran_from(parents, x, first_view)
+            if any(x.loop.step >= newest - 1 and not line.isdisjoint(_views_run(x))
                    for x in world.live() if x.id not in view.member_set):
                 world.violation(4, f"step {step} committed by two disjoint groups: view {view.id} "
                                    f"({len(view.members)} members) and an earlier view of {len(first_members)}, "
@@ -196,38 +196,31 @@ def at_end(world: "GroupSimulation") -> None:
             world.violation(7, f"{w.id} still holds communicators {open_comms} (current {current.get(w.id)})")
 
 
-def _view_parents(world: "GroupSimulation") -> dict[tuple, set]:
-    """Each view's parents: the views the workers that ran it ran just before it."""
-    parents: dict[tuple, set] = collections.defaultdict(set)
+def _views_run(x: "Worker") -> list[tuple]:
+    """The views ``x``'s loop ran, oldest first, as (id, digest)."""
+    return [(change.view_id, View(change.view_id, change.members).digest) for change in x.loop.events]
+
+
+def _line_of(world: "GroupSimulation", ancestor: tuple) -> set[tuple]:
+    """View ``ancestor`` and every view formed from it, through views each formed by a
+    member of the one before (the views every worker ran, in order). A step committed on
+    some members of ``ancestor`` only, whose other members went on (a tie holder with a
+    joiner, say) and then left the view to the joiner alone, is overwritten by a commit in
+    that line: a rollback, not two groups; and a worker that ran none of the line (one of
+    a group started over after every holder of the old one was gone) holds none of its
+    state."""
+    children: dict[tuple, set] = collections.defaultdict(set)
     for x in world.workers.values():
-        held = [(change.view_id, View(change.view_id, change.members).digest) for change in x.loop.events]
-        for before, after in zip(held, held[1:]):
-            parents[after].add(before)
-    return parents
-
-
-def _descends(parents: dict[tuple, set], key: tuple, ancestor: tuple) -> bool:
-    """View ``key`` was formed, through one or more views, from view ``ancestor`` (some
-    member of each view ran the one before). A step committed on some members of
-    ``ancestor`` only, whose other members went on (a tie holder with a joiner, say) and
-    then left the view to the joiner alone, is overwritten by a descendant's commit: a
-    rollback, not two groups."""
-    seen, todo = set(), [key]
+        run = _views_run(x)
+        for before, after in zip(run, run[1:]):
+            children[before].add(after)
+    line, todo = set(), [ancestor]
     while todo:
         current = todo.pop()
-        if current == ancestor:
-            return True
-        if current not in seen:
-            seen.add(current)
-            todo.extend(parents[current])
-    return False
-
-
-def _ran_from(parents: dict[tuple, set], x: "Worker", ancestor: tuple) -> bool:
-    """``x`` ran ``ancestor`` or a view formed from it: it may hold that group's state (a
-    worker of a group started over after every holder of the old one was gone does not)."""
-    return any(_descends(parents, (change.view_id, View(change.view_id, change.members).digest), ancestor)
-               for change in x.loop.events)
+        if current not in line:
+            line.add(current)
+            todo.extend(children[current])
+    return line
 
 
 def view_changed(world: "GroupSimulation", w: "Worker") -> None:

@@ -317,10 +317,15 @@ class SimCollective:
     def no_sync(self) -> Any:
         raise AssertionError("simulated workers do not accumulate")
 
+    @property
+    def gradient_comm(self) -> tuple | None:
+        """The communicator gradients are averaged over: the view's, or with sharded replicas
+        this shard index's."""
+        return self.comms.comm if self.w.loop.engine.replica_size == 1 else self.comms.shard
+
     def backward_began(self) -> None:
         """Backward's first gradient of a step: reducing starts when the loop allows it."""
-        gradient_comm = self.comms.comm if self.w.loop.engine.replica_size == 1 else self.comms.shard
-        if not self.touched and not self.lost and gradient_comm is not None and self._may_overlap():
+        if not self.touched and not self.lost and self.gradient_comm is not None and self._may_overlap():
             self.touched = True
 
     def backward_ended(self) -> None:
@@ -336,8 +341,8 @@ class SimCollective:
             raise FtcommError("a step already being reduced cannot be marked invalid")
         contribution = self._launched if self._launched is not None else self._contribution(valid)
         self.touched, self._launched = True, None  # every bucket launched (until hand_back or discard)
-        comm, members = (comms.comm, view.members) if k == 1 else (comms.shard, view.members[comms.shard[2]::k])
-        return comms.operation(comm, members, "gradients", contribution, _counters)
+        members = view.members if k == 1 else view.members[comms.shard[2]::k]
+        return comms.operation(self.gradient_comm, members, "gradients", contribution, _counters)
 
     def _new_step(self, lost: bool = False) -> None:
         self.touched, self.lost, self._launched = False, lost, None

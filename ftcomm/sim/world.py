@@ -428,7 +428,8 @@ class GroupSimulation:
             checks.view_changed(self, w)
             checks.step_started(self, w)
             compute = w.step_time * w.slow
-            if self.overlap and (w.hooked or self.first_step_overlaps):  # backward begins halfway through: its first gradient may start reducing
+            # Backward begins halfway through the compute: its first gradient may start reducing.
+            if self.overlap and (w.hooked or self.first_step_overlaps):
                 self.sim.at(self.sim.now + compute / 2, lambda: self._backward(w))
             yield Sleep(self.sim.now + compute)
             collective.backward_ended()
