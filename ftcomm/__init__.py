@@ -76,7 +76,8 @@ _UNSET: Any = object()
 def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: str | None = None,
          min_workers: int | None = None, max_workers: Any = _UNSET, cluster: str | None = None,
          secret: str | None = None, insecure: bool | None = None, replica_size: int | None = None,
-         shard_rank: int | None = None, replica_addr: str | None = None, **options: Any) -> FaultTolerantGroup:
+         shard_rank: int | None = None, replica_addr: str | None = None, group_ran: bool | None = None,
+         **options: Any) -> FaultTolerantGroup:
     """Join (or start) a fault-tolerant group and return once its first view is formed.
 
     ``peers``: gossip addresses (``"host:port"``) of any existing or starting members, or
@@ -101,7 +102,11 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     Every process of every replica is a member of the group; views hold whole replicas only
     (``min_workers``/``max_workers`` count replicas) and a replica that loses a process
     leaves as a whole (:class:`ReplicaLost` on its other processes). See docs/API.md,
-    "Sharded models".
+    "Sharded models". ``group_ran`` (default ``$FTCOMM_GROUP_RAN``, which ``ftcomm run``
+    sets for a worker it starts again after it saw the job's group run): this worker
+    comes back to a group that ran; it founds no new one while one of its peers neither
+    answers nor refuses a connection (that peer may run the group on across a
+    partition), and joins the group it finds.
     Raises :class:`FtcommTimeout` when no view with ``min_workers`` members forms within
     ``init_timeout`` and :class:`ConfigMismatch` when the group runs other settings.
     Before anything starts: TypeError or ValueError naming the argument or option and
@@ -166,8 +171,12 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     if replica[0] > 1 and group_options.straggler_policy == "exclude":
         raise ValueError("straggler_policy='exclude' stands one process aside, and a sharded replica "
                          "(replica_size > 1) trains only whole: use straggler_policy='warn'")
+    if group_ran is None:
+        group_ran = _env_flag("FTCOMM_GROUP_RAN")
+    elif not isinstance(group_ran, bool):
+        raise TypeError(f"group_ran must be True, False or None, got {group_ran!r:.40}")
     return FaultTolerantGroup(backend, peers, bind, min_workers, max_workers, cluster, secret, group_options,
-                              insecure=insecure, replica=replica)
+                              insecure=insecure, replica=replica, group_ran=group_ran)
 
 
 def _loopback(host: str) -> bool:

@@ -62,7 +62,8 @@ class FaultTolerantGroup:
     def __init__(self, backend: str = "gloo", peers: Iterable[str] = (), bind: str = "127.0.0.1:0",
                  min_workers: int = 1, max_workers: int | None = None, cluster: str = "ftcomm",
                  secret: str | bytes | None = None, options: GroupOptions | None = None,
-                 insecure: bool = False, replica: tuple[int, int, str | None] = (1, 0, None)) -> None:
+                 insecure: bool = False, replica: tuple[int, int, str | None] = (1, 0, None),
+                 group_ran: bool = False) -> None:
         backend_class = communicator_class(backend)  # NcclUnavailable here, before joining anyone
         check_worker_counts(min_workers, max_workers)
         if options is not None and not isinstance(options, GroupOptions):
@@ -96,7 +97,7 @@ class FaultTolerantGroup:
         engine = Engine("", self._config, min_workers, max_workers, opts.partition_policy, opts.settle_interval,
                         3 * opts.gossip.gossip_interval, joined_at=time.time(), max_retries=opts.max_retries,
                         settings=tuple(self.settings[n] for n in core.SETTING_NAMES),
-                        rendezvous_port=rendezvous.port, insecure=self.insecure)
+                        rendezvous_port=rendezvous.port, insecure=self.insecure, group_ran=group_ran)
         self._membership = membership = GossipMembership(engine)
         self._comms = comms = BackendCommunicators(engine, backend_class, rendezvous, opts, membership, self.state,
                                                    secret)

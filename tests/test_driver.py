@@ -14,7 +14,7 @@ from ftcomm.core.engine import Form, Recontact, Rejoined
 from ftcomm.core.view import JOINING, LEAVING, Status, View
 from ftcomm.errors import CollectiveAborted, CommunicatorError, ConfigMismatch, GroupEnded
 from ftcomm.runtime.driver import Driver, member_address
-from ftcomm.runtime.ports import Done, Failed, Formed
+from ftcomm.runtime.ports import Done, Failed, Formed, MemberRecord
 from tests.conftest import status
 from tests.fakeports import FakeClock, FakeMembership, FakeProber, FakeProposals, world_for
 
@@ -74,6 +74,26 @@ def test_a_group_is_gone_only_when_every_worker_that_held_a_view_refuses():
     assert membership.contacted == [("10.0.0.3", 7946)]  # it may be alive: told of this worker
     prober.answers[("10.0.0.3", 7946)] = True
     assert driver.group_gone(members)
+
+
+def test_a_group_member_whose_address_a_restarted_process_answers_from_is_gone_without_a_probe():
+    """A launcher started the group's members again at their addresses (seed 205 of
+    replicas: the new processes answer there, so a probe never refused and the group was
+    never shown gone). The old record is gone, as in refusing; so is a member of the list
+    it has no record of whose address a live member answers from."""
+    statuses = {"j": status("j", JOINING, joined_at=5.0)}
+    driver, membership, _, prober, _ = driver_for("j", statuses, joined_at=5.0)
+    old = dataclasses.replace(status("a", cv=4), alive=False, dead=True)
+    table = [MemberRecord("j", "alive", "10.0.0.9", 7000, statuses["j"]),
+             MemberRecord("a", "dead", "10.0.0.1", 7000, old),
+             MemberRecord("a2", "alive", "10.0.0.1", 7000, status("a2", JOINING)),
+             MemberRecord("b2", "alive", "10.0.0.2", 7946, status("b2", JOINING))]
+    membership.records = lambda: table
+    prober.answers = {}  # nothing refuses: every port answers
+    assert driver.group_gone(("a", "10.0.0.2:7946/b"))
+    assert all(not addresses for addresses, *_ in prober.probed)  # neither probed
+    table[2] = table[2]._replace(confirmed=False)  # a record that never answered this worker proves nothing
+    assert not driver.group_gone(("a",))
 
 
 def test_only_the_members_asked_about_that_refuse_are_proven_gone():
@@ -332,6 +352,31 @@ def test_a_seed_that_answers_as_a_member_of_the_candidate_counts_for_the_majorit
     clock.t += 0.1
     driver.look()
     assert driver.engine.proposal is not None  # a and b: 2 of 3
+
+
+def test_a_worker_started_again_after_its_group_ran_founds_nothing_while_a_seed_is_silent():
+    """Its job ran a group (``group_ran``: its launcher saw it run). A seed that answers
+    nothing may run that group on across a partition (a quorum that counts the crashed as
+    proven gone can be one member): the restarted workers, though a majority of the job,
+    would train it a second time beside it (seed 1876 of plain workers). Once that seed's
+    port refuses, it founds."""
+    statuses = {"a": status("a", JOINING, joined_at=0.0), "b": status("b", JOINING, joined_at=1.0)}
+    world = world_for("a", statuses, facts=lambda: (7, 0.25), group_ran=True)
+    driver, membership, prober, clock = world.driver, world.membership, world.prober, world.clock
+    silent = ("10.0.0.3", 7946)
+    membership.seed_addresses = [("10.0.0.1", 7001), silent]  # b (restarted too), and the group's last member
+    for _ in range(10):
+        clock.t += 0.1
+        driver.look()
+    assert driver.engine.proposal is None and driver.engine.silent_seeds == (silent,)  # 2 of 3, yet it waits
+    assert silent in prober.probed[0][0]
+    assert "founds no new group while 10.0.0.3:7946 answers nothing" in world.loop._waiting_for()
+    assert "start the job again without it in its peers" in world.loop._waiting_for()
+    prober.answers = {silent: True}  # its process is gone: no group runs there
+    for _ in range(4):
+        clock.t += 0.5
+        driver.look()
+    assert driver.engine.proposal is not None
 
 
 def test_a_fresh_worker_waits_for_the_workers_it_knows_of_that_have_not_answered_yet():

@@ -21,8 +21,11 @@ from ftcomm.sim import checks
 
 pytestmark = pytest.mark.timeout(900)  # generous: the seeds are CPU-bound and CI machines may be loaded
 
+BEFORE_RESTARTS_IN_PLACE = {"infant": False, "in_place": False}
+"""The world before a launcher started workers again at their addresses and new workers
+drew faults of their own (the seeds that name it were found in that world)."""
 AS_FOUND = {"keep_live": 2, "stop_kills": 0.0, "overlap": False, "log_in_step": False, "transfer_s": 0.0,
-            "observe_jitter": 0.0}
+            "observe_jitter": 0.0, **BEFORE_RESTARTS_IN_PLACE}
 """The seeds below were found when faults struck only while more than two workers (or
 replicas) lived, before a launcher killed stopped workers, and before the scripts
 overlapped backward, logged inside a step, sent their state in measurable time or saw
@@ -89,7 +92,7 @@ def test_no_liveness_is_owed_to_a_replica_two_states_behind_a_group_that_was_los
     commits step 34 without it; its last replica is then stopped and killed by the
     launcher. The replica left behind holds step 33 of a view that never committed 34: it
     cannot go on (it would train step 34 again) and is owed no liveness."""
-    world = GroupSimulation(7754, replica_size=2)
+    world = GroupSimulation(7754, replica_size=2, **BEFORE_RESTARTS_IN_PLACE)
     outcome = world.run()
     assert outcome.ok, outcome.violation
     assert not outcome.quorum_survived
@@ -105,7 +108,7 @@ def test_joiners_holding_back_for_their_state_neither_wait_for_ever_nor_found_a_
     worker had been given no peer). They now read the list while holding back, count every
     worker out of sight as possibly the group's, and a restarted worker gets the running
     ones as peers."""
-    outcomes = run_seeds([868, 5075])
+    outcomes = run_seeds([868, 5075], **BEFORE_RESTARTS_IN_PLACE)
     assert all(o.ok for o in outcomes), [o.violation for o in outcomes]
     assert all(o.first_alone for o in outcomes)
 
@@ -608,9 +611,9 @@ def test_a_proof_of_death_that_is_not_fresh_splits_the_group(monkeypatch):
     lost sight of dead, and counted them out, while the group had gone on without it in a
     newer view it had not heard of yet: two groups committed the same steps. A refusal
     proves a death only for a member seen alive within PROOF_FRESH chase intervals."""
-    assert run_seeds([1393])[0].ok
+    assert run_seeds([1393], **BEFORE_RESTARTS_IN_PLACE)[0].ok
     monkeypatch.setattr(core, "PROOF_FRESH", 10 ** 9)
-    outcome = run_seeds([1393])[0]
+    outcome = run_seeds([1393], **BEFORE_RESTARTS_IN_PLACE)[0]
     assert not outcome.ok and "invariant 4" in outcome.violation, outcome.violation
 
 
@@ -619,7 +622,7 @@ def test_newcomers_below_min_workers_in_a_gossip_cluster_of_their_own_ask_their_
     was cut off and the other newcomer hung joined each other's gossip only; below
     min_workers, a fresh worker never asked its seeds again, and the two clusters never
     met (invariant 6). It now probes, and asks again, the seeds no live member answers from."""
-    outcome = run_seeds([5855])[0]
+    outcome = run_seeds([5855], **BEFORE_RESTARTS_IN_PLACE)[0]
     assert outcome.ok, outcome.violation
     assert outcome.settle_s is not None
 
@@ -628,7 +631,7 @@ def test_a_side_whose_other_side_died_is_not_a_minority():
     """Seeds 3570, 6920 and 9361: a worker cut off from the rest of its view went on once the
     others' ports refused (they had crashed); the check of the partition's minority counts
     the other side's dead as it counts its departed."""
-    outcomes = run_seeds([3570, 6920, 9361])
+    outcomes = run_seeds([3570, 6920, 9361], **BEFORE_RESTARTS_IN_PLACE)
     assert all(o.ok for o in outcomes), [o.violation for o in outcomes]
 
 
@@ -639,14 +642,14 @@ def test_a_member_that_fails_on_its_own_while_a_straggler_is_chosen_is_not_the_c
     return. The choice was right for the step it was made in; invariant 9 judges it by the
     members that trained when that step began, and still catches a choice below min_workers
     (the guard test above)."""
-    outcome = run_seeds([7599])[0]
+    outcome = run_seeds([7599], **BEFORE_RESTARTS_IN_PLACE)[0]
     assert outcome.ok, outcome.violation
     assert outcome.exits.get("RetryLimitExceeded")
 
 
 # Seeds 9 and 169 of plain workers whose scripts average a metric between backward and the
-# step, in the world each was found in.
-BEFORE_HOOKS = {"first_step_overlaps": True, "metric_read": False}  # the worlds these seeds were found in
+# step, in the world each was found in (the first call installed the hooks; no metric read).
+BEFORE_HOOKS = {"first_step_overlaps": True, "metric_read": False, **BEFORE_RESTARTS_IN_PLACE}
 STRADDLED = {9: {"overlap": False, "log_in_step": True, "transfer_s": 0.0, "observe_jitter": 0.02, **BEFORE_HOOKS},
              169: {"overlap": True, "log_in_step": True, "transfer_s": 0.24522133209016897, "observe_jitter": 0.0,
                    **BEFORE_HOOKS}}
@@ -710,7 +713,8 @@ def test_a_member_whose_formation_failed_as_the_others_formed_the_view_forms_no_
     rank 0. They went on from view 3 (a majority of it); rank 0, seeing no record of view 3
     formed, held the tie of view 2 and formed a view alone, committing beside them. A
     candidate must be a quorum of a view entered and failed here too."""
-    world = {"overlap": True, "log_in_step": True, "transfer_s": 0.0, "observe_jitter": 0.02}
+    world = {"overlap": True, "log_in_step": True, "transfer_s": 0.0, "observe_jitter": 0.02,
+             **BEFORE_RESTARTS_IN_PLACE}
     assert GroupSimulation(8418, **world).run().ok
     monkeypatch.setattr(core.Engine, "_quorum_of_entered", staticmethod(lambda *args: True))
     outcome = GroupSimulation(8418, **world).run()
@@ -722,11 +726,58 @@ def test_failed_steps_in_a_row_between_which_a_metric_completes_end_in_the_retry
     step failed and re-formed while every metric completed, and each metric reset the
     count, so the user was never told (invariant 8); in 1705 a re-formation inside the
     metric was counted as the step's (the check's count now starts at the step)."""
-    worlds = {330: {"transfer_s": 0.09017202380220259, "observe_jitter": 0.005},
-              1705: {"transfer_s": 0.12473094961957708, "observe_jitter": 0.02}}
+    worlds = {330: {"transfer_s": 0.09017202380220259, "observe_jitter": 0.005, **BEFORE_RESTARTS_IN_PLACE},
+              1705: {"transfer_s": 0.12473094961957708, "observe_jitter": 0.02, **BEFORE_RESTARTS_IN_PLACE}}
     for seed, world in worlds.items():
         outcome = GroupSimulation(seed, replica_size=2, overlap=True, log_in_step=True, **world).run()
         assert outcome.ok, outcome.violation
     monkeypatch.setattr(core.Engine, "count_call_success", core.Engine.count_success)  # a call ends the row
     outcome = GroupSimulation(330, replica_size=2, overlap=True, log_in_step=True, **worlds[330]).run()
     assert not outcome.ok and "invariant 8" in outcome.violation
+
+
+RESTARTED_IN_PLACE = {1876: {"overlap": True, "log_in_step": False, "transfer_s": 0.0, "observe_jitter": 0.0,
+                             "infant": True, "in_place": True},
+                      1012: {"overlap": True, "log_in_step": False, "transfer_s": 0.20631978114970087,
+                             "observe_jitter": 0.0, "infant": True, "in_place": False}}
+"""The worlds these seeds were found in: new workers struck soon after their start, and (1876)
+a launcher that starts failed workers again at their addresses."""
+
+
+def test_workers_restarted_across_a_partition_from_the_group_found_no_second_group(monkeypatch):
+    """Seed 1876 of plain workers (six, min_workers 2): two had left, one had crashed, and a
+    partition cut off the worker that carried the group on (with a joiner). The launcher
+    started two crashed workers again on the other side: of their seeds, the two that left
+    and the crashed one refused, the group's own answered nothing, so the two made a
+    majority of their job as they knew it and founded a group at step 1 beside it. A
+    restarted worker founds only once every seed answers or refuses."""
+    world = RESTARTED_IN_PLACE[1876]
+    assert GroupSimulation(1876, **world).run().ok
+    monkeypatch.setattr(core.Engine, "group_ran", property(lambda self: False, lambda self, value: None))
+    outcome = GroupSimulation(1876, **world).run()
+    assert not outcome.ok and "invariant 4" in outcome.violation
+
+
+def test_a_member_alone_in_its_view_waits_for_a_quorum_of_the_view_it_failed_to_form(caplog):
+    """Seed 1012 of plain workers: the first worker founded alone (min_workers 1, started in
+    turn) and entered a view with three joiners, whose formation failed as one crashed; then
+    every joiner died, the last on a node cut off from it (nothing proves it gone). The view
+    may have formed on the others, so it waits for a quorum of that view (no liveness is
+    owed), and its notice names that view and the member it waits for."""
+    outcome = GroupSimulation(1012, **RESTARTED_IN_PLACE[1012]).run()
+    assert outcome.ok and not outcome.quorum_survived
+    assert ("majority of view 3 (4 members), which this worker entered and failed to form" in caplog.text
+            and "10.0.0.3:7946/7ebbc5e5 answers nothing" in caplog.text)
+
+
+def test_a_group_whose_members_were_restarted_at_their_addresses_is_shown_gone():
+    """Seed 205 of replicas: the first view lost a replica to a node loss in its reconcile,
+    so every worker was a joiner again that had seen a group; the launcher started the
+    replicas that failed again at their addresses. The replica left holding back probed the
+    group's members for proof that the group was gone, and the new processes answered at
+    the old addresses: no proof, and no group ever formed again. A member whose address
+    a live process answers from under another id is gone."""
+    world = {"overlap": True, "log_in_step": True, "transfer_s": 0.0, "observe_jitter": 0.0, "infant": False,
+             "in_place": True}
+    outcome = GroupSimulation(205, replica_size=2, **world).run()
+    assert outcome.ok and outcome.commits > 0

@@ -334,6 +334,31 @@ def test_a_killed_worker_is_restarted_rejoins_and_ends_with_the_others_state(tmp
     assert victim["id"] not in {e["id"] for e in done}  # the restarted process is a new member
 
 
+def test_a_worker_started_again_is_told_the_group_ran_once_the_launcher_saw_a_view():
+    """The launcher reads a running worker's member table each second until a record shows
+    a view; a worker it starts after that gets FTCOMM_GROUP_RAN=1 (it founds no group while
+    a peer is silent: the group may run on there), a first start never does."""
+    from ftcomm.gossip.runtime import GossipNode
+
+    launcher = Launcher(LaunchConfig(command=["true"], nproc=2), environ={}, out=io.StringIO())
+    worker = launcher.workers[0]
+    node = GossipNode(("127.0.0.1", worker.port), cluster=launcher.config.cluster, secret=launcher.secret,
+                      metadata={"ph": "joining", "cv": 0}).start()
+    try:
+        worker.status = "running"
+        launcher._watch_group(time.monotonic())
+        assert not launcher._group_ran  # no view yet
+        node.set_metadata({"ph": "active", "cv": 3})
+        wait_until(lambda: launcher._watch_group(time.monotonic() + 2.0) or launcher._group_ran, 10,
+                   "the launcher sees the view")
+    finally:
+        node.stop()
+    other = launcher.workers[1]
+    assert launcher.worker_env(other)["FTCOMM_GROUP_RAN"] == "0"  # a first start
+    other.restarts = 1
+    assert launcher.worker_env(other)["FTCOMM_GROUP_RAN"] == "1"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
 def test_rank_0_of_two_lost_the_survivor_trains_on_alone_and_nothing_committed_is_lost(sig):
     """Two workers: kill -9 of rank 0, or SIGSTOP (then the launcher kills it: a stopped

@@ -303,6 +303,7 @@ class Engine:
     saw_group: int = 0  # as a joiner that never had a view: the newest view of a group it saw (see _may_found)
     group_gone: bool = False  # the driver's answer to the last ProbeGroup
     proven_gone: frozenset = frozenset()  # the dead a ProbeMembers found refusing (see _probe_absent, _probe_gone)
+    short_of: View | None = None  # as of the last look: the view whose quorum its candidate lacks (None: none lacked)
     _probing: frozenset = frozenset()  # the members of the ProbeMembers in flight
     _alive_at: dict = field(default_factory=dict)  # member of the previous view -> when last seen alive (_probe_absent)
     _alive_for: tuple | None = None  # the view (id, digest) _alive_at is about
@@ -336,6 +337,8 @@ class Engine:
     _recontact_after: float = 0.0  # the wait before the next Recontact (doubles; see RECONTACT_MAX_S)
     max_retries: int = 5  # operations failed in a row before the caller gives up (see count_failure)
     seeds_gone: frozenset = frozenset()  # seed addresses found gone (a refused connection) while founding
+    group_ran: bool = False  # started again into a job whose group its launcher saw run (see _may_found_with)
+    silent_seeds: tuple = ()  # with group_ran: the seeds that held back its founding at the last look
     state_pending: bool = False  # a fresh worker that has no training state registered yet (see AwaitState)
     _awaiting_since: float | None = None  # when it first found a running group while state_pending
     _seeds_probed: float = float("-inf")
@@ -655,6 +658,7 @@ class Engine:
         cand = candidate(self.id, previous, statuses, self.config, self.max_processes, proven)
         if unsure and cand.quorum and not self._quorum_of_entered(entered, cand, statuses, proven):
             cand, short_of = dataclasses.replace(cand, quorum=False), entered
+        self.short_of = None if cand.quorum else short_of
         if self.state == REJOINING:
             if not self._may_refound(cand, statuses):
                 self._last = None
@@ -801,9 +805,20 @@ class Engine:
         run`` gives them), less those proven gone (their port refused a connection). A seed
         that does not answer may run the job's group across a partition, or be a worker that
         founds one with the others, and a minority founding beside it would train a second
-        group. With ``partition_policy="availability"`` any worker founds."""
+        group. With ``partition_policy="availability"`` any worker founds.
+
+        A worker its launcher started again after it saw the job's group run
+        (``group_ran``) comes back to a group that it may see no member of: the group may
+        run on in a seed that does not answer, across a partition, kept alive by a quorum
+        that counts the crashed as proven gone. It founds only once every seed answers or
+        is proven gone; a majority of the seeds would not do, since the group may be one
+        member and the restarted workers the rest."""
         if self.partition_policy == "availability":
             return True
+        self.silent_seeds = tuple(a for a, member in seeds.items() if member is None and a not in self.seeds_gone) \
+            if self.group_ran else ()
+        if self.silent_seeds:
+            return False
         job = [member for address, member in seeds.items() if address not in self.seeds_gone]
         present = sum(1 for member in job if member is not None and member in cand.members)
         return 2 * (1 + present) > 1 + len(job)

@@ -82,9 +82,9 @@ class Simulation:
             for node in self.nodes[1:]:
                 self._push(self._rng.uniform(0, 1.0), _STREAM, (node.index, 0, node.protocol.join_request(0.0)))
 
-    def _new_node(self, metadata: bytes = b"") -> _Node:
+    def _new_node(self, metadata: bytes = b"", host: str | None = None) -> _Node:
         i = len(self.nodes)
-        host = f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}"
+        host = host or f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}"
         member_id = f"{host}:{PORT}/{self._rng.getrandbits(32):08x}"
         protocol = Protocol(member_id, host, PORT, config=self.config, secret=self._secret,
                             metadata=metadata, seed=self._rng.getrandbits(32))
@@ -94,14 +94,19 @@ class Simulation:
         self._by_id[member_id] = i
         return node
 
-    def add_node(self, seed_index: int = 0) -> int:
+    def add_node(self, seed_index: int = 0, in_place_of: int | None = None) -> int:
         """A new member, started now, that joins through member ``seed_index``; its index.
         During a partition it starts on its seed's side (it reaches what its seed reaches:
-        a node that is off the network is off it for newcomers too)."""
-        node = self._new_node()
+        a node that is off the network is off it for newcomers too). ``in_place_of``: a
+        member whose process is gone, on whose host this one starts again: at its address
+        (what arrives there from then on reaches the new member) and on its side of a
+        partition."""
+        side = seed_index if in_place_of is None else in_place_of
+        host = None if in_place_of is None else self.member_id(in_place_of).split(":")[0]
+        node = self._new_node(host=host)
         if self._partition is not None:
             side_a, side_b = self._partition
-            self._partition = ((side_a | {node.index}, side_b) if seed_index in side_a
+            self._partition = ((side_a | {node.index}, side_b) if side in side_a
                                else (side_a, side_b | {node.index}))
         node.protocol.start(self.now)
         self._after(node)

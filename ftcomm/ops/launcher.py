@@ -14,6 +14,10 @@ Each worker is the user's command with ftcomm's environment:
   directory, or ``--checkpoint-dir``);
 - ``LOCAL_RANK`` / ``FTCOMM_LOCAL_RANK`` (0..N-1, for device selection) and
   ``FTCOMM_RESTARTS`` (how often this worker was restarted);
+- ``FTCOMM_GROUP_RAN=1`` for a worker started again once the launcher saw the job's group
+  run (a view in its local workers' member table, read each second until then): such a
+  worker founds no new group while one of its peers answers nothing (``ftcomm.init``'s
+  ``group_ran``);
 - ``OMP_NUM_THREADS=1`` with several workers per node, unless set (as torchrun does:
   several processes each running one OpenMP thread per core slow each other down).
 
@@ -311,6 +315,8 @@ class Launcher:
         self._group_answered = False
         self._exit_doors: dict[subprocess.Popen, int] = {}  # a running worker's process -> its pidfd (see _nap)
         self._answer_checked = 0.0
+        self._group_ran = False  # a local worker's member table showed a view of the job's group (_watch_group)
+        self._group_checked = 0.0
         if config.network_check:
             import tempfile
 
@@ -421,6 +427,7 @@ class Launcher:
                         self._start(w)
         if self._report_dir is not None:
             self._show_network_report()
+        self._watch_group(now)
         if self.config.standby:
             self._tend_standbys(now)
         self._status.update(now)
@@ -659,6 +666,24 @@ class Launcher:
             self._standby_after = now + STANDBY_RESPAWN_S
             self._spawn_standby(now)
 
+    def _watch_group(self, now: float) -> None:
+        """Once a second until it has: whether the job's group ran (a record in a local
+        worker's member table shows a view). A worker started again after that gets
+        ``FTCOMM_GROUP_RAN=1``: the group may run on in a peer that answers it nothing."""
+        if self._group_ran or now < self._group_checked + 1.0:
+            return
+        self._group_checked = now
+        from ..gossip.runtime import GossipError, query_members
+
+        for worker in [w for w in self.workers if w.status == "running"][:1]:
+            try:
+                members = query_members((self.config.host, worker.port), cluster=self.config.cluster,
+                                        secret=self.secret, timeout=0.2)
+            except GossipError:
+                return
+            self._group_ran = any(isinstance(m.metadata, dict) and isinstance(m.metadata.get("cv"), int)
+                                  and m.metadata["cv"] > 0 for m in members)
+
     def _group_answers(self) -> bool:
         from ..gossip.runtime import GossipError, query_members
 
@@ -744,6 +769,7 @@ class Launcher:
             "FTCOMM_LOCAL_RANK": str(worker.local_rank),
             "LOCAL_WORLD_SIZE": str(self.config.nproc),
             "FTCOMM_RESTARTS": str(worker.restarts),
+            "FTCOMM_GROUP_RAN": "1" if self._group_ran and worker.restarts else "0",
             "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
         })
         if self.config.replica_size > 1:

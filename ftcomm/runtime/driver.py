@@ -458,18 +458,24 @@ class Driver:
         Refused: the process is gone. One that does not answer may be across a partition
         (see Engine._may_found). A worker whose record shows no view counts too unless it is
         alive here: one out of sight may have joined the group since (a worker that held
-        back until its state was registered saw only the group's view of then)."""
+        back until its state was registered saw only the group's view of then). A worker
+        whose gossip address another live process answers from under another id is gone
+        without a probe (started again there, as in :meth:`refusing`)."""
         engine, membership = self.engine, self.ports.membership
+        records = list(membership.records())
+        held = {(r.host, r.port): r.id for r in records if r.confirmed and r.state == "alive"}
         targets, listed = [], set()
-        for record in membership.records():
+        for record in records:
             listed.add(record.id)
             status = record.status
             if record.id == engine.id or status is None or status.left or status.config != engine.config \
                     or (status.last_view == 0 and record.state == "alive"):
                 continue
+            if held.get((record.host, record.port), record.id) != record.id:
+                continue  # its process was replaced: gone
             targets.append(probe_address(record))
         unlisted = list(dict.fromkeys(a for a in (member_address(m) for m in members if m not in listed)
-                                      if a is not None))
+                                      if a is not None and held.get(a) is None))
         refused = self.ports.prober.refused(targets + unlisted, core.PROBE_TIMEOUT_S)
         for address, gone in zip(unlisted, refused[len(targets):]):
             if not gone:

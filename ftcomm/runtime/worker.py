@@ -309,6 +309,12 @@ class WorkerLoop:
                 "this worker saw a group but none of its members is live here, and not all of them are "
                 "gone for sure (some do not answer: across a partition?); with partition_policy='quorum' "
                 "it founds no second group")
+        if view is None and engine.silent_seeds:
+            silent = ", ".join(f"{h}:{p}" for h, p in engine.silent_seeds)
+            raise FtcommTimeout(
+                f"started again into a job whose group ran, this worker founds no new group while {silent} "
+                f"answer nothing (the group may run on there, across a partition); if a host is gone for good, "
+                f"start the job again without it in its peers")
         if view is None or engine.state == core.JOINING:
             raise FtcommTimeout(f"no view with at least {self._min_workers_text()} could be agreed "
                                 f"(this worker sees {self._live()} live members; group full or peers unreachable?)")
@@ -336,10 +342,14 @@ class WorkerLoop:
                     f"waiting for more to join or come back")
         if engine.view is not None:
             states = {r.id: r.state for r in self.ports.membership.records()}
-            silent = [m for m in engine.view.members
+            view = engine.short_of or engine.view
+            silent = [m for m in view.members
                       if m != engine.id and states.get(m) != "alive" and m not in engine.proven_gone]
             text = (f"{live} live members, waiting to agree on the next view with a majority of view "
-                    f"{engine.view.id} ({engine.view.size} members)")
+                    f"{view.id} ({view.size} members)")
+            if view.id > engine.view.id:
+                text += (f", which this worker entered and failed to form (it may have formed on the others, "
+                         f"who would go on from it), as well as of view {engine.view.id}")
             if silent:
                 names = ", ".join(silent[:3]) + (f" and {len(silent) - 3} more" if len(silent) > 3 else "")
                 text += (f"; {names} answer{'s' if len(silent) == 1 else ''} nothing and "
@@ -348,6 +358,14 @@ class WorkerLoop:
                          f"worker lost sight of it proves nothing): this worker goes on once they answer again; "
                          f"if they cannot come back, restart the job from its checkpoint")
             return text
+        if engine.silent_seeds:
+            names = ", ".join(f"{h}:{p}" for h, p in engine.silent_seeds[:3]) + (
+                f" and {len(engine.silent_seeds) - 3} more" if len(engine.silent_seeds) > 3 else "")
+            return (f"{live} live member{'s' if live != 1 else ''}; started again into a job whose group ran, this "
+                    f"worker founds no new group while {names} answer{'s' if len(engine.silent_seeds) == 1 else ''} "
+                    f"nothing (the group may run on there, across a partition): it joins the group once they "
+                    f"answer, or founds one once their ports refuse connections; if a host is gone for good, "
+                    f"start the job again without it in its peers")
         return f"{live} live members, agreeing on the first view"
 
     def gossip_states(self) -> dict[str, str]:

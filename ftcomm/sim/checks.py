@@ -157,6 +157,15 @@ def at_end(world: "GroupSimulation") -> None:
     left = set().union(*(gone_from(newest, world.read_statuses(w)) for w in live))
     survivors = [m for m in newest.members if m in live_ids] if newest is not None else []
     world.quorum_survived = newest is None or (bool(survivors) and has_quorum(newest, survivors, left))
+    # A live member that entered a newer view, whose formation failed everywhere, cannot know
+    # that: the view may have formed on the others (Engine._quorum_of_entered), so it goes on
+    # only with a quorum of that view too (or with its missing members proven gone).
+    for w in live:
+        entered, short_of = w.loop.engine.entered_view, w.loop.engine.short_of
+        if world.quorum_survived and entered is not None and newest is not None and entered.id > newest.id \
+                and short_of is not None and short_of.id == entered.id:
+            gone = set().union(*(gone_from(entered, world.read_statuses(x)) for x in live))
+            world.quorum_survived = has_quorum(entered, [m for m in entered.members if m in live_ids], gone)
     # Nor when the group's state died with the members that held it (every live member
     # holds an older one, beyond a step that committed on some members only): going on
     # from an older state would commit its steps again.

@@ -48,6 +48,7 @@ ports refuse), and started again. Half the hangs drawn under a launcher are such
 kernel, a frozen node), which no launcher sees."""
 CRASH_ERROR_DELAY = 0.005  # a crashed member's connections reset this long after its death
 COLLECTIVE_EVERY = 7  # the script averages a metric over the group (execute) after every this many commits
+INFANT_S = 1.5  # an infant fault strikes a worker this soon after its start, at most
 TRANSFER_S = (0.02, 0.3)  # a state transfer's time, for seeds whose model's state takes time to send
 SETTLED_RUN_S = 3.0
 """Once every live worker runs one view of all of them and commits, and no worker is on its
@@ -77,6 +78,7 @@ class Worker:
     state: SimState
     step_time: float
     replica: tuple[str, int] | None = None  # a sharded replica's process: (replica key, shard rank)
+    started_at: float = 0.0  # when its process started
     slow: float = 1.0
     crashed: bool = False
     crashed_at: float = float("inf")
@@ -174,7 +176,8 @@ class GroupSimulation:
                  first_alone: bool | None = None, starve: bool = False, stop_kills: float | None = None,
                  overlap: bool | None = None, log_in_step: bool | None = None,
                  transfer_s: float | None = None, observe_jitter: float | None = None,
-                 first_step_overlaps: bool = False, metric_read: bool = True) -> None:
+                 first_step_overlaps: bool = False, metric_read: bool = True,
+                 infant: bool | None = None, in_place: bool | None = None) -> None:
         self.seed = seed
         # Faults strike while more than this many workers (replicas) live: 1 for drawn
         # schedules (down to one of two: the survivor goes on once the other is proven dead,
@@ -190,6 +193,8 @@ class GroupSimulation:
             log_in_step = False if log_in_step is None else log_in_step
             transfer_s = 0.0 if transfer_s is None else transfer_s
             observe_jitter = 0.0 if observe_jitter is None else observe_jitter
+            infant = False if infant is None else infant
+            in_place = False if in_place is None else in_place
         # Drawn apart, so that one draw does not move the others.
         self.exclude_stragglers = (random.Random(f"{seed}/stragglers").random() < 0.5
                                    if exclude_stragglers is None else exclude_stragglers) and replica_size == 1
@@ -218,6 +223,13 @@ class GroupSimulation:
         self.observe_rng = random.Random(f"{seed}/observe")
         drawn_jitter = self.observe_rng.choice([0.0, 0.005, 0.02])
         self.observe_jitter = drawn_jitter if observe_jitter is None else observe_jitter
+        # New nodes fail early (bad hardware, a misconfigured host, a spot node taken back at
+        # once): in a seed of ``infant`` faults every worker started after t = 0 (a join, a
+        # restart, one started in turn) is struck within INFANT_S of its start by a
+        # crash, hang, node loss or partition of its own, while it may still be joining,
+        # holding back for its state, or in its first reconcile.
+        self.infant = random.Random(f"{seed}/infant").random() < 0.3 if infant is None else infant
+        self.infant_rng = random.Random(f"{seed}/infant/faults")
         # How the job starts: as ftcomm run starts it (every worker at once, each given all the
         # others as peers), or as a job that hands each worker the workers started before it
         # (ElasticRayJob, scripts given the first worker's address): the first starts a gossip
@@ -225,6 +237,11 @@ class GroupSimulation:
         if first_alone is None:
             first_alone = faults is None and random.Random(f"{seed}/start").random() < 0.25
         self.first_alone = first_alone and replica_size == 1 and not converged
+        # A launcher starts a failed worker (replica) again where it ran, at its address, as
+        # ftcomm run and a pod's restart do (a probe of the old member's port then finds the
+        # new one there), or elsewhere (a new pod, a job that starts its workers in turn).
+        self.in_place = (random.Random(f"{seed}/in_place").random() < 0.5 if in_place is None
+                         else in_place) and not self.first_alone
         # CPU starvation (``starve``: a host whose cores busy processes take): a member's loop,
         # timers and packets run late by up to a drawn lag, for seconds at a time, on any
         # member, the prober included. Not a fault: a member that keeps answering within the
@@ -360,7 +377,7 @@ class GroupSimulation:
         state = SimState(replica[1] if replica is not None else 0, registered=not register_at)
         engine = self._engine(member, node, now)
         w = Worker(node, None, state, step_time=self.rng.uniform(0.02, 0.05), replica=replica, joined=joined,
-                   register_at=register_at)
+                   register_at=register_at, started_at=now)
         comms = SimCommunicators(self, w)
         ports = Ports(self.clock, SimMembership(self, w), SimProposals(self, w), SimProber(self, w), comms,
                       SimCollective(self, w, comms), state)
@@ -379,6 +396,10 @@ class GroupSimulation:
             self.fault_times.append(now)  # a worker started: a view may be due (min_workers, a join)
         self.workers[node] = w
         self.by_id[member] = w
+        if self.infant and now > 0 and (replica is None or replica[1] == 0):
+            kind = self.infant_rng.choice(["crash", "hang", "node_loss", "partition"])
+            args = {"length": self.infant_rng.uniform(0.3, 8.0), "pick": 0.0, "split": 0.0}
+            self.sim.at(now + self.infant_rng.uniform(0.0, INFANT_S), lambda: self._infant_fault(kind, args, w))
         self.by_host[member_host(member, ("", 0))[0]] = w
         if self.sim.nodes[node].protocol.metadata != encode_metadata(w.loop.driver.record()):
             w.loop.driver.publish()  # (a converged start's members know this record already)
@@ -595,8 +616,11 @@ class GroupSimulation:
             self.starting -= 1
             live = self.live()
             if live:
-                node = self._add_node(live[0].node)
+                node = self._add_node(live[0].node, in_place_of=w.node if self.in_place else None)
                 x = self._start_worker(node, self.sim.now)
+                # ftcomm run tells a worker it starts again once it saw the group run
+                # (FTCOMM_GROUP_RAN); a job that starts its workers in turn does not.
+                x.loop.engine.group_ran = self._group_ran() and not self.first_alone
                 # The launcher gives it the peers its predecessor had: ftcomm run starts a worker
                 # again at its address, so each is where that peer's latest start runs now. A
                 # job that starts its workers in turn (first_alone: ElasticRayJob) gives it every
@@ -608,6 +632,10 @@ class GroupSimulation:
                 self.fault_log.append((self.sim.now, "restart", x.id))
                 self.sim.at(self.sim.now + self.config.join_retry_interval, lambda: self._retry_join(x, 1))
         self.sim.at(self.sim.now + delay, restart)
+
+    def _group_ran(self) -> bool:
+        """Whether a view of the job's group formed (its launcher saw the group run)."""
+        return any(x.loop.engine.entered_view is not None for x in self.workers.values())
 
     def _latest(self, node: int) -> int:
         """The node of the latest start of the worker first started on ``node``."""
@@ -781,10 +809,31 @@ class GroupSimulation:
             return None
         return live[int(frac * len(live)) % len(live)]
 
-    def _fault(self, kind: str, args: dict) -> None:
+    def _infant_fault(self, kind: str, args: dict, w: Worker) -> None:
+        """A fault of its own strikes ``w`` soon after its start (see ``infant``). One cut at
+        a time: a node loss or partition that would overlap another cut (one active, or one
+        the schedule starts before this one would heal) strikes as a crash instead."""
+        now = self.sim.now
+        if w.crashed or w.gone or w not in self.live():
+            return
+        if kind in ("node_loss", "partition"):
+            later = [t for t, k, _ in self.faults if k in ("node_loss", "partition") and t > now]
+            room = min(later, default=float("inf")) - now - 0.5
+            if self.partition is not None or room < 0.3:
+                kind = "crash"
+            else:
+                args = {**args, "length": min(args["length"], room)}
+        self.end_faults = max(self.end_faults, now + (args["length"] if kind != "crash" else 0.0))
+        self._fault(kind, args, target=w)
+
+    def _fault(self, kind: str, args: dict, target: Worker | None = None) -> None:
         """One fault of the schedule. With sharded replicas a fault strikes as it does where
         each replica is one host: a crash or hang strikes one process, a node loss and a
-        partition whole replicas, a join and a leave (scaling) a whole replica."""
+        partition whole replicas, a join and a leave (scaling) a whole replica. ``target``:
+        the worker a crash, hang or node loss strikes, or that a partition cuts off alone
+        (with its replica), instead of one drawn."""
+        if target is not None and (target.crashed or target.gone or target not in self.live()):
+            return
         now = self.sim.now
         self.fault_times.append(now)
         if kind in ("hang", "node_loss", "partition"):
@@ -792,7 +841,7 @@ class GroupSimulation:
         if kind != "slow":  # a recovery still under way waits for this fault too: not isolated
             self.pending_recovery = [(t, k, survivors, False) for t, k, survivors, _ in self.pending_recovery]
         if self.k > 1 and kind in ("join", "partition", "node_loss", "leave", "leave_after_commit"):
-            self._replica_fault(kind, args)
+            self._replica_fault(kind, args, target)
             return
         if kind == "join":
             live = self.live()
@@ -820,6 +869,8 @@ class GroupSimulation:
                 return
             cut = max(1, min(len(live) - 1, int(args["split"] * len(live)) or 1))
             side_a = {w.node for w in live[:cut]}
+            if target is not None:  # its link fails: it alone on one side
+                side_a = {w.node for w in live if w is not target}
             side_b = set(range(len(self.sim.nodes))) - side_a
             self.disturbed_until = max(self.disturbed_until, now + args["length"])
             self._cut(now, side_a, side_b, args["length"], kind)
@@ -827,6 +878,7 @@ class GroupSimulation:
         w = self._pick(args["pick"])
         if w is None:
             return
+        w = target or w
         self.fault_log.append((now, kind, w.id))
         survivors = {x.id for x in self.live() if x is not w}
         isolated = self._isolated(w)
@@ -864,7 +916,7 @@ class GroupSimulation:
             out.setdefault(w.replica[0], []).append(w)
         return out
 
-    def _replica_fault(self, kind: str, args: dict) -> None:
+    def _replica_fault(self, kind: str, args: dict, target: Worker | None = None) -> None:
         now = self.sim.now
         if kind == "join":
             if self.live():
@@ -876,12 +928,18 @@ class GroupSimulation:
                 return
             cut = max(1, min(len(replicas) - 1, int(args["split"] * len(replicas)) or 1))
             side_a = {w.node for r in replicas[:cut] for w in r}
+            if target is not None:  # the replica's hosts are cut off together
+                side_a = {w.node for r in replicas if r[0].replica[0] != target.replica[0] for w in r}
             self.disturbed_until = max(self.disturbed_until, now + args["length"])
             self._cut(now, side_a, set(range(len(self.sim.nodes))) - side_a, args["length"], kind)
             return
         if len(replicas) <= 2:  # keep a group to recover
             return
         victims = replicas[int(args["pick"] * len(replicas)) % len(replicas)]
+        if target is not None:
+            victims = next((r for r in replicas if r[0].replica[0] == target.replica[0]), None)
+            if victims is None:  # its replica is being started again
+                return
         self.fault_log.append((now, kind, f"replica {victims[0].replica[0]}"))
         ids = {w.id for w in victims}
         survivors = {x.id for x in self.live() if x.id not in ids}
@@ -901,15 +959,16 @@ class GroupSimulation:
                 w.leave_after_commit = True
         self.pending_recovery.append((now, "leave", survivors, isolated))
 
-    def _start_replica(self, now: float) -> list[Worker]:
-        """A replica's K processes start (a new one, or a failed one started again): each
-        joins through a live worker and retries as ``ftcomm.init`` does."""
+    def _start_replica(self, now: float, in_place_of: list[int] | None = None) -> list[Worker]:
+        """A replica's K processes start (a new one, or a failed one started again, on the
+        nodes ``in_place_of`` by shard): each joins through a live worker and retries as
+        ``ftcomm.init`` does."""
         key = f"R{self.replicas_started}"
         self.replicas_started += 1
         seed = self.live()[0].node
         started = []
         for shard in range(self.k):
-            node = self._add_node(seed)
+            node = self._add_node(seed, in_place_of[shard] if in_place_of else None)
             self.replica_of[node] = (key, shard)
             w = self._start_worker(node, now)
             self.sim.at(now + self.config.join_retry_interval, lambda w=w: self._retry_join(w, 1))
@@ -926,6 +985,8 @@ class GroupSimulation:
             return
         self.restarting.add(key)
         now = self.sim.now
+        shards = {w.replica[1]: w.node for w in self.workers.values() if w.replica is not None and w.replica[0] == key}
+        hosts = [shards[i] for i in range(self.k)] if len(shards) == self.k else None
         for w in self.workers.values():
             if w.replica is not None and w.replica[0] == key and not w.crashed and not w.exited:
                 self.sim.at(now + 0.05, lambda w=w: self._leave(w))
@@ -941,7 +1002,9 @@ class GroupSimulation:
             self.starting -= 1
             self.restarting.discard(key)
             if self.live():
-                self._start_replica(self.sim.now)
+                group_ran = self._group_ran()
+                for x in self._start_replica(self.sim.now, hosts if self.in_place else None):
+                    x.loop.engine.group_ran = group_ran
         self.sim.at(now + REPLICA_RESTART_S, restart)
 
     def _in_a_view(self, victim: Worker) -> bool:
@@ -989,9 +1052,12 @@ class GroupSimulation:
             self.pending_recovery.append((now, kind, *survivors))
         self.sim.at(now + length, self._heal)
 
-    def _add_node(self, seed: int) -> int:
-        """A new node that joins through node ``seed``; during a cut it is on ``seed``'s side."""
-        node = self.sim.add_node(seed_index=seed)
+    def _add_node(self, seed: int, in_place_of: int | None = None) -> int:
+        """A new node that joins through node ``seed``; during a cut it is on ``seed``'s side.
+        ``in_place_of``: a node whose process is gone, on whose host (its address, its side
+        of a cut) the new process starts, as a launcher starts a worker again where it ran."""
+        node = self.sim.add_node(seed_index=seed, in_place_of=in_place_of)
+        seed = seed if in_place_of is None else in_place_of
         if self.partition is not None:
             side_a, side_b, before = self.partition
             new, seed_id = self.sim.member_id(node), self.sim.member_id(seed)
