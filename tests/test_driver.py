@@ -94,6 +94,11 @@ def test_a_group_member_whose_address_a_restarted_process_answers_from_is_gone_w
     assert all(not addresses for addresses, *_ in prober.probed)  # neither probed
     table[2] = table[2]._replace(confirmed=False)  # a record that never answered this worker proves nothing
     assert not driver.group_gone(("a",))
+    # two live records answer from one address (one is stale, which is not known): probed
+    table[2] = table[2]._replace(confirmed=True)
+    table.append(MemberRecord("a3", "alive", "10.0.0.1", 7000, status("a3", JOINING)))
+    assert not driver.group_gone(("a",)) and prober.probed[-1][0] == [("10.0.0.1", 4000)]
+    assert driver.refusing(["a2"]) == [] and prober.probed[-1][0] == [("10.0.0.1", 4000)]
 
 
 def test_only_the_members_asked_about_that_refuse_are_proven_gone():

@@ -71,6 +71,18 @@ def member_address(member_id: str) -> Address | None:
     return (host, port) if 0 < port <= 65535 else None
 
 
+def holders(records: Iterable) -> dict[Address, str | None]:
+    """Which member answers at each gossip address: the one live record there that answered
+    this worker directly (one port, one process), or None where two do (a process started
+    again there while its predecessor's record is not suspected yet: which one is stale is
+    not known, so neither proves the other gone)."""
+    held: dict[Address, str | None] = {}
+    for r in records:
+        if r.confirmed and r.state == "alive":
+            held[(r.host, r.port)] = r.id if (r.host, r.port) not in held else None
+    return held
+
+
 def probe_address(record) -> Address:
     """Where a member in the gossip table is probed for a refusal: the rendezvous port its
     status record names, else its gossip port."""
@@ -435,13 +447,13 @@ class Driver:
         there: one port, one process). One that cannot be addressed, or does not answer, is
         not among them."""
         records = {record.id: record for record in self.ports.membership.records()}
-        held = {(r.host, r.port): r.id for r in records.values() if r.confirmed and r.state == "alive"}
+        held = holders(records.values())
         targets: dict[str, tuple[str, int]] = {}
         replaced = []
         for member in dict.fromkeys(members):
             record = records.get(member)
             at = member_address(member) if record is None else (record.host, record.port)
-            if at is not None and held.get(at, member) != member:
+            if at is not None and held.get(at) not in (None, member):
                 replaced.append(member)
                 continue
             address = at if record is None else probe_address(record)
@@ -463,7 +475,7 @@ class Driver:
         without a probe (started again there, as in :meth:`refusing`)."""
         engine, membership = self.engine, self.ports.membership
         records = list(membership.records())
-        held = {(r.host, r.port): r.id for r in records if r.confirmed and r.state == "alive"}
+        held = holders(records)
         targets, listed = [], set()
         for record in records:
             listed.add(record.id)
@@ -471,7 +483,7 @@ class Driver:
             if record.id == engine.id or status is None or status.left or status.config != engine.config \
                     or (status.last_view == 0 and record.state == "alive"):
                 continue
-            if held.get((record.host, record.port), record.id) != record.id:
+            if held.get((record.host, record.port)) not in (None, record.id):
                 continue  # its process was replaced: gone
             targets.append(probe_address(record))
         unlisted = list(dict.fromkeys(a for a in (member_address(m) for m in members if m not in listed)
