@@ -739,9 +739,21 @@ def test_failed_steps_in_a_row_between_which_a_metric_completes_end_in_the_retry
 RESTARTED_IN_PLACE = {1876: {"overlap": True, "log_in_step": False, "transfer_s": 0.0, "observe_jitter": 0.0,
                              "infant": True, "in_place": True},
                       1012: {"overlap": True, "log_in_step": False, "transfer_s": 0.20631978114970087,
-                             "observe_jitter": 0.0, "infant": True, "in_place": False}}
+                             "observe_jitter": 0.0, "infant": True, "in_place": False},
+                      5415: {"overlap": True, "log_in_step": False, "transfer_s": 0.0, "observe_jitter": 0.005,
+                             "infant": True, "in_place": False},
+                      8081: {"overlap": True, "log_in_step": False, "transfer_s": 0.04662251891226672,
+                             "observe_jitter": 0.02, "infant": True, "in_place": False}}
 """The worlds these seeds were found in: new workers struck soon after their start, and (1876)
 a launcher that starts failed workers again at their addresses."""
+
+
+def _group_members_of_the_newest_list(self, statuses):
+    """Engine._group_members before seed 5415: the newest list alone."""
+    known = [(key[0], members) for key, members in self.fetched.items() if key[0] >= self.saw_group]
+    if self.entered_view is not None and self.entered_view.id >= self.saw_group:
+        known.append((self.entered_view.id, self.entered_view.members))
+    return max(known)[1] if known else None
 
 
 def test_workers_restarted_across_a_partition_from_the_group_found_no_second_group(monkeypatch):
@@ -781,3 +793,23 @@ def test_a_group_whose_members_were_restarted_at_their_addresses_is_shown_gone()
              "in_place": True}
     outcome = GroupSimulation(205, replica_size=2, **world).run()
     assert outcome.ok and outcome.commits > 0
+
+
+def test_a_joiner_whose_view_committed_nothing_proves_the_group_gone_only_with_the_view_before(monkeypatch):
+    """Seed 5415 of plain workers: a joiner entered view 8 with the group's last state
+    holder and another joiner, never received the state, and both died; of view 6, which
+    view 8 came from, a member left out of view 8 (hung, and in no table of the joiner) held
+    the group's newest step. Probing view 8's members proved the group gone, and the joiner
+    founded one at step 1 beside that member. View 8 committed nothing: without the list of
+    the view before, nothing shows the group gone."""
+    assert GroupSimulation(5415, **RESTARTED_IN_PLACE[5415]).run().ok
+    monkeypatch.setattr(core.Engine, "_group_members", _group_members_of_the_newest_list)
+    outcome = GroupSimulation(5415, **RESTARTED_IN_PLACE[5415]).run()
+    assert not outcome.ok and "invariant 4" in outcome.violation
+
+
+def test_a_straggler_chosen_by_a_step_whose_view_then_broke_re_forms_with_the_others():
+    """Seed 8081 of plain workers: the metric after the step that chose a straggler found
+    the view broken by gossip news and raised IllegalTransition ('broken' in ASIDE_DUE)."""
+    outcome = GroupSimulation(8081, **RESTARTED_IN_PLACE[8081]).run()
+    assert outcome.ok, outcome.violation

@@ -353,6 +353,23 @@ def test_execute_runs_again_when_every_member_of_the_new_view_is_at_the_same_cal
     assert call.done and call.result == 2.5
 
 
+def test_a_metric_after_the_step_that_chose_a_straggler_re_forms_when_news_broke_the_view():
+    """Seed 8081 of plain workers: the step chose this worker to stand aside (ASIDE_DUE,
+    done at the next step boundary); before the metric that follows the step, gossip news
+    broke the view. It re-forms with the others (its standing aside judged again later)
+    instead of raising IllegalTransition."""
+    world = running()
+    world.engine.state = core.ASIDE_DUE
+    world.loop.news.post(types.SimpleNamespace(kind="dead", member=types.SimpleNamespace(
+        id="b", state="dead", metadata=None)))
+
+    def attempt():
+        return (yield from world.loop.collective("a metric"))
+    call = Phase(world.loop.execute(attempt))
+    call.settle()
+    assert world.engine.state in (core.AGREEING, core.FORMING) and not call.done
+
+
 def execute_reformed(reason: str) -> tuple[World, Phase, Phase]:
     """A running pair whose execute() failed (``reason``) and re-agreed: the world, the
     call, and the new view's verification, unanswered."""

@@ -90,7 +90,8 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (FORMING, "form failed joiner"): JOINING,  # it never had one
     (FORMING, "form failed rejoiner"): REJOINING,  # it lost its view before
     (RECONCILING, "reconciled"): RUNNING,
-    **{(state, "broken"): AGREEING for state in (RECONCILING, RUNNING, RECONCILE_DUE, BROKEN, JOIN_DUE)},
+    # (a straggler whose view broke before it stood aside re-forms with the others: judged again later)
+    **{(state, "broken"): AGREEING for state in (RECONCILING, RUNNING, RECONCILE_DUE, BROKEN, JOIN_DUE, ASIDE_DUE)},
     # it never held the group's state: reconciling, or its reconcile deferred (and failed)
     **{(state, "broken unreconciled joiner"): JOINING for state in UNRECONCILED},
     **{(state, "broken unreconciled rejoiner"): REJOINING for state in UNRECONCILED},
@@ -302,6 +303,7 @@ class Engine:
     seen_view: int = 0  # the newest view of this group shown by a member not known to be gone (as of the last look)
     saw_group: int = 0  # as a joiner that never had a view: the newest view of a group it saw (see _may_found)
     group_gone: bool = False  # the driver's answer to the last ProbeGroup
+    _probed_list: tuple | None = None  # the member list of the last ProbeGroup (see _group_members)
     proven_gone: frozenset = frozenset()  # the dead a ProbeMembers found refusing (see _probe_absent, _probe_gone)
     short_of: View | None = None  # as of the last look: the view whose quorum its candidate lacks (None: none lacked)
     _probing: frozenset = frozenset()  # the members of the ProbeMembers in flight
@@ -637,7 +639,8 @@ class Engine:
                 self._probed_at = now
                 # Without the group's member list nothing can show the group gone: the probe
                 # only contacts its seeds again.
-                return [ProbeGroup(self._group_members())]
+                self._probed_list = self._group_members(statuses)
+                return [ProbeGroup(self._probed_list)]
         previous = self.view if self.state == AGREEING else None
         entered = self.entered_view
         if previous is not None and entered is not None and entered.id > previous.id and any(
@@ -789,15 +792,33 @@ class Engine:
         return (self.state == REJOINING or not self.saw_group or self.group_gone
                 or self.partition_policy == "availability")
 
-    def _group_members(self) -> tuple[str, ...] | None:
+    def _group_members(self, statuses: dict[str, Status]) -> tuple[str, ...] | None:
         """The members of the newest view of the group it saw whose list it read, or that it
         entered itself (a group founded with it whose state it never received: its members
-        may all be joiners again), if any."""
+        may all be joiners again), if any.
+
+        A view it entered and never received the state of committed nothing its members had
+        not committed before: a member of the view they came from, left out of this one (it
+        hung, or was cut off), may hold the group's newest state as they did. With that
+        view's list read too the two are probed; without it (the view the records of the
+        entered view's members show before it) nothing can show the group gone (seed 5415
+        of plain workers: the member left out, hung, was in no table of this worker)."""
         known = [(key[0], members) for key, members in self.fetched.items() if key[0] >= self.saw_group]
         entered = self.entered_view
         if entered is not None and entered.id >= self.saw_group:
             known.append((entered.id, entered.members))
-        return max(known)[1] if known else None
+        if not known:
+            return None
+        newest_id, members = max(known)
+        if entered is not None and newest_id == entered.id and self.view is None:
+            before = max([statuses[m].last_view for m in entered.members
+                          if m in statuses and m != self.id and statuses[m].last_view < entered.id], default=0)
+            if before > 0:
+                lists = [m for key, m in self.fetched.items() if key[0] == before]
+                if not lists:
+                    return None
+                members = tuple(dict.fromkeys((*members, *lists[-1])))
+        return members
 
     def _may_found_with(self, cand: Candidate, seeds: dict[tuple[str, int], str | None]) -> bool:
         """A fresh group is founded only by a majority of its job as this worker knows it:
@@ -839,7 +860,7 @@ class Engine:
     def group_probed(self, gone: bool) -> None:
         """The answer to a :class:`ProbeGroup` (one without a member list never shows the
         group gone)."""
-        self.group_gone = gone and self._group_members() is not None
+        self.group_gone = gone and self._probed_list is not None
 
     def members_probed(self, refused: Iterable[str]) -> None:
         """The answer to a :class:`ProbeMembers`: these members refused a connection. Only
