@@ -788,7 +788,11 @@ def test_a_group_whose_members_were_restarted_at_their_addresses_is_shown_gone()
     replicas that failed again at their addresses. The replica left holding back probed the
     group's members for proof that the group was gone, and the new processes answered at
     the old addresses: no proof, and no group ever formed again. A member whose address
-    a live process answers from under another id is gone."""
+    a live process answers from under another id is gone. (The simulated prober knows a
+    host, not a port: a live process answers for every port of its address, where a real
+    restarted process binds a new rendezvous port and the old one refuses. The proof by
+    address matters in reality for members probed at their gossip port: those in the
+    list of the view but in no table of the prober.)"""
     world = {"overlap": True, "log_in_step": True, "transfer_s": 0.0, "observe_jitter": 0.0, "infant": False,
              "in_place": True}
     outcome = GroupSimulation(205, replica_size=2, **world).run()
