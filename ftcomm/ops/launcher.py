@@ -673,28 +673,26 @@ class Launcher:
         if self._group_ran or now < self._group_checked + 1.0:
             return
         self._group_checked = now
-        from ..gossip.runtime import GossipError, query_members
-
-        for worker in [w for w in self.workers if w.status == "running"][:1]:
-            try:
-                members = query_members((self.config.host, worker.port), cluster=self.config.cluster,
-                                        secret=self.secret, timeout=0.2)
-            except GossipError:
-                return
-            self._group_ran = any(isinstance(m.metadata, dict) and isinstance(m.metadata.get("cv"), int)
-                                  and m.metadata["cv"] > 0 for m in members)
+        members = self._local_members()
+        self._group_ran = members is not None and any(
+            isinstance(m.metadata, dict) and isinstance(m.metadata.get("cv"), int) and m.metadata["cv"] > 0
+            for m in members)
 
     def _group_answers(self) -> bool:
+        return self._local_members() is not None
+
+    def _local_members(self) -> list | None:
+        """The member table of the first running local worker (None: it does not answer
+        within 0.2 s, or none runs)."""
         from ..gossip.runtime import GossipError, query_members
 
         for worker in [w for w in self.workers if w.status == "running"][:1]:
             try:
-                query_members((self.config.host, worker.port), cluster=self.config.cluster, secret=self.secret,
-                              timeout=0.2)
-                return True
+                return query_members((self.config.host, worker.port), cluster=self.config.cluster,
+                                     secret=self.secret, timeout=0.2)
             except GossipError:
-                pass
-        return False
+                return None
+        return None
 
     def _spawn_standby(self, now: float) -> None:
         env = dict(self.environ)

@@ -60,6 +60,11 @@ WAIT_NOTICE_S = 5.0
 WAIT_REPEAT_S = 30.0
 
 
+def _names(items: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``items``, and how many more, for a notice."""
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
 class WorkerLoop:
     """One worker's steps and views (see the module docstring).
 
@@ -310,11 +315,7 @@ class WorkerLoop:
                 "gone for sure (some do not answer: across a partition?); with partition_policy='quorum' "
                 "it founds no second group")
         if view is None and engine.silent_seeds:
-            silent = ", ".join(f"{h}:{p}" for h, p in engine.silent_seeds)
-            raise FtcommTimeout(
-                f"started again into a job whose group ran, this worker founds no new group while {silent} "
-                f"answer nothing (the group may run on there, across a partition); if a host is gone for good, "
-                f"start the job again without it in its peers")
+            raise FtcommTimeout(self._silent_seeds_text())
         if view is None or engine.state == core.JOINING:
             raise FtcommTimeout(f"no view with at least {self._min_workers_text()} could be agreed "
                                 f"(this worker sees {self._live()} live members; group full or peers unreachable?)")
@@ -351,22 +352,24 @@ class WorkerLoop:
                 text += (f", which this worker entered and failed to form (it may have formed on the others, "
                          f"who would go on from it), as well as of view {engine.view.id}")
             if silent:
-                names = ", ".join(silent[:3]) + (f" and {len(silent) - 3} more" if len(silent) > 3 else "")
-                text += (f"; {names} answer{'s' if len(silent) == 1 else ''} nothing and "
+                text += (f"; {_names(silent)} answer{'s' if len(silent) == 1 else ''} nothing and "
                          f"{'is' if len(silent) == 1 else 'are'} not proven gone (a lost node, a partition or "
                          f"a stopped process refuses no connection, and a process that died long after this "
                          f"worker lost sight of it proves nothing): this worker goes on once they answer again; "
                          f"if they cannot come back, restart the job from its checkpoint")
             return text
         if engine.silent_seeds:
-            names = ", ".join(f"{h}:{p}" for h, p in engine.silent_seeds[:3]) + (
-                f" and {len(engine.silent_seeds) - 3} more" if len(engine.silent_seeds) > 3 else "")
-            return (f"{live} live member{'s' if live != 1 else ''}; started again into a job whose group ran, this "
-                    f"worker founds no new group while {names} answer{'s' if len(engine.silent_seeds) == 1 else ''} "
-                    f"nothing (the group may run on there, across a partition): it joins the group once they "
-                    f"answer, or founds one once their ports refuse connections; if a host is gone for good, "
-                    f"start the job again without it in its peers")
+            return f"{live} live member{'s' if live != 1 else ''}; {self._silent_seeds_text()}"
         return f"{live} live members, agreeing on the first view"
+
+    def _silent_seeds_text(self) -> str:
+        """Why a worker started again into a job whose group ran founds no group yet."""
+        seeds = self.engine.silent_seeds
+        return (f"started again into a job whose group ran, this worker founds no new group while "
+                f"{_names([f'{h}:{p}' for h, p in seeds])} answer{'s' if len(seeds) == 1 else ''} nothing (the "
+                f"group may run on there, across a partition): it joins the group once they answer, or founds "
+                f"one once their ports refuse connections; if a host is gone for good, start the job again "
+                f"without it in its peers")
 
     def gossip_states(self) -> dict[str, str]:
         """Each member's gossip state, ``benched`` for a straggler standing aside."""

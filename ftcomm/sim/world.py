@@ -814,7 +814,7 @@ class GroupSimulation:
         a time: a node loss or partition that would overlap another cut (one active, or one
         the schedule starts before this one would heal) strikes as a crash instead."""
         now = self.sim.now
-        if w.crashed or w.gone or w not in self.live():
+        if w not in self.live():
             return
         if kind in ("node_loss", "partition"):
             later = [t for t, k, _ in self.faults if k in ("node_loss", "partition") and t > now]
@@ -831,9 +831,7 @@ class GroupSimulation:
         each replica is one host: a crash or hang strikes one process, a node loss and a
         partition whole replicas, a join and a leave (scaling) a whole replica. ``target``:
         the worker a crash, hang or node loss strikes, or that a partition cuts off alone
-        (with its replica), instead of one drawn."""
-        if target is not None and (target.crashed or target.gone or target not in self.live()):
-            return
+        (with its replica), instead of one drawn (live: see _infant_fault)."""
         now = self.sim.now
         self.fault_times.append(now)
         if kind in ("hang", "node_loss", "partition"):
