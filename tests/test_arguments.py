@@ -153,6 +153,7 @@ def test_init_turns_a_gossip_dict_into_a_gossip_config_and_refuses_an_unknown_fi
     ({"cluster": ""}, ValueError, r"cluster must be a non-empty string"),
     ({"cluster": 7}, TypeError, r"cluster must be a non-empty string"),
     ({"no_such_option": 1}, ValueError, r"unknown option\(s\) no_such_option"),
+    ({"group_ran": "yes"}, TypeError, r"group_ran must be True, False or None"),
 ])
 def test_init_refuses_a_bad_argument_at_once_naming_it(clean_env, no_store, kwargs, error, match):
     refused(error, match, **kwargs)
@@ -162,6 +163,7 @@ def test_init_refuses_a_bad_argument_at_once_naming_it(clean_env, no_store, kwar
     ("FTCOMM_PEERS", "10.0.0.4:7946,10.0.0.5:-1", ValueError, r"\$FTCOMM_PEERS: bad address '10.0.0.5:-1'"),
     ("FTCOMM_BIND", "127.0.0.1:port", ValueError, r"bind \(from \$FTCOMM_BIND\): bad address"),
     ("FTCOMM_CLUSTER", "", ValueError, r"\$FTCOMM_CLUSTER is set but empty"),
+    ("FTCOMM_GROUP_RAN", "maybe", ValueError, r"\$FTCOMM_GROUP_RAN must be 1 or 0"),
 ])
 def test_init_names_the_environment_variable_a_bad_value_came_from(clean_env, no_store, variable, value, error,
                                                                    match):
