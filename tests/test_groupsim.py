@@ -817,3 +817,18 @@ def test_a_straggler_chosen_by_a_step_whose_view_then_broke_re_forms_with_the_ot
     the view broken by gossip news and raised IllegalTransition ('broken' in ASIDE_DUE)."""
     outcome = GroupSimulation(8081, **RESTARTED_IN_PLACE[8081]).run()
     assert outcome.ok, outcome.violation
+
+
+def test_a_straggler_standing_aside_is_not_waited_for_by_the_recovery_of_a_fault_on_another():
+    """Seed 250: a slow member stood aside as a straggler for 2 s; a node loss struck another
+    member while it was away. The other four committed in a view without the lost member
+    0.86 s later; the straggler came back when its time aside ended, 1.7 s after that. The
+    node loss's recovery is the four's: the straggler's return is its own, as a join is."""
+    sim = GroupSimulation(250)
+    outcome = sim.run()
+    assert outcome.ok, outcome.violation
+    (_, t, allowed, latency, _), = [r for r in sim.recoveries if r[0] == "node_loss"]
+    aside = next(w for w in sim.workers.values() if any(kind == "slow" and who == w.id
+                                                       for _, kind, who in outcome.faults))
+    back = min(c[0] for c in aside.committed if c[0] > t)
+    assert allowed + latency < back  # recovered before the straggler returned

@@ -878,14 +878,14 @@ class GroupSimulation:
             return
         w = target or w
         self.fault_log.append((now, kind, w.id))
-        survivors = {x.id for x in self.live() if x is not w}
+        survivors = self._survivors({w.id})
         isolated = self._isolated(w)
         if not self._in_a_view(w):  # already out of every survivor's view: nothing to recover from
             survivors = set()
         if kind in ("hang", "node_loss"):
             self.disturbed_until = max(self.disturbed_until, now + args["length"])
         if self.k > 1:  # the other replicas survive it
-            survivors = {x.id for x in self.live() if x.replica[0] != w.replica[0]}
+            survivors = self._survivors({x.id for x in self.live() if x.replica[0] == w.replica[0]})
         if kind == "crash":
             self.pending_recovery.append((now, kind, survivors, isolated))
             self._killed(w)
@@ -905,6 +905,12 @@ class GroupSimulation:
             else:
                 w.leave_after_commit = True
             self.pending_recovery.append((now, "leave", survivors, isolated))
+
+    def _survivors(self, struck: set[str]) -> set[str]:
+        """The live workers a fault on ``struck`` leaves, whose next commit in a newer view
+        ends its recovery; a straggler standing aside is not among them: it comes back when
+        its own time aside ends, as a join does, whatever struck the others."""
+        return {x.id for x in self.live() if x.id not in struck and not x.loop.engine.aside}
 
     # ------------------------------------------------------------------ sharded replicas
     def _replicas(self) -> dict[str, list[Worker]]:
@@ -940,7 +946,7 @@ class GroupSimulation:
                 return
         self.fault_log.append((now, kind, f"replica {victims[0].replica[0]}"))
         ids = {w.id for w in victims}
-        survivors = {x.id for x in self.live() if x.id not in ids}
+        survivors = self._survivors(ids)
         isolated = all(self._isolated(w) for w in victims)
         if not any(self._in_a_view(w) for w in victims):  # already out of every survivor's view
             survivors = set()
