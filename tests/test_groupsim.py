@@ -21,7 +21,10 @@ from ftcomm.sim import checks
 
 pytestmark = pytest.mark.timeout(900)  # generous: the seeds are CPU-bound and CI machines may be loaded
 
-BEFORE_RESTARTS_IN_PLACE = {"infant": False, "in_place": False}
+NO_LATER_DRAWS = {"misconfigured": False, "model_after_init": False}
+"""The world before an operator scaled up with other settings and the first workers built
+their model after init (the seeds that name it were found before)."""
+BEFORE_RESTARTS_IN_PLACE = {"infant": False, "in_place": False, **NO_LATER_DRAWS}
 """The world before a launcher started workers again at their addresses and new workers
 drew faults of their own (the seeds that name it were found in that world)."""
 AS_FOUND = {"keep_live": 2, "stop_kills": 0.0, "overlap": False, "log_in_step": False, "transfer_s": 0.0,
@@ -737,13 +740,13 @@ def test_failed_steps_in_a_row_between_which_a_metric_completes_end_in_the_retry
 
 
 RESTARTED_IN_PLACE = {1876: {"overlap": True, "log_in_step": False, "transfer_s": 0.0, "observe_jitter": 0.0,
-                             "infant": True, "in_place": True},
+                             "infant": True, "in_place": True, **NO_LATER_DRAWS},
                       1012: {"overlap": True, "log_in_step": False, "transfer_s": 0.20631978114970087,
-                             "observe_jitter": 0.0, "infant": True, "in_place": False},
+                             "observe_jitter": 0.0, "infant": True, "in_place": False, **NO_LATER_DRAWS},
                       5415: {"overlap": True, "log_in_step": False, "transfer_s": 0.0, "observe_jitter": 0.005,
-                             "infant": True, "in_place": False},
+                             "infant": True, "in_place": False, **NO_LATER_DRAWS},
                       8081: {"overlap": True, "log_in_step": False, "transfer_s": 0.04662251891226672,
-                             "observe_jitter": 0.02, "infant": True, "in_place": False}}
+                             "observe_jitter": 0.02, "infant": True, "in_place": False, **NO_LATER_DRAWS}}
 """The worlds these seeds were found in: new workers struck soon after their start, and (1876)
 a launcher that starts failed workers again at their addresses."""
 
@@ -824,7 +827,7 @@ def test_a_straggler_standing_aside_is_not_waited_for_by_the_recovery_of_a_fault
     member while it was away. The other four committed in a view without the lost member
     0.86 s later; the straggler came back when its time aside ended, 1.7 s after that. The
     node loss's recovery is the four's: the straggler's return is its own, as a join is."""
-    sim = GroupSimulation(250)
+    sim = GroupSimulation(250, **NO_LATER_DRAWS)
     outcome = sim.run()
     assert outcome.ok, outcome.violation
     (_, t, allowed, latency, _), = [r for r in sim.recoveries if r[0] == "node_loss"]
@@ -832,3 +835,21 @@ def test_a_straggler_standing_aside_is_not_waited_for_by_the_recovery_of_a_fault
                                                        for _, kind, who in outcome.faults))
     back = min(c[0] for c in aside.committed if c[0] > t)
     assert allowed + latency < back  # recovered before the straggler returned
+
+
+def test_a_worker_started_with_other_settings_ends_on_config_mismatch_and_never_joins_a_view():
+    """Seed 2: an operator scales up by hand with another min_workers. The new worker ends
+    on ConfigMismatch, committing nothing; the group never includes it (invariant 11)."""
+    sim = GroupSimulation(2)
+    outcome = sim.run()
+    assert outcome.ok, outcome.violation
+    foreign, = [w for w in sim.workers.values() if w.foreign]
+    assert foreign.exited and not foreign.committed and outcome.exits.get("ConfigMismatch") == 1
+    assert not any(foreign.id in change.members for w in sim.workers.values() for change in w.loop.events
+                   if not w.foreign)
+
+
+def test_without_the_settings_check_a_worker_with_other_settings_trains_with_the_group(monkeypatch):
+    monkeypatch.setattr(core, "settings_conflict", lambda *args: None)
+    outcome = GroupSimulation(2).run()
+    assert not outcome.ok and "invariant 11" in outcome.violation, outcome.violation

@@ -33,9 +33,10 @@ virtual clock, loss and delay). This package holds only the world:
 Each seed draws a group size, ``min_workers``, ``max_retries``, network conditions, whether
 backward overlaps the reduction, where the script's collective sits, how long a state
 transfer takes, how far apart members observe an operation, whether a launcher
-restarts failed workers (at their addresses, or on new hosts), whether joiners register
-their state late, whether new workers fail early (a fault of their own soon after they
-start), whether the workers
+restarts failed workers (at their addresses, or on new hosts), whether joiners (and the
+first workers) register their state late, whether new workers fail early (a fault of their
+own soon after they start), whether a joiner is started with another ``min_workers``
+(it must end on ConfigMismatch), whether the workers
 start at once (each given all the others as peers) or in turn (the first alone, each other
 one given those started before it), and a fault schedule
 (sparse, or dense and overlapping; from t = 0) of crashes, hangs and resumes, node losses

@@ -17,7 +17,9 @@ every live member is in one view with all live members and commits within
 (8) a worker whose gradient steps fail and re-form more than ``max_retries`` times in a
 row is told so (RetryLimitExceeded); (9) a straggler stands aside only where the others
 still make ``min_workers``; (10) with CPU starvation drawn, no view leaves out a member
-that was merely starved by at most ``STARVED_TOLERATED``.
+that was merely starved by at most ``STARVED_TOLERATED``; (11) a worker started with other
+settings than the group's never enters a view with its members, and is told so (it ends
+on ConfigMismatch).
 Invariant 0 is the simulation's own: a worker's script raised what no user's script
 should see, or its loop spun without virtual time passing.
 """
@@ -141,7 +143,7 @@ def stood_aside(world: "GroupSimulation", w: "Worker") -> None:
 
 
 def at_end(world: "GroupSimulation") -> None:
-    """Invariants 5, 6 and 7 once the run is over."""
+    """Invariants 5, 6, 7 and 11 once the run is over."""
     steps = sorted({step for step, _ in world.history})
     if steps and steps != list(range(1, steps[-1] + 1)):
         missing = sorted(set(range(1, steps[-1] + 1)) - set(steps))[:5]
@@ -197,6 +199,10 @@ def at_end(world: "GroupSimulation") -> None:
         states = {w.id: (w.loop.engine.state, w.loop.engine.view.id if w.loop.engine.view else None) for w in live}
         world.violation(6, f"within {world.liveness_bound:.1f} s of the last fault the live members never ran one view "
                            f"of all of them, committing: {states}")
+    for w in world.workers.values():
+        if w.foreign and not (w.exited or w.crashed):
+            world.violation(11, f"{w.id}, started with other settings than the group's, was never told so (it "
+                                f"waits in {w.loop.engine.state})")
     current = {w.id: w.loop.ports.communicators.comm for w in live}
     for w in world.workers.values():
         open_comms = [entry[0] for entry in w.comms if not entry[1]]
@@ -233,11 +239,14 @@ def _line_of(world: "GroupSimulation", ancestor: tuple) -> set[tuple]:
 
 
 def view_changed(world: "GroupSimulation", w: "Worker") -> None:
-    """Invariant 10: a view that ``w``'s loop formed since the last look left out no member
+    """Invariant 11: no view holds workers started with different settings. Invariant 10: a view that ``w``'s loop formed since the last look left out no member
     whose CPU was merely starved (no fault struck it) by less than the detector tolerates
     (STARVED_TOLERATED): it kept answering, late, and must not be named hung."""
     events = w.loop.events
     for change in events[w.views_seen:]:
+        foreign = [m for m in change.members if (x := world.by_id.get(m)) is not None and x.foreign != w.foreign]
+        if foreign:
+            world.violation(11, f"{w.id} formed view {change.view_id} with {foreign}, started with other settings")
         for member in change.removed:
             x = world.by_id.get(member)
             lag = _merely_starved(world, x) if x is not None else None

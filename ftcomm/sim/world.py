@@ -20,7 +20,7 @@ from typing import Any, Callable, Generator, NamedTuple
 
 from ..core import engine as core
 from ..core.engine import ANNOUNCE_LIMIT, Engine
-from ..core.view import Status, View
+from ..core.view import PROTOCOL, Status, View
 from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout, GroupEnded,
                       JoinError, QuorumLost, ReplicaLost, RetryLimitExceeded, OutOfStep, StateLost)
 from ..gossip.config import GossipConfig
@@ -36,6 +36,7 @@ from .ports import (FORM_LATENCY, OP_LATENCY, TICK, SimClock, SimCollective, Sim
                     SimOperation, SimProber, SimProposals, SimState, member_host)
 
 CONFIG = "simcfg"
+FOREIGN_CONFIG = "simcfg/other"  # the settings' digest of a worker started with other settings
 REPLICA_RESTART_S = 3.0  # a launcher starting a sharded replica's processes again, until they join
 REPLICA_HALT_S = 5.0  # ftcomm.ops.launcher's: a process of a replica that lost one, SIGTERM to SIGKILL
 REPLICA_KILLED_HALT_S = 0.5  # the same, when the process the replica lost died by a signal
@@ -98,6 +99,7 @@ class Worker:
     last_view: tuple | None = None  # (view id, digest) of its last commit
     failed_in_a_row: int = 0  # gradient steps that failed and re-formed in a row (see checks.step_ended)
     aside: bool = False  # it stood aside as a straggler (as last seen)
+    foreign: bool = False  # started with other settings than the job's (see ``misconfigured``)
     step_with: frozenset = frozenset()  # the others training when its current gradient step began (checks)
     chosen_with: frozenset | None = None  # the others training when the step that chose it to stand aside began
     leave_after_commit: bool = False
@@ -177,7 +179,8 @@ class GroupSimulation:
                  overlap: bool | None = None, log_in_step: bool | None = None,
                  transfer_s: float | None = None, observe_jitter: float | None = None,
                  first_step_overlaps: bool = False, metric_read: bool = True,
-                 infant: bool | None = None, in_place: bool | None = None) -> None:
+                 infant: bool | None = None, in_place: bool | None = None,
+                 misconfigured: bool | None = None, model_after_init: bool | None = None) -> None:
         self.seed = seed
         # Faults strike while more than this many workers (replicas) live: 1 for drawn
         # schedules (down to one of two: the survivor goes on once the other is proven dead,
@@ -195,6 +198,8 @@ class GroupSimulation:
             observe_jitter = 0.0 if observe_jitter is None else observe_jitter
             infant = False if infant is None else infant
             in_place = False if in_place is None else in_place
+            misconfigured = False if misconfigured is None else misconfigured
+            model_after_init = False if model_after_init is None else model_after_init
         # Drawn apart, so that one draw does not move the others.
         self.exclude_stragglers = (random.Random(f"{seed}/stragglers").random() < 0.5
                                    if exclude_stragglers is None else exclude_stragglers) and replica_size == 1
@@ -202,6 +207,13 @@ class GroupSimulation:
         self.dense = random.Random(f"{seed}/dense").random() < 0.25 if dense is None else dense
         self.late_registration = (random.Random(f"{seed}/late").random() < 0.3 if late_registration is None
                                   else late_registration)
+        # The workers started at t = 0 build their model after init too (the order of the
+        # tutorials ftcomm's guide migrates, three seeds in ten): each registers its state
+        # 0.2 to 3 s after its start, so the first view's reconcile is
+        # deferred until then (RECONCILE_DUE), on each member apart.
+        first = random.Random(f"{seed}/late/first")
+        self.model_after_init = first.random() < 0.3 if model_after_init is None else model_after_init
+        self.first_registration_rng = first
         # The script as users write it: backward reduces as it goes (overlap, the default) or
         # leaves the whole reduction to wait_gradients_ready; the metric it averages for the
         # log (execute) is taken after the step commits, or between backward and the step.
@@ -242,6 +254,12 @@ class GroupSimulation:
         # new one there), or elsewhere (a new pod, a job that starts its workers in turn).
         self.in_place = (random.Random(f"{seed}/in_place").random() < 0.5 if in_place is None
                          else in_place) and not self.first_alone
+        # An operator scales up by hand with a flag that differs (``misconfigured``, two seeds
+        # in ten of plain workers): the first worker a join starts has another min_workers.
+        # It must end on ConfigMismatch without ever entering a view of the group's members
+        # (checks, invariant 11); it is not started again, and no fault strikes it.
+        self.misconfigured = (random.Random(f"{seed}/misconfigured").random() < 0.2 if misconfigured is None
+                              else misconfigured) and replica_size == 1
         # CPU starvation (``starve``: a host whose cores busy processes take): a member's loop,
         # timers and packets run late by up to a drawn lag, for seconds at a time, on any
         # member, the prober included. Not a fault: a member that keeps answering within the
@@ -357,14 +375,17 @@ class GroupSimulation:
         self.sim.at(0.0, self._tick)
 
     # ------------------------------------------------------------------ workers
-    def _engine(self, member: str, node: int, now: float) -> Engine:
+    def _engine(self, member: str, node: int, now: float, foreign: bool = False) -> Engine:
         replica = self.replica_of.get(node)
-        return Engine(member, CONFIG, min_workers=self.min_workers, settle_interval=self.options.settle_interval,
+        min_workers = self.min_workers + foreign
+        settings = ("gloo", min_workers, None, self.options.partition_policy, PROTOCOL, self.k)
+        return Engine(member, FOREIGN_CONFIG if foreign else CONFIG, min_workers=min_workers, settings=settings,
+                      settle_interval=self.options.settle_interval,
                       chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6,
                       announce_limit=self.announce_limit, rendezvous_port=1, max_retries=self.options.max_retries,
                       replica=(*replica, self.k) if replica is not None else None)
 
-    def _start_worker(self, node: int, now: float, joined: bool = False) -> Worker:
+    def _start_worker(self, node: int, now: float, joined: bool = False, foreign: bool = False) -> Worker:
         member = self.sim.member_id(node)
         replica = self.replica_of.get(node)
         # A joiner that builds its model after init registers its state late; the processes of
@@ -373,11 +394,13 @@ class GroupSimulation:
         if group not in self.registration:
             late = self.late_registration and now > 0 and self.rng.random() < 0.5
             self.registration[group] = now + self.rng.uniform(0.2, 3.0) if late else 0.0
+            if now == 0 and self.model_after_init:
+                self.registration[group] = self.first_registration_rng.uniform(0.2, 3.0)
         register_at = self.registration[group]
         state = SimState(replica[1] if replica is not None else 0, registered=not register_at)
-        engine = self._engine(member, node, now)
+        engine = self._engine(member, node, now, foreign)
         w = Worker(node, None, state, step_time=self.rng.uniform(0.02, 0.05), replica=replica, joined=joined,
-                   register_at=register_at, started_at=now)
+                   register_at=register_at, started_at=now, foreign=foreign)
         comms = SimCommunicators(self, w)
         ports = Ports(self.clock, SimMembership(self, w), SimProposals(self, w), SimProber(self, w), comms,
                       SimCollective(self, w, comms), state)
@@ -396,7 +419,7 @@ class GroupSimulation:
             self.fault_times.append(now)  # a worker started: a view may be due (min_workers, a join)
         self.workers[node] = w
         self.by_id[member] = w
-        if self.infant and now > 0 and (replica is None or replica[1] == 0):
+        if self.infant and now > 0 and (replica is None or replica[1] == 0) and not foreign:
             kind = self.infant_rng.choice(["crash", "hang", "node_loss", "partition"])
             args = {"length": self.infant_rng.uniform(0.3, 8.0), "pick": 0.0, "split": 0.0}
             self.sim.at(now + self.infant_rng.uniform(0.0, INFANT_S), lambda: self._infant_fault(kind, args, w))
@@ -488,8 +511,15 @@ class GroupSimulation:
         if not (w.crashed or w.exited or w.gone or w.hung):
             w.loop.ports.collective.backward_began()
 
+    def _foreign_waiting(self, t: float) -> bool:
+        """A worker started with other settings runs, not told so yet, within the liveness
+        bound of its start (the run goes on until it is; see checks.at_end)."""
+        return any(w.foreign and not (w.exited or w.crashed) and t < w.started_at + self.liveness_bound
+                   for w in self.workers.values())
+
     def live(self) -> list[Worker]:
-        return [w for w in self.workers.values() if not w.crashed and not w.gone]
+        """The job's workers that run (a worker started with other settings is none of them)."""
+        return [w for w in self.workers.values() if not w.crashed and not w.gone and not w.foreign]
 
     # ------------------------------------------------------------------ running the scripts
     def _tick(self) -> None:
@@ -599,6 +629,8 @@ class GroupSimulation:
         if isinstance(exc, StateLost):
             checks.state_lost(self, w)
         self._leave(w)
+        if w.foreign:  # its operator reads the error and fixes the flag
+            return
         if w.replica is not None:
             self._replica_failed(w.replica[0])
         elif self.launcher:
@@ -846,8 +878,9 @@ class GroupSimulation:
             if not live:
                 return
             node = self._add_node(live[0].node)
-            w = self._start_worker(node, now)
-            self.fault_log.append((now, kind, w.id))
+            foreign = self.misconfigured and not any(x.foreign for x in self.workers.values())
+            w = self._start_worker(node, now, foreign=foreign)
+            self.fault_log.append((now, "join with other settings" if foreign else kind, w.id))
             self.sim.at(now + self.config.join_retry_interval, lambda: self._retry_join(w, 1))
             return
         if kind == "slow":
@@ -1249,7 +1282,7 @@ class GroupSimulation:
             while True:
                 t = min(end, t + 1.0)
                 self.sim.run_until(t)
-                if (self.settled_at is not None and not self.starting
+                if (self.settled_at is not None and not self.starting and not self._foreign_waiting(t)
                         and t >= max(self.end_faults, self.settled_at + SETTLED_RUN_S)):
                     break  # every live worker runs one view and commits, and nobody is on the way
                 if t < end:
