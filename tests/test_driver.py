@@ -348,6 +348,28 @@ def test_a_fresh_worker_founds_only_with_a_majority_of_its_job_and_probes_the_si
     assert driver.engine.proposal is not None  # alone in its job now: it founds
 
 
+def test_a_seed_found_gone_that_no_longer_refuses_counts_in_the_job_again():
+    """A seed's port refused once (its process was between restarts); a worker was started
+    there since, out of sight (it may run the group across a cut): the old refusal proves
+    nothing of it, so the seed counts in the job again and no majority is made without it."""
+    statuses = {"a": status("a", JOINING, joined_at=0.0), "b": status("b", JOINING, joined_at=1.0)}
+    driver, membership, _, prober, clock = driver_for("a", statuses)
+    seeds = [("10.0.0.1", 7001), ("10.0.0.3", 7946), ("10.0.0.4", 7946), ("10.0.0.5", 7946)]  # b, then three
+    membership.seed_addresses = seeds
+    prober.answers = {seeds[2]: True, seeds[3]: True}  # between restarts
+    clock.t += 1.0
+    driver.look()
+    assert driver.engine.seeds_gone == {seeds[2], seeds[3]}
+    prober.answers = {seeds[3]: True}  # a worker runs at seeds[2] again, silent
+    clock.t += 5.0  # the refusals are stale: probed again
+    driver.look()
+    assert driver.engine.seeds_gone == {seeds[3]}
+    for _ in range(5):
+        clock.t += 0.1
+        driver.look()
+    assert driver.engine.proposal is None  # a and b of a, b, silent seeds[1] and seeds[2]: no majority
+
+
 def test_a_seed_that_answers_as_a_member_of_the_candidate_counts_for_the_majority():
     statuses = {"a": status("a", JOINING, joined_at=0.0), "b": status("b", JOINING, joined_at=1.0)}
     driver, membership, _, prober, clock = driver_for("a", statuses)

@@ -338,7 +338,7 @@ class Engine:
     _recontacted_at: float = float("-inf")
     _recontact_after: float = 0.0  # the wait before the next Recontact (doubles; see RECONTACT_MAX_S)
     max_retries: int = 5  # operations failed in a row before the caller gives up (see count_failure)
-    seeds_gone: frozenset = frozenset()  # seed addresses found gone (a refused connection) while founding
+    seeds_gone: frozenset = frozenset()  # seed addresses whose latest probe was refused while founding
     group_ran: bool = False  # started again into a job whose group its launcher saw run (see _may_found_with)
     silent_seeds: tuple = ()  # with group_ran: the seeds that held back its founding at the last look
     state_pending: bool = False  # a fresh worker that has no training state registered yet (see AwaitState)
@@ -695,7 +695,7 @@ class Engine:
             # within a round trip; a forged record is suspected and dropped within seconds.
             self._last = None
             return []
-        if previous is None and seeds and not self._may_found_with(cand, seeds):
+        if previous is None and seeds and not self._may_found_with(cand, seeds, now):
             self._last = None
             return self._probe_seeds(now, seeds)
         if cand != self._last:
@@ -820,7 +820,7 @@ class Engine:
                 members = tuple(dict.fromkeys((*members, *lists[-1])))
         return members
 
-    def _may_found_with(self, cand: Candidate, seeds: dict[tuple[str, int], str | None]) -> bool:
+    def _may_found_with(self, cand: Candidate, seeds: dict[tuple[str, int], str | None], now: float) -> bool:
         """A fresh group is founded only by a majority of its job as this worker knows it:
         itself and the seeds it was started with (every other worker of the job, as ``ftcomm
         run`` gives them), less those proven gone (their port refused a connection). A seed
@@ -836,26 +836,32 @@ class Engine:
         member and the restarted workers the rest."""
         if self.partition_policy == "availability":
             return True
-        self.silent_seeds = tuple(a for a, member in seeds.items() if member is None and a not in self.seeds_gone) \
+        # A refusal proves a seed gone while it is fresh: a launcher may start a worker there
+        # again, which may run the group out of sight (seeds are probed again once stale).
+        gone = self.seeds_gone if now - self._seeds_probed <= PROOF_FRESH * self.chase_interval else frozenset()
+        self.silent_seeds = tuple(a for a, member in seeds.items() if member is None and a not in gone) \
             if self.group_ran else ()
         if self.silent_seeds:
             return False
-        job = [member for address, member in seeds.items() if address not in self.seeds_gone]
+        job = [member for address, member in seeds.items() if address not in gone]
         present = sum(1 for member in job if member is not None and member in cand.members)
         return 2 * (1 + present) > 1 + len(job)
 
     def _probe_seeds(self, now: float, seeds: dict[tuple[str, int], str | None]) -> list[Action]:
-        """A :class:`ProbeSeeds` of the seeds no live member answers from (and not known
-        gone), at most once per chase interval."""
-        missing = tuple(a for a, member in seeds.items() if member is None and a not in self.seeds_gone)
+        """A :class:`ProbeSeeds` of the seeds no live member answers from, at most once per
+        chase interval. Those found gone before are probed again: a launcher may have started
+        a worker there since, which may run the group out of sight, and an old refusal proves
+        nothing of it."""
+        missing = tuple(a for a, member in seeds.items() if member is None)
         if not missing or now - self._seeds_probed < self.chase_interval:
             return []
         self._seeds_probed = now
         return [ProbeSeeds(missing)]
 
-    def seeds_probed(self, refused: list[tuple[str, int]]) -> None:
-        """The answer to a :class:`ProbeSeeds`: these seeds' ports refused a connection."""
-        self.seeds_gone = self.seeds_gone | frozenset(refused)
+    def seeds_probed(self, probed: Iterable[tuple[str, int]], refused: Iterable[tuple[str, int]]) -> None:
+        """The answer to a :class:`ProbeSeeds` of ``probed``: these seeds' ports refused a
+        connection (gone); the others did not (no longer known gone)."""
+        self.seeds_gone = (self.seeds_gone - frozenset(probed)) | frozenset(refused)
 
     def group_probed(self, gone: bool) -> None:
         """The answer to a :class:`ProbeGroup` (one without a member list never shows the

@@ -230,7 +230,7 @@ class Driver:
             elif isinstance(action, ProbeSeeds):
                 ports.membership.recontact_seeds()
                 refused = ports.prober.refused(list(action.addresses), core.PROBE_TIMEOUT_S)
-                engine.seeds_probed([a for a, gone in zip(action.addresses, refused) if gone])
+                engine.seeds_probed(action.addresses, [a for a, gone in zip(action.addresses, refused) if gone])
             elif isinstance(action, ProbeGroup):
                 ports.membership.recontact_seeds()
                 engine.group_probed(action.members is not None and self.group_gone(action.members))
