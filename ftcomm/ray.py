@@ -152,8 +152,10 @@ def _worker_reports() -> list[dict]:
 class _Worker:
     """One training process (a Ray actor)."""
 
-    def collect(self) -> list[dict]:
-        return _worker_reports()
+    def collect(self) -> tuple[list[dict], bool]:
+        """The reports made since the last call, and whether this process's group formed."""
+        from ftcomm.group import running_groups
+        return _worker_reports(), bool(running_groups())
 
     def prepare(self) -> str:
         """Pick this worker's gossip address on its node; returns ``HOST:PORT``."""
@@ -228,6 +230,7 @@ class ElasticRayJob:
         self.reports: list[Report] = []  # what the training functions reported, in arrival order
         self.on_report = on_report
         self.result: Result | None = None  # set when run returns
+        self.group_ran = False  # a worker's group formed (a worker run again is told so: FTCOMM_GROUP_RAN)
         self._collecting: dict[int, Any] = {}  # slot index -> its pending ``collect`` call
         # Three threads: ``pid``, ``prepare`` and ``collect`` answer while ``run`` trains.
         self._actor_class = ray.remote(max_restarts=max_restarts, max_task_retries=0, max_concurrency=3)(_Worker)
@@ -240,6 +243,7 @@ class ElasticRayJob:
         if not ray.is_initialized():
             ray.init()
         self.slots, self.restarts, self.failed, self.errors, self.ended = [], 0, 0, [], []
+        self.group_ran = False
         deadline = None if timeout is None else time.monotonic() + timeout
         results: list = []
         try:
@@ -293,9 +297,10 @@ class ElasticRayJob:
 
     def _take(self, index: int, ref: Any, timeout: float) -> None:
         try:
-            entries = ray.get(ref, timeout=timeout)
+            entries, ran = ray.get(ref, timeout=timeout)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):  # its process died, or is slow
             return
+        self.group_ran = self.group_ran or ran
         for entry in entries:
             made = Report(index, entry["rank"], entry["step"], entry["time"], entry["metrics"], entry["checkpoint"])
             self.reports.append(made)
@@ -385,9 +390,13 @@ class ElasticRayJob:
         self._run_in(slot)
 
     def _run_in(self, slot: _Slot) -> None:
-        """Start the training function in ``slot``'s prepared actor, with every other worker as a peer."""
+        """Start the training function in ``slot``'s prepared actor, with every other worker
+        as a peer. A worker run again once the job's group formed is told so, as ``ftcomm
+        run`` tells it (``FTCOMM_GROUP_RAN``): the group may run on in a peer that answers it
+        nothing, and it founds no group of its own while one is silent."""
         peers = [s.address for s in self.slots if s is not slot and s.address and s.placing is None]
-        slot.run = slot.actor.run.remote(self.train_fn, peers, self.env, self.config)
+        env = self.env if not slot.starts else {**self.env, "FTCOMM_GROUP_RAN": "1" if self.group_ran else "0"}
+        slot.run = slot.actor.run.remote(self.train_fn, peers, env, self.config)
         slot.starts += 1
 
     def _finished(self, slot: _Slot, results: list) -> None:

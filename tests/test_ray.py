@@ -224,3 +224,35 @@ def test_the_workers_get_the_jobs_worker_counts_unless_env_sets_them():
     assert (job.env["FTCOMM_MIN_WORKERS"], job.env["FTCOMM_MAX_WORKERS"]) == ("2", "4")
     mine = ElasticRayJob(_nap, num_workers=3, env={"FTCOMM_MIN_WORKERS": "1"})
     assert (mine.env["FTCOMM_MIN_WORKERS"], mine.env["FTCOMM_MAX_WORKERS"]) == ("1", "3")
+
+
+def test_a_worker_run_again_after_the_jobs_group_formed_is_told_so(monkeypatch):
+    """As ``ftcomm run`` does: a training function run again in a restarted actor once a
+    worker's collect showed the group formed gets FTCOMM_GROUP_RAN=1 (it founds no group of
+    its own while a peer is silent); before that 0; a first start is left as env says."""
+    class Remote:
+        def __init__(self, calls):
+            self.calls = calls
+
+        def remote(self, *args):
+            self.calls.append(args)
+            return args
+
+    class Actor:
+        def __init__(self):
+            self.runs = []
+            self.run, self.collect = Remote(self.runs), Remote([])
+
+    job = ElasticRayJob(_nap, num_workers=(1, 2))
+    first, second = ftcomm_ray._Slot(actor=Actor(), address="10.0.0.1:7000"), ftcomm_ray._Slot(
+        actor=Actor(), address="10.0.0.2:7000")
+    job.slots = [first, second]
+    job._run_in(first)
+    assert "FTCOMM_GROUP_RAN" not in first.actor.runs[-1][2]
+    job._run_in(first)  # run again before any worker's group formed
+    assert first.actor.runs[-1][2]["FTCOMM_GROUP_RAN"] == "0"
+    monkeypatch.setattr(ftcomm_ray.ray, "get", lambda ref, timeout=None: ref)
+    job._take(1, ([], True), 0.0)  # the other worker's collect: its group formed
+    job._run_in(first)
+    assert first.actor.runs[-1][2]["FTCOMM_GROUP_RAN"] == "1" and first.actor.runs[-1][1] == ["10.0.0.2:7000"]
+    assert job.group_ran
