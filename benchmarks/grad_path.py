@@ -1,0 +1,149 @@
+"""Host time of the gradient path per step and per parameter tensor, with no wire.
+
+    python benchmarks/grad_path.py [--rounds 5] [--steps 300] [--blocks 64]
+
+One process, one torch thread, a launch-bound model: ``--blocks`` blocks of
+``Linear(64, 64)`` + ``LayerNorm(64)`` (4 tensors each: 256 at the default), batch 8,
+``zero_grad`` to None every step. Each variant runs forward, backward and what it does
+with the gradients; the reduction itself is replaced by one that completes at once, so
+what is timed is the host work around it (hooks, copies into buckets, launches, handing
+the gradients back), not a network:
+
+- ``backward``: forward and backward only (the baseline);
+- ``ftcomm``: ftcomm's gradient buckets as ``wait_gradients_ready`` uses them (overlap on:
+  a post-accumulate-grad hook per parameter copies its gradient into a flat bucket and
+  launches a bucket once complete; then ``finish`` and ``hand_back``);
+- ``ddp_hook``: ``torch.nn.parallel.DistributedDataParallel``'s C++ reducer (gradients as
+  bucket views) with a Python comm hook per bucket that returns at once, over a fake
+  process group of 2 (what a DDP comm hook over ftcomm's communicator would cost on the
+  host, before any wire).
+
+Rounds alternate the variants; reported: the median step time of each (steps after 50 of
+warm-up, median over rounds), and the extra host time over ``backward``, per step and per
+parameter tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+WARMUP = 50
+
+
+class _Completed:
+    """A reduction that is already done (the handle :class:`GradientBuckets` waits on)."""
+
+    completed = True
+
+    def wait(self, abort=None) -> None:
+        return None
+
+
+def make_model(blocks: int):
+    import torch
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(blocks):
+        layers += [torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)]
+    return torch.nn.Sequential(*layers)
+
+
+def variant_step(name: str, blocks: int):
+    """The model, and one training step's callable, for variant ``name``."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    model = make_model(blocks)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    params = list(model.parameters())
+    net, after = model, (lambda: None)
+    if name == "ftcomm":
+        from ftcomm.training.buckets import GradientBuckets
+        buckets = GradientBuckets(params, 25.0, True, launch=lambda flat: _Completed(), may_overlap=lambda: True,
+                                  world_size=lambda: 2)
+
+        def after() -> None:
+            buckets.finish(valid=True)
+            buckets.hand_back(2.0)
+    elif name == "ddp_hook":
+        if not dist.is_initialized():
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        net = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, init_sync=False,
+                                                        gradient_as_bucket_view=True)
+        calls = [0]
+
+        def hook(state, bucket):
+            calls[0] += 1
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+        net.register_comm_hook(None, hook)
+
+        def after() -> None:
+            if not calls[0]:
+                raise RuntimeError("DDP's comm hook never ran")
+
+    def step() -> None:
+        F.mse_loss(net(x), x).backward()
+        after()
+        for p in params:
+            p.grad = None
+    return step
+
+
+def run_round(name: str, blocks: int, steps: int) -> float:
+    step = variant_step(name, blocks)
+    times = []
+    for i in range(WARMUP + steps):
+        began = time.perf_counter()
+        step()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def main() -> int:
+    import torch
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "grad_path.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DDP's note on broadcast_buffers
+    tensors = 4 * args.blocks
+    variants = ("backward", "ftcomm", "ddp_hook")
+    rounds: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for name in variants:
+            rounds[name].append(run_round(name, args.blocks, args.steps))
+    base = statistics.median(rounds["backward"])
+    report = {"benchmark": "grad_path", "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                                    "torch": torch.__version__},
+              "tensors": tensors, "batch": 8, "steps": args.steps, "rounds": rounds, "variants": {}}
+    for name in variants:
+        median = statistics.median(rounds[name])
+        extra = median - base
+        report["variants"][name] = {"step_ms": round(median * 1e3, 3), "extra_us_per_step": round(extra * 1e6, 1),
+                                    "extra_us_per_tensor": round(extra * 1e6 / tensors, 2)}
+        print(json.dumps({"variant": name, **report["variants"][name]}), flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
