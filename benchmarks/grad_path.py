@@ -36,6 +36,8 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.group_recovery import save  # noqa: E402
+
 WARMUP = 50
 
 
@@ -139,9 +141,7 @@ def main() -> int:
         report["variants"][name] = {"step_ms": round(median * 1e3, 3), "extra_us_per_step": round(extra * 1e6, 1),
                                     "extra_us_per_tensor": round(extra * 1e6 / tensors, 2)}
         print(json.dumps({"variant": name, **report["variants"][name]}), flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    save(report, args.out)
     return 0
 
 
