@@ -243,7 +243,7 @@ class ElasticRayJob:
         if not ray.is_initialized():
             ray.init()
         self.slots, self.restarts, self.failed, self.errors, self.ended = [], 0, 0, [], []
-        self.group_ran = False
+        self.group_ran, self._collecting = False, {}
         deadline = None if timeout is None else time.monotonic() + timeout
         results: list = []
         try:
@@ -394,8 +394,13 @@ class ElasticRayJob:
         as a peer. A worker run again once the job's group formed is told so, as ``ftcomm
         run`` tells it (``FTCOMM_GROUP_RAN``): the group may run on in a peer that answers it
         nothing, and it founds no group of its own while one is silent."""
-        peers = [s.address for s in self.slots if s is not slot and s.address and s.placing is None]
-        env = self.env if not slot.starts else {**self.env, "FTCOMM_GROUP_RAN": "1" if self.group_ran else "0"}
+        peers = [s.address for s in self.slots if s is not slot and s.address and s.placing is None
+                 and (not slot.starts or s.run is not None)]
+        env = self.env
+        if slot.starts and "FTCOMM_GROUP_RAN" not in self.env:
+            # Its peers are the workers whose functions run now (Ray starts an actor again on
+            # another port, or node: a failed worker's old address would stay silent for ever).
+            env = {**self.env, "FTCOMM_GROUP_RAN": "1" if self.group_ran and peers else "0"}
         slot.run = slot.actor.run.remote(self.train_fn, peers, env, self.config)
         slot.starts += 1
 

@@ -281,7 +281,7 @@ def founding_as_before(monkeypatch):
     """Founding without the job's majority and without waiting for unconfirmed workers
     (the rules added when the seeds began to draw min_workers and faults from t = 0): the
     races below were found before them, and each guard they test must hold on its own."""
-    monkeypatch.setattr(core.Engine, "_may_found_with", lambda self, cand, seeds: True)
+    monkeypatch.setattr(core.Engine, "_may_found_with", lambda self, cand, seeds, now: True)
     agree = core.Engine.agree
     monkeypatch.setattr(core.Engine, "agree", lambda self, now, statuses, unconfirmed=(), seeds=None:
                         agree(self, now, statuses, (), seeds))
@@ -558,7 +558,7 @@ def test_a_fresh_group_needs_a_majority_of_its_job(monkeypatch):
     """Seed 1051: without the majority, two workers founded a group while the group that
     held the newest state lived on."""
     assert run_seeds([1051], **AS_FOUND)[0].ok
-    monkeypatch.setattr(core.Engine, "_may_found_with", lambda self, cand, seeds: True)
+    monkeypatch.setattr(core.Engine, "_may_found_with", lambda self, cand, seeds, now: True)
     outcome = run_seeds([1051], **AS_FOUND)[0]
     assert not outcome.ok and "invariant 4" in outcome.violation
 

@@ -229,7 +229,9 @@ def test_the_workers_get_the_jobs_worker_counts_unless_env_sets_them():
 def test_a_worker_run_again_after_the_jobs_group_formed_is_told_so(monkeypatch):
     """As ``ftcomm run`` does: a training function run again in a restarted actor once a
     worker's collect showed the group formed gets FTCOMM_GROUP_RAN=1 (it founds no group of
-    its own while a peer is silent); before that 0; a first start is left as env says."""
+    its own while a peer is silent); before that 0; a first start is left as env says. Run
+    again, its peers are the workers whose functions run (a failed worker's old address,
+    which Ray does not start again, would stay silent)."""
     class Remote:
         def __init__(self, calls):
             self.calls = calls
@@ -248,7 +250,8 @@ def test_a_worker_run_again_after_the_jobs_group_formed_is_told_so(monkeypatch):
         actor=Actor(), address="10.0.0.2:7000")
     job.slots = [first, second]
     job._run_in(first)
-    assert "FTCOMM_GROUP_RAN" not in first.actor.runs[-1][2]
+    assert "FTCOMM_GROUP_RAN" not in first.actor.runs[-1][2] and first.actor.runs[-1][1] == ["10.0.0.2:7000"]
+    second.run = "ref"  # its function runs
     job._run_in(first)  # run again before any worker's group formed
     assert first.actor.runs[-1][2]["FTCOMM_GROUP_RAN"] == "0"
     monkeypatch.setattr(ftcomm_ray.ray, "get", lambda ref, timeout=None: ref)
@@ -256,3 +259,6 @@ def test_a_worker_run_again_after_the_jobs_group_formed_is_told_so(monkeypatch):
     job._run_in(first)
     assert first.actor.runs[-1][2]["FTCOMM_GROUP_RAN"] == "1" and first.actor.runs[-1][1] == ["10.0.0.2:7000"]
     assert job.group_ran
+    second.run = None  # its function ended (failed, not started again yet): not a peer
+    job._run_in(first)
+    assert first.actor.runs[-1][1] == [] and first.actor.runs[-1][2]["FTCOMM_GROUP_RAN"] == "0"

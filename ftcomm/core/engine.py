@@ -338,7 +338,7 @@ class Engine:
     _recontacted_at: float = float("-inf")
     _recontact_after: float = 0.0  # the wait before the next Recontact (doubles; see RECONTACT_MAX_S)
     max_retries: int = 5  # operations failed in a row before the caller gives up (see count_failure)
-    seeds_gone: frozenset = frozenset()  # seed addresses whose latest probe was refused while founding
+    seeds_gone: dict = field(default_factory=dict)  # seed address -> when its latest probe was refused (founding)
     group_ran: bool = False  # started again into a job whose group its launcher saw run (see _may_found_with)
     silent_seeds: tuple = ()  # with group_ran: the seeds that held back its founding at the last look
     state_pending: bool = False  # a fresh worker that has no training state registered yet (see AwaitState)
@@ -836,9 +836,11 @@ class Engine:
         member and the restarted workers the rest."""
         if self.partition_policy == "availability":
             return True
-        # A refusal proves a seed gone while it is fresh: a launcher may start a worker there
-        # again, which may run the group out of sight (seeds are probed again once stale).
-        gone = self.seeds_gone if now - self._seeds_probed <= PROOF_FRESH * self.chase_interval else frozenset()
+        # A refusal proves a seed gone while it is fresh, and while no member answers from
+        # there: a launcher may start a worker there again, which may run the group out of
+        # sight (a seed is probed again once its refusal is stale).
+        fresh = now - PROOF_FRESH * self.chase_interval
+        gone = {a for a, member in seeds.items() if member is None and self.seeds_gone.get(a, float("-inf")) >= fresh}
         self.silent_seeds = tuple(a for a, member in seeds.items() if member is None and a not in gone) \
             if self.group_ran else ()
         if self.silent_seeds:
@@ -860,8 +862,13 @@ class Engine:
 
     def seeds_probed(self, probed: Iterable[tuple[str, int]], refused: Iterable[tuple[str, int]]) -> None:
         """The answer to a :class:`ProbeSeeds` of ``probed``: these seeds' ports refused a
-        connection (gone); the others did not (no longer known gone)."""
-        self.seeds_gone = (self.seeds_gone - frozenset(probed)) | frozenset(refused)
+        connection (gone, as of the probe); the others did not (no longer known gone)."""
+        refused = set(refused)
+        for address in probed:
+            if address in refused:
+                self.seeds_gone[address] = self._seeds_probed
+            else:
+                self.seeds_gone.pop(address, None)
 
     def group_probed(self, gone: bool) -> None:
         """The answer to a :class:`ProbeGroup` (one without a member list never shows the

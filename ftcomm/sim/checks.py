@@ -200,9 +200,9 @@ def at_end(world: "GroupSimulation") -> None:
         world.violation(6, f"within {world.liveness_bound:.1f} s of the last fault the live members never ran one view "
                            f"of all of them, committing: {states}")
     for w in world.workers.values():
-        if w.foreign and not (w.exited or w.crashed):
+        if w.foreign and not w.crashed and w.ended_on not in ("ConfigMismatch", "JoinError"):
             world.violation(11, f"{w.id}, started with other settings than the group's, was never told so (it "
-                                f"waits in {w.loop.engine.state})")
+                                f"{'ended on ' + w.ended_on if w.ended_on else 'waits in ' + w.loop.engine.state})")
     current = {w.id: w.loop.ports.communicators.comm for w in live}
     for w in world.workers.values():
         open_comms = [entry[0] for entry in w.comms if not entry[1]]

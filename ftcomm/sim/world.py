@@ -100,6 +100,7 @@ class Worker:
     failed_in_a_row: int = 0  # gradient steps that failed and re-formed in a row (see checks.step_ended)
     aside: bool = False  # it stood aside as a straggler (as last seen)
     foreign: bool = False  # started with other settings than the job's (see ``misconfigured``)
+    ended_on: str | None = None  # the error its script ended on (the process exited 1), if any
     step_with: frozenset = frozenset()  # the others training when its current gradient step began (checks)
     chosen_with: frozenset | None = None  # the others training when the step that chose it to stand aside began
     leave_after_commit: bool = False
@@ -211,9 +212,9 @@ class GroupSimulation:
         # tutorials ftcomm's guide migrates, three seeds in ten): each registers its state
         # 0.2 to 3 s after its start, so the first view's reconcile is
         # deferred until then (RECONCILE_DUE), on each member apart.
-        first = random.Random(f"{seed}/late/first")
-        self.model_after_init = first.random() < 0.3 if model_after_init is None else model_after_init
-        self.first_registration_rng = first
+        self.model_after_init = (random.Random(f"{seed}/late/first").random() < 0.3 if model_after_init is None
+                                 else model_after_init)
+        self.first_registration_rng = random.Random(f"{seed}/late/first/at")
         # The script as users write it: backward reduces as it goes (overlap, the default) or
         # leaves the whole reduction to wait_gradients_ready; the metric it averages for the
         # log (execute) is taken after the step commits, or between backward and the step.
@@ -414,8 +415,8 @@ class GroupSimulation:
             self.settled_at = None  # it has to settle again, with this worker
         w.seeds = tuple(x.node for x in self.live() if x is not w) if now > 0 else tuple(i for i in range(self.n) if i != node)
         w.joined = w.joined or not w.seeds  # given no peer, ftcomm.init starts a new gossip cluster at once
-        self.last_start = max(self.last_start, now)
-        if now > 0:
+        if now > 0 and not foreign:  # (one started with other settings is due in no view)
+            self.last_start = max(self.last_start, now)
             self.fault_times.append(now)  # a worker started: a view may be due (min_workers, a join)
         self.workers[node] = w
         self.by_id[member] = w
@@ -625,6 +626,7 @@ class GroupSimulation:
         1, and a launcher starts it again (a sharded replica as a whole)."""
         name = type(exc).__name__ + (" (no answer)" if isinstance(exc, ReplicaLost) and "answer" in str(exc) else "")
         self.exits[name] = self.exits.get(name, 0) + 1
+        w.ended_on = name
         self.log.append(f"{self.sim.now:.3f} {w.id}: {name}: {exc}")
         if isinstance(exc, StateLost):
             checks.state_lost(self, w)
@@ -650,9 +652,9 @@ class GroupSimulation:
             if live:
                 node = self._add_node(live[0].node, in_place_of=w.node if self.in_place else None)
                 x = self._start_worker(node, self.sim.now)
-                # ftcomm run tells a worker it starts again once it saw the group run
-                # (FTCOMM_GROUP_RAN); a job that starts its workers in turn does not.
-                x.loop.engine.group_ran = self._group_ran() and not self.first_alone
+                # ftcomm run and ElasticRayJob tell a worker they start again once they saw
+                # the group run (FTCOMM_GROUP_RAN).
+                x.loop.engine.group_ran = self._group_ran()
                 # The launcher gives it the peers its predecessor had: ftcomm run starts a worker
                 # again at its address, so each is where that peer's latest start runs now. A
                 # job that starts its workers in turn (first_alone: ElasticRayJob) gives it every
@@ -942,8 +944,10 @@ class GroupSimulation:
     def _survivors(self, struck: set[str]) -> set[str]:
         """The live workers a fault on ``struck`` leaves, whose next commit in a newer view
         ends its recovery; a straggler standing aside is not among them: it comes back when
-        its own time aside ends, as a join does, whatever struck the others."""
-        return {x.id for x in self.live() if x.id not in struck and not x.loop.engine.aside}
+        its own time aside ends, as a join does, whatever struck the others. (Where every
+        one left stands aside, they are the group: their return is its recovery.)"""
+        left = {x.id for x in self.live() if x.id not in struck}
+        return {m for m in left if not self.by_id[m].loop.engine.aside} or left
 
     # ------------------------------------------------------------------ sharded replicas
     def _replicas(self) -> dict[str, list[Worker]]:
