@@ -686,13 +686,14 @@ class Launcher:
         within 0.2 s, or none runs)."""
         from ..gossip.runtime import GossipError, query_members
 
-        for worker in [w for w in self.workers if w.status == "running"][:1]:
-            try:
-                return query_members((self.config.host, worker.port), cluster=self.config.cluster,
-                                     secret=self.secret, timeout=0.2)
-            except GossipError:
-                return None
-        return None
+        worker = next((w for w in self.workers if w.status == "running"), None)
+        if worker is None:
+            return None
+        try:
+            return query_members((self.config.host, worker.port), cluster=self.config.cluster, secret=self.secret,
+                                 timeout=0.2)
+        except GossipError:
+            return None
 
     def _spawn_standby(self, now: float) -> None:
         env = dict(self.environ)

@@ -239,9 +239,10 @@ def _line_of(world: "GroupSimulation", ancestor: tuple) -> set[tuple]:
 
 
 def view_changed(world: "GroupSimulation", w: "Worker") -> None:
-    """Invariant 11: no view holds workers started with different settings. Invariant 10: a view that ``w``'s loop formed since the last look left out no member
-    whose CPU was merely starved (no fault struck it) by less than the detector tolerates
-    (STARVED_TOLERATED): it kept answering, late, and must not be named hung."""
+    """Invariants 10 and 11 for the views ``w``'s loop formed since the last look: none left
+    out a member whose CPU was merely starved (no fault struck it) by less than the detector
+    tolerates (STARVED_TOLERATED: it kept answering, late, and must not be named hung), and
+    none holds workers started with different settings."""
     events = w.loop.events
     for change in events[w.views_seen:]:
         foreign = [m for m in change.members if (x := world.by_id.get(m)) is not None and x.foreign != w.foreign]

@@ -210,8 +210,8 @@ class GroupSimulation:
                                   else late_registration)
         # The workers started at t = 0 build their model after init too (the order of the
         # tutorials ftcomm's guide migrates, three seeds in ten): each registers its state
-        # 0.2 to 3 s after its start, so the first view's reconcile is
-        # deferred until then (RECONCILE_DUE), on each member apart.
+        # 0.2 to 3 s after its start, so the first view's reconcile is deferred until then
+        # (RECONCILE_DUE), on each member apart.
         self.model_after_init = (random.Random(f"{seed}/late/first").random() < 0.3 if model_after_init is None
                                  else model_after_init)
         self.first_registration_rng = random.Random(f"{seed}/late/first/at")
@@ -392,11 +392,11 @@ class GroupSimulation:
         # A joiner that builds its model after init registers its state late; the processes of
         # a sharded replica build theirs together (fully_shard is a collective among them).
         group = replica[0] if replica is not None else member
-        if group not in self.registration:
+        if group not in self.registration and now == 0 and self.model_after_init:
+            self.registration[group] = self.first_registration_rng.uniform(0.2, 3.0)
+        elif group not in self.registration:
             late = self.late_registration and now > 0 and self.rng.random() < 0.5
             self.registration[group] = now + self.rng.uniform(0.2, 3.0) if late else 0.0
-            if now == 0 and self.model_after_init:
-                self.registration[group] = self.first_registration_rng.uniform(0.2, 3.0)
         register_at = self.registration[group]
         state = SimState(replica[1] if replica is not None else 0, registered=not register_at)
         engine = self._engine(member, node, now, foreign)
