@@ -1,15 +1,24 @@
 """Steady state against DDP in fresh processes, alternating rounds; per-step overhead on a small model.
 
     python benchmarks/ddp_parity.py [--rounds 5] [--world 2,4] [--batch 32,64] [--steps 30]
+                                    [--models mlp,blocks]
 
-*Parity.* For each (world size, batch) configuration, rounds alternate DDP, ftcomm, DDP,
+*Parity.* For each model, world size and batch, rounds alternate DDP, ftcomm, DDP,
 ftcomm, ... (``--rounds`` of each); every round starts W fresh processes on 127.0.0.1
-that train the same 10-layer 1024-wide MLP (10.5M parameters, one torch thread each,
-SGD, ``zero_grad()`` every step): under ``torch.nn.parallel.DistributedDataParallel``
-on Gloo (25 MB buckets, overlap), or under ``ftcomm.init`` + ``wait_gradients_ready``
-(defaults: 25 MB buckets, overlap). Steps/s are timed over ``--steps`` steps after 5
-of warm-up, on rank 0. Reported: the median of ftcomm/DDP over the round pairs, with
-the lowest and highest.
+that train the same model (one torch thread each, SGD, ``zero_grad()`` every step):
+under ``torch.nn.parallel.DistributedDataParallel`` on Gloo (25 MB buckets, overlap),
+or under ``ftcomm.init`` + ``ft.wrap(model)`` + ``wait_gradients_ready`` (defaults: 25 MB
+buckets, overlap). Models:
+
+- ``mlp``: a 10-layer 1024-wide MLP (10.5M parameters in 20 tensors), batch ``--batch``,
+  ``--steps`` steps;
+- ``blocks``: launch-bound, 64 blocks of ``Linear(64, 64)`` + ``LayerNorm(64)`` (256
+  tensors, 0.27M parameters), batch 8, ten times ``--steps`` steps; here a third variant
+  runs in each round, ``ftcomm_hooks``: ``wait_gradients_ready(model)`` on the unwrapped
+  model (a Python hook per parameter).
+
+Steps/s are timed after 5 of warm-up, on rank 0. Reported: the median of ftcomm/DDP
+over the rounds, with the lowest and highest.
 
 *Overhead.* W = 2 processes with a 100K-parameter MLP, in the same processes: the time
 inside ``wait_gradients_ready`` (overlap off, so it does all the work) against a raw
@@ -33,6 +42,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.grad_path import make_model as make_blocks  # noqa: E402
+
 WARMUP = 5
 
 
@@ -45,15 +56,16 @@ def make_model(width: int, layers: int):
     return torch.nn.Sequential(*mods, torch.nn.Linear(width, width))
 
 
-def parity_worker(variant: str, rank: int, world: int, port: int, batch: int, steps: int) -> dict:
+def parity_worker(variant: str, kind: str, rank: int, world: int, port: int, batch: int, steps: int) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    model = make_model(1024, 10)
-    x = torch.randn(batch, 1024, generator=torch.Generator().manual_seed(rank))
-    y = torch.randn(batch, 1024, generator=torch.Generator().manual_seed(100 + rank))
+    width = 1024 if kind == "mlp" else 64
+    model = make_model(width, 10) if kind == "mlp" else make_blocks(64)  # the grad_path benchmark's
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
+    y = torch.randn(batch, width, generator=torch.Generator().manual_seed(100 + rank))
     if variant == "ddp":
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
@@ -66,7 +78,7 @@ def parity_worker(variant: str, rank: int, world: int, port: int, batch: int, st
         ft = ftcomm.init(peers=[] if rank == 0 else [f"127.0.0.1:{port}"], bind=f"127.0.0.1:{port + rank}",
                          min_workers=world, handle_signals=False, init_timeout=120)
         ft.register_state(model=model)
-        trained, average = model, ft.wait_gradients_ready
+        trained, average = (model if variant == "ftcomm_hooks" else ft.wrap(model)), ft.wait_gradients_ready
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     started = time.perf_counter()
     for i in range(WARMUP + steps):
@@ -146,8 +158,8 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         kind = sys.argv[2]
         if kind == "parity":
-            variant, batch, steps, rank, world, port = sys.argv[3], *map(int, sys.argv[4:9])
-            print(json.dumps(parity_worker(variant, rank, world, port, batch, steps)), flush=True)
+            variant, model, batch, steps, rank, world, port = sys.argv[3], sys.argv[4], *map(int, sys.argv[5:10])
+            print(json.dumps(parity_worker(variant, model, rank, world, port, batch, steps)), flush=True)
         else:
             steps, rounds, rank, world, port = map(int, sys.argv[3:8])
             print(json.dumps(overhead_worker(rank, world, port, steps, rounds)), flush=True)
@@ -157,23 +169,30 @@ def main() -> int:
     parser.add_argument("--world", default="2,4")
     parser.add_argument("--batch", default="32,64")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--models", default="mlp,blocks")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ddp_parity.json"))
     args = parser.parse_args()
     configs = []
-    for world in (int(w) for w in args.world.split(",")):
-        for batch in (int(b) for b in args.batch.split(",")):
-            rounds = []
-            for _ in range(args.rounds):
-                pair = {variant: launch(["parity", variant, str(batch), str(args.steps)], world)[0]["steps_s"]
-                        for variant in ("ddp", "ftcomm")}
-                rounds.append({**pair, "ratio": pair["ftcomm"] / pair["ddp"]})
-            ratios = [r["ratio"] for r in rounds]
-            configs.append({"world": world, "batch": batch, "rounds": rounds,
-                            "ratio_median": round(statistics.median(ratios), 3),
-                            "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
-                            "ddp_steps_s_median": round(statistics.median(r["ddp"] for r in rounds), 3),
-                            "ftcomm_steps_s_median": round(statistics.median(r["ftcomm"] for r in rounds), 3)})
-            print(json.dumps({k: v for k, v in configs[-1].items() if k != "rounds"}), flush=True)
+    for model in args.models.split(","):
+        variants = ("ddp", "ftcomm") if model == "mlp" else ("ddp", "ftcomm", "ftcomm_hooks")
+        batches = [int(b) for b in args.batch.split(",")] if model == "mlp" else [8]
+        steps = args.steps if model == "mlp" else 10 * args.steps
+        for world in (int(w) for w in args.world.split(",")):
+            for batch in batches:
+                rounds = []
+                for _ in range(args.rounds):
+                    rates = {variant: launch(["parity", variant, model, str(batch), str(steps)], world)[0]["steps_s"]
+                             for variant in variants}
+                    rounds.append({**rates, **{f"ratio_{v}": rates[v] / rates["ddp"] for v in variants[1:]}})
+                config = {"model": model, "world": world, "batch": batch, "steps": steps, "rounds": rounds}
+                for v in variants[1:]:
+                    ratios = [r[f"ratio_{v}"] for r in rounds]
+                    config[f"{v}_ratio_median"] = round(statistics.median(ratios), 3)
+                    config[f"{v}_ratio_min"], config[f"{v}_ratio_max"] = round(min(ratios), 3), round(max(ratios), 3)
+                for v in variants:
+                    config[f"{v}_steps_s_median"] = round(statistics.median(r[v] for r in rounds), 3)
+                configs.append(config)
+                print(json.dumps({k: v for k, v in config.items() if k != "rounds"}), flush=True)
     overhead = launch(["overhead", str(200), str(3)], 2)[0]
     overhead["overhead_s"] = overhead["ftcomm_s"] - overhead["raw_s"]
     print(json.dumps(overhead), flush=True)

@@ -13,6 +13,9 @@ the gradients back), not a network:
 - ``ftcomm``: ftcomm's gradient buckets as ``wait_gradients_ready`` uses them (overlap on:
   a post-accumulate-grad hook per parameter copies its gradient into a flat bucket and
   launches a bucket once complete; then ``finish`` and ``hand_back``);
+- ``wrapped``: ``ft.wrap(model)``'s path: DDP's C++ reducer over a placeholder process
+  group, each bucket handed once to ftcomm (``ReducerBuckets``: the launch, the counters,
+  ``finish`` and ``hand_back``);
 - ``ddp_hook``: ``torch.nn.parallel.DistributedDataParallel``'s C++ reducer (gradients as
   bucket views) with a Python comm hook per bucket that returns at once, over a fake
   process group of 2 (what a DDP comm hook over ftcomm's communicator would cost on the
@@ -77,6 +80,15 @@ def variant_step(name: str, blocks: int):
         def after() -> None:
             buckets.finish(valid=True)
             buckets.hand_back(2.0)
+    elif name == "wrapped":
+        from ftcomm.training.reducer import DistributedDataParallel, ReducerBuckets
+        net = DistributedDataParallel(model, 25.0)
+        buckets = ReducerBuckets(net, launch=lambda flat: _Completed(), may_overlap=lambda: True,
+                                 world_size=lambda: 2)
+
+        def after() -> None:
+            buckets.finish(valid=True)
+            buckets.hand_back(2.0)
     elif name == "ddp_hook":
         if not dist.is_initialized():
             from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -126,7 +138,7 @@ def main() -> int:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # DDP's note on broadcast_buffers
     tensors = 4 * args.blocks
-    variants = ("backward", "ftcomm", "ddp_hook")
+    variants = ("backward", "ftcomm", "wrapped", "ddp_hook")
     rounds: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for name in variants:

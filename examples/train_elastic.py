@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker_batch is not None:
         extras["lr_scaling"] = ftcomm.LinearLRScaling(optimizer, args.lr_reference_world, args.lr_warmup)
     ft.register_state(model=model, optimizer=optimizer, sampler=sampler, **extras)
+    net = ft.wrap(model)  # DDP's C++ reducer fills the gradient buckets; ftcomm reduces them over the view
     checkpoints = None
     if args.checkpoint_dir:
         checkpoints = ftcomm.FlashCheckpointer(ft, args.checkpoint_dir, name=args.checkpoint_name)
@@ -184,14 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     while ft.step < args.steps and not (control and control.should_stop(ft.step)):
         for inputs, targets in sampler.steps(loader):
             for (xb, yb), weight in sampler.micro_batches(inputs, targets):
-                loss = F.cross_entropy(model(xb), yb)
+                loss = F.cross_entropy(net(xb), yb)
                 (loss * weight).backward()
             if control is not None and control.fail:
                 raise RuntimeError("failure injected by the control command 'fail'")
             step_time = control.step_time if control is not None and control.step_time is not None else args.step_time
             if step_time:
                 time.sleep(step_time)  # stands in for a heavier model's compute
-            if ft.wait_gradients_ready(model):
+            if ft.wait_gradients_ready(net):
                 optimizer.step()
                 if args.log_indices:
                     share = sampler.committed

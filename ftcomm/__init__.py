@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 # simulator and ``ftcomm members`` (which import this package) start without it.
 _LAZY = {"FlashCheckpointer": "training.checkpoint", "ElasticSampler": "training.data", "FaultTolerantGroup": "group",
          "GroupOptions": "options", "ViewChange": "options", "LinearLRScaling": "training.scaling",
-         "check_worker_counts": "options"}
+         "check_worker_counts": "options",
+         "DistributedDataParallel": "training.reducer"}
 
 
 def __getattr__(name: str) -> Any:
@@ -53,7 +54,8 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 __all__ = [
-    "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "ElasticSampler", "FaultTolerantGroup",
+    "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "DistributedDataParallel",
+    "ElasticSampler", "FaultTolerantGroup",
     "FlashCheckpointer", "FtcommError", "FtcommTimeout", "GroupEnded", "GroupOptions", "LinearLRScaling", "MembershipChanged",
     "NcclUnavailable", "NotInView", "OtherModel", "QuorumLost", "ReplicaLost", "RetryLimitExceeded", "StateLost", "SecretRequired", "OutOfStep", "StateError", "View", "ViewChange", "init",
 ]

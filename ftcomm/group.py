@@ -43,6 +43,7 @@ from .runtime.ports import Ports
 from .runtime.rendezvous import Rendezvous
 from .runtime.worker import WorkerLoop
 from .runtime.stragglers import StragglerReport, Stragglers
+from .training.reducer import DistributedDataParallel
 from .training.replica import Replica
 from .training.state import TrainingState
 
@@ -377,8 +378,29 @@ class FaultTolerantGroup:
         """
         self._loop.check_open()
         self._owner = threading.get_ident()
-        self._collective.use(_parameters(model_or_params))
+        if isinstance(model_or_params, DistributedDataParallel):
+            self._collective.use_wrapped(model_or_params)
+        else:
+            self._collective.use(_parameters(model_or_params))
         return self._at_boundary(self._loop.gradient_step())
+
+    def wrap(self, module: torch.nn.Module, bucket_mb: float | None = None) -> DistributedDataParallel:
+        """``module`` in a :class:`ftcomm.DistributedDataParallel`: torch's DDP, whose C++
+        reducer puts gradients straight into flat buckets during backward (no Python per
+        parameter), and whose buckets this group reduces over its view, abortably. Run the
+        forward pass through what this returns, then backward, then
+        ``wait_gradients_ready(wrapped)``; ``wrapped.no_sync()`` as DDP's. Every parameter
+        that requires a gradient must get one in every step (as DDP without
+        ``find_unused_parameters``): otherwise FtcommError at ``wait_gradients_ready``.
+        ``bucket_mb``: default the group's. Not for sharded replicas (call
+        ``wait_gradients_ready(model)``: FtcommError)."""
+        self._loop.check_open()
+        if self.replica_size > 1:
+            raise FtcommError("wrap is for a model every worker holds whole; with sharded replicas call "
+                              "wait_gradients_ready(model)")
+        net = DistributedDataParallel(module, self.options.bucket_mb if bucket_mb is None else bucket_mb)
+        self._collective.use_wrapped(net)
+        return net
 
     def no_sync(self):
         """Context manager: backward passes inside accumulate gradients locally and start

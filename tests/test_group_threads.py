@@ -767,21 +767,24 @@ def test_a_worker_waiting_below_min_workers_says_why_and_for_how_long(caplog):
     assert "1 live member here, fewer than min_workers=2" in said[0] and "FtcommTimeout in" in said[0], said
 
 
-def test_a_view_that_re_forms_in_a_call_between_backward_and_the_step_runs_the_step_on_every_member():
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_view_that_re_forms_in_a_call_between_backward_and_the_step_runs_the_step_on_every_member(wrapped):
     """With overlap, member 0's backward has launched the step's buckets when member 2
     leaves; member 1's backward begins only once it has the news, so it launches nothing.
     Both re-form inside the metric averaged before the step (execute) and run it again.
     Member 0's share went with the old view: it runs the step all the same, its gradients
     counted as none, instead of skipping it while member 1 waits in it for ever; the step
-    commits on both with member 1's gradients, and they train on with equal states."""
+    commits on both with member 1's gradients, and they train on with equal states. The
+    same through ``ft.wrap`` (DDP's reducer)."""
     groups = start_groups(3)
     backward_done, left = threading.Event(), threading.Event()
     try:
         models, optimizers = linear_models(groups)
-        run_steps(groups, models, optimizers, 2)  # the hooks are installed: backward reduces from now on
+        nets = [g.wrap(m) for g, m in zip(groups, models)] if wrapped else models
+        run_steps(groups, nets, optimizers, 2)  # the hooks are installed: backward reduces from now on
 
         def step(i: int, g: ftcomm.FaultTolerantGroup):
-            m, o = models[i], optimizers[i]
+            m, o = nets[i], optimizers[i]
             if i == 2:
                 backward_done.wait(20)
                 g.shutdown()
@@ -809,7 +812,7 @@ def test_a_view_that_re_forms_in_a_call_between_backward_and_the_step_runs_the_s
         assert outcomes[1] == (False, False, 2.0, True, 2)
         survivors = groups[:2]
         assert len({(g.step, g.state.digest(g.step)) for g in survivors}) == 1
-        run_steps(survivors, models[:2], optimizers[:2], 3)
+        run_steps(survivors, nets[:2], optimizers[:2], 3)
         assert len({(g.step, g.state.digest(g.step)) for g in survivors}) == 1
     finally:
         for g in groups:

@@ -260,6 +260,11 @@ class GossipNode:
         """A snapshot of every known member, this one included (thread-safe, non-blocking)."""
         return list(self._snapshot)
 
+    def snapshot(self) -> tuple[Member, ...]:
+        """:meth:`members` as the node holds them: a new tuple whenever anything in the
+        table changed, the same one otherwise (a reader may keep what it derived from it)."""
+        return self._snapshot
+
     def live_members(self) -> list[Member]:
         return [m for m in self._snapshot if m.state in ("alive", "suspect")]
 

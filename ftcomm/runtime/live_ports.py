@@ -25,6 +25,7 @@ from ..errors import FtcommTimeout, MembershipChanged, ReplicaLost
 from ..gossip import GossipNode
 from ..options import GroupOptions
 from ..training.buckets import GradientBuckets
+from ..training.reducer import DistributedDataParallel, ReducerBuckets
 from ..training.state import TrainingState
 from . import transfer
 from .ports import (Address, Contribution, Counters, Done, Failed, MemberRecord, Pause, Pending, StateSummary,
@@ -100,11 +101,18 @@ class GossipMembership:
         self.engine = engine
         self.node: GossipNode | None = None
         self.on_published = on_published
+        self._decoded: tuple | None = None  # (gossip snapshot, view, statuses, addresses) last decoded
 
     def statuses(self, view: View | None) -> tuple[dict[str, Status], dict[str, Address]]:
+        """The records of the members this worker reads (see ``readable``), decoded once per
+        change of the gossip table or of the view (every gradient step asks)."""
+        snapshot = self.node.snapshot()
+        cached = self._decoded
+        if cached is not None and cached[0] is snapshot and cached[1] is view:
+            return dict(cached[2]), dict(cached[3])
         statuses, addresses = {}, {}
         own = self.engine.id
-        for m in self.node.members():
+        for m in snapshot:
             if not readable(m.id, m.confirmed, own, view):
                 continue
             status = Status.from_metadata(m.id, m.state, m.metadata)
@@ -112,7 +120,8 @@ class GossipMembership:
                 statuses[m.id] = status
                 if status.rendezvous_port is not None:
                     addresses[m.id] = (m.host, status.rendezvous_port)
-        return statuses, addresses
+        self._decoded = (snapshot, view, statuses, addresses)
+        return dict(statuses), dict(addresses)
 
     def records(self) -> Iterable[MemberRecord]:
         return [MemberRecord(m.id, m.state, m.host, m.port, Status.from_metadata(m.id, m.state, m.metadata),
@@ -342,7 +351,7 @@ class BackendCollective:
 
     def __init__(self, communicators: BackendCommunicators, options: GroupOptions, replica: Any = None) -> None:
         self.comms, self.options, self.replica = communicators, options, replica
-        self.buckets: GradientBuckets | None = None
+        self.buckets: GradientBuckets | ReducerBuckets | None = None
         self._contribution: Callable[[bool], Contribution] = lambda valid: Contribution(valid, False, None)
         self._may_overlap: Callable[[], bool] = lambda: False
 
@@ -356,7 +365,8 @@ class BackendCollective:
         return self.comms.comm if self.replica is None else self.comms.shard_comm
 
     def use(self, params: list[torch.Tensor]) -> None:
-        """The parameters of the coming gradient step (new buckets when the list changed)."""
+        """The parameters of the coming gradient step (new buckets when the list changed;
+        those of a wrapped model go on through its reducer)."""
         params = [p for p in params if p.requires_grad]
         buckets = self.buckets
         if buckets is not None and len(buckets.params) == len(params) and all(
@@ -368,6 +378,17 @@ class BackendCollective:
             params, self.options.bucket_mb, self.options.overlap,
             launch=lambda flat: self.gradient_comm.allreduce([flat], "sum"),
             may_overlap=lambda: self.gradient_comm is not None and self._may_overlap(),
+            world_size=lambda: self.gradient_comm.size, contribution=self._contribution)
+
+    def use_wrapped(self, net: DistributedDataParallel) -> None:
+        """The coming gradient steps run through ``net``'s reducer."""
+        if isinstance(self.buckets, ReducerBuckets) and self.buckets.net is net:
+            return
+        if self.buckets is not None:
+            self.buckets.remove()
+        self.buckets = ReducerBuckets(
+            net, launch=lambda flat: self.gradient_comm.allreduce([flat], "sum"),
+            may_overlap=lambda: self.options.overlap and self.gradient_comm is not None and self._may_overlap(),
             world_size=lambda: self.gradient_comm.size, contribution=self._contribution)
 
     @property
