@@ -244,8 +244,11 @@ def test_execute_runs_collectives_over_the_view_and_retries_after_a_member_leave
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap):
-    """Three workers, different data, small buckets: the gradients handed back are the mean."""
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap, wrapped):
+    """Three workers, different data, small buckets, one step accumulated over two
+    micro-batches in ``no_sync``: the gradients handed back are the mean. With the model
+    as it is, and through ``ft.wrap`` (DDP's reducer)."""
     groups = start_groups(3, overlap=overlap, bucket_mb=0.0002)
     try:
         def make() -> torch.nn.Module:
@@ -254,15 +257,19 @@ def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap)
                                        torch.nn.Tanh(), torch.nn.Linear(32, 2))
         models = [make() for _ in groups]
         reference = [make() for _ in groups]
-        inputs = [[torch.randn(5, 8, generator=torch.Generator().manual_seed(100 * s + i)) for s in range(4)]
+        inputs = [[torch.randn(5, 8, generator=torch.Generator().manual_seed(100 * s + i)) for s in range(5)]
                   for i in range(len(groups))]
+        nets = [g.wrap(m) for g, m in zip(groups, models)] if wrapped else models
 
         def train(i: int, g: ftcomm.FaultTolerantGroup) -> list[bool]:
             optimizer = torch.optim.SGD(models[i].parameters(), lr=0.05)
             results = []
             for s in range(4):
-                models[i](inputs[i][s]).pow(2).mean().backward()
-                results.append(g.wait_gradients_ready(models[i]))
+                if s == 2:
+                    with g.no_sync():
+                        nets[i](inputs[i][4]).pow(2).mean().backward()
+                nets[i](inputs[i][s]).pow(2).mean().backward()
+                results.append(g.wait_gradients_ready(nets[i]))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=s % 2 == 0)
             return results
@@ -272,6 +279,8 @@ def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap)
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in reference]
         for s in range(4):
             for i, m in enumerate(reference):
+                if s == 2:
+                    m(inputs[i][4]).pow(2).mean().backward()
                 m(inputs[i][s]).pow(2).mean().backward()
             for params in zip(*(m.parameters() for m in reference)):
                 mean = sum(p.grad for p in params) / len(params)
@@ -284,6 +293,7 @@ def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap)
             for p, q in zip(m.parameters(), reference[0].parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert groups[0]._collective.buckets.bucket_count >= 3
+        assert type(groups[0]._collective.buckets).__name__ == ("ReducerBuckets" if wrapped else "GradientBuckets")
     finally:
         for g in groups:
             g.shutdown()

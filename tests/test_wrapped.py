@@ -1,8 +1,9 @@
 """``ft.wrap(model)``: gradients through DDP's C++ reducer, reduced over ftcomm's view.
 
-Unit tests drive :class:`ReducerBuckets` with a fake communicator (an allreduce over
-``world`` identical workers multiplies by ``world``); group tests run several workers in
-threads of one process, as ``tests/test_group_threads.py`` does.
+:class:`ReducerBuckets` driven by a fake communicator (an allreduce over ``world``
+identical workers multiplies by ``world``). Wrapped groups training in threads are in
+``tests/test_group_threads.py`` (exact averages, a re-formation inside a step), and every
+process test trains through the wrapped demo.
 """
 
 from __future__ import annotations
@@ -10,12 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ftcomm
 from ftcomm.backends.base import AbortSignal, Handle
 from ftcomm.errors import FtcommError
 from ftcomm.training.reducer import DistributedDataParallel, ReducerBuckets, bucket_layout
 from tests.test_buckets import model, reduce
-from tests.test_group_threads import in_threads, start_groups
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -244,61 +243,6 @@ def test_wrap_needs_a_parameter_that_requires_a_gradient_and_wraps_a_module_once
     buckets.hand_back(float(reduce(buckets)[0]))
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad, local_gradients(1)[n])
-
-
-@pytest.mark.parametrize("overlap", [True, False])
-def test_wrapped_workers_average_exactly_and_agree_on_their_state(overlap):
-    """Three workers in threads, different data, small buckets, one step accumulated over
-    two micro-batches with ``no_sync``: the models equal a by-hand average's."""
-    groups = start_groups(3, overlap=overlap, bucket_mb=0.0002)
-    try:
-        def make() -> torch.nn.Module:
-            torch.manual_seed(0)
-            return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                                       torch.nn.Tanh(), torch.nn.Linear(32, 2))
-        models = [make() for _ in groups]
-        reference = [make() for _ in groups]
-        inputs = [[torch.randn(5, 8, generator=torch.Generator().manual_seed(100 * s + i)) for s in range(5)]
-                  for i in range(len(groups))]
-        nets = [g.wrap(m) for g, m in zip(groups, models)]
-        for g, m in zip(groups, models):
-            g.register_state(model=m)
-
-        def train(i: int, g: ftcomm.FaultTolerantGroup) -> list[bool]:
-            optimizer = torch.optim.SGD(models[i].parameters(), lr=0.05)
-            results = []
-            for s in range(4):
-                if s == 2:
-                    with nets[i].no_sync():
-                        nets[i](inputs[i][4]).pow(2).mean().backward()
-                nets[i](inputs[i][s]).pow(2).mean().backward()
-                results.append(g.wait_gradients_ready(nets[i]))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=s % 2 == 0)
-            return results
-
-        assert in_threads(groups, train) == [[True] * 4] * 3
-        optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in reference]
-        for s in range(4):
-            for i, m in enumerate(reference):
-                if s == 2:
-                    m(inputs[i][4]).pow(2).mean().backward()
-                m(inputs[i][s]).pow(2).mean().backward()
-            for params in zip(*(m.parameters() for m in reference)):
-                mean = sum(p.grad for p in params) / len(params)
-                for p in params:
-                    p.grad = mean.clone()
-            for o in optimizers:
-                o.step()
-                o.zero_grad()
-        for m in models:
-            for p, q in zip(m.parameters(), reference[0].parameters()):
-                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-        assert len({g.state.digest(g.step) for g in groups}) == 1
-        assert isinstance(groups[0]._collective.buckets, ReducerBuckets)
-    finally:
-        for g in groups:
-            g.shutdown()
 
 
 def test_the_member_records_a_step_reads_are_decoded_once_per_change_of_the_table(monkeypatch):
