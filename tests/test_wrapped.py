@@ -144,6 +144,17 @@ def test_no_sync_accumulates_locally_and_the_next_backward_reduces_the_total():
         torch.testing.assert_close(p.grad, first[n] + second[n])
 
 
+def test_without_overlap_two_backward_passes_before_the_step_reduce_their_total():
+    world, m = FakeWorld(overlap_allowed=False), model()
+    net, buckets = world.wrap(m)
+    world.backward(net, 0)
+    world.backward(net, 1)
+    buckets.hand_back(float(reduce(buckets)[0]))
+    first, second = local_gradients(0), local_gradients(1)
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, first[n] + second[n])
+
+
 def test_two_backward_passes_before_the_step_are_refused_and_the_next_step_works():
     world, m = FakeWorld(), model()
     net, buckets = world.wrap(m)

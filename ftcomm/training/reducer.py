@@ -239,9 +239,10 @@ class ReducerBuckets:
             self._overlapping = self._may_overlap()
             if self._overlapping:
                 self._world = self._world_size()
-        if index != len(self._buffers):  # a second backward before the reduction
-            self._accumulated, self._overlapping = True, False
-            return
+        if index != len(self._buffers):  # a second backward before the step
+            if self._handles:  # the first one's buckets are being reduced already
+                self._accumulated, self._overlapping = True, False
+            return  # else its buckets are the same buffers, accumulated in place: reduced at the step
         self._buffers.append(buffer)
         if self._overlapping:
             buffer.div_(self._world)
