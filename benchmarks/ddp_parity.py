@@ -20,10 +20,11 @@ buckets, overlap). Models:
 Steps/s are timed after 5 of warm-up, on rank 0. Reported: the median of ftcomm/DDP
 over the rounds, with the lowest and highest.
 
-*Overhead.* W = 2 processes with a 100K-parameter MLP, in the same processes: the time
-inside ``wait_gradients_ready`` (overlap off, so it does all the work) against a raw
-flat-buffer step (gradients concatenated, one ProcessGroupGloo allreduce, divided by W,
-copied back); medians over ``--steps`` steps, several rounds interleaved. The
+*Overhead.* W = 2 processes, in the same processes: the time inside
+``wait_gradients_ready`` (overlap off, so it does all the work) against a raw flat-buffer
+step (gradients concatenated, one ProcessGroupGloo allreduce, divided by W, copied back);
+medians over 200 steps, 3 rounds interleaved; on a 100K-parameter MLP (12 tensors,
+unwrapped) and on the ``blocks`` model (256 tensors, through ``ft.wrap``). The
 difference is what ftcomm adds per step.
 """
 
@@ -98,7 +99,7 @@ def parity_worker(variant: str, kind: str, rank: int, world: int, port: int, bat
     return {"steps_s": rate}
 
 
-def overhead_worker(rank: int, world: int, port: int, steps: int, rounds: int) -> dict:
+def overhead_worker(kind: str, rank: int, world: int, port: int, steps: int, rounds: int) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -110,10 +111,12 @@ def overhead_worker(rank: int, world: int, port: int, steps: int, rounds: int) -
     raw_group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, world, datetime.timedelta(seconds=120))
     ft = ftcomm.init(peers=[] if rank == 0 else [f"127.0.0.1:{port + 1}"], bind=f"127.0.0.1:{port + 1 + rank}",
                      min_workers=world, handle_signals=False, init_timeout=120, overlap=False)
-    model = make_model(128, 6)  # 99K parameters
+    model = make_model(128, 6) if kind == "mlp" else make_blocks(64)  # 99K parameters; or 256 tensors
     ft.register_state(model=model)
     params = list(model.parameters())
-    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(rank))
+    net = model if kind == "mlp" else ft.wrap(model)
+    x = torch.randn(32 if kind == "mlp" else 8, 128 if kind == "mlp" else 64,
+                    generator=torch.Generator().manual_seed(rank))
 
     def raw(_model) -> bool:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
@@ -128,15 +131,15 @@ def overhead_worker(rank: int, world: int, port: int, steps: int, rounds: int) -
     for _ in range(rounds):
         for name, average in (("raw", raw), ("ftcomm", ft.wait_gradients_ready)):
             for i in range(WARMUP + steps):
-                F.mse_loss(model(x), x).backward()
+                F.mse_loss(net(x), x).backward()
                 began = time.perf_counter()
-                average(model)
+                average(net)
                 if i >= WARMUP:
                     times[name].append(time.perf_counter() - began)
                 model.zero_grad()
     ft.execute(ft.barrier)
     ft.shutdown()
-    return {"parameters": sum(p.numel() for p in params),
+    return {"model": kind, "tensors": len(params), "parameters": sum(p.numel() for p in params),
             **{f"{name}_s": statistics.median(values) for name, values in times.items()}}
 
 
@@ -161,8 +164,8 @@ def main() -> int:
             variant, model, batch, steps, rank, world, port = sys.argv[3], sys.argv[4], *map(int, sys.argv[5:10])
             print(json.dumps(parity_worker(variant, model, rank, world, port, batch, steps)), flush=True)
         else:
-            steps, rounds, rank, world, port = map(int, sys.argv[3:8])
-            print(json.dumps(overhead_worker(rank, world, port, steps, rounds)), flush=True)
+            model, (steps, rounds, rank, world, port) = sys.argv[3], map(int, sys.argv[4:9])
+            print(json.dumps(overhead_worker(model, rank, world, port, steps, rounds)), flush=True)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -193,9 +196,12 @@ def main() -> int:
                     config[f"{v}_steps_s_median"] = round(statistics.median(r[v] for r in rounds), 3)
                 configs.append(config)
                 print(json.dumps({k: v for k, v in config.items() if k != "rounds"}), flush=True)
-    overhead = launch(["overhead", str(200), str(3)], 2)[0]
-    overhead["overhead_s"] = overhead["ftcomm_s"] - overhead["raw_s"]
-    print(json.dumps(overhead), flush=True)
+    overhead = []
+    for model in ("mlp", "blocks"):
+        measured = launch(["overhead", model, str(200), str(3)], 2)[0]
+        measured["overhead_s"] = measured["ftcomm_s"] - measured["raw_s"]
+        print(json.dumps(measured), flush=True)
+        overhead.append(measured)
     report = {"benchmark": "ddp_parity", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
               "steps": args.steps, "configs": configs, "overhead": overhead}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
