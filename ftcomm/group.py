@@ -392,12 +392,15 @@ class FaultTolerantGroup:
         ``wait_gradients_ready(wrapped)``; ``wrapped.no_sync()`` as DDP's. Every parameter
         that requires a gradient must get one in every step (as DDP without
         ``find_unused_parameters``): otherwise FtcommError at ``wait_gradients_ready``.
-        ``bucket_mb``: default the group's. Not for sharded replicas (call
-        ``wait_gradients_ready(model)``: FtcommError)."""
+        ``bucket_mb``: default the group's. Wrapping a module again (after unfreezing
+        parameters: DDP's parameter list is fixed when it is built) retires the earlier
+        wrapper. Not for sharded replicas (call ``wait_gradients_ready(model)``: FtcommError)."""
         self._loop.check_open()
         if self.replica_size > 1:
             raise FtcommError("wrap is for a model every worker holds whole; with sharded replicas call "
                               "wait_gradients_ready(model)")
+        if self._collective.touched:
+            raise FtcommError("wrap between steps: backward has begun reducing this step's gradients")
         net = DistributedDataParallel(module, self.options.bucket_mb if bucket_mb is None else bucket_mb)
         self._collective.use_wrapped(net)
         return net

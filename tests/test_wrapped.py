@@ -235,25 +235,76 @@ def test_a_lost_step_contributes_zeros_in_new_buffers_and_gets_the_others_averag
         torch.testing.assert_close(p.grad, local_gradients(1)[n])
 
 
-def test_wrap_needs_a_parameter_that_requires_a_gradient_and_wraps_a_module_once():
-    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+def test_wrap_refuses_what_its_reducer_cannot_do():
     with pytest.raises(FtcommError, match="requires a gradient"):
-        DistributedDataParallel(frozen, 25.0)
+        DistributedDataParallel(torch.nn.Linear(4, 4).requires_grad_(False), 25.0)
+    with pytest.raises(FtcommError, match="sparse gradients"):
+        DistributedDataParallel(torch.nn.Embedding(10, 4, sparse=True), 25.0)
+
+
+def test_wrapping_a_module_again_retires_the_earlier_wrapper_and_leaves_the_module_a_plain_module():
+    """After unfreezing parameters a script wraps again (DDP's parameter list is fixed when
+    it is built); two reducers would fight over the gradients, so the earlier one goes. The
+    module itself carries nothing: it is copied and saved as before."""
+    import copy
+    import io
+
     world, m = FakeWorld(), model()
     net, buckets = world.wrap(m)
     world.backward(net, 0)
     buckets.hand_back(float(reduce(buckets)[0]))
-    with pytest.raises(FtcommError, match="wrapped already"):
-        DistributedDataParallel(m, 25.0)  # two reducers would fight over the gradients
-    del net, buckets
-    import gc
-    gc.collect()
     m.zero_grad()
-    net, buckets = world.wrap(m)  # the first one is gone (its hooks too): wrapping again is fine
-    world.backward(net, 1)
+    again, buckets = world.wrap(m)
+    with pytest.raises(FtcommError, match="replaced by a later ft.wrap"):
+        net(torch.randn(4, 16))
+    world.launched.clear()
+    world.backward(again, 1)
     buckets.hand_back(float(reduce(buckets)[0]))
+    assert len(world.launched) == buckets.bucket_count + 1  # one reducer's buckets, not two
     for n, p in m.named_parameters():
         torch.testing.assert_close(p.grad, local_gradients(1)[n])
+    copied = copy.deepcopy(m)
+    world.wrap(copied)  # a copy (an EMA model, say) is a module of its own
+    torch.save(m, io.BytesIO())
+
+
+def test_a_second_backward_through_a_retained_graph_is_refused_not_added_to_the_reduction():
+    """DDP's reducer calls no hook for a second backward in one iteration; the buckets it
+    writes into are being reduced already."""
+    world, m = FakeWorld(), model()
+    net, buckets = world.wrap(m)
+    loss = net(torch.randn(4, 16)).pow(2).sum()
+    loss.backward(retain_graph=True)
+    assert buckets.touched
+    loss.backward()
+    with pytest.raises(FtcommError, match="changed after backward began reducing"):
+        buckets.finish(True)
+
+
+def test_a_member_whose_parameter_got_no_gradient_still_launches_every_collective_then_raises():
+    """Data-dependent control flow skips a layer on one member only: its collectives must
+    still pair with the others' (zeros, counted as none), or the others would wait for a
+    bucket that never comes, and its next collective would meet one of another size."""
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, x, skip: bool = False):
+            return self.second(x if skip else self.first(x))
+    sizes = {}
+    for skip in (False, True):
+        torch.manual_seed(0)
+        world = FakeWorld()
+        net, buckets = world.wrap(Branchy(), bucket_mb=0.0002)
+        net(torch.randn(2, 16), skip=skip).sum().backward()
+        if skip:
+            with pytest.raises(FtcommError, match=r"got no gradient.*first\.(weight|bias)"):
+                reduce(buckets)
+        else:
+            reduce(buckets)
+        sizes[skip] = [size for size, _ in world.launched]
+    assert sizes[True] == sizes[False] and len(sizes[True]) >= 3
 
 
 def test_the_member_records_a_step_reads_are_decoded_once_per_change_of_the_table(monkeypatch):
@@ -286,3 +337,21 @@ def test_the_member_records_a_step_reads_are_decoded_once_per_change_of_the_tabl
     membership.statuses(SimpleNamespace(member_set=set()))  # another view: read again
     assert decoded == ["a", "b", "a", "a"]
     assert first[1] == {"a": ("h", 7)}
+
+
+def test_a_forward_after_a_backward_that_left_a_parameter_without_a_gradient_says_why():
+    class Partial(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.used(x)
+    world = FakeWorld()
+    net, _ = world.wrap(Partial(), bucket_mb=0.00001)
+    net(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(FtcommError, match="left some parameters without a gradient"):
+        net(torch.randn(2, 16))  # no wait_gradients_ready in between: DDP's own error, explained
+    net.module.unused.requires_grad_(False)
+    with torch.no_grad():
+        net(torch.randn(2, 16))  # the wrapper is usable again

@@ -118,32 +118,57 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def __init__(self, module: torch.nn.Module, bucket_mb: float) -> None:
         if not any(p.requires_grad for p in module.parameters()):
             raise FtcommError("wrap needs a module with a parameter that requires a gradient")
-        earlier = getattr(module, "_ftcomm_wrapper", None)
-        if earlier is not None and earlier() is not None:
-            raise FtcommError("this module is wrapped already: use the object the first wrap returned")
         placeholder = _Placeholder([])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             super().__init__(module, process_group=placeholder, bucket_cap_mb=bucket_mb, broadcast_buffers=False,
                              init_sync=False, gradient_as_bucket_view=True)
-        parameters, _ = self._build_params_for_reducer()
+        parameters, sparse = self._build_params_for_reducer()
+        if any(sparse):
+            raise FtcommError("wrap does not take parameters with sparse gradients (an Embedding with sparse=True): "
+                              "use wait_gradients_ready on the unwrapped model")
         placeholder.layout = bucket_layout(parameters, bucket_mb)
         self.reducer._push_all_rebuilt_params()  # the layout is settled at the first forward
         self._ftcomm_params = parameters
-        module._ftcomm_wrapper = weakref.ref(self)
         self._ftcomm_layout = placeholder.layout
         self._ftcomm_route = _Route()
         self._ftcomm_forwarded = False  # a forward pass ran through this wrapper since the last step
+        self._ftcomm_retired = False
         self.register_comm_hook(self._ftcomm_route, _route)
+        earlier = _WRAPPERS.get(module)
+        if earlier is not None and earlier() is not None:
+            earlier()._ftcomm_retire()  # two reducers would fight over the gradients
+        _WRAPPERS[module] = weakref.ref(self)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._ftcomm_retired:
+            raise FtcommError("this wrapper was replaced by a later ft.wrap of the same module: use that one")
         self._ftcomm_forwarded = True
-        return super().forward(*inputs, **kwargs)
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as exc:
+            if "finished reduction in the prior iteration" not in str(exc):
+                raise
+            self._ftcomm_rebuild()  # the next forward starts afresh
+            raise FtcommError("the last backward through the wrapped model left some parameters without a "
+                              "gradient and no wait_gradients_ready followed: every parameter that requires a "
+                              "gradient must get one in every step (freeze the others, requires_grad=False, or "
+                              "call wait_gradients_ready on the unwrapped model)") from None
 
     def _ftcomm_rebuild(self) -> None:
         """Forget the step in progress; new buckets (new buffers) at the next forward."""
         self.reducer._reset_state()
         self.reducer._push_all_rebuilt_params()
+
+    def _ftcomm_retire(self) -> None:
+        """A later wrapper of the same module takes over: this one's reducer goes (and with
+        it the hooks on the parameters); its forward refuses from now on."""
+        self._ftcomm_retired = True
+        self._ftcomm_route.target = None
+        self.reducer = self.logger = None
+
+
+_WRAPPERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 class _Route:
@@ -198,6 +223,7 @@ class ReducerBuckets:
         self._overlapping = False
         self._world = 1
         self._buffers: list[torch.Tensor] = []  # this step's buckets, in order, as the reducer handed them
+        self._versions: list[int] = []  # each launched bucket's version once launched: a later write changes it
         self._handles: list[Handle] = []
         self._counters: torch.Tensor | None = None
         self._fresh: list[torch.Tensor] | None = None  # zeros reduced in their place after a lost step
@@ -247,6 +273,7 @@ class ReducerBuckets:
         if self._overlapping:
             buffer.div_(self._world)
             self._handles.append(self._launch(buffer))
+            self._versions.append(buffer._version)  # after the launch (which may count as a write)
             if len(self._buffers) == len(self._layout):
                 self._launch_counters(valid=True)
 
@@ -269,24 +296,33 @@ class ReducerBuckets:
         """
         with self._lock:
             error, accumulated = self._error, self._accumulated
+            # A backward through a retained graph writes into buckets already launched, and
+            # DDP's reducer, done for this iteration, calls no hook: their versions tell.
+            accumulated = accumulated or any(b._version != v for b, v in zip(self._buffers, self._versions))
             if error is not None or accumulated:
                 self._renew()
             if error is not None:
                 raise error
             if accumulated:
-                raise FtcommError("gradients were accumulated by more than one backward pass before "
-                                  "wait_gradients_ready: run all but the last inside `with model.no_sync():` "
-                                  "(or ft.no_sync())")
+                raise FtcommError("gradients changed after backward began reducing them: more than one backward "
+                                  "pass before wait_gradients_ready (run all but the last inside `with "
+                                  "model.no_sync():` or ft.no_sync()), or code that modified .grad before it")
             if not valid:
                 if self.touched:
                     raise FtcommError("a step already being reduced cannot be marked invalid")
                 self._world = self._world_size()
-                self._fresh = [torch.zeros(sum(self.params[i].numel() for i in group), dtype=self.params[group[0]].dtype,
-                                           device=self.params[group[0]].device) for group in self._layout]
+                self._fresh = self._zeros(self._layout)
                 self._handles = [self._launch(buffer) for buffer in self._fresh]
                 self._launch_counters(valid=False)
             elif len(self._buffers) != len(self._layout):
+                # The members launch the same collectives all the same (zeros, counted as none),
+                # so that the others' step completes; then the error.
                 message = self._missing_message()
+                if not self._handles:
+                    self._world = self._world_size()
+                for buffer in self._zeros(self._layout[len(self._handles):]):
+                    self._handles.append(self._launch(buffer))
+                self._launch_counters(valid=False)
                 self._renew()
                 raise FtcommError(message)
             elif not self._handles:  # backward did not reduce (overlap off, or the view had to change first)
@@ -296,6 +332,11 @@ class ReducerBuckets:
                     self._handles.append(self._launch(buffer))
                 self._launch_counters(valid=True)
             return list(self._handles), self._counters
+
+    def _zeros(self, groups: list[list[int]]) -> list[torch.Tensor]:
+        """Zeros laid out as the buckets of ``groups``."""
+        return [torch.zeros(sum(self.params[i].numel() for i in group), dtype=self.params[group[0]].dtype,
+                            device=self.params[group[0]].device) for group in groups]
 
     def _missing_message(self) -> str:
         if not self.net._ftcomm_forwarded:
