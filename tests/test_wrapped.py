@@ -42,6 +42,17 @@ class FakeWorld:
         self.in_backward = False
 
 
+class Partial(torch.nn.Module):
+    """A model whose second layer never gets a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
 def local_gradients(seed: int) -> dict[str, torch.Tensor]:
     m = model()
     FakeWorld().backward(m, seed)
@@ -170,13 +181,6 @@ def test_two_backward_passes_before_the_step_are_refused_and_the_next_step_works
 
 
 def test_a_parameter_without_a_gradient_is_named_instead_of_a_hang():
-    class Partial(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used, self.unused = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
-
-        def forward(self, x):
-            return self.used(x)
     world = FakeWorld()
     net, buckets = world.wrap(Partial(), bucket_mb=0.00001)
     world.backward(net, 0)
@@ -340,13 +344,6 @@ def test_the_member_records_a_step_reads_are_decoded_once_per_change_of_the_tabl
 
 
 def test_a_forward_after_a_backward_that_left_a_parameter_without_a_gradient_says_why():
-    class Partial(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used, self.unused = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
-
-        def forward(self, x):
-            return self.used(x)
     world = FakeWorld()
     net, _ = world.wrap(Partial(), bucket_mb=0.00001)
     net(torch.randn(2, 16)).sum().backward()
