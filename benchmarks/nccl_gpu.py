@@ -24,8 +24,9 @@ recovery from a crash.
   ``algbw`` = bytes / time (``busbw`` = algbw x 2(n-1)/n is 0 for one rank and equals
   algbw for two).
 - *training step*: a ~110M-parameter transformer encoder, bf16 autocast, AdamW, world 1,
-  ``wait_gradients_ready`` (overlap on, and off) against DDP on NCCL; fresh processes per
-  variant, rounds alternating.
+  ``ft.wrap(model)`` + ``wait_gradients_ready`` (overlap on), and an unwrapped model
+  (overlap on, and off), against DDP on NCCL; fresh processes per variant, rounds
+  alternating.
 - *group recovery*: 4 training workers (examples/train_elastic.py) on this GPU, kill -9
   of one, until every survivor committed a step in the new view; NCCL against Gloo.
 """
@@ -306,14 +307,16 @@ def train_child(variant: str, steps: int, warmup: int) -> None:
             optimizer.zero_grad(set_to_none=False)
     else:
         import ftcomm
-        ft = ftcomm.init(backend="nccl", bind="127.0.0.1:0", overlap=(variant == "ftcomm"), handle_signals=False)
+        ft = ftcomm.init(backend="nccl", bind="127.0.0.1:0", overlap=(variant != "ftcomm_no_overlap"),
+                         handle_signals=False)
         ft.register_state(model=model, optimizer=optimizer)
+        trained = ft.wrap(model) if variant == "ftcomm_wrapped" else model
 
         def step() -> None:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+                loss = torch.nn.functional.cross_entropy(trained(tokens).flatten(0, 1), tokens.flatten())
             loss.backward()
-            if ft.wait_gradients_ready(model):
+            if ft.wait_gradients_ready(trained):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=False)
     for _ in range(warmup):
@@ -332,7 +335,7 @@ def train_child(variant: str, steps: int, warmup: int) -> None:
 
 
 def training(rounds: int, steps: int, warmup: int) -> dict:
-    variants = ["ftcomm", "ddp", "ftcomm_no_overlap"]
+    variants = ["ftcomm_wrapped", "ddp", "ftcomm", "ftcomm_no_overlap"]
     times: dict[str, list[float]] = {v: [] for v in variants}
     params = None
     for _ in range(rounds):
@@ -348,6 +351,7 @@ def training(rounds: int, steps: int, warmup: int) -> dict:
               **{f"{v}_step_s": median(times[v]) for v in variants}, "runs_s": times}
     result["ftcomm_over_ddp"] = round(result["ftcomm_step_s"] / result["ddp_step_s"], 3)
     result["no_overlap_over_ddp"] = round(result["ftcomm_no_overlap_step_s"] / result["ddp_step_s"], 3)
+    result["wrapped_over_ddp"] = round(result["ftcomm_wrapped_step_s"] / result["ddp_step_s"], 3)
     return result
 
 
