@@ -352,3 +352,22 @@ def test_a_forward_after_a_backward_that_left_a_parameter_without_a_gradient_say
     net.module.unused.requires_grad_(False)
     with torch.no_grad():
         net(torch.randn(2, 16))  # the wrapper is usable again
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_after_a_step_whose_gradients_counted_as_none_the_reducer_takes_its_gradients_back(set_to_none):
+    """A worker whose state was just replaced reduces zeros and is handed the averages as
+    gradients of its own; the steps after it go through the buckets again, both ways of
+    zeroing the gradients."""
+    world, m = FakeWorld(overlap_allowed=False), model()
+    net, buckets = world.wrap(m)
+    world.backward(net, 0)
+    handles, counters = buckets.finish(False)
+    assert counters.tolist()[:2] == [0.0, 0.0]
+    buckets.hand_back(1.0)
+    for step in (1, 2):
+        m.zero_grad(set_to_none=set_to_none)
+        world.backward(net, step)
+        buckets.hand_back(float(reduce(buckets)[0]))
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(p.grad, local_gradients(step)[n])
