@@ -24,6 +24,13 @@ the gradients back), not a network:
 Rounds alternate the variants; reported: the median step time of each (steps after 50 of
 warm-up, median over rounds), and the extra host time over ``backward``, per step and per
 parameter tensor.
+
+    python benchmarks/grad_path.py --profile [--steps 500]
+
+*Profile.* Two processes train the same model over a real group (127.0.0.1, Gloo), through
+``ft.wrap`` and through hooks on the unwrapped model in turn; rank 0 runs ``--steps``
+steps (after 50) under cProfile and reports ftcomm's Python per step: how many calls, and
+the functions by time (cumulative and own) and by calls.
 """
 
 from __future__ import annotations
@@ -127,14 +134,88 @@ def run_round(name: str, blocks: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def profile_worker(mode: str, rank: int, port: int, steps: int) -> dict:
+    import cProfile
+    import pstats
+
+    import torch
+    import torch.nn.functional as F
+
+    import ftcomm
+    torch.set_num_threads(1)
+    model = make_model(64)
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    ft = ftcomm.init(peers=[] if rank == 0 else [f"127.0.0.1:{port}"], bind=f"127.0.0.1:{port + rank}",
+                     min_workers=2, handle_signals=False, init_timeout=120)
+    ft.register_state(model=model)
+    net = ft.wrap(model) if mode == "wrapped" else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            F.mse_loss(net(x), y).backward()
+            if ft.wait_gradients_ready(net):
+                optimizer.step()
+            optimizer.zero_grad()
+    run(WARMUP)
+    profiler = cProfile.Profile()
+    if rank == 0:
+        profiler.enable()
+    run(steps)
+    profiler.disable()
+    ft.execute(ft.barrier)
+    ft.shutdown()
+    if rank:
+        return {}
+    rows = [{"function": f"{path.split('/ftcomm/')[1]}:{name}", "calls": round(calls / steps, 1),
+             "cum_us": round(cum / steps * 1e6, 1), "own_us": round(own / steps * 1e6, 1)}
+            for (path, _, name), (_, calls, own, cum, _) in pstats.Stats(profiler).stats.items()
+            if "/ftcomm/" in path]
+    return {"mode": mode, "calls_per_step": round(sum(r["calls"] for r in rows), 1),
+            "by_time": sorted(rows, key=lambda r: -r["cum_us"])[:12],
+            "by_calls": sorted(rows, key=lambda r: -r["calls"])[:6]}
+
+
+def profile(steps: int, out: str) -> int:
+    import socket
+    import subprocess
+    report = {"benchmark": "grad_path_profile", "steps": steps, "modes": []}
+    for mode in ("wrapped", "hooks"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = 20000 + s.getsockname()[1] % 20000
+        procs = [subprocess.Popen([sys.executable, __file__, "--profile-worker", mode, str(rank), str(port),
+                                   str(steps)], stdout=subprocess.PIPE, text=True) for rank in (0, 1)]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        result = json.loads(outs[0].strip().splitlines()[-1])
+        report["modes"].append(result)
+        print(json.dumps({"mode": mode, "calls_per_step": result["calls_per_step"],
+                          "most_called": result["by_calls"][0]}), flush=True)
+        for row in result["by_time"]:
+            print(f"  {row['cum_us']:9.1f} us cum {row['own_us']:8.1f} us own {row['calls']:7.1f} calls  "
+                  f"{row['function']}", flush=True)
+    save(report, out)
+    return 0
+
+
 def main() -> int:
     import torch
+    if len(sys.argv) > 1 and sys.argv[1] == "--profile-worker":
+        mode, rank, port, steps = sys.argv[2], *map(int, sys.argv[3:6])
+        print(json.dumps(profile_worker(mode, rank, port, steps)), flush=True)
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--blocks", type=int, default=64)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "grad_path.json"))
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="profile ftcomm's Python per step instead")
     args = parser.parse_args()
+    results = os.path.join(os.path.dirname(__file__), "results")
+    if args.profile:
+        return profile(args.steps if args.steps != 300 else 500, args.out or os.path.join(results,
+                                                                                           "grad_path_profile.json"))
+    args.out = args.out or os.path.join(results, "grad_path.json")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # DDP's note on broadcast_buffers
     tensors = 4 * args.blocks
