@@ -212,7 +212,6 @@ class ReducerBuckets:
         self._contribution = contribution
         self._layout = net._ftcomm_layout
         self._lock = threading.Lock()
-        self._hooked = True
         net._ftcomm_route.target = self._on_bucket
         self._new_step()
 
@@ -226,7 +225,7 @@ class ReducerBuckets:
         self._versions: list[int] = []  # each launched bucket's version once launched: a later write changes it
         self._handles: list[Handle] = []
         self._counters: torch.Tensor | None = None
-        self._fresh: list[torch.Tensor] | None = None  # zeros reduced in their place after a lost step
+        self._fresh: list[torch.Tensor] | None = None  # zeros reduced in the buckets' place (valid=False)
         self._accumulated = False
         self._error: BaseException | None = None
 
