@@ -152,7 +152,11 @@ def test_a_replica_that_loses_a_process_to_kill_9_leaves_whole_and_comes_back():
     # after the short grace of a replica whose process died by a signal: never 5 s later
     assert "left with its replica" in log and "did not leave within 5 s" not in log
     views = sorted((e for e in job.of("view") if e["view_id"] > before), key=lambda e: e["view_id"])
-    assert views and views[0]["reason"] == "crash" and len(views[0]["members"]) == (REPLICAS - 1) * SHARDS, views[:1]
+    # A crash as a rule; on a loaded host the others' stalled collective may have its silent
+    # member probed (and named hung) before the refusal that proves the crash is seen: out
+    # either way, with its partner.
+    assert views and views[0]["reason"] in ("crash", "hang"), views[:1]
+    assert len(views[0]["members"]) == (REPLICAS - 1) * SHARDS, views[:1]
     assert victim["id"] not in views[0]["members"] and partner["id"] not in views[0]["members"]
     back = [e for e in views if e["view_id"] > views[0]["view_id"] and len(e["members"]) == REPLICAS * SHARDS]
     assert back, "the replica never came back"

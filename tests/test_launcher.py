@@ -1062,3 +1062,25 @@ def test_the_first_restart_is_immediate_and_later_ones_back_off():
         launcher._exited(worker, 1, now)
         delays.append(round(worker.restart_at - now, 3))
     assert delays == [0.0, 1.0, 2.0, 4.0]
+
+
+def test_the_ports_the_launcher_hands_its_workers_lie_below_the_ephemeral_range_and_are_free():
+    """A port the kernel would hand out itself can become the local end of an outgoing
+    connection (a Gloo pair) before the worker binds it; seen once as a worker that could
+    not bind its gossip port and a replica that missed the rest of its job."""
+    import socket
+
+    from ftcomm.ops.launcher import _below_ephemeral, free_ports
+
+    low, high = _below_ephemeral()
+    ports = free_ports("127.0.0.1", 8)
+    assert len(set(ports)) == 8 and all(low <= p < high for p in ports), (ports, low, high)
+    for port in ports:
+        with socket.socket() as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            tcp.bind(("127.0.0.1", port))
+            udp.bind(("127.0.0.1", port))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[0]))
+        taken.listen()
+        for _ in range(20):
+            assert ports[0] not in free_ports("127.0.0.1", 8)

@@ -231,8 +231,18 @@ class Standby:
 
 
 def free_ports(host: str, count: int) -> list[int]:
-    """Ports free for both TCP and UDP on ``host`` (gossip uses both on one port)."""
+    """Ports free for both TCP and UDP on ``host`` (gossip uses both on one port), drawn below
+    the kernel's ephemeral range where there is room: a port the kernel hands out itself may
+    be taken, before the worker binds it, as the local end of some outgoing connection (a
+    Gloo pair connecting), which no bind can wait out."""
     ports: list[int] = []
+    low, high = _below_ephemeral()
+    candidates = secrets.SystemRandom().sample(range(low, high), min(high - low, 64 * count)) if high > low else []
+    for port in candidates:
+        if len(ports) == count:
+            return ports
+        if port not in ports and _bindable(host, port):
+            ports.append(port)
     held: list[socket.socket] = []
     try:
         while len(ports) < count:
@@ -254,6 +264,31 @@ def free_ports(host: str, count: int) -> list[int]:
         for s in held:
             s.close()
     return ports
+
+
+def _below_ephemeral() -> tuple[int, int]:
+    """Ports to draw from: up to 20000 below the start of the ephemeral range (Linux's
+    ``ip_local_port_range``; 32768 where it cannot be read), not below 10000."""
+    try:
+        start = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        start = 32768
+    return max(10000, start - 20000), start
+
+
+def _bindable(host: str, port: int) -> bool:
+    """``port`` can be bound on ``host`` for TCP (listening) and UDP alike, right now."""
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        tcp.bind((host, port))
+        udp.bind((host, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        tcp.close()
+        udp.close()
 
 
 def describe_exit(code: int) -> str:
