@@ -18,7 +18,7 @@ from typing import Any, Callable, Generator, Iterable, Sequence, TypeVar
 import torch
 
 from .. import netif
-from ..backends.base import AbortSignal, Communicator
+from ..backends.base import AbortSignal, Communicator, Handle
 from ..core.engine import FETCH_TIMEOUT_S, Engine
 from ..core.view import Status, View
 from ..errors import FtcommTimeout, MembershipChanged, ReplicaLost
@@ -375,10 +375,9 @@ class BackendCollective:
         if buckets is not None:
             buckets.remove()
         self.buckets = GradientBuckets(
-            params, self.options.bucket_mb, self.options.overlap,
-            launch=lambda flat: self.gradient_comm.allreduce([flat], "sum"),
+            params, self.options.bucket_mb, self.options.overlap, launch=self._launch,
             may_overlap=lambda: self.gradient_comm is not None and self._may_overlap(),
-            world_size=lambda: self.gradient_comm.size, contribution=self._contribution)
+            world_size=self._world_size, contribution=self._contribution)
 
     def use_wrapped(self, net: DistributedDataParallel) -> None:
         """The coming gradient steps run through ``net``'s reducer."""
@@ -387,9 +386,16 @@ class BackendCollective:
         if self.buckets is not None:
             self.buckets.remove()
         self.buckets = ReducerBuckets(
-            net, launch=lambda flat: self.gradient_comm.allreduce([flat], "sum"),
+            net, launch=self._launch,
             may_overlap=lambda: self.options.overlap and self.gradient_comm is not None and self._may_overlap(),
-            world_size=lambda: self.gradient_comm.size, contribution=self._contribution)
+            world_size=self._world_size, contribution=self._contribution)
+
+    def _launch(self, flat: torch.Tensor) -> Handle:
+        """A bucket's sum over the gradient communicator."""
+        return self.gradient_comm.allreduce([flat], "sum")
+
+    def _world_size(self) -> int:
+        return self.gradient_comm.size
 
     @property
     def touched(self) -> bool:

@@ -156,12 +156,7 @@ class GradientBuckets:
                 return
             flat = self._buffers()[b]
             if b == last:
-                tail = flat[-(_COUNTERS + self._world):]
-                tail.zero_()
-                counts, join, aside = self._contribution(valid)
-                tail[0], tail[1] = (1.0 if counts else 0.0), (1.0 if join else 0.0)
-                if aside is not None and 0 <= aside < self._world:
-                    tail[_COUNTERS + aside] = 1.0
+                flat[-(_COUNTERS + self._world):] = torch.tensor(counter_values(self._contribution(valid), self._world))
             self._handles.append(self._launch(flat))
 
     def finish(self, valid: bool) -> tuple[list[Handle], torch.Tensor]:
@@ -281,6 +276,16 @@ class GradientBuckets:
     def _is_bucket_view(self, tensor: torch.Tensor) -> bool:
         ptr = tensor.data_ptr()
         return any(f.data_ptr() <= ptr < f.data_ptr() + f.numel() * f.element_size() for f in self._flats)
+
+
+def counter_values(contribution: tuple[bool, bool, int | None], world: int) -> list[float]:
+    """A worker's share of the step's counters, ``[valid, join, aside_0 .. aside_{W-1}]``,
+    from its ``(valid, join, aside)`` (see :class:`GradientBuckets`)."""
+    counts, join, aside = contribution
+    values = [1.0 if counts else 0.0, 1.0 if join else 0.0] + [0.0] * world
+    if aside is not None and 0 <= aside < world:
+        values[_COUNTERS + aside] = 1.0
+    return values
 
 
 def _group(params: list[torch.Tensor], bucket_mb: float) -> list[list[torch.Tensor]]:

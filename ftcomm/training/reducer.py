@@ -46,9 +46,7 @@ import torch.distributed as dist
 
 from ..backends.base import Handle
 from ..errors import FtcommError
-from .buckets import FIRST_BUCKET_MB
-
-_COUNTERS = 2  # [valid, join], then a flag per rank
+from .buckets import FIRST_BUCKET_MB, counter_values
 
 
 def bucket_layout(params: list[torch.Tensor], bucket_mb: float) -> list[list[int]]:
@@ -277,13 +275,9 @@ class ReducerBuckets:
                 self._launch_counters(valid=True)
 
     def _launch_counters(self, valid: bool) -> None:
-        counts, join, aside = self._contribution(valid)
-        values = [1.0 if counts else 0.0, 1.0 if join else 0.0] + [0.0] * self._world
-        if aside is not None and 0 <= aside < self._world:
-            values[_COUNTERS + aside] = 1.0
-        tail = torch.tensor(values, dtype=torch.float32, device=self.params[0].device)
-        self._counters = tail
-        self._handles.append(self._launch(tail))
+        self._counters = torch.tensor(counter_values(self._contribution(valid), self._world), dtype=torch.float32,
+                                      device=self.params[0].device)
+        self._handles.append(self._launch(self._counters))
 
     # ------------------------------------------------------------------ at the step
     def finish(self, valid: bool) -> tuple[list[Handle], torch.Tensor]:
