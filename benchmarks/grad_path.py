@@ -25,6 +25,19 @@ Rounds alternate the variants; reported: the median step time of each (steps aft
 warm-up, median over rounds), and the extra host time over ``backward``, per step and per
 parameter tensor.
 
+    python benchmarks/grad_path.py --sharded [--rounds 5] [--steps 300] [--blocks 64]
+
+*Sharded.* The same blocks, each block (its ``Linear`` and ``LayerNorm``) a parameter
+group of FSDP2 (``fully_shard`` over a mesh of this one process; FSDP2 still
+reduce-scatters and hands each group's output to its all-reduce hook), the root another:
+
+- ``fsdp``: forward and backward only (the baseline);
+- ``fsdp_hooks``: ftcomm's gradient buckets over the gradient shards (a post-accumulate-grad
+  hook per parameter, as before the per-group path);
+- ``fsdp_groups``: the per-group path ``wait_gradients_ready`` takes for a sharded model
+  (``ShardGroupBuckets``: one call per group from FSDP2's all-reduce hook, the reduce
+  output summed in place).
+
     python benchmarks/grad_path.py --profile [--steps 500]
 
 *Profile.* Two processes train the same model over a real group (127.0.0.1, Gloo), through
@@ -69,17 +82,46 @@ def make_model(blocks: int):
     return torch.nn.Sequential(*layers)
 
 
+def make_sharded_model(blocks: int):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+                                  for _ in range(blocks)])
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def variant_step(name: str, blocks: int):
     """The model, and one training step's callable, for variant ``name``."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    model = make_model(blocks)
+    model = make_sharded_model(blocks) if name.startswith("fsdp") else make_model(blocks)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
     params = list(model.parameters())
     net, after = model, (lambda: None)
-    if name == "ftcomm":
+    if name == "fsdp_groups":
+        from ftcomm.training.shard_groups import ShardGroupBuckets, shard_groups
+        buckets = ShardGroupBuckets(shard_groups(model, params), params, launch=lambda flat: _Completed(),
+                                    may_overlap=lambda: True, world_size=lambda: 2)
+
+        def after() -> None:
+            buckets.finish(valid=True)
+            buckets.hand_back(2.0)
+    if name in ("ftcomm", "fsdp_hooks"):
         from ftcomm.training.buckets import GradientBuckets
         buckets = GradientBuckets(params, 25.0, True, launch=lambda flat: _Completed(), may_overlap=lambda: True,
                                   world_size=lambda: 2)
@@ -210,22 +252,24 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="profile ftcomm's Python per step instead")
+    parser.add_argument("--sharded", action="store_true", help="the sharded (FSDP2) gradient paths instead")
     args = parser.parse_args()
     results = os.path.join(os.path.dirname(__file__), "results")
     if args.profile:
         return profile(args.steps if args.steps != 300 else 500, args.out or os.path.join(results,
                                                                                            "grad_path_profile.json"))
-    args.out = args.out or os.path.join(results, "grad_path.json")
+    args.out = args.out or os.path.join(results, "grad_path_sharded.json" if args.sharded else "grad_path.json")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # DDP's note on broadcast_buffers
     tensors = 4 * args.blocks
-    variants = ("backward", "ftcomm", "wrapped", "ddp_hook")
+    variants = ("fsdp", "fsdp_hooks", "fsdp_groups") if args.sharded else ("backward", "ftcomm", "wrapped",
+                                                                           "ddp_hook")
     rounds: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for name in variants:
             rounds[name].append(run_round(name, args.blocks, args.steps))
-    base = statistics.median(rounds["backward"])
-    report = {"benchmark": "grad_path", "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+    base = statistics.median(rounds[variants[0]])
+    report = {"benchmark": "grad_path_sharded" if args.sharded else "grad_path", "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                                     "torch": torch.__version__},
               "tensors": tensors, "batch": 8, "steps": args.steps, "rounds": rounds, "variants": {}}
     for name in variants:

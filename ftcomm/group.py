@@ -381,7 +381,8 @@ class FaultTolerantGroup:
         if isinstance(model_or_params, DistributedDataParallel):
             self._collective.use_wrapped(model_or_params)
         else:
-            self._collective.use(_parameters(model_or_params))
+            module = model_or_params if isinstance(model_or_params, torch.nn.Module) else None
+            self._collective.use(_parameters(model_or_params), module)
         return self._at_boundary(self._loop.gradient_step())
 
     def wrap(self, module: torch.nn.Module, bucket_mb: float | None = None) -> DistributedDataParallel:

@@ -9,6 +9,8 @@ import random
 import socket
 import tempfile
 
+import pytest
+
 from ftcomm.core.engine import Engine
 from ftcomm.core.view import ACTIVE, Status
 
@@ -76,3 +78,16 @@ def status(member: str, phase: str = ACTIVE, cv: int = 0, proposal=None, joined_
 def published(e: Engine, alive: bool = True, step: int = 0) -> Status:
     """The record engine ``e`` publishes, as its peers decode it."""
     return Status.from_metadata(e.id, "alive" if alive else "dead", e.record(step).encode())
+
+
+@pytest.fixture
+def one_process_mesh():
+    """torch's default process group over this process alone, and its mesh of one (FSDP2
+    over it still runs every hook of a sharded model)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -6,6 +6,7 @@ exactly as plain HSDP on a ("replicate", "shard") mesh."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -114,6 +115,99 @@ def test_fsdp2_shards_averaged_across_replicas_train_exactly_as_plain_hsdp(tmp_p
                 torch.testing.assert_close(ours["state"][name], expected, rtol=1e-6, atol=1e-7, msg=name)
 
 
+MIXED_STEPS = 5
+
+
+def _mixed_steps(model, optimizer, replica: int, shard: int, reduce, no_sync, observe=lambda: None) -> None:
+    """Steps that take each way of the sharded gradient path: the first (no hooks yet);
+    plain ones (reduced in place during backward); two backward passes, the first inside
+    ``no_sync`` (FSDP2 adds into the gradient shards); and in the last, one replica's
+    gradients zeroed, not freed (it adds into existing ones and gathers them at the step)
+    while the other's go out in place: the two layouts must agree, padding included."""
+    for step in range(MIXED_STEPS):
+        if step == 2:
+            with no_sync():
+                model(_batch(step, replica, shard + 5)).pow(2).mean().backward()
+        model(_batch(step, replica, shard)).pow(2).mean().backward()
+        observe()
+        if reduce():
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=not (step == MIXED_STEPS - 2 and replica == 0))
+
+
+def _plain_hsdp_mixed(rank: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=REPLICAS * SHARDS)
+    mesh = init_device_mesh("cpu", (REPLICAS, SHARDS), mesh_dim_names=("replicate", "shard"))
+    replica, shard = divmod(rank, SHARDS)
+    model = _model(hidden=15)  # 15 rows over 2 shards: padded
+    _shard(model, mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    _mixed_steps(model, optimizer, replica, shard, reduce=lambda: True, no_sync=lambda: contextlib.nullcontext())
+    torch.save(_local_state(model, optimizer), os.path.join(out, f"plain_{replica}_{shard}.pt"))
+    dist.destroy_process_group()
+
+
+def _ftcomm_mixed(rank: int, ports: list[int], out: str) -> None:
+    import ftcomm
+    from ftcomm.training.shard_groups import ShardGroupBuckets
+    replica, shard = divmod(rank, SHARDS)
+    gossip = ports[REPLICAS:]
+    group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[rank]}",
+                        peers=[f"127.0.0.1:{gossip[0]}"] if rank else [],
+                        min_workers=REPLICAS, cluster="sharded-mixed", handle_signals=False,
+                        settle_interval=0.3, init_timeout=60,
+                        replica_size=SHARDS, shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
+    model = _model(hidden=15)
+    _shard(model, group.shard_mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    group.register_state(model=model, optimizer=optimizer)
+    group.step_boundary()
+    seen = []
+
+    def observe() -> None:  # after backward, before the step: what backward started
+        buckets = group._collective.buckets
+        seen.append((type(buckets).__name__ if buckets is not None else None,
+                     buckets is not None and buckets.touched))
+
+    committed = []
+    _mixed_steps(model, optimizer, replica, shard, reduce=lambda: committed.append(
+        group.wait_gradients_ready(model)) or committed[-1], no_sync=group.no_sync, observe=observe)
+    hooks = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    assert isinstance(group._collective.buckets, ShardGroupBuckets)
+    torch.save({"state": _local_state(model, optimizer), "committed": committed, "seen": seen, "hooks": hooks},
+               os.path.join(out, f"ft_{replica}_{shard}.pt"))
+    group.shutdown()
+    dist.destroy_process_group()
+
+
+def test_the_sharded_gradient_path_reduces_per_parameter_group_and_matches_plain_hsdp_on_every_way(tmp_path):
+    """A sharded model is reduced across replicas one parameter group at a time, from
+    FSDP2's all-reduce hook, with no hook on any parameter: steps reduced in place during
+    backward, the first step (before the hooks), a step whose first backward ran inside
+    ``no_sync`` (gathered at the step) and one where one replica gathers while the other
+    reduces in place all end, with unevenly sharded (padded) parameters, exactly as plain
+    HSDP."""
+    mp = torch.multiprocessing
+    mp.spawn(_plain_hsdp_mixed, args=(free_port(), str(tmp_path)), nprocs=REPLICAS * SHARDS)
+    ports = [free_port() for _ in range(REPLICAS + REPLICAS * SHARDS)]
+    mp.spawn(_ftcomm_mixed, args=(ports, str(tmp_path)), nprocs=REPLICAS * SHARDS)
+    for replica in range(REPLICAS):
+        for shard in range(SHARDS):
+            plain = torch.load(tmp_path / f"plain_{replica}_{shard}.pt")
+            ours = torch.load(tmp_path / f"ft_{replica}_{shard}.pt")
+            assert ours["committed"] == [True] * MIXED_STEPS
+            assert ours["hooks"] == 0  # nothing per parameter
+            # Backward started the sums in steps 1 and 3 (in place); step 0 had no hooks yet,
+            # step 2 (and replica 0's step 4) added into existing gradient shards: reduced at the step.
+            assert ours["seen"] == [(None, False), ("ShardGroupBuckets", True), ("ShardGroupBuckets", False),
+                                    ("ShardGroupBuckets", True), ("ShardGroupBuckets", replica == 1)]
+            assert set(ours["state"]) == set(plain) and len(plain) > 4
+            for name, expected in plain.items():
+                torch.testing.assert_close(ours["state"][name], expected, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_replicas_started_apart_hold_equal_shards_once_reconciled(tmp_path):
     """Started from different weights, the shard-i processes take shard i from one replica
     before the first step: shard for shard, parameters and optimizer state end equal."""
@@ -158,17 +252,6 @@ def test_replicas_whose_shards_differ_are_refused_naming_the_shard(tmp_path):
     assert all("shard 0 differs between the replicas" in e for e in errors), errors
     named = [e for e in errors if "model.0.weight is float32[" in e]
     assert named and all(e in named or "model signatures differ" in e for e in errors), errors
-
-
-@pytest.fixture
-def one_process_mesh():
-    """torch's default process group over this process alone, and its mesh of one."""
-    from torch.distributed.device_mesh import init_device_mesh
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _trained(mesh, seed: int, steps: int):

@@ -25,6 +25,7 @@ from ..errors import FtcommTimeout, MembershipChanged, ReplicaLost
 from ..gossip import GossipNode
 from ..options import GroupOptions
 from ..training.buckets import GradientBuckets
+from ..training.shard_groups import ShardGroupBuckets, shard_groups
 from ..training.reducer import DistributedDataParallel, ReducerBuckets
 from ..training.state import TrainingState
 from . import transfer
@@ -351,7 +352,7 @@ class BackendCollective:
 
     def __init__(self, communicators: BackendCommunicators, options: GroupOptions, replica: Any = None) -> None:
         self.comms, self.options, self.replica = communicators, options, replica
-        self.buckets: GradientBuckets | ReducerBuckets | None = None
+        self.buckets: GradientBuckets | ReducerBuckets | ShardGroupBuckets | None = None
         self._contribution: Callable[[bool], Contribution] = lambda valid: Contribution(valid, False, None)
         self._may_overlap: Callable[[], bool] = lambda: False
 
@@ -364,9 +365,11 @@ class BackendCollective:
         this shard index's (the same shard of every replica)."""
         return self.comms.comm if self.replica is None else self.comms.shard_comm
 
-    def use(self, params: list[torch.Tensor]) -> None:
-        """The parameters of the coming gradient step (new buckets when the list changed;
-        those of a wrapped model go on through its reducer)."""
+    def use(self, params: list[torch.Tensor], module: torch.nn.Module | None = None) -> None:
+        """The parameters of the coming gradient step, of ``module`` when given (new buckets
+        when the list changed; those of a wrapped model go on through its reducer). A model
+        sharded with FSDP2 is reduced per parameter group (:mod:`~ftcomm.training.shard_groups`)
+        when its groups hold exactly these parameters."""
         params = [p for p in params if p.requires_grad]
         buckets = self.buckets
         if buckets is not None and len(buckets.params) == len(params) and all(
@@ -374,10 +377,17 @@ class BackendCollective:
             return
         if buckets is not None:
             buckets.remove()
+        may_overlap = lambda: self.gradient_comm is not None and self._may_overlap()  # noqa: E731
+        groups = shard_groups(module, params) if module is not None else None
+        if groups is not None:
+            self.buckets = ShardGroupBuckets(
+                groups, params, launch=self._launch,
+                may_overlap=lambda: self.options.overlap and may_overlap(),
+                world_size=self._world_size, contribution=self._contribution)
+            return
         self.buckets = GradientBuckets(
             params, self.options.bucket_mb, self.options.overlap, launch=self._launch,
-            may_overlap=lambda: self.gradient_comm is not None and self._may_overlap(),
-            world_size=self._world_size, contribution=self._contribution)
+            may_overlap=may_overlap, world_size=self._world_size, contribution=self._contribution)
 
     def use_wrapped(self, net: DistributedDataParallel) -> None:
         """The coming gradient steps run through ``net``'s reducer."""

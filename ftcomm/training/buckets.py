@@ -37,7 +37,25 @@ FIRST_BUCKET_MB = 1.0  # as DDP: the gradients of the last layers go out without
 _COUNTERS = 2  # [valid, join], then a flag per rank
 
 
-class GradientBuckets:
+class Suspendable:
+    """``no_sync()`` for a gradient path whose hooks check ``_suspended`` under ``_lock``."""
+
+    _suspended = 0
+    _lock: threading.Lock
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally and start no reduction."""
+        with self._lock:
+            self._suspended += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._suspended -= 1
+
+
+class GradientBuckets(Suspendable):
     """The buckets of one parameter list.
 
     ``launch(flat)``: start an allreduce(sum) of ``flat`` on the current communicator.
@@ -77,7 +95,6 @@ class GradientBuckets:
         self._world = 0  # the world size the buffers' tail was made for
         self._flats: list[torch.Tensor] = []
         self._lock = threading.Lock()  # hooks may run on autograd's device threads
-        self._suspended = 0
         # A sharded model's gradient shards arrive from FSDP2's reduce-scatter of each of its
         # parameter groups, during backward: FSDP2 runs the parameters' post-accumulate-grad
         # hooks then, and the shards go into their buckets as plain gradients do.
@@ -110,17 +127,6 @@ class GradientBuckets:
         self._handles: list[Handle] = []
         self._accumulated = False
         self._error: BaseException | None = None
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally and start no reduction."""
-        with self._lock:
-            self._suspended += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._suspended -= 1
 
     def _on_grad(self, param: torch.Tensor) -> None:
         with self._lock:
