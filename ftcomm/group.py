@@ -116,6 +116,8 @@ class FaultTolerantGroup:
         self.replica_size, self.shard_rank = replica[0], replica[1]
         self._owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         self._keepers: weakref.WeakSet = weakref.WeakSet()  # FlashCheckpointers of this group (see _leave_with_state)
+        self._left_checked = False  # a state kept by a member that lost the quorum was looked for
+        self._left_keeper: Any = None  # where it was loaded from, until the next committed step
         try:
             if self.replica_size > 1:  # first: the replica's K processes meet (torch's process group)
                 self._replica = collective.replica = Replica(*replica, backend, opts.init_timeout)
@@ -281,6 +283,42 @@ class FaultTolerantGroup:
             # registers it is the one that trains (the sampler reads the rank on it).
             self._owner = threading.get_ident()
             self._at_boundary(loop.admit())
+        else:
+            self._resume_left_state()
+
+    def _resume_left_state(self) -> None:
+        """The whole job starts again after a member lost the quorum holding the state of a
+        step that no FlashCheckpointer kept (see _leave_with_state): at the first
+        registration, in a view where nobody has begun training and whose reconcile is still
+        due (every member registers after the view formed), load that step from this host's
+        shared memory; the view's reconcile then makes the newest state every member's. With
+        sharded replicas only a step kept for every shard index is loaded. The copy is
+        removed once the group committed a step after it (_discard_left_state)."""
+        if self._left_checked:
+            return
+        self._left_checked = True
+        from .training.checkpoint import LEFT_SUFFIX, FlashCheckpointer, left_step
+        step = left_step(self.gossip.cluster, self.replica_size)
+        if step is None or not self.restorable or self._loop.engine.state != core.RECONCILE_DUE:
+            return
+        keeper = FlashCheckpointer(self, name=self.gossip.cluster + LEFT_SUFFIX, keep=1)
+        if not keeper.load_here(step):
+            keeper.close()
+            return
+        self.state_restored(step)
+        self._left_keeper = keeper
+        log.warning("resuming from step %d, the state a member of cluster %r kept in %s when it lost the quorum; "
+                    "the group's reconcile gives the newest state to every member (to start fresh instead, remove "
+                    "it: ftcomm run --fresh)", step, self.gossip.cluster, keeper.shm)
+
+    def _discard_left_state(self) -> None:
+        """A step committed after the kept state was loaded: every member holds a newer one,
+        so the copy goes (a later start of a job of this cluster must not resume from it)."""
+        keeper, self._left_keeper = self._left_keeper, None
+        try:
+            keeper.close(discard=True)
+        except Exception as failure:  # noqa: BLE001 - training goes on; the copy is named
+            log.warning("could not remove the kept state in %s: %s", keeper.shm, failure)
 
     def step_boundary(self) -> None:
         """Between two steps (after the optimizer stepped, before the next batch's compute):
@@ -320,23 +358,41 @@ class FaultTolerantGroup:
         partner's node is lost): each open FlashCheckpointer of the group makes sure this
         host's shared memory holds it (see FlashCheckpointer.keep_before_leaving), so that
         a restart of the whole job resumes from it instead of from an older checkpoint.
-        What was kept, or why not, is added to the error's message. Nothing at step 0
-        (nothing trained: a joiner cut off before it received the group's state)."""
+        Without one, the state goes to shared memory all the same, under the job
+        ``<cluster>.left`` (see _resume_left_state). What was kept, or why not, is added to
+        the error's message. Nothing at step 0 (nothing trained: a joiner cut off before it
+        received the group's state)."""
         if self.step == 0:
             return
+        from .training.checkpoint import LEFT_SUFFIX, FlashCheckpointer
         kept = []
-        for checkpointer in [c for c in list(self._keepers) if not c.closed]:
+        keepers = [c for c in list(self._keepers) if not c.closed and c is not self._left_keeper]
+        implicit = not keepers and self.state.registered
+        if implicit:  # none of the user's: kept for the job's restart all the same (see _resume_left_state)
+            try:
+                keepers = [self._left_keeper or FlashCheckpointer(self, name=self.gossip.cluster + LEFT_SUFFIX,
+                                                                  keep=1)]
+            except Exception as failure:  # noqa: BLE001 - the QuorumLost is what the caller must see
+                kept.append(f"could not keep the state of step {self.step} in shared memory: {failure}")
+        for checkpointer in keepers:
             try:
                 where = checkpointer.keep_before_leaving()
             except Exception as failure:  # the QuorumLost is what the caller must see
                 log.warning("could not keep the state of step %d before leaving: %s", self.step, failure)
                 kept.append(f"could not keep the state of step {self.step}: {failure}")
             else:
-                kept.append(f"the state of step {self.step} is in the flash checkpoints ({where}): a restart of "
-                             f"the job resumes from it")
-        if not kept and self.state.registered:
-            kept.append(f"the state of step {self.step} held here is lost with this process: no FlashCheckpointer "
-                        f"keeps it")
+                kept.append(f"the state of step {self.step} is kept in shared memory ({where}): the job started "
+                            f"again on this host resumes from it (no FlashCheckpointer; ftcomm run --fresh removes "
+                            f"it)" if implicit else
+                            f"the state of step {self.step} is in the flash checkpoints ({where}): a restart of "
+                            f"the job resumes from it")
+            finally:
+                if implicit:
+                    self._left_keeper = None
+                    try:
+                        checkpointer.close()  # its published copy stays
+                    except Exception as failure:  # noqa: BLE001
+                        log.warning("closing the shared-memory copy of step %d: %s", self.step, failure)
         if kept:
             exc.args = (f"{exc.args[0] if exc.args else exc}; {'; '.join(kept)}",) + exc.args[1:]
 
@@ -383,7 +439,10 @@ class FaultTolerantGroup:
         else:
             module = model_or_params if isinstance(model_or_params, torch.nn.Module) else None
             self._collective.use(_parameters(model_or_params), module)
-        return self._at_boundary(self._loop.gradient_step())
+        committed = self._at_boundary(self._loop.gradient_step())
+        if committed and self._left_keeper is not None:
+            self._discard_left_state()
+        return committed
 
     def wrap(self, module: torch.nn.Module, bucket_mb: float | None = None) -> DistributedDataParallel:
         """``module`` in a :class:`ftcomm.DistributedDataParallel`: torch's DDP, whose C++
@@ -459,6 +518,9 @@ class FaultTolerantGroup:
         if self._closed:
             return
         self._run(self._loop.leave())
+        if self._left_keeper is not None:  # nothing committed since it was loaded: the copy stays
+            keeper, self._left_keeper = self._left_keeper, None
+            keeper.close()
         self._comms.close_listeners()
         self._comms.rendezvous.close()
         if self._metrics is not None:

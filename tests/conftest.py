@@ -4,8 +4,10 @@ them."""
 
 from __future__ import annotations
 
+import glob
 import os
 import random
+import shutil
 import socket
 import tempfile
 
@@ -91,3 +93,16 @@ def one_process_mesh():
         yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_state_outlives_its_test():
+    """A worker that loses the quorum keeps its state in ``/dev/shm/ftcomm-<cluster>.left``
+    for its job's restart, and a job of that cluster started later resumes from it: one
+    test's must not become another's starting point (the process tests share the default
+    cluster name)."""
+    pattern = "/dev/shm/ftcomm-*.left*"
+    before = set(glob.glob(pattern))
+    yield
+    for path in set(glob.glob(pattern)) - before:
+        shutil.rmtree(path, ignore_errors=True)

@@ -945,3 +945,61 @@ def test_a_member_that_loses_the_quorum_keeps_its_step_in_shared_memory_despite_
     assert not buffers, buffers  # no spare made for a next save
     with pytest.raises(FtcommError, match="No space left"):  # the directory's copy of step 47 failed too
         checkpoints.close()
+
+
+def test_a_state_kept_on_a_lost_quorum_without_a_checkpointer_is_loaded_when_the_job_starts_again():
+    """No FlashCheckpointer: the member that loses the quorum keeps the state of its
+    committed step in shared memory all the same (job ``<cluster>.left``). The whole job
+    started again loads it at the first register_state, in place of the weights the
+    workers built, and resumes at that step; once a step commits after it the copy is
+    removed (a later start of the cluster begins afresh)."""
+    from ftcomm.errors import QuorumLost
+    from ftcomm.training.checkpoint import left_places
+
+    cluster = f"test-{uuid.uuid4().hex[:8]}"
+    (kept_at,) = left_places(cluster)
+    try:
+        (solo,) = start_groups(1, cluster=cluster)
+        try:
+            model, _ = trained_state(solo, 3)
+            solo.step = 47
+            lost = QuorumLost("cannot reach a majority")
+            solo._leave_with_state(lost)
+            assert f"the state of step 47 is kept in shared memory ({kept_at}" in str(lost), str(lost)
+            assert steps_in(kept_at) == [47]
+            expected = {k: v.clone() for k, v in model.state_dict().items()}
+        finally:
+            solo.shutdown()
+        groups = start_groups(2, cluster=cluster)
+        try:
+            models = in_threads(groups, lambda i, g: trained_state(g, 10 + i)[0])  # other weights, then loaded
+            assert [g.step for g in groups] == [47, 47]
+            for m in models:
+                for key, value in m.state_dict().items():
+                    torch.testing.assert_close(value, expected[key], rtol=0, atol=0)
+
+            def step(i: int, g) -> bool:
+                models[i](torch.randn(4, 8)).sum().backward()
+                return g.wait_gradients_ready(models[i])
+            assert in_threads(groups, step) == [True, True]
+            assert [g.step for g in groups] == [48, 48]
+            assert not steps_in(kept_at)
+        finally:
+            for g in groups:
+                g.shutdown()
+    finally:
+        shutil.rmtree(kept_at, ignore_errors=True)
+
+
+def test_a_kept_state_of_sharded_replicas_is_loaded_only_at_a_step_every_shard_index_holds(tmp_path):
+    from ftcomm.training.checkpoint import left_places, left_step
+
+    places = left_places("c", 2, tmp_path)
+    assert [p.name for p in places] == ["ftcomm-c.left-shard0", "ftcomm-c.left-shard1"]
+    assert left_step("c", 2, tmp_path) is None
+    for place, steps in zip(places, ([5, 7], [5])):
+        place.mkdir()
+        for step in steps:
+            (place / checkpoint_files.file_name(step, "meta")).write_bytes(b"")
+    assert left_step("c", 2, tmp_path) == 5  # shard 1 never kept step 7
+    assert left_step("c", 1, tmp_path) is None

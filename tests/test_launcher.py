@@ -401,6 +401,25 @@ def test_rank_0_of_two_lost_the_survivor_trains_on_alone_and_nothing_committed_i
     assert {step for _, step, _ in batches} == set(range(1, steps + 1))
 
 
+def _rank_0_lost_after(step: int, arguments: list[str]) -> "Launched":
+    """Two workers under ``ftcomm run --max-restarts 0``; past ``step``, rank 0 stopped and
+    left stopped (as a lost node: nothing proves it gone) until the survivor raised
+    QuorumLost and its launcher gave up; then killed. The ended launch."""
+    first = Launched(["--max-restarts", "0", *arguments])
+    try:
+        wait_until(lambda: max([e["step"] for e in first.of("batch")] + [0]) >= step, 120,
+                   lambda: f"training past step {step}: {''.join(first.log[-20:])}")
+        victim = next(e for e in first.of("ready") if e["rank"] == 0)
+        os.kill(victim["pid"], signal.SIGSTOP)
+        wait_until(lambda: "QuorumLost" in "".join(first.log), 120, "the survivor's QuorumLost")
+        wait_until(lambda: "no restarts left" in "".join(first.log), 60, "the survivor's exit")
+        os.kill(victim["pid"], signal.SIGKILL)  # the lost node's worker, gone for good
+        assert first.finish(60) == 1
+    finally:
+        first.finish(0)
+    return first
+
+
 def test_the_survivor_that_loses_quorum_keeps_its_state_and_the_job_restart_resumes_from_it(tmp_path):
     """Two workers, rank 0 stopped and left stopped (as a lost node: nothing proves it gone):
     the survivor waits out its quorum timeout and raises QuorumLost, but first writes the
@@ -416,18 +435,7 @@ def test_the_survivor_that_loses_quorum_keeps_its_state_and_the_job_restart_resu
                  "--report-every", "1000000", "--log-indices", "--checkpoint-dir", str(tmp_path / "ckpt"),
                  "--checkpoint-every", str(every), "--checkpoint-name", name, "--options", '{"quorum_timeout": 3}']
     try:
-        first = Launched(["--max-restarts", "0", *arguments])
-        try:
-            wait_until(lambda: max([e["step"] for e in first.of("batch")] + [0]) >= every + 15, 120,
-                       lambda: f"training past the first checkpoint: {''.join(first.log[-20:])}")
-            victim = next(e for e in first.of("ready") if e["rank"] == 0)
-            os.kill(victim["pid"], signal.SIGSTOP)
-            wait_until(lambda: "QuorumLost" in "".join(first.log), 120, "the survivor's QuorumLost")
-            wait_until(lambda: "no restarts left" in "".join(first.log), 60, "the survivor's exit")
-            os.kill(victim["pid"], signal.SIGKILL)  # the lost node's worker, gone for good
-            assert first.finish(60) == 1
-        finally:
-            first.finish(0)
+        first = _rank_0_lost_after(every + 15, arguments)
         text = "".join(first.log)
         survivor = next(e for e in first.of("ready") if e["rank"] == 1)
         held = max(e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"])
@@ -447,6 +455,47 @@ def test_the_survivor_that_loses_quorum_keeps_its_state_and_the_job_restart_resu
         assert before == set(range(1, held + 1)) and after == list(range(held + 1, steps + 1))
     finally:
         shutil.rmtree(f"/dev/shm/ftcomm-{name}", ignore_errors=True)
+
+
+def test_without_a_checkpointer_the_survivor_that_loses_quorum_keeps_its_state_and_the_restart_resumes(tmp_path):
+    """As above, with no FlashCheckpointer at all (the quickstart's script): the survivor's
+    QuorumLost still leaves the state of its committed step in this host's shared memory,
+    and the job started again resumes from it through the first reconcile (every step of
+    the job committed once, one state at the end); the kept copy is gone after that."""
+    import uuid
+
+    from ftcomm.training.checkpoint import left_places
+    from ftcomm.training.checkpoint_files import steps_in
+
+    steps = 160
+    cluster = f"test-{uuid.uuid4().hex[:8]}"
+    arguments = ["--nproc-per-node", "2", "--restart-backoff", "0.2", "--min-workers", "1", "--cluster", cluster,
+                 "--kill-stopped-after", "off", str(EXAMPLE), "--steps", str(steps), "--step-time", "0.03",
+                 "--report-every", "1000000", "--log-indices", "--options", '{"quorum_timeout": 3}']
+    (kept_at,) = left_places(cluster)
+    try:
+        first = _rank_0_lost_after(40, arguments)
+        text = "".join(first.log)
+        survivor = next(e for e in first.of("ready") if e["rank"] == 1)
+        held = max(e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"])
+        assert f"the state of step {held} is kept in shared memory" in text, text[-3000:]
+        assert steps_in(kept_at) == [held]
+        second = Launched(arguments)
+        try:
+            code = second.finish(300)
+        finally:
+            second.finish(0)
+        text = "".join(second.log)
+        assert code == 0, text[-3000:]
+        assert f"kept the state of step {held}" in text and f"resuming from step {held}" in text, text[-3000:]
+        done = second.of("done")
+        assert len(done) == 2 and {e["step"] for e in done} == {steps} and len({e["digest"] for e in done}) == 1
+        before = {e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"]}
+        after = sorted({e["step"] for e in second.of("batch")})
+        assert before == set(range(1, held + 1)) and after == list(range(held + 1, steps + 1))
+        assert not steps_in(kept_at)  # removed once the group committed past it
+    finally:
+        shutil.rmtree(kept_at, ignore_errors=True)
 
 
 def test_save_at_breakpoint_persists_shared_memory_when_a_worker_dies(tmp_path):
@@ -545,6 +594,37 @@ def test_the_launcher_names_the_checkpoints_a_start_resumes_from_and_fresh_remov
         assert not shm.exists()
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_state_kept_on_a_lost_quorum_is_named_at_start_and_removed_by_fresh_and_by_a_completed_job():
+    import uuid
+
+    from ftcomm.training import checkpoint_files as files
+    from ftcomm.training.checkpoint import left_places
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    (kept,) = left_places(name)
+
+    def plant() -> None:  # what a worker that lost the quorum leaves (only the names count here)
+        files.private_directory(kept)
+        (kept / files.file_name(9, "meta")).write_bytes(b"")
+    try:
+        plant()
+        failed = io.StringIO()
+        assert Launcher(LaunchConfig(command=["false"], cluster=name, max_restarts=0), environ={},
+                        out=failed).run() != 0
+        assert f"kept the state of step 9 in {kept}: the workers resume from it" in failed.getvalue()
+        assert files.steps_in(kept) == [9]  # a job that did not complete leaves it for the next start
+        fresh = io.StringIO()
+        assert Launcher(LaunchConfig(command=["true"], cluster=name, fresh=True), environ={}, out=fresh).run() == 0
+        assert f"--fresh: removed the state a worker of cluster {name!r} kept in {kept}" in fresh.getvalue()
+        assert not kept.exists()
+        plant()
+        done = io.StringIO()
+        assert Launcher(LaunchConfig(command=["true"], cluster=name), environ={}, out=done).run() == 0
+        assert f"training completed: removed the state kept in {kept}" in done.getvalue() and not kept.exists()
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
 
 
 def test_a_worker_waiting_for_its_restart_is_not_restarted_once_another_finished(tmp_path):

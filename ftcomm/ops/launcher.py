@@ -898,7 +898,18 @@ class Launcher:
         them; the persistent directory is the user's, and is only named)."""
         from ..training import checkpoint_files as files
 
+        from ..training.checkpoint import left_places
+
         name = self.config.checkpoint_name or self.config.cluster
+        for shm in left_places(self.config.cluster, self.config.replica_size):
+            in_shm = files.steps_in(shm)
+            if self.config.fresh and shm.is_dir():
+                removed = files.discard_if_unused(shm)
+                self.say(f"--fresh: {'removed' if removed else 'could not remove (in use, or not yours)'} the state "
+                         f"a worker of cluster {self.config.cluster!r} kept in {shm} when it lost the quorum")
+            elif in_shm:
+                self.say(f"a worker of cluster {self.config.cluster!r} lost the quorum and kept the state of step "
+                         f"{in_shm[0]} in {shm}: the workers resume from it (--fresh removes it)")
         for shm, persist, _ in self._shm_places():
             in_shm, kept = files.steps_in(shm), files.steps_in(persist)
             if self.config.fresh:
@@ -923,7 +934,11 @@ class Launcher:
         their newest is persisted (the workers' own directory, or ``--checkpoint-dir``);
         without a copy elsewhere they stay, and the launcher says where."""
         from ..training import checkpoint_files as files
+        from ..training.checkpoint import left_places
 
+        for shm in left_places(self.config.cluster, self.config.replica_size):  # a state kept on a lost quorum
+            if shm.is_dir() and files.discard_if_unused(shm):
+                self.say(f"training completed: removed the state kept in {shm} when a worker lost the quorum")
         for shm, persist, key in self._shm_places():
             if not shm.is_dir():
                 continue

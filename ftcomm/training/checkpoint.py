@@ -62,6 +62,33 @@ LEAVING_WAIT_S = 60.0
 before the QuorumLost reaches the script (see FlashCheckpointer.keep_before_leaving)."""
 
 
+LEFT_SUFFIX = ".left"
+"""Appended to the cluster's name for the job under which a member that lost the quorum
+keeps its state when no FlashCheckpointer of its own does (see :func:`left_places`)."""
+
+
+def left_places(cluster: str, shards: int = 1, shm_root: str | os.PathLike = "/dev/shm") -> list[pathlib.Path]:
+    """The shared-memory directories where the members of ``cluster`` that lost the quorum
+    without a FlashCheckpointer keep their state (one per shard index with sharded
+    replicas): ``FaultTolerantGroup`` writes there on ``QuorumLost`` and loads from there
+    when the whole job starts again; ``ftcomm run --fresh`` removes them."""
+    job = cluster + LEFT_SUFFIX
+    if shards == 1:
+        return [pathlib.Path(shm_root, f"ftcomm-{job}")]
+    return [pathlib.Path(shm_root, f"ftcomm-{job}-{files.shard_suffix(i)}") for i in range(shards)]
+
+
+def left_step(cluster: str, shards: int = 1, shm_root: str | os.PathLike = "/dev/shm") -> int | None:
+    """The newest step kept by a member that lost the quorum (:func:`left_places`) held
+    here for every shard index; None when there is none. Only names the files: nothing is
+    read or verified."""
+    common: set[int] | None = None
+    for place in left_places(cluster, shards, shm_root):
+        steps = set(files.steps_in(place))
+        common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
 @dataclass
 class _Slot:
     """A shared-memory buffer owned by this process, mapped once and reused. ``fd`` stays
@@ -544,6 +571,17 @@ class FlashCheckpointer:
             if loaded is not None:
                 self._say_resumed(step)
             return step
+
+    def load_here(self, step: int) -> bool:
+        """Load ``step`` from this process's copies, with no collective (each member loads
+        what it holds, and the group's reconciliation makes the newest state everyone's):
+        True when a copy verified and was loaded, False when none did (skipped with a
+        warning, as in :meth:`restore`)."""
+        loaded = self._load_verified(step)
+        if loaded is None:
+            return False
+        self._apply(*loaded)
+        return True
 
     def _say_resumed(self, step: int) -> None:
         """Say where the job resumes from (a run that meant to start fresh sees why it did
