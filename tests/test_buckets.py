@@ -35,7 +35,7 @@ class FakeWorld:
         self.in_backward = True
         model(x).pow(2).sum().backward()
         self.in_backward = False
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def model() -> torch.nn.Module:
@@ -206,3 +206,21 @@ def test_a_step_whose_reductions_a_re_formation_dropped_is_lost_until_it_ends():
     world.backward(m, 2)
     reduce(buckets)
     assert not buckets.lost  # the next step counts again
+
+
+def test_parameters_unfrozen_before_a_step_reduce_nothing_during_its_backward():
+    """Buckets made for the old trainable set (watching the module's every parameter) see
+    the change at the step's first gradient and launch nothing; new buckets take the step."""
+    world, m = FakeWorld(), model()
+    m[0].weight.requires_grad_(False)
+    every = list(m.parameters())
+    trainable = [p for p in every if p.requires_grad]
+    buckets = GradientBuckets(trainable, 0.0002, True, world.launch, lambda: True, lambda: world.world, watch=every)
+    world.backward(m, 0)
+    assert world.launched
+    buckets.hand_back(float(reduce(buckets)[0]))
+    m.zero_grad()
+    m[0].weight.requires_grad_(True)
+    world.launched.clear()
+    world.backward(m, 1)
+    assert not world.launched and not buckets.touched

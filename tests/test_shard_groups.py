@@ -236,3 +236,97 @@ def test_the_path_applies_only_where_the_groups_hold_exactly_the_parameters(one_
     assert shard_groups(_model(), list(_model().parameters())) is None  # not sharded
     model[0].set_all_reduce_hook(lambda output: None)  # the user's own hook is kept
     assert shard_groups(model, params) is None
+
+
+class LateReplicas(FakeReplicas):
+    """The sum lands when waited for (after FSDP2's code that follows the hook, as a real
+    allreduce in flight), and what each launch sent is recorded at the launch."""
+
+    def __init__(self, world: int = 2, overlap_allowed: bool = True) -> None:
+        super().__init__(world, overlap_allowed)
+        self.sent: list[torch.Tensor] = []
+
+    def launch(self, flat: torch.Tensor) -> Handle:
+        self.launched.append((flat.numel(), self.in_backward))
+        self.flats.append(flat)
+        self.sent.append(flat.clone())
+        return Handle("fake allreduce", lambda: True, lambda: flat.mul_(self.world))
+
+
+def test_a_group_with_some_shards_holding_gradients_is_gathered_not_taken_in_place(one_process_mesh):
+    """FSDP2 adds the output into the shards that hold a gradient, right after the hook:
+    with any of them (not only the first), the group is reduced from its shards at the step."""
+    world, model = LateReplicas(), _sharded(one_process_mesh)
+    buckets = world.buckets(model)
+    _backward(model, 0)
+    buckets.hand_back(float(reduce(buckets)[0]))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            layer.weight.grad = None  # the biases keep theirs (zeroed), the weights are freed
+            layer.bias.grad.zero_()
+    world.backward(model, 1)
+    buckets.hand_back(float(reduce(buckets)[0]))
+    expected = _local_gradients(1)
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(g, expected[n])
+
+
+def test_a_second_backward_into_sums_in_flight_leaves_what_was_sent_intact(one_process_mesh):
+    """The others receive this member's first pass as it was launched: the second pass adds
+    into shards of its own, and this member's step is refused."""
+    world, model = LateReplicas(), _sharded(one_process_mesh)
+    buckets = world.buckets(model)
+    _backward(model, 0)
+    buckets.hand_back(float(reduce(buckets)[0]))
+    model.zero_grad()
+    world.flats.clear()
+    world.sent.clear()
+    world.backward(model, 1)
+    world.backward(model, 2)
+    for flat, sent in zip(world.flats, world.sent):
+        assert torch.equal(flat, sent)
+    with pytest.raises(FtcommError, match="more than one backward"):
+        buckets.finish(True)
+
+
+def test_parameters_unfrozen_before_a_step_reduce_nothing_during_its_backward(one_process_mesh):
+    """Buckets made for the old trainable set see the change at the step's first hook and
+    launch nothing; the step is reduced by new buckets at wait_gradients_ready, the same
+    collectives as on a member that had no buckets yet (a joiner's first step)."""
+    from ftcomm.training.shard_groups import watched
+    world, model = FakeReplicas(), _sharded(one_process_mesh)
+    model[0].weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    buckets = ShardGroupBuckets(shard_groups(model, params), params, world.launch, lambda: True, lambda: 2,
+                                watch=watched(model))
+    _backward(model, 0)
+    buckets.hand_back(float(reduce(buckets)[0]))
+    model.zero_grad()
+    model[0].weight.requires_grad_(True)
+    world.launched.clear()
+    world.backward(model, 1)
+    assert not world.launched and not buckets.touched
+    buckets.remove()
+    params = list(model.parameters())
+    fresh = ShardGroupBuckets(shard_groups(model, params), params, world.launch, lambda: True, lambda: 2)
+    fresh.hand_back(float(reduce(fresh)[0]))
+    expected = _local_gradients(1)
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(g, expected[n])
+
+
+def test_a_post_accumulate_grad_hook_added_later_sees_the_gradient_before_any_division(one_process_mesh):
+    world, model = FakeReplicas(world=4), _sharded(one_process_mesh)
+    buckets = world.buckets(model)
+    _backward(model, 0)
+    buckets.hand_back(float(reduce(buckets)[0]))
+    model.zero_grad()
+    seen = {}
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.update(norm=sharded.local(p.grad).norm()))
+    world.backward(model, 1)
+    assert not buckets.touched
+    buckets.hand_back(float(reduce(buckets)[0]))
+    expected = _local_gradients(1)
+    torch.testing.assert_close(seen["norm"], expected["0.weight"].norm())  # not divided by 4, not in flight
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(g, expected[n])

@@ -21,11 +21,11 @@ from .. import netif
 from ..backends.base import AbortSignal, Communicator, Handle
 from ..core.engine import FETCH_TIMEOUT_S, Engine
 from ..core.view import Status, View
-from ..errors import FtcommTimeout, MembershipChanged, ReplicaLost
+from ..errors import FtcommError, FtcommTimeout, MembershipChanged, ReplicaLost
 from ..gossip import GossipNode
 from ..options import GroupOptions
 from ..training.buckets import GradientBuckets
-from ..training.shard_groups import ShardGroupBuckets, shard_groups
+from ..training.shard_groups import ShardGroupBuckets, shard_groups, watched
 from ..training.reducer import DistributedDataParallel, ReducerBuckets
 from ..training.state import TrainingState
 from . import transfer
@@ -370,12 +370,19 @@ class BackendCollective:
         when the list changed; those of a wrapped model go on through its reducer). A model
         sharded with FSDP2 is reduced per parameter group (:mod:`~ftcomm.training.shard_groups`)
         when its groups hold exactly these parameters."""
-        params = [p for p in params if p.requires_grad]
+        watch = params if module is None else watched(module)
+        params = [p for p in watch if p.requires_grad] if module is not None else [p for p in params
+                                                                                   if p.requires_grad]
         buckets = self.buckets
         if buckets is not None and len(buckets.params) == len(params) and all(
                 a is b for a, b in zip(buckets.params, params)):
             return
         if buckets is not None:
+            if buckets.touched:  # its hooks already started this step's reductions for the old list
+                buckets.drop()
+                raise FtcommError("the parameters that require gradients changed after backward began reducing "
+                                  "them: change requires_grad between steps, and pass the module (not a list of "
+                                  "parameters) to wait_gradients_ready so that the change is seen before backward")
             buckets.remove()
         may_overlap = lambda: self.gradient_comm is not None and self._may_overlap()  # noqa: E731
         groups = shard_groups(module, params) if module is not None else None
@@ -383,11 +390,11 @@ class BackendCollective:
             self.buckets = ShardGroupBuckets(
                 groups, params, launch=self._launch,
                 may_overlap=lambda: self.options.overlap and may_overlap(),
-                world_size=self._world_size, contribution=self._contribution)
+                world_size=self._world_size, contribution=self._contribution, watch=watch)
             return
         self.buckets = GradientBuckets(
             params, self.options.bucket_mb, self.options.overlap, launch=self._launch,
-            may_overlap=may_overlap, world_size=self._world_size, contribution=self._contribution)
+            may_overlap=may_overlap, world_size=self._world_size, contribution=self._contribution, watch=watch)
 
     def use_wrapped(self, net: DistributedDataParallel) -> None:
         """The coming gradient steps run through ``net``'s reducer."""

@@ -62,6 +62,10 @@ class GradientBuckets(Suspendable):
     ``may_overlap()``: asked at the first gradient of a step; False leaves the whole
     step to ``finish`` (a re-formation or a join is due first).
     ``world_size()``: the size gradients are pre-scaled by.
+    ``watch``: the parameters whose ``requires_grad`` is compared, once a step at its first
+    gradient, with what the buckets were made for (default ``params``; a module's every
+    parameter, frozen ones included): when it changed, backward reduces nothing (new buckets
+    take the step: see ``BackendCollective.use``).
     ``contribution(valid)``: this worker's counters, asked when the last bucket launches
     with whether its gradients were computed on valid state: ``(valid, join, aside)`` —
     its gradients count (False also when its batch does not match the data plan), it sees
@@ -72,13 +76,15 @@ class GradientBuckets(Suspendable):
     def __init__(self, params: list[torch.Tensor], bucket_mb: float, overlap: bool,
                  launch: Callable[[torch.Tensor], Handle], may_overlap: Callable[[], bool],
                  world_size: Callable[[], int],
-                 contribution: Callable[[bool], tuple[bool, bool, int | None]] = lambda valid: (valid, False, None)
-                 ) -> None:
+                 contribution: Callable[[bool], tuple[bool, bool, int | None]] = lambda valid: (valid, False, None),
+                 watch: list[torch.Tensor] | None = None) -> None:
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise FtcommError("wait_gradients_ready needs every parameter on one device, got "
                               f"{sorted(map(str, devices))}")
         self.params = params
+        self._watch = watch if watch is not None else params
+        self._mask = [p.requires_grad for p in self._watch]
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self._launch, self._may_overlap, self._world_size = launch, may_overlap, world_size
         self._contribution = contribution
@@ -134,7 +140,8 @@ class GradientBuckets(Suspendable):
                 return
             if not self._started:
                 self._started = True
-                self._overlapping = self._may_overlap()
+                changed = [p.requires_grad for p in self._watch] != self._mask  # once a step
+                self._overlapping = not changed and self._may_overlap()
                 if self._overlapping:
                     self._fit_world()
                 self._scale = 1.0 / self._world_size() if self._overlapping else 1.0

@@ -54,6 +54,12 @@ class _Group:
         self.dtype = self.params[0].dtype
 
 
+def watched(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter of ``module``, frozen ones included: whose ``requires_grad`` the
+    gradient paths compare once a step with what their buckets were made for."""
+    return list(module.parameters())
+
+
 def shard_groups(module: torch.nn.Module, params: list[torch.Tensor]) -> list[_Group] | None:
     """The FSDP parameter groups of ``module`` that hold exactly ``params``, in the order
     backward reduces them; None when this path does not apply (the parameters are not all
@@ -105,10 +111,12 @@ class ShardGroupBuckets(Suspendable):
 
     def __init__(self, groups: list[_Group], params: list[torch.Tensor], launch: Callable[[torch.Tensor], Handle],
                  may_overlap: Callable[[], bool], world_size: Callable[[], int],
-                 contribution: Callable[[bool], tuple[bool, bool, int | None]] = lambda valid: (valid, False, None)
-                 ) -> None:
+                 contribution: Callable[[bool], tuple[bool, bool, int | None]] = lambda valid: (valid, False, None),
+                 watch: list[torch.Tensor] | None = None) -> None:
         self.params = params
         self._groups = groups
+        self._watch = watch if watch is not None else params
+        self._mask = [p.requires_grad for p in self._watch]
         self.device = sharded.local(params[0]).device
         self._launch, self._may_overlap, self._world_size = launch, may_overlap, world_size
         self._contribution = contribution
@@ -120,6 +128,7 @@ class ShardGroupBuckets(Suspendable):
     def _new_step(self) -> None:
         self._lost = False
         self._started = False
+        self._stale = False  # the parameters changed since these buckets were made: nothing in backward
         self._overlapping = False
         self._world = 1
         self._outputs: dict[int, torch.Tensor] = {}  # FSDP2's reduce outputs taken in place
@@ -153,21 +162,34 @@ class ShardGroupBuckets(Suspendable):
                 self._error, self._overlapping = exc, False
 
     def _take(self, index: int, output: torch.Tensor) -> None:
+        group = self._groups[index]
+        if index < len(self._flats):
+            # Another backward pass into a group whose sum is under way (its shards are views
+            # of it): FSDP2 is about to add into them. They become tensors of their own first,
+            # so the sum the others receive stays this member's first pass; the step is refused.
+            for p in group.params:
+                if p.grad is not None:
+                    p.grad = p.grad.detach().clone()
+            self._accumulated, self._overlapping = True, False
+            return
         if self._suspended:
             return
         if not self._started:
             self._started = True
-            self._overlapping = self._may_overlap()
+            # Once a step (not per hook): parameters frozen or unfrozen, or a hook that would
+            # read a gradient before its sum lands, since these buckets were made: nothing is
+            # launched or taken in place in this backward (new buckets gather it at the step).
+            self._stale = [p.requires_grad for p in self._watch] != self._mask or any(
+                getattr(p, "_post_accumulate_grad_hooks", None) for p in self.params)
+            self._overlapping = not self._stale and self._may_overlap()
             if self._overlapping:
                 self._world = self._world_size()
-        if index < len(self._handles):  # a second backward pass, into a sum already under way
-            self._accumulated, self._overlapping = True, False
-            return
-        if index in self._outputs or index in self._gathered:
-            return  # a second backward pass before anything was launched: FSDP2 adds into the shards
-        group = self._groups[index]
+        if self._stale or index in self._outputs or index in self._gathered:
+            return  # (taken already: a second backward pass before anything was launched adds into the shards)
+        # In place only when FSDP2 will only cut views out of it: same dtype, no division after
+        # the hook, and no gradient shard of the group to add it into (one read per parameter).
         if (output.numel() == group.numel and output.dtype == group.dtype and output.dtype in _IN_PLACE_DTYPES
-                and not group.fsdp.force_sum_reduction_for_comms and group.params[0].grad is None):
+                and not group.fsdp.force_sum_reduction_for_comms and all(p.grad is None for p in group.params)):
             self._outputs[index] = output
         else:
             self._gathered.add(index)
@@ -246,9 +268,10 @@ class ShardGroupBuckets(Suspendable):
 
     @staticmethod
     def _is_view(group: _Group, flat: torch.Tensor) -> bool:
-        grad = group.params[0].grad
-        return grad is not None and (sharded.local(grad).untyped_storage().data_ptr()
-                                     == flat.untyped_storage().data_ptr())
+        """Every gradient shard of the group lives in ``flat`` (else the sums are copied in)."""
+        ptr = flat.untyped_storage().data_ptr()
+        return all(p.grad is not None and sharded.local(p.grad).untyped_storage().data_ptr() == ptr
+                   for p in group.params)
 
     @staticmethod
     def _give(group: _Group, flat: torch.Tensor) -> None:
