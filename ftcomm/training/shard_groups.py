@@ -268,10 +268,12 @@ class ShardGroupBuckets(Suspendable):
 
     @staticmethod
     def _is_view(group: _Group, flat: torch.Tensor) -> bool:
-        """Every gradient shard of the group lives in ``flat`` (else the sums are copied in)."""
-        ptr = flat.untyped_storage().data_ptr()
-        return all(p.grad is not None and sharded.local(p.grad).untyped_storage().data_ptr() == ptr
-                   for p in group.params)
+        """The group's gradient shards live in ``flat`` (else the sums are copied in). Taken
+        in place only when no shard held a gradient, so FSDP2 made every one a view of it:
+        the first tells whether they were replaced since (set to None, or assigned)."""
+        grad = group.params[0].grad
+        return grad is not None and sharded.local(grad).untyped_storage().data_ptr() == flat.untyped_storage(
+        ).data_ptr()
 
     @staticmethod
     def _give(group: _Group, flat: torch.Tensor) -> None:
