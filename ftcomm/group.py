@@ -126,6 +126,7 @@ class FaultTolerantGroup:
                                          config=member_cap(opts.gossip, max_workers and max_workers * size),
                                          metadata=loop.driver.record(), fault_filter=opts.fault_filter)
             membership.node.subscribe(loop.news.post)
+            rendezvous.trust(membership.node.is_member_host)
             membership.node.start(peers)
             self.id = engine.id = membership.node.id
             if opts.metrics_port is not None:

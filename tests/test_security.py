@@ -503,6 +503,56 @@ for line in sys.stdin:
 """
 
 
+MANY_HOSTS_TARGET = r"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from ftcomm.gossip import GossipNode
+from ftcomm.runtime.rendezvous import StoreServer
+node = GossipNode(secret="s").start()
+store = StoreServer("127.0.0.1", b"s")
+store.connections.trusted = node.is_member_host  # as the group sets it
+print(node.port, store.port, node.connections.total, node.connections.per_host, flush=True)
+for line in sys.stdin:
+    import os
+    print(len(os.listdir("/proc/self/fd")), node.connections.evicted, store.connections.evicted, flush=True)
+"""
+
+
+def test_connections_from_many_hosts_fill_a_port_and_a_members_host_still_gets_in():
+    """Outsiders on many addresses (127.0.0.2 on) hold as many connections to each zmq port
+    as it keeps in all; a connection from a member's host (here the node's own) then takes
+    the place of one of theirs, and the member is served."""
+    from ftcomm.gossip import query_members
+    from ftcomm.runtime.rendezvous import StoreClient
+
+    target = subprocess.Popen([sys.executable, "-c", MANY_HOSTS_TARGET], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    held: list[socket.socket] = []
+    try:
+        gossip_port, store_port, total, per_host = map(int, target.stdout.readline().split())
+        for port in (gossip_port, store_port):
+            for i in range(total + per_host):  # more than the total, from total / per_host + 1 hosts
+                conn = socket.socket()
+                conn.bind((f"127.0.0.{2 + i // per_host}", 0))
+                conn.connect(("127.0.0.1", port))
+                held.append(conn)
+        time.sleep(1.0)  # (the ports read their connection events)
+        assert [m.port for m in query_members(f"127.0.0.1:{gossip_port}", secret="s")] == [gossip_port]
+        client = StoreClient("127.0.0.1", store_port, b"s", 5.0)
+        client.set("key", b"value")
+        assert client.get("key") == b"value"
+        target.stdin.write("count\n")
+        target.stdin.flush()
+        descriptors, gossip_evicted, store_evicted = map(int, target.stdout.readline().split())
+        assert target.poll() is None and descriptors < 700, descriptors
+        assert gossip_evicted >= 1 and store_evicted >= 1, (gossip_evicted, store_evicted)
+    finally:
+        for conn in held:
+            conn.close()
+        target.kill()
+        target.wait()
+
+
 def test_thousands_of_connections_from_one_host_do_not_use_up_a_workers_descriptors():
     """3,000 connections from one address to each zmq port (gossip and the rendezvous store)
     of a worker whose descriptor limit is 1024, held open: each port keeps a few from that

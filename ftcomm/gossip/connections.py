@@ -7,6 +7,12 @@ descriptors, and the next ``socket()`` or ``open()`` anywhere in the worker fail
 socket's monitor reports each accepted connection with its descriptor: one over the cap
 is shut down at once (through a duplicate of the descriptor: zmq reads the end of the
 stream and closes it as it closes any connection its peer ended).
+
+Members first: an outsider with many addresses could fill the total cap, and the group's
+own members could then no longer connect. A connection from a member's host (``trusted``:
+a confirmed member of the gossip table) that arrives at the total cap takes the place of
+one from a host that is not a member's, the one that holds the most: that one is shut
+down instead.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import collections
 import logging
 import os
 import socket
+from typing import Callable
 
 import zmq
 
@@ -41,11 +48,15 @@ def caps(limit: int | None = None) -> tuple[int, int]:
 class ConnectionCap:
     """Fed the monitor events of a zmq socket bound at ``port`` (see :data:`EVENTS`);
     keeps at most ``per_host`` of its connections from one remote address and ``total``
-    in all, shutting down the rest as they are accepted. ``refused``: how many."""
+    in all, shutting down the rest as they are accepted. ``refused``: how many.
+    ``trusted(host)``: whether ``host`` is a member's (asked at the total cap only; may be
+    set later); ``evicted``: connections of other hosts shut down to make room for one."""
 
-    def __init__(self, port: int, per_host: int, total: int) -> None:
+    def __init__(self, port: int, per_host: int, total: int, trusted: Callable[[str], bool] | None = None) -> None:
         self.port, self.per_host, self.total = port, per_host, total
+        self.trusted: Callable[[str], bool] = trusted or (lambda host: False)
         self.refused = 0
+        self.evicted = 0
         self._host_of: dict[int, str] = {}  # descriptor -> remote address, of the connections kept
         self._count: collections.Counter[str] = collections.Counter()
 
@@ -77,7 +88,8 @@ class ConnectionCap:
             if conn.getsockname()[1] != self.port:
                 return
             host = conn.getpeername()[0]
-            if self._count[host] >= self.per_host or len(self._host_of) >= self.total:
+            if self._count[host] >= self.per_host or (len(self._host_of) >= self.total and not (
+                    self.trusted(host) and self._make_room())):
                 conn.shutdown(socket.SHUT_RDWR)
                 self.refused += 1
                 if self.refused in (1, 100, 10000):
@@ -90,3 +102,47 @@ class ConnectionCap:
             return
         finally:
             conn.close()  # the duplicate only
+
+    def _make_room(self) -> bool:
+        """Shut down one kept connection of the host that is not a member's and holds the
+        most; whether one was."""
+        for host, _ in self._count.most_common():
+            if self.trusted(host):
+                continue
+            for fd in [fd for fd, h in self._host_of.items() if h == host]:
+                shut = self._shut(fd, host)
+                # Gone either way from what is kept (a descriptor that is no longer that
+                # connection was closed: its disconnection event finds nothing to forget).
+                del self._host_of[fd]
+                self._count[host] -= 1
+                if not self._count[host]:
+                    del self._count[host]
+                if shut:
+                    self.evicted += 1
+                    if self.evicted in (1, 100, 10000):
+                        log.warning("port %d: %d connections of hosts that are not members' shut down to make "
+                                    "room for members' (%d in all); the last from %s", self.port, self.evicted,
+                                    self.total, host)
+                    return True
+        return False
+
+    def _shut(self, fd: int, host: str) -> bool:
+        """Shut down the connection from ``host`` to this port that ``fd`` is, if it still is."""
+        try:
+            copy = os.dup(fd)
+        except OSError:
+            return False
+        try:
+            conn = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            return False
+        try:
+            if conn.getsockname()[1] != self.port or conn.getpeername()[0] != host:
+                return False
+            conn.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False
+        finally:
+            conn.close()

@@ -156,6 +156,7 @@ class GossipNode:
         self._monitor = None  # the TCP port's connection events (see _watch_connections)
         self.connections: connections.ConnectionCap | None = None
         self._snapshot: tuple[Member, ...] = ()
+        self._member_hosts: tuple[tuple[Member, ...] | None, frozenset[str]] = (None, frozenset())
         self._snapshot_stale = True
         self._subscribers: list[Callable[[GossipEvent], None]] = []
         self._stopped = threading.Event()
@@ -264,6 +265,16 @@ class GossipNode:
         """:meth:`members` as the node holds them: a new tuple whenever anything in the
         table changed, the same one otherwise (a reader may keep what it derived from it)."""
         return self._snapshot
+
+    def is_member_host(self, host: str) -> bool:
+        """Whether ``host`` is this node's or a confirmed member's (one that answered this
+        node directly: a member known only through gossip may be forged). Thread-safe."""
+        snapshot = self._snapshot
+        of, hosts = self._member_hosts  # one attribute: a reader on another thread sees a consistent pair
+        if of is not snapshot:
+            hosts = frozenset(m.host for m in snapshot if m.confirmed) | {self.host}
+            self._member_hosts = (snapshot, hosts)
+        return host in hosts
 
     def live_members(self) -> list[Member]:
         return [m for m in self._snapshot if m.state in ("alive", "suspect")]
@@ -449,7 +460,7 @@ class GossipNode:
             loop.add_reader(self._udp.fileno(), self._on_readable)
             self._spawn(self._serve_streams())
             self._monitor = self._router.get_monitor_socket(connections.EVENTS)
-            self.connections = connections.ConnectionCap(self.port, *connections.caps())
+            self.connections = connections.ConnectionCap(self.port, *connections.caps(), trusted=self.is_member_host)
             self._spawn(self._watch_connections())
             self._flush()
         except BaseException as exc:  # pragma: no cover - reported to start()

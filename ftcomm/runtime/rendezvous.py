@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import torch.distributed as dist
@@ -527,6 +527,13 @@ class Rendezvous:
         self._server: StoreServer | None = StoreServer(host, secret)
         self.port: int = self._server.port
         self._clients: dict[tuple[str, int, float], StoreClient] = {}
+
+    def trust(self, is_member_host: Callable[[str], bool]) -> None:
+        """At its connection cap, this worker's store makes room for a member's host
+        (``is_member_host``, called on the store's thread) by shutting down a connection
+        of a host that is not (see :class:`~ftcomm.gossip.connections.ConnectionCap`)."""
+        if self._server is not None:
+            self._server.connections.trusted = is_member_host
 
     @property
     def drops(self) -> collections.Counter[str]:
