@@ -302,8 +302,12 @@ class FaultTolerantGroup:
         step = left_step(self.gossip.cluster, self.replica_size)
         if step is None or not self.restorable or self._loop.engine.state != core.RECONCILE_DUE:
             return
-        keeper = FlashCheckpointer(self, name=self.gossip.cluster + LEFT_SUFFIX, keep=1)
-        if not keeper.load_here(step):
+        try:
+            keeper = FlashCheckpointer(self, name=self.gossip.cluster + LEFT_SUFFIX, keep=1)
+        except FtcommError as exc:  # (its directory not private to this user): this worker starts as registered
+            log.warning("not resuming from the state of step %d kept when a member lost the quorum: %s", step, exc)
+            return
+        if not keeper.load_here(step):  # (each copy that did not verify was named in a warning)
             keeper.close()
             return
         self.state_restored(step)
