@@ -298,12 +298,12 @@ class FaultTolerantGroup:
         if self._left_checked:
             return
         self._left_checked = True
-        from .training.checkpoint import LEFT_SUFFIX, FlashCheckpointer, left_step
+        from .training.checkpoint import left_step
         step = left_step(self.gossip.cluster, self.replica_size)
         if step is None or not self.restorable or self._loop.engine.state != core.RECONCILE_DUE:
             return
         try:
-            keeper = FlashCheckpointer(self, name=self.gossip.cluster + LEFT_SUFFIX, keep=1)
+            keeper = self._left_checkpointer()
         except FtcommError as exc:  # (its directory not private to this user): this worker starts as registered
             log.warning("not resuming from the state of step %d kept when a member lost the quorum: %s", step, exc)
             return
@@ -315,6 +315,12 @@ class FaultTolerantGroup:
         log.warning("resuming from step %d, the state a member of cluster %r kept in %s when it lost the quorum; "
                     "the group's reconcile gives the newest state to every member (to start fresh instead, remove "
                     "it: ftcomm run --fresh)", step, self.gossip.cluster, keeper.shm)
+
+    def _left_checkpointer(self) -> Any:
+        """A FlashCheckpointer of the job under which a member that lost the quorum keeps its
+        state when no checkpointer of the script's does (``<cluster>.left``)."""
+        from .training.checkpoint import LEFT_SUFFIX, FlashCheckpointer
+        return FlashCheckpointer(self, name=self.gossip.cluster + LEFT_SUFFIX, keep=1)
 
     def _discard_left_state(self) -> None:
         """A step committed after the kept state was loaded: every member holds a newer one,
@@ -369,14 +375,12 @@ class FaultTolerantGroup:
         received the group's state)."""
         if self.step == 0:
             return
-        from .training.checkpoint import LEFT_SUFFIX, FlashCheckpointer
         kept = []
         keepers = [c for c in list(self._keepers) if not c.closed and c is not self._left_keeper]
         implicit = not keepers and self.state.registered
         if implicit:  # none of the user's: kept for the job's restart all the same (see _resume_left_state)
             try:
-                keepers = [self._left_keeper or FlashCheckpointer(self, name=self.gossip.cluster + LEFT_SUFFIX,
-                                                                  keep=1)]
+                keepers = [self._left_keeper or self._left_checkpointer()]
             except Exception as failure:  # noqa: BLE001 - the QuorumLost is what the caller must see
                 kept.append(f"could not keep the state of step {self.step} in shared memory: {failure}")
         for checkpointer in keepers:

@@ -18,10 +18,11 @@ down instead.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import socket
-from typing import Callable
+from typing import Callable, Iterator
 
 import zmq
 
@@ -66,42 +67,59 @@ class ConnectionCap:
         if event["event"] == zmq.EVENT_ACCEPTED:
             self._accepted(fd)
         elif event["event"] == zmq.EVENT_DISCONNECTED:
-            host = self._host_of.pop(fd, None)
-            if host is not None:
-                self._count[host] -= 1
-                if not self._count[host]:
-                    del self._count[host]
+            self._forget(fd)
 
-    def _accepted(self, fd: int) -> None:
+    def _forget(self, fd: int) -> None:
+        host = self._host_of.pop(fd, None)
+        if host is not None:
+            self._count[host] -= 1
+            if not self._count[host]:
+                del self._count[host]
+
+    @contextlib.contextmanager
+    def _connection(self, fd: int) -> Iterator[socket.socket | None]:
+        """The connection to this port that ``fd`` is, through a duplicate of the descriptor
+        (closed after); None when it was closed, or reused since the event by something that
+        is not one of this port's connections."""
+        conn = None
         try:
             copy = os.dup(fd)
         except OSError:  # closed already
-            return
+            copy = None
+        if copy is not None:
+            try:
+                conn = socket.socket(fileno=copy)
+            except OSError:  # reused since, by something that is not a socket
+                os.close(copy)
         try:
-            conn = socket.socket(fileno=copy)
-        except OSError:  # reused since, by something that is not a socket
-            os.close(copy)
-            return
-        try:
-            # The descriptor may have been closed and reused since the event was sent: only
-            # a connection to this socket's own port is one of its connections.
-            if conn.getsockname()[1] != self.port:
-                return
-            host = conn.getpeername()[0]
-            if self._count[host] >= self.per_host or (len(self._host_of) >= self.total and not (
-                    self.trusted(host) and self._make_room())):
-                conn.shutdown(socket.SHUT_RDWR)
-                self.refused += 1
-                if self.refused in (1, 100, 10000):
-                    log.warning("port %d: %d connections shut down over the cap (%d from one host, %d in all); "
-                                "the last from %s", self.port, self.refused, self.per_host, self.total, host)
-                return
-            self._host_of[fd] = host
-            self._count[host] += 1
-        except OSError:  # the peer went away meanwhile
-            return
+            try:
+                ours = conn is not None and conn.getsockname()[1] == self.port
+            except OSError:
+                ours = False
+            yield conn if ours else None
         finally:
-            conn.close()  # the duplicate only
+            if conn is not None:
+                conn.close()  # the duplicate only
+
+    def _accepted(self, fd: int) -> None:
+        with self._connection(fd) as conn:
+            if conn is None:
+                return
+            try:
+                host = conn.getpeername()[0]
+                if self._count[host] >= self.per_host or (len(self._host_of) >= self.total and not (
+                        self.trusted(host) and self._make_room())):
+                    conn.shutdown(socket.SHUT_RDWR)
+                    self.refused += 1
+                    if self.refused in (1, 100, 10000):
+                        log.warning("port %d: %d connections shut down over the cap (%d from one host, %d in "
+                                    "all); the last from %s", self.port, self.refused, self.per_host, self.total,
+                                    host)
+                    return
+                self._host_of[fd] = host
+                self._count[host] += 1
+            except OSError:  # the peer went away meanwhile
+                return
 
     def _make_room(self) -> bool:
         """Shut down one kept connection of the host that is not a member's and holds the
@@ -113,10 +131,7 @@ class ConnectionCap:
                 shut = self._shut(fd, host)
                 # Gone either way from what is kept (a descriptor that is no longer that
                 # connection was closed: its disconnection event finds nothing to forget).
-                del self._host_of[fd]
-                self._count[host] -= 1
-                if not self._count[host]:
-                    del self._count[host]
+                self._forget(fd)
                 if shut:
                     self.evicted += 1
                     if self.evicted in (1, 100, 10000):
@@ -128,21 +143,11 @@ class ConnectionCap:
 
     def _shut(self, fd: int, host: str) -> bool:
         """Shut down the connection from ``host`` to this port that ``fd`` is, if it still is."""
-        try:
-            copy = os.dup(fd)
-        except OSError:
-            return False
-        try:
-            conn = socket.socket(fileno=copy)
-        except OSError:
-            os.close(copy)
-            return False
-        try:
-            if conn.getsockname()[1] != self.port or conn.getpeername()[0] != host:
+        with self._connection(fd) as conn:
+            try:
+                if conn is None or conn.getpeername()[0] != host:
+                    return False
+                conn.shutdown(socket.SHUT_RDWR)
+                return True
+            except OSError:
                 return False
-            conn.shutdown(socket.SHUT_RDWR)
-            return True
-        except OSError:
-            return False
-        finally:
-            conn.close()

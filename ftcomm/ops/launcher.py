@@ -897,7 +897,6 @@ class Launcher:
         this host's shared-memory copies with ``fresh`` (only when no live checkpointer uses
         them; the persistent directory is the user's, and is only named)."""
         from ..training import checkpoint_files as files
-
         from ..training.checkpoint import left_places
 
         name = self.config.checkpoint_name or self.config.cluster

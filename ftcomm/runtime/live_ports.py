@@ -25,7 +25,7 @@ from ..errors import FtcommError, FtcommTimeout, MembershipChanged, ReplicaLost
 from ..gossip import GossipNode
 from ..options import GroupOptions
 from ..training.buckets import GradientBuckets
-from ..training.shard_groups import ShardGroupBuckets, shard_groups, watched
+from ..training.shard_groups import ShardGroupBuckets, shard_groups
 from ..training.reducer import DistributedDataParallel, ReducerBuckets
 from ..training.state import TrainingState
 from . import transfer
@@ -366,13 +366,12 @@ class BackendCollective:
         return self.comms.comm if self.replica is None else self.comms.shard_comm
 
     def use(self, params: list[torch.Tensor], module: torch.nn.Module | None = None) -> None:
-        """The parameters of the coming gradient step, of ``module`` when given (new buckets
-        when the list changed; those of a wrapped model go on through its reducer). A model
-        sharded with FSDP2 is reduced per parameter group (:mod:`~ftcomm.training.shard_groups`)
-        when its groups hold exactly these parameters."""
-        watch = params if module is None else watched(module)
-        params = [p for p in watch if p.requires_grad] if module is not None else [p for p in params
-                                                                                   if p.requires_grad]
+        """The parameters of the coming gradient step, frozen ones included (``module``'s when
+        given; new buckets when the trainable ones changed; those of a wrapped model go on
+        through its reducer). A model sharded with FSDP2 is reduced per parameter group
+        (:mod:`~ftcomm.training.shard_groups`) when its groups hold exactly these parameters.
+        The buckets watch every parameter's ``requires_grad`` (see GradientBuckets)."""
+        watch, params = params, [p for p in params if p.requires_grad]
         buckets = self.buckets
         if buckets is not None and len(buckets.params) == len(params) and all(
                 a is b for a, b in zip(buckets.params, params)):

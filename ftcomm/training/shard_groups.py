@@ -54,12 +54,6 @@ class _Group:
         self.dtype = self.params[0].dtype
 
 
-def watched(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Every parameter of ``module``, frozen ones included: whose ``requires_grad`` the
-    gradient paths compare once a step with what their buckets were made for."""
-    return list(module.parameters())
-
-
 def shard_groups(module: torch.nn.Module, params: list[torch.Tensor]) -> list[_Group] | None:
     """The FSDP parameter groups of ``module`` that hold exactly ``params``, in the order
     backward reduces them; None when this path does not apply (the parameters are not all
