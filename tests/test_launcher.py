@@ -420,6 +420,31 @@ def _rank_0_lost_after(step: int, arguments: list[str]) -> "Launched":
     return first
 
 
+def _survivors_step(first: "Launched") -> int:
+    """The last step rank 1 (the survivor of :func:`_rank_0_lost_after`) committed."""
+    survivor = next(e for e in first.of("ready") if e["rank"] == 1)
+    return max(e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"])
+
+
+def _resumed(arguments: list[str], first: "Launched", held: int, steps: int) -> "Launched":
+    """The job launched again after ``first``: it completes at ``steps`` with one state on
+    both workers, the survivor having committed every step up to ``held`` and the new run
+    every step after it, once. The ended launch."""
+    second = Launched(arguments)
+    try:
+        code = second.finish(300)
+    finally:
+        second.finish(0)
+    assert code == 0, "".join(second.log)[-3000:]
+    done = second.of("done")
+    assert len(done) == 2 and {e["step"] for e in done} == {steps} and len({e["digest"] for e in done}) == 1
+    survivor = next(e for e in first.of("ready") if e["rank"] == 1)
+    before = {e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"]}
+    after = sorted({e["step"] for e in second.of("batch")})
+    assert before == set(range(1, held + 1)) and after == list(range(held + 1, steps + 1))
+    return second
+
+
 def test_the_survivor_that_loses_quorum_keeps_its_state_and_the_job_restart_resumes_from_it(tmp_path):
     """Two workers, rank 0 stopped and left stopped (as a lost node: nothing proves it gone):
     the survivor waits out its quorum timeout and raises QuorumLost, but first writes the
@@ -436,23 +461,11 @@ def test_the_survivor_that_loses_quorum_keeps_its_state_and_the_job_restart_resu
                  "--checkpoint-every", str(every), "--checkpoint-name", name, "--options", '{"quorum_timeout": 3}']
     try:
         first = _rank_0_lost_after(every + 15, arguments)
+        held = _survivors_step(first)
         text = "".join(first.log)
-        survivor = next(e for e in first.of("ready") if e["rank"] == 1)
-        held = max(e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"])
         assert held % every and f"the state of step {held} is in the flash checkpoints" in text, text[-3000:]
-        second = Launched(arguments)
-        try:
-            code = second.finish(300)
-        finally:
-            second.finish(0)
-        text = "".join(second.log)
-        assert code == 0, text[-3000:]
+        second = _resumed(arguments, first, held, steps)
         assert {e["step"] for e in second.of("restored")} == {held}, second.of("restored")
-        done = second.of("done")
-        assert len(done) == 2 and {e["step"] for e in done} == {steps} and len({e["digest"] for e in done}) == 1
-        before = {e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"]}
-        after = sorted({e["step"] for e in second.of("batch")})
-        assert before == set(range(1, held + 1)) and after == list(range(held + 1, steps + 1))
     finally:
         shutil.rmtree(f"/dev/shm/ftcomm-{name}", ignore_errors=True)
 
@@ -475,24 +488,11 @@ def test_without_a_checkpointer_the_survivor_that_loses_quorum_keeps_its_state_a
     (kept_at,) = left_places(cluster)
     try:
         first = _rank_0_lost_after(40, arguments)
-        text = "".join(first.log)
-        survivor = next(e for e in first.of("ready") if e["rank"] == 1)
-        held = max(e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"])
-        assert f"the state of step {held} is kept in shared memory" in text, text[-3000:]
+        held = _survivors_step(first)
+        assert f"the state of step {held} is kept in shared memory" in "".join(first.log), "".join(first.log)[-3000:]
         assert steps_in(kept_at) == [held]
-        second = Launched(arguments)
-        try:
-            code = second.finish(300)
-        finally:
-            second.finish(0)
-        text = "".join(second.log)
-        assert code == 0, text[-3000:]
+        text = "".join(_resumed(arguments, first, held, steps).log)
         assert f"kept the state of step {held}" in text and f"resuming from step {held}" in text, text[-3000:]
-        done = second.of("done")
-        assert len(done) == 2 and {e["step"] for e in done} == {steps} and len({e["digest"] for e in done}) == 1
-        before = {e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"]}
-        after = sorted({e["step"] for e in second.of("batch")})
-        assert before == set(range(1, held + 1)) and after == list(range(held + 1, steps + 1))
         assert not steps_in(kept_at)  # removed once the group committed past it
     finally:
         shutil.rmtree(kept_at, ignore_errors=True)

@@ -52,6 +52,13 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: sharded.local(p.grad) for n, p in model.named_parameters()}
 
 
+def _first_step(model: torch.nn.Module, buckets: ShardGroupBuckets) -> None:
+    """The buckets' first step (reduced at the step, since FSDP2 ran no hook of theirs yet):
+    from here on the hooks are in place."""
+    _backward(model, 0)
+    buckets.hand_back(float(reduce(buckets)[0]))
+
+
 class FakeReplicas:
     def __init__(self, world: int = 2, overlap_allowed: bool = True) -> None:
         self.world, self.overlap_allowed = world, overlap_allowed
@@ -111,8 +118,7 @@ def test_gradients_added_into_existing_shards_are_gathered_reduced_and_given_bac
     groups are reduced at the step from the shards, in the same order and sizes."""
     world, model = FakeReplicas(), _sharded(one_process_mesh)
     buckets = world.buckets(model)
-    _backward(model, 0)  # the first step: hooks in place from here on
-    buckets.hand_back(float(reduce(buckets)[0]))
+    _first_step(model, buckets)
     for step in (1, 2):
         model.zero_grad(set_to_none=False)
         world.launched.clear()
@@ -129,8 +135,7 @@ def test_gradients_added_into_existing_shards_are_gathered_reduced_and_given_bac
 def test_no_sync_then_a_last_backward_reduces_the_total(one_process_mesh):
     world, model = FakeReplicas(), _sharded(one_process_mesh)
     buckets = world.buckets(model)
-    _backward(model, 0)
-    buckets.hand_back(float(reduce(buckets)[0]))
+    _first_step(model, buckets)
     model.zero_grad()
     with buckets.no_sync():
         world.backward(model, 1)
@@ -145,8 +150,7 @@ def test_no_sync_then_a_last_backward_reduces_the_total(one_process_mesh):
 def test_without_overlap_the_outputs_are_reduced_in_place_at_the_step_and_backward_passes_total(one_process_mesh):
     world, model = FakeReplicas(overlap_allowed=False), _sharded(one_process_mesh)
     buckets = world.buckets(model)
-    _backward(model, 0)
-    buckets.hand_back(float(reduce(buckets)[0]))
+    _first_step(model, buckets)
     model.zero_grad()
     world.launched.clear()
     world.backward(model, 1)
@@ -161,8 +165,7 @@ def test_without_overlap_the_outputs_are_reduced_in_place_at_the_step_and_backwa
 def test_a_second_backward_into_sums_already_under_way_is_refused_and_the_next_step_is_clean(one_process_mesh):
     world, model = FakeReplicas(), _sharded(one_process_mesh)
     buckets = world.buckets(model)
-    _backward(model, 0)
-    buckets.hand_back(float(reduce(buckets)[0]))
+    _first_step(model, buckets)
     model.zero_grad()
     world.backward(model, 1)
     world.backward(model, 2)
@@ -179,8 +182,7 @@ def test_a_second_backward_into_sums_already_under_way_is_refused_and_the_next_s
 def test_fewer_contributors_average_over_those_that_counted(one_process_mesh):
     world, model = FakeReplicas(world=4), _sharded(one_process_mesh)
     buckets = world.buckets(model)
-    _backward(model, 0)
-    buckets.hand_back(float(reduce(buckets)[0]))
+    _first_step(model, buckets)
     model.zero_grad()
     world.backward(model, 1)
     reduce(buckets)
@@ -193,8 +195,7 @@ def test_fewer_contributors_average_over_those_that_counted(one_process_mesh):
 def test_a_failed_step_detaches_the_shards_from_what_an_abandoned_sum_may_still_write(one_process_mesh):
     world, model = FakeReplicas(), _sharded(one_process_mesh)
     buckets = world.buckets(model)
-    _backward(model, 0)
-    buckets.hand_back(float(reduce(buckets)[0]))
+    _first_step(model, buckets)
     model.zero_grad()
     world.flats.clear()
     world.backward(model, 1)
@@ -214,8 +215,7 @@ def test_a_failed_step_detaches_the_shards_from_what_an_abandoned_sum_may_still_
 def test_a_lost_step_contributes_zeros_and_gets_the_others_average(one_process_mesh):
     world, model = FakeReplicas(), _sharded(one_process_mesh)
     buckets = world.buckets(model)
-    _backward(model, 0)
-    buckets.hand_back(float(reduce(buckets)[0]))
+    _first_step(model, buckets)
     model.zero_grad()
     world.backward(model, 1)
     buckets.drop()  # the view re-formed after backward began reducing
@@ -258,8 +258,7 @@ def test_a_group_with_some_shards_holding_gradients_is_gathered_not_taken_in_pla
     with any of them (not only the first), the group is reduced from its shards at the step."""
     world, model = LateReplicas(), _sharded(one_process_mesh)
     buckets = world.buckets(model)
-    _backward(model, 0)
-    buckets.hand_back(float(reduce(buckets)[0]))
+    _first_step(model, buckets)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             layer.weight.grad = None  # the biases keep theirs (zeroed), the weights are freed
@@ -276,8 +275,7 @@ def test_a_second_backward_into_sums_in_flight_leaves_what_was_sent_intact(one_p
     into shards of its own, and this member's step is refused."""
     world, model = LateReplicas(), _sharded(one_process_mesh)
     buckets = world.buckets(model)
-    _backward(model, 0)
-    buckets.hand_back(float(reduce(buckets)[0]))
+    _first_step(model, buckets)
     model.zero_grad()
     world.flats.clear()
     world.sent.clear()
@@ -293,14 +291,12 @@ def test_parameters_unfrozen_before_a_step_reduce_nothing_during_its_backward(on
     """Buckets made for the old trainable set see the change at the step's first hook and
     launch nothing; the step is reduced by new buckets at wait_gradients_ready, the same
     collectives as on a member that had no buckets yet (a joiner's first step)."""
-    from ftcomm.training.shard_groups import watched
     world, model = FakeReplicas(), _sharded(one_process_mesh)
     model[0].weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     buckets = ShardGroupBuckets(shard_groups(model, params), params, world.launch, lambda: True, lambda: 2,
-                                watch=watched(model))
-    _backward(model, 0)
-    buckets.hand_back(float(reduce(buckets)[0]))
+                                watch=list(model.parameters()))
+    _first_step(model, buckets)
     model.zero_grad()
     model[0].weight.requires_grad_(True)
     world.launched.clear()
@@ -318,8 +314,7 @@ def test_parameters_unfrozen_before_a_step_reduce_nothing_during_its_backward(on
 def test_a_post_accumulate_grad_hook_added_later_sees_the_gradient_before_any_division(one_process_mesh):
     world, model = FakeReplicas(world=4), _sharded(one_process_mesh)
     buckets = world.buckets(model)
-    _backward(model, 0)
-    buckets.hand_back(float(reduce(buckets)[0]))
+    _first_step(model, buckets)
     model.zero_grad()
     seen = {}
     model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.update(norm=sharded.local(p.grad).norm()))
