@@ -359,6 +359,51 @@ def test_a_worker_started_again_is_told_the_group_ran_once_the_launcher_saw_a_vi
     assert launcher.worker_env(other)["FTCOMM_GROUP_RAN"] == "1"
 
 
+
+def test_a_launcher_whose_pod_container_restarted_in_place_tells_its_first_workers_the_group_ran(tmp_path):
+    """Inside a Kubernetes pod the launcher marks in the pod's /dev/shm that it saw the
+    group run; a launcher started again in that pod (its container restarted in place,
+    restartPolicy OnFailure) finds the mark and tells even its first workers
+    FTCOMM_GROUP_RAN=1. The job completing, or --fresh, removes the mark; outside a pod
+    nothing is marked, and a link or another user's file is no mark."""
+    from ftcomm.gossip.runtime import GossipNode
+    from ftcomm.ops import launcher as launcher_module
+
+    pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+    cluster = f"podmark-{os.getpid()}"
+    mark = launcher_module.pod_mark(cluster, pod)
+    assert mark is not None and launcher_module.pod_mark(cluster, {}) is None  # only in a pod
+    try:
+        first = Launcher(LaunchConfig(command=["true"], nproc=2, cluster=cluster), environ=pod, out=io.StringIO())
+        assert first.worker_env(first.workers[1])["FTCOMM_GROUP_RAN"] == "0" and not mark.exists()
+        node = GossipNode(("127.0.0.1", first.workers[0].port), cluster=cluster, secret=first.secret,
+                          metadata={"ph": "active", "cv": 2}).start()
+        try:
+            first.workers[0].status = "running"
+            wait_until(lambda: first._watch_group(time.monotonic() + 2.0) or first._group_ran, 10,
+                       "the launcher sees the view")
+        finally:
+            node.stop()
+        assert mark.is_file() and (mark.stat().st_mode & 0o777) == 0o600
+        again = Launcher(LaunchConfig(command=["true"], nproc=2, cluster=cluster), environ=pod, out=io.StringIO())
+        assert again.worker_env(again.workers[1])["FTCOMM_GROUP_RAN"] == "1"  # a first start, in a pod that ran
+        fresh = Launcher(LaunchConfig(command=["true"], nproc=2, cluster=cluster, fresh=True), environ=pod,
+                         out=io.StringIO())
+        assert fresh.worker_env(fresh.workers[1])["FTCOMM_GROUP_RAN"] == "0" and not mark.exists()
+        mark.symlink_to(tmp_path / "elsewhere")  # a link is no mark
+        assert not launcher_module.read_pod_mark(mark)
+        mark.unlink()
+        launcher_module.write_pod_mark(mark)
+        out = io.StringIO()
+        environ = {**{k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}, **pod}
+        completed = Launcher(LaunchConfig(command=["true"], nproc=1, cluster=cluster), environ=environ, out=out)
+        assert completed.run() == 0, out.getvalue()
+        assert "before its container restarted" in out.getvalue()
+        assert not mark.exists() and not os.path.lexists(mark)  # the job completed
+    finally:
+        if os.path.lexists(mark):
+            os.unlink(mark)
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
 def test_rank_0_of_two_lost_the_survivor_trains_on_alone_and_nothing_committed_is_lost(sig):
     """Two workers: kill -9 of rank 0, or SIGSTOP (then the launcher kills it: a stopped

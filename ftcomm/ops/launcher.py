@@ -17,7 +17,9 @@ Each worker is the user's command with ftcomm's environment:
 - ``FTCOMM_GROUP_RAN=1`` for a worker started again once the launcher saw the job's group
   run (a view in its local workers' member table, read each second until then): such a
   worker founds no new group while one of its peers answers nothing (``ftcomm.init``'s
-  ``group_ran``);
+  ``group_ran``). Inside a Kubernetes pod the launcher also leaves a mark in the pod's
+  ``/dev/shm`` once it saw the group run (:func:`pod_mark`): a launcher whose container
+  restarted in place finds it and tells its first workers too;
 - ``OMP_NUM_THREADS=1`` with several workers per node, unless set (as torchrun does:
   several processes each running one OpenMP thread per core slow each other down).
 
@@ -79,6 +81,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -300,6 +303,55 @@ def describe_exit(code: int) -> str:
     return f"status {code}"
 
 
+POD_MARK_ROOT = "/dev/shm"
+
+
+def pod_mark(cluster: str, environ: dict, root: str = POD_MARK_ROOT) -> pathlib.Path | None:
+    """Inside a Kubernetes pod (``$KUBERNETES_SERVICE_HOST`` set), where this launcher
+    marks that the job's group ran: ``/dev/shm`` lives as long as the pod, across restarts
+    of its containers, and is the pod's own; the pod's host name is in the name as well.
+    None outside a pod: on a host, /dev/shm outlives the job, and a mark left by a
+    finished job would hold a new one of the same name back from founding its group."""
+    if not environ.get("KUBERNETES_SERVICE_HOST"):
+        return None
+    return pathlib.Path(root, f"ftcomm-{cluster}.ran-{socket.gethostname()}")
+
+
+def read_pod_mark(mark: pathlib.Path | None) -> bool:
+    """Whether ``mark`` is there as this user's own regular file (not a link, not another
+    user's: a planted file holds nobody back)."""
+    if mark is None:
+        return False
+    try:
+        st = os.lstat(mark)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def write_pod_mark(mark: pathlib.Path | None) -> str | None:
+    """Leave ``mark`` (an empty file, this user's only); an existing one stays as it is.
+    Why it could not be written, if it could not."""
+    if mark is None:
+        return None
+    try:
+        os.close(os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+def remove_pod_mark(mark: pathlib.Path | None) -> None:
+    """The job completed, or starts fresh: remove ``mark`` (unlink follows no link)."""
+    if read_pod_mark(mark):
+        try:
+            os.unlink(mark)
+        except OSError:
+            pass
+
+
 class Launcher:
     """Runs :class:`LaunchConfig`; :meth:`run` returns the exit status."""
 
@@ -350,7 +402,13 @@ class Launcher:
         self._group_answered = False
         self._exit_doors: dict[subprocess.Popen, int] = {}  # a running worker's process -> its pidfd (see _nap)
         self._answer_checked = 0.0
-        self._group_ran = False  # a local worker's member table showed a view of the job's group (_watch_group)
+        self._pod_mark = pod_mark(config.cluster, self.environ)
+        # This pod's launcher saw the group run before its container restarted in place.
+        self._restarted_in_place = read_pod_mark(self._pod_mark) and not config.fresh
+        if config.fresh:
+            remove_pod_mark(self._pod_mark)
+        # a local worker's member table showed a view of the job's group (_watch_group)
+        self._group_ran = self._restarted_in_place
         self._group_checked = 0.0
         if config.network_check:
             import tempfile
@@ -372,6 +430,10 @@ class Launcher:
                 self.say(f"no run file ({exc}): watch it with ftcomm members --peer "
                          f"{self.config.host}:{self.workers[0].port} and the group's secret")
             self._announce_checkpoints()
+            if self._restarted_in_place:
+                self.say(f"this pod's launcher saw the group of cluster {self.config.cluster!r} run before its "
+                         f"container restarted ({self._pod_mark}): its workers are told so and found no new group "
+                         f"while a peer answers nothing (--fresh forgets it)")
             for worker in self.workers:
                 self._start(worker)
             while any(w.status in ("running", "halting", "waiting", "starting") for w in self.workers):
@@ -402,6 +464,7 @@ class Launcher:
                 shutil.rmtree(self._report_dir, ignore_errors=True)
             if self._exit_status() == 0:
                 self._discard_flash_copies()
+                remove_pod_mark(self._pod_mark)
         return self._exit_status()
 
     def _nap(self, seconds: float) -> None:
@@ -712,6 +775,11 @@ class Launcher:
         self._group_ran = members is not None and any(
             isinstance(m.metadata, dict) and isinstance(m.metadata.get("cv"), int) and m.metadata["cv"] > 0
             for m in members)
+        if self._group_ran:
+            failed = write_pod_mark(self._pod_mark)
+            if failed:
+                self.say(f"could not mark in {self._pod_mark} that the group ran ({failed}): should this "
+                         f"container restart in place, its workers start as new ones")
 
     def _group_answers(self) -> bool:
         return self._local_members() is not None
@@ -803,7 +871,7 @@ class Launcher:
             "FTCOMM_LOCAL_RANK": str(worker.local_rank),
             "LOCAL_WORLD_SIZE": str(self.config.nproc),
             "FTCOMM_RESTARTS": str(worker.restarts),
-            "FTCOMM_GROUP_RAN": "1" if self._group_ran and worker.restarts else "0",
+            "FTCOMM_GROUP_RAN": "1" if self._group_ran and (worker.restarts or self._restarted_in_place) else "0",
             "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
         })
         if self.config.replica_size > 1:
