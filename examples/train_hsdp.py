@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", default=None, help="flash checkpoints persisted here (one per shard)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     parser.add_argument("--checkpoint-name", default="train-hsdp", help="the job's name in /dev/shm")
+    parser.add_argument("--rebuild-time", type=float, default=0.0,
+                        help="extra seconds a restarted process spends building its model after init "
+                             "(stands in for a large model's load)")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     parser.add_argument("--plain-rank", type=int, default=None, help="run as plain FSDP2 HSDP, this rank")
     parser.add_argument("--plain-world", type=int, default=None)
@@ -92,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     emit(ev="init", pid=os.getpid(), t=time.time())
     ft = ftcomm.init(backend="gloo", min_workers=args.min_workers,  # the replica comes from `ftcomm run`
                      overlap=not args.no_overlap)
+    restarts = int(os.environ.get("FTCOMM_RESTARTS", "0"))
+    if restarts and args.rebuild_time:
+        emit(ev="building", pid=os.getpid(), seconds=args.rebuild_time, t=time.time())
+        time.sleep(args.rebuild_time)
     model = make_model(ft.shard_mesh, args.seed, args.hidden)  # (replicas of one process: not sharded)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     sampler = ftcomm.ElasticSampler(len(x), global_batch=args.global_batch, seed=args.seed)
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     emit(ev="ready", id=ft.id, pid=os.getpid(), rank=ft.rank, world=ft.world_size, shard=ft.shard_rank,
          param_bytes=sum(t.numel() * t.element_size() for t in local),
-         replica=ft.replica_rank, replicas=ft.num_replicas, restarts=int(os.environ.get("FTCOMM_RESTARTS", "0")),
+         replica=ft.replica_rank, replicas=ft.num_replicas, restarts=restarts,
          t=time.time())
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
     reported = 0

@@ -498,11 +498,14 @@ def test_a_replica_that_received_some_of_its_shards_only_never_runs_with_its_sha
 
 
 def test_a_member_left_out_of_a_group_that_ended_trains_on():
-    """Seeds 279 and 602 of replicas: the replica that went on as the tie's winner died (or
+    """Seeds 279 and 1152 of replicas: the replica that went on as the tie's winner died (or
     left) while the other rejoined; the records of the newer view outlived it, and the
     survivor, holding the newest state, waited for ever. It now refounds once every member
-    of the newer view left or refuses connections (tests/test_engine.py shows the rule)."""
-    outcomes = run_seeds([279, 602], replica_size=2, **AS_FOUND)
+    of the newer view left or refuses connections (tests/test_engine.py shows the rule;
+    without it seed 1152 commits 114 steps, not 447). (Seed 602 replayed it until restarted
+    replicas held back until their state was registered: its joiner no longer enters the
+    tie winner's last view, which commits alone and dies with the newest state.)"""
+    outcomes = run_seeds([279, 1152], replica_size=2, **AS_FOUND)
     assert all(o.ok for o in outcomes), [o.violation for o in outcomes]
     assert all(o.commits > 300 for o in outcomes)
     # Seed 6472 (plain): not on a tie of the view it lost, while a member of it that may be
@@ -512,14 +515,18 @@ def test_a_member_left_out_of_a_group_that_ended_trains_on():
 
 
 def test_a_group_that_started_over_is_not_counted_as_recovered():
-    """Seed 412 of replicas: every replica that held the state left, died or was cut off;
-    the replicas left founded anew at step 0. That is no recovery, and its time (from the
-    last worker's start to a fresh group's first commit) is not among the recoveries'."""
-    outcome = run_seeds([412], replica_size=2, **AS_FOUND)[0]
-    assert outcome.ok, outcome.violation
-    assert {kind for kind, _ in outcome.started_over} >= {"leave", "crash", "hang"}
-    struck = {t for _, t in outcome.started_over}
-    assert not any(t in struck for _, t, *_ in outcome.recoveries)
+    """Seeds 268 and 853 of replicas: every replica that held the state left, died or was
+    cut off; the replicas left founded anew at step 0. That is no recovery, and its time
+    (from the last worker's start to a fresh group's first commit) is not among the
+    recoveries'. (Seed 412 showed it until restarted replicas held back until their state
+    was registered.)"""
+    kinds = set()
+    for outcome in run_seeds([268, 853], replica_size=2, **AS_FOUND):
+        assert outcome.ok, outcome.violation
+        kinds |= {kind for kind, _ in outcome.started_over}
+        struck = {t for _, t in outcome.started_over}
+        assert not any(t in struck for _, t, *_ in outcome.recoveries)
+    assert kinds >= {"leave", "crash", "hang"}
 
 
 @pytest.mark.parametrize("stop_kills", [1.0, 0.0])
@@ -724,19 +731,19 @@ def test_a_member_whose_formation_failed_as_the_others_formed_the_view_forms_no_
     assert not outcome.ok and "invariant 4" in outcome.violation
 
 
-def test_failed_steps_in_a_row_between_which_a_metric_completes_end_in_the_retry_limit(monkeypatch):
+def test_failed_steps_in_a_row_between_which_a_metric_completes_end_in_the_retry_limit():
     """Seeds 330 and 1705 of replicas (a metric averaged before each step): in 330 every
     step failed and re-formed while every metric completed, and each metric reset the
     count, so the user was never told (invariant 8); in 1705 a re-formation inside the
-    metric was counted as the step's (the check's count now starts at the step)."""
+    metric was counted as the step's (the check's count now starts at the step). Since
+    restarted replicas hold back until their state is registered, seed 330 no longer
+    reaches that row (with a call ending the row it still passes): the rule is
+    tests/test_worker.py::test_a_metric_that_completes_between_failed_steps_does_not_break_their_row."""
     worlds = {330: {"transfer_s": 0.09017202380220259, "observe_jitter": 0.005, **BEFORE_RESTARTS_IN_PLACE},
               1705: {"transfer_s": 0.12473094961957708, "observe_jitter": 0.02, **BEFORE_RESTARTS_IN_PLACE}}
     for seed, world in worlds.items():
         outcome = GroupSimulation(seed, replica_size=2, overlap=True, log_in_step=True, **world).run()
         assert outcome.ok, outcome.violation
-    monkeypatch.setattr(core.Engine, "count_call_success", core.Engine.count_success)  # a call ends the row
-    outcome = GroupSimulation(330, replica_size=2, overlap=True, log_in_step=True, **worlds[330]).run()
-    assert not outcome.ok and "invariant 8" in outcome.violation
 
 
 RESTARTED_IN_PLACE = {1876: {"overlap": True, "log_in_step": False, "transfer_s": 0.0, "observe_jitter": 0.0,

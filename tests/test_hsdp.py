@@ -244,3 +244,35 @@ def test_the_replica_of_two_left_when_rank_0_s_replica_loses_a_process_trains_on
     assert len(done) == 4 and {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {4}
     for shard in range(SHARDS):
         assert len({d["digest"] for d in done if d["shard"] == shard}) == 1, f"shard {shard} ends with two states"
+
+
+def test_a_restarted_replica_that_builds_its_model_late_does_not_pause_the_other_replica():
+    """Two replicas of two, the tutorial's order (init, then build the model, then
+    register_state): the restarted replica's processes spend 4 s building after init. They
+    hold back from the running group until both registered their state, so the other
+    replica commits steps all the while (admitted at init, the group would wait in its
+    reconcile for their state), then the replica enters whole and every shard ends with one
+    state."""
+    steps, build = 400, 4.0
+    job = Job(steps, command=[sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "4", "--replica-size", "2",
+                              "--restart-backoff", "0.2", EXAMPLE, "--steps", str(steps), "--min-workers", "1",
+                              "--step-time", "0.03", "--report-every", "1", "--rebuild-time", str(build)])
+    try:
+        wait_until(lambda: len(job.of("ready")) >= 4 and max([e["step"] for e in job.of("step")] + [0]) >= 20, 120,
+                   lambda: f"the job did not start: {''.join(job.log[-40:])}")
+        victim = next(e for e in job.of("ready") if e["rank"] == 2)
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_until(lambda: len(job.of("building")) >= 2, 120, lambda: f"no restart: {''.join(job.log[-40:])}")
+        assert job.finish() == 0, "".join(job.log[-60:])
+    finally:
+        job.finish(30)
+    began = max(e["t"] for e in job.of("building"))  # both processes of the replica build from here
+    steps_meanwhile = {e["step"] for t, e in list(job.events)
+                       if e["ev"] == "step" and e["world"] == SHARDS and began + 1.0 < t < began + build}
+    assert len(steps_meanwhile) >= 5, f"the running replica paused for the restarted one: {sorted(steps_meanwhile)}"
+    back = [e for e in job.of("view") if e["reason"] == "join" and len(e["members"]) == 4]
+    assert back, "the restarted replica never entered"
+    done = job.of("done")
+    assert len(done) == 4 and {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {4}
+    for shard in range(SHARDS):
+        assert len({d["digest"] for d in done if d["shard"] == shard}) == 1, f"shard {shard} ends with two states"

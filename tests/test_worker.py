@@ -211,6 +211,28 @@ def test_a_failed_step_re_forms_and_returns_false_and_too_many_in_a_row_raise():
     assert world.engine.state == core.BROKEN  # re-formed at the next call
 
 
+
+def test_a_metric_that_completes_between_failed_steps_does_not_break_their_row():
+    """Seed 330 of replicas in the simulation, before restarted replicas held back until
+    their state was registered: a metric averaged before each step completed every time
+    while every step failed and re-formed. Counted as one row of operations, each metric
+    reset it and the user never learned that every step was discarded."""
+    world = running(*pair(max_retries=1))
+    step = Phase(world.loop.gradient_step())
+    step.until("reduce").fail(CollectiveAborted("b is suspected"))
+    agreed(world, step)
+    formed(world, step, founding=False)
+    gather = step.until("gather_states")
+    gather.done([gather.args[0]] * 2)
+    assert step.done and step.result is False
+    metric = Phase(world.loop.execute(lambda: world.loop.collective("the mean loss")))  # as ft.execute does
+    metric.until("run").done(1.0)
+    assert metric.done and metric.result == 1.0  # a call completed between the failed steps
+    step = Phase(world.loop.gradient_step())
+    step.until("reduce").fail(CollectiveAborted("b is suspected"))
+    with pytest.raises(RetryLimitExceeded, match="2 steps in a row"):
+        step.settle()
+
 def test_a_member_that_left_after_deciding_the_step_lets_this_replica_decide_it_too():
     """b0 and b1 committed the step and left (the end of the job) while this replica still
     decides it: the departure is held until the decision is in, and the step commits here

@@ -402,10 +402,10 @@ class WorkerLoop:
         """``init``: agree on the first view and form it, or, finding a running group, hold
         back from it until the training state is registered (nothing can be before init; see
         ftcomm.core.engine.AwaitState and :meth:`admit`); whether this worker is in a view.
-        A process of a sharded replica does not hold back: the group admits whole replicas,
-        and a shard that registered first would wait for its partner in ``register_state``
-        (the replica is admitted at ``init``, its state transferred at the first collective)."""
-        self.engine.state_pending = self.engine.replica is None
+        A process of a sharded replica holds back as well: the group admits whole replicas,
+        so a shard that registered first waits in ``register_state`` until its partners ask
+        to be admitted too."""
+        self.engine.state_pending = True
         try:
             yield from self.recover("init", began, timeout)
         except AwaitingState:

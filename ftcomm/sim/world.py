@@ -215,6 +215,9 @@ class GroupSimulation:
         self.model_after_init = (random.Random(f"{seed}/late/first").random() < 0.3 if model_after_init is None
                                  else model_after_init)
         self.first_registration_rng = random.Random(f"{seed}/late/first/at")
+        # The processes of a sharded replica finish building together (fully_shard), but each
+        # calls register_state on its own a moment apart.
+        self.shard_skew_rng = random.Random(f"{seed}/late/shard")
         # The script as users write it: backward reduces as it goes (overlap, the default) or
         # leaves the whole reduction to wait_gradients_ready; the metric it averages for the
         # log (execute) is taken after the step commits, or between backward and the step.
@@ -398,6 +401,8 @@ class GroupSimulation:
             late = self.late_registration and now > 0 and self.rng.random() < 0.5
             self.registration[group] = now + self.rng.uniform(0.2, 3.0) if late else 0.0
         register_at = self.registration[group]
+        if register_at and replica is not None:
+            register_at += self.shard_skew_rng.uniform(0.0, 0.3)
         state = SimState(replica[1] if replica is not None else 0, registered=not register_at)
         engine = self._engine(member, node, now, foreign)
         w = Worker(node, None, state, step_time=self.rng.uniform(0.02, 0.05), replica=replica, joined=joined,
