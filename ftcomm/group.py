@@ -30,7 +30,7 @@ from .backends import communicator_class
 from .core import engine as core
 from .core.engine import Engine
 from .core.view import PROTOCOL, View
-from .errors import CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, NotInView, QuorumLost
+from .errors import CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, NotInView, QuorumLost, ReplicaLost
 from .gossip import GossipNode
 from .gossip.runtime import parse_address
 from .ops import netcheck
@@ -45,6 +45,7 @@ from .runtime.worker import WorkerLoop
 from .runtime.stragglers import StragglerReport, Stragglers
 from .training.reducer import DistributedDataParallel
 from .training.replica import Replica
+from .training.replica_watch import ReplicaWatch
 from .training.state import TrainingState
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class FaultTolerantGroup:
         self.id = ""
         self._metrics = None
         self._replica: Replica | None = None
+        self._watch: ReplicaWatch | None = None  # releases this process when a process of its replica is lost
         self.replica_size, self.shard_rank = replica[0], replica[1]
         self._owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         self._keepers: weakref.WeakSet = weakref.WeakSet()  # FlashCheckpointers of this group (see _leave_with_state)
@@ -139,6 +141,9 @@ class FaultTolerantGroup:
                          "(register_state), so that the group does not wait for this worker meanwhile")
             if engine.founding:
                 self._check_network()
+            if self._replica is not None:
+                self._watch = ReplicaWatch(self._replica, membership.node, lambda: loop.step,
+                                           lambda: loop.engine.view is not None, opts.gossip.probe_interval).start()
             _RUNNING.add(self)
         except BaseException:
             if membership.node is not None:
@@ -150,6 +155,14 @@ class FaultTolerantGroup:
             comms.close_listeners()
             rendezvous.close()
             raise
+
+    def _check_open(self) -> None:
+        """FtcommError after shutdown; ReplicaLost once the replica's collectives were torn
+        down (a process of it died or hung: see ftcomm.training.replica_watch)."""
+        self._loop.check_open()
+        if self._replica is not None and self._replica.lost is not None:
+            raise ReplicaLost(f"this process's sharded replica is lost ({self._replica.lost}): exit, and start the "
+                              f"whole replica again (ftcomm run --replica-size does) to rejoin")
 
     def _run(self, phase: Any) -> Any:
         """Run a phase of the worker loop on this thread (see ftcomm.runtime.live_ports.run)."""
@@ -271,7 +284,7 @@ class FaultTolerantGroup:
         thread is then the one that trains (it acts at step boundaries), and this raises what
         joining raises (FtcommTimeout after ``init_timeout``, GroupEnded, ConfigMismatch),
         the registered objects already bound."""
-        self._loop.check_open()
+        self._check_open()
         if self._replica is not None:
             self._replica.check_sharded({"model": model, **extras})
         self.state.register(model=model, optimizer=optimizer, sampler=sampler, **extras)
@@ -411,7 +424,7 @@ class FaultTolerantGroup:
         digests before the next collective and the newest state wins. From now on this worker
         has begun training: a view it forms later is not :attr:`restorable`. Raises
         FtcommError after ``shutdown``."""
-        self._loop.check_open()
+        self._check_open()
         self._loop.engine.began()
         if step is not None:
             self.step = step
@@ -441,7 +454,7 @@ class FaultTolerantGroup:
         every member of the new view runs it alike (with an ElasticSampler, whose steps
         must count every member's batch, it is then discarded on every member).
         """
-        self._loop.check_open()
+        self._check_open()
         self._owner = threading.get_ident()
         if isinstance(model_or_params, DistributedDataParallel):
             self._collective.use_wrapped(model_or_params)
@@ -464,7 +477,7 @@ class FaultTolerantGroup:
         ``bucket_mb``: default the group's. Wrapping a module again (after unfreezing
         parameters: DDP's parameter list is fixed when it is built) retires the earlier
         wrapper. Not for sharded replicas (call ``wait_gradients_ready(model)``: FtcommError)."""
-        self._loop.check_open()
+        self._check_open()
         if self.replica_size > 1:
             raise FtcommError("wrap is for a model every worker holds whole; with sharded replicas call "
                               "wait_gradients_ready(model)")
@@ -489,7 +502,7 @@ class FaultTolerantGroup:
         start; after more than ``max_retries`` failures in a row it raises
         RetryLimitExceeded. Raises what a re-formation raises (QuorumLost, FtcommTimeout,
         ConfigMismatch) and whatever ``fn`` raises otherwise, unchanged."""
-        self._loop.check_open()
+        self._check_open()
         self._owner = threading.get_ident()
         return self._run(self._loop.execute(lambda: _call(fn, args, kwargs)))
 
@@ -518,7 +531,7 @@ class FaultTolerantGroup:
         self._collective_op(lambda comm: comm.barrier())
 
     def _collective_op(self, operation: Callable[[Any], Any]) -> Any:
-        self._loop.check_open()
+        self._check_open()
         self._owner = threading.get_ident()
         return self._run(self._loop.collective(operation))
 
@@ -526,6 +539,8 @@ class FaultTolerantGroup:
         """Leave gracefully: peers see *left* and re-form at once, without a suspicion wait."""
         if self._closed:
             return
+        if self._watch is not None:
+            self._watch.stop()
         self._run(self._loop.leave())
         if self._left_keeper is not None:  # nothing committed since it was loaded: the copy stays
             keeper, self._left_keeper = self._left_keeper, None
@@ -559,6 +574,9 @@ class FaultTolerantGroup:
         previous_hook = sys.excepthook
 
         def excepthook(kind, value, tb):
+            if self._replica is not None and self._replica.lost is not None and not isinstance(value, ReplicaLost):
+                log.error("(what follows is torch's error from the replica's collectives, torn down because this "
+                          "process's sharded replica is lost: %s)", self._replica.lost)
             self.shutdown()
             previous_hook(kind, value, tb)
         sys.excepthook = excepthook

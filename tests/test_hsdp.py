@@ -10,6 +10,7 @@ the unit of failure: its processes leave and come back together.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import shutil
@@ -43,8 +44,9 @@ class Job:
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.events: list[tuple[float, dict]] = []
         self.log: list[str] = []
+        self.log_times: list[float] = []  # when each line of the log arrived
         self._threads = [threading.Thread(target=self._read, daemon=True),
-                         threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True)]
+                         threading.Thread(target=self._read_log, daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -54,6 +56,11 @@ class Job:
                 self.events.append((time.time(), json.loads(untagged(line))))
             except ValueError:
                 pass
+
+    def _read_log(self) -> None:
+        for line in self.process.stderr:
+            self.log_times.append(time.time())
+            self.log.append(line)
 
     def of(self, kind: str) -> list[dict]:
         return [e for _, e in list(self.events) if e["ev"] == kind]
@@ -272,6 +279,45 @@ def test_a_restarted_replica_that_builds_its_model_late_does_not_pause_the_other
     assert len(steps_meanwhile) >= 5, f"the running replica paused for the restarted one: {sorted(steps_meanwhile)}"
     back = [e for e in job.of("view") if e["reason"] == "join" and len(e["members"]) == 4]
     assert back, "the restarted replica never entered"
+    done = job.of("done")
+    assert len(done) == 4 and {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {4}
+    for shard in range(SHARDS):
+        assert len({d["digest"] for d in done if d["shard"] == shard}) == 1, f"shard {shard} ends with two states"
+
+
+def test_a_hung_process_of_a_replica_releases_its_partner_within_seconds_not_after_init_timeout():
+    """Two replicas of two; the launcher leaves stopped processes alone (--kill-stopped-after
+    off), so a SIGSTOP is a hang as a stuck kernel or a dead NIC makes one: torch's
+    collectives inside the replica would hold its partner until their timeout (init_timeout,
+    120 s). Gossip suspects the stopped process, its partner's watch tears the replica's
+    collectives down and the partner exits saying why, within seconds; the launcher then
+    starts the replica again, the other replica trains on, every shard ends with one state."""
+    steps = 300
+    job = Job(steps, command=[sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "4", "--replica-size", "2",
+                              "--restart-backoff", "0.2", "--kill-stopped-after", "off", EXAMPLE, "--steps",
+                              str(steps), "--min-workers", "1", "--step-time", "0.03", "--report-every", "10"])
+    lost = "this process's sharded replica is lost"
+    victim = None
+    try:
+        wait_until(lambda: len(job.of("ready")) >= 4 and max([e["step"] for e in job.of("step")] + [0]) >= 20, 120,
+                   lambda: f"the job did not start: {''.join(job.log[-40:])}")
+        victim = next(e for e in job.of("ready") if e["rank"] == 3)
+        stopped_at = time.time()
+        os.kill(victim["pid"], signal.SIGSTOP)
+        wait_until(lambda: any(lost in line for line in job.log), 100,
+                   lambda: f"the partner was not released: {''.join(job.log[-40:])}")
+        released_at = next(t for t, line in zip(job.log_times, job.log) if lost in line)
+        assert job.finish() == 0, "".join(job.log[-60:])
+    finally:
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim["pid"], signal.SIGKILL)
+        job.finish(30)
+    # far sooner than the replica's own timeout (120 s); seconds on a quiet host
+    assert released_at - stopped_at < 60, released_at - stopped_at
+    line = next(line for line in job.log if lost in line)
+    assert "is stopped" in line or "died" in line, line  # (its partner runs on this host: looked up in /proc)
+    assert "SIGABRT" not in "".join(job.log)  # the released process exits by itself, not by an abort
     done = job.of("done")
     assert len(done) == 4 and {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {4}
     for shard in range(SHARDS):

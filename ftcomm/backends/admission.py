@@ -96,10 +96,8 @@ def _listening_inodes() -> dict[int, tuple[int, str, int, int]]:
     return found
 
 
-def listening_sockets() -> dict[int, tuple[int, int, str, int]]:
-    """Descriptor -> (inode, family, address, port) of every listening TCP socket this
-    process holds."""
-    inodes = _listening_inodes()
+def socket_descriptors() -> dict[int, int]:
+    """Descriptor -> inode of every socket this process holds."""
     held = {}
     try:
         names = os.listdir("/proc/self/fd")
@@ -110,10 +108,39 @@ def listening_sockets() -> dict[int, tuple[int, int, str, int]]:
             link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # closed meanwhile
             continue
-        inode = int(link[8:-1]) if link.startswith("socket:[") else -1
-        if inode in inodes:
-            held[int(name)] = (inode, *inodes[inode][:3])
+        if link.startswith("socket:["):
+            held[int(name)] = int(link[8:-1])
     return held
+
+
+def shut_connection(fd: int, inode: int) -> bool:
+    """Shut both directions of the socket ``fd`` if it still is the socket ``inode`` (a
+    descriptor closed since may name another file now); whether it was. A thread blocked
+    on it, or waiting for it in poll, sees the connection end (a listener stops accepting)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        if os.fstat(dup).st_ino != inode:
+            return False
+        with socket.socket(fileno=dup) as sock:
+            dup = -1  # the socket object closes it
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # never connected, or reset already
+                return False
+        return True
+    finally:
+        if dup >= 0:
+            os.close(dup)
+
+
+def listening_sockets() -> dict[int, tuple[int, int, str, int]]:
+    """Descriptor -> (inode, family, address, port) of every listening TCP socket this
+    process holds."""
+    inodes = _listening_inodes()
+    return {fd: (inode, *inodes[inode][:3]) for fd, inode in socket_descriptors().items() if inode in inodes}
 
 
 class Door:

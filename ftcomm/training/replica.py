@@ -15,6 +15,7 @@ import collections
 import datetime
 import logging
 import os
+import socket
 import time
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ import torch
 
 from ..errors import FtcommError, ReplicaLost, StateError
 from ..gossip.addresses import parse_address
+from ..localproc import process_start, stat_fields
 from ..backends import admission
 from . import sharded
 
@@ -49,6 +51,58 @@ def _store(address: str, shard_rank: int, size: int, timeout: datetime.timedelta
     return dist.TCPStore(host, port, size, True, timeout, master_listen_fd=listener.detach())
 
 
+def _namespace() -> str:
+    """This host's boot and this process's pid namespace: two processes that show the same
+    one see each other's pids in /proc."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+_LOCAL = (_namespace(),)
+
+
+def local_identity() -> str:
+    """This process as another process of its replica may look it up: namespace, pid and
+    start time (a later process with the pid is not it)."""
+    return f"{_LOCAL[0]} {os.getpid()} {process_start(os.getpid())}"
+
+
+def parse_identity(raw: bytes) -> tuple[str, int, int] | None:
+    """What :func:`local_identity` wrote (read from the replica's store: checked, never
+    evaluated), or None when it is malformed or names no namespace."""
+    try:
+        namespace, pid, start = raw.decode("ascii").split(" ")
+        identity = namespace, int(pid), int(start)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return identity if identity[0] and identity[1] > 0 else None
+
+
+def _pair_connections(before: set[int], store: str | None) -> dict[int, int]:
+    """Descriptor -> inode of the connected TCP sockets made since ``before``, less those to
+    or from the ``store``'s port (``HOST:PORT``)."""
+    store_port = parse_address(store)[1] if store else None
+    listening = admission.listening_sockets()
+    found = {}
+    for fd, inode in admission.socket_descriptors().items():
+        if fd in before or fd in listening:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                    continue
+                ends = sock.getsockname()[1], sock.getpeername()[1]
+        except OSError:  # not connected, or closed meanwhile
+            continue
+        if store_port not in ends:
+            found[fd] = inode
+    return found
+
+
 class Replica:
     """This process's replica: ``size`` processes, this one shard ``shard_rank``, meeting at
     ``address`` (``HOST:PORT``, shard 0's; torch's TCP store). An already initialized default
@@ -70,6 +124,7 @@ class Replica:
                 raise ValueError("replica_size > 1 needs the replica's address (replica_addr='HOST:PORT' of its "
                                  "shard 0, or $FTCOMM_REPLICA_ADDR)")
             listening = set(admission.listening_sockets())
+            sockets_before = set(admission.socket_descriptors())
             wait = datetime.timedelta(seconds=timeout)
             dist.init_process_group("nccl" if backend == "nccl" else "gloo", store=_store(address, shard_rank, size, wait),
                                     rank=shard_rank, world_size=size, timeout=wait)
@@ -79,9 +134,22 @@ class Replica:
         self.mesh = init_device_mesh(device, (size,), mesh_dim_names=("shard",))
         drawn = torch.tensor(list(os.urandom(8)) if shard_rank == 0 else [0] * 8, dtype=torch.uint8,
                              device=self.device)
-        dist.broadcast(drawn, 0)  # raw bytes: nothing from another process is unpickled
-        self.key = bytes(drawn.cpu().tolist()).hex()
         from torch.distributed.distributed_c10d import _get_default_store
+        store = _get_default_store()
+        store.set(f"ftcomm/process/{shard_rank}", local_identity())  # (before the broadcast: see below)
+        dist.broadcast(drawn, 0)  # raw bytes: nothing from another process is unpickled
+        # Where each other process of the replica runs (the watch looks at a partner on this
+        # host in /proc): each wrote it before the broadcast; get waits for a late writer.
+        self._processes = {i: parse_identity(store.get(f"ftcomm/process/{i}")) for i in range(size)
+                           if i != shard_rank}
+        # Every pair of the replica's Gloo group is connected now (Gloo connects all of them
+        # when the group is made): the connections tear_down shuts. Not the listeners (a
+        # listener shut under Gloo's or the store's accept loop aborts the process) and not
+        # the store's connections (the store's own threads serve them).
+        self._links = _pair_connections(sockets_before, address) if self._owned and backend != "nccl" else {}
+        self._backend = backend
+        self.lost: str | None = None  # why tear_down failed the replica's collectives
+        self.key = bytes(drawn.cpu().tolist()).hex()
         self._store = dist.PrefixStore(f"ftcomm/decide/{self.key}", _get_default_store())
         self._written: collections.deque[str] = collections.deque()  # slots written here, oldest first
         self._doors: list[admission.Door] = []
@@ -142,6 +210,45 @@ class Replica:
             raise ReplicaLost(f"a process of this worker's sharded replica is gone ({str(exc).splitlines()[0][:200]}): "
                               f"exit, and start the whole replica again (ftcomm run --replica-size does)") from None
         return decided
+
+    def process_state(self, shard: int) -> str | None:
+        """The state of shard ``shard``'s process as this host's kernel shows it
+        (``/proc/PID/stat``: ``R`` running, ``S`` sleeping, ``D``, ``T`` stopped, ...;
+        ``gone`` once it exited), or None when it runs on another host or in another pid
+        namespace (nothing to look at here)."""
+        where = self._processes.get(shard)
+        if where is None or where[0] != _LOCAL[0]:
+            return None
+        fields = stat_fields(where[1])
+        if fields is None or process_start(where[1]) != where[2]:
+            return "gone"
+        return fields[0]
+
+    def tear_down(self, why: str) -> bool:
+        """Fail every collective of this replica that is in flight or to come, now: a
+        process of the replica is gone or hung (``why``), and torch's collectives inside the
+        replica would wait for it until their timeout (``init_timeout``). With NCCL the
+        process group is aborted; with Gloo, whose abort does not wake a waiting collective
+        (DESIGN, the facts about Gloo), every connection the group and its store made is
+        shut, so that a collective waiting on one fails at once, as when a peer crashes.
+        Only a group this replica created, once; whether it was torn down here."""
+        if not self._owned or self.lost is not None:
+            return False
+        self.lost = why
+        log.error("this process's sharded replica is lost: %s; its collectives are torn down (torch's next or "
+                  "current call inside the replica raises): exit, and start the whole replica again (ftcomm run "
+                  "--replica-size does)", why)
+        if self._backend == "nccl":
+            import torch.distributed as dist
+
+            try:
+                dist.distributed_c10d._abort_process_group()  # (NCCL communicators abort as a group)
+            except Exception as exc:  # an API torch calls experimental: say so rather than end the watch
+                log.warning("aborting the replica's NCCL process group failed: %s", exc)
+            return True
+        for fd, inode in self._links.items():
+            admission.shut_connection(fd, inode)
+        return True
 
     def close(self) -> None:
         """Destroy the process group this replica created (not one the caller initialized)."""

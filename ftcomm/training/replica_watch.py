@@ -1,0 +1,132 @@
+"""Releasing a sharded replica's processes when one of them is gone or hung.
+
+FSDP2's collectives run on torch's process group inside the replica, which waits for a
+silent process until its timeout (``init_timeout``, minutes). Gossip sees every process
+of the replica: :class:`ReplicaWatch` watches this process's partners from a thread of
+its own and tears the replica's collectives down (:meth:`Replica.tear_down`) when
+
+- a partner is dead in gossip (with NCCL, a dead peer may leave a collective waiting for
+  ever; with Gloo it fails at once by itself; one that left did so after its last
+  collective, and the driver's ReplicaLost covers it), or
+- this process's training has committed no step for far longer than its steps take
+  (``STALL_FACTOR`` times the median of the recent ones, at least ``STALL_MIN_S``, counted
+  from when it entered its view) while a partner has been suspected without refuting: the
+  watch then probes the partners at once, as a stalled collective does (a partner that
+  answers, however busy its host, is never suspected by that probe, and a suspect that
+  runs refutes at once). A partner on this host is looked up in /proc: stopped (``T``) or
+  gone after ``SILENT_S`` of suspicion; one that runs (a thread holding the GIL for
+  seconds starves its gossip too) only once gossip declares it dead. A partner on another
+  host, which cannot be looked at, after ``SILENT_REMOTE_S``.
+
+Its training thread then raises from torch (or ftcomm raises ReplicaLost); the process
+exits and ``ftcomm run`` starts the whole replica again, instead of after minutes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+LOOK_S = 0.05
+"""How often the watch looks at the partners and the step."""
+STALL_MIN_S = 0.3
+"""The least time without a committed step that counts as a stall."""
+STALL_FACTOR = 4.0
+"""A stall is this many times the median time between the recent committed steps."""
+SILENT_S = 0.4
+"""How long a stopped partner on this host stays suspected while the step stalls."""
+SILENT_REMOTE_S = 2.0
+"""How long a partner on another host stays suspected while the step stalls."""
+STOPPED = ("T", "t", "gone")
+"""States of a partner on this host that are a hang (or a death) for sure: stopped,
+traced, or no longer running."""
+
+
+class ReplicaWatch:
+    """Watches the partners of this process (``replica``: the
+    :class:`~ftcomm.training.replica.Replica`; ``node``: this process's
+    :class:`~ftcomm.gossip.GossipNode`) while ``step()`` (the committed steps) and
+    ``in_view()`` say how training goes; ``probe_interval``: at most one urgent probe of
+    the partners per this many seconds."""
+
+    def __init__(self, replica: Any, node: Any, step: Callable[[], int], in_view: Callable[[], bool],
+                 probe_interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.replica, self.node, self.step, self.in_view = replica, node, step, in_view
+        self.probe_interval, self.clock = probe_interval, clock
+        self.partners: dict[str, str] = {}  # partner id -> its gossip state at the last look
+        self._last_step: int | None = None
+        self._step_at = clock()
+        self._intervals: collections.deque[float] = collections.deque(maxlen=16)
+        self._suspected: dict[str, float] = {}  # partner -> since when suspected, while stalled
+        self._shards: dict[str, int] = {}  # partner -> its shard rank
+        self._probed = float("-inf")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftcomm-replica-watch", daemon=True)
+
+    def start(self) -> ReplicaWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(1.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(LOOK_S):
+            try:
+                why = self.look(self.clock())
+            except Exception:  # the watch must never take the process down
+                log.exception("the replica watch failed; it stops watching")
+                return
+            if why is not None:
+                self.replica.tear_down(why)
+                return
+
+    def look(self, now: float) -> str | None:
+        """One look: why the replica must be torn down now, or None."""
+        key, shard = self.replica.key, self.replica.shard_rank
+        seen, shards = {}, self._shards
+        for m in self.node.snapshot():
+            rp = m.metadata.get("rp") if isinstance(m.metadata, dict) else None
+            if (isinstance(rp, list) and len(rp) == 3 and rp[0] == key and isinstance(rp[1], int) and rp[1] != shard
+                    and m.id != self.node.id):
+                seen[m.id], shards[m.id] = m.state, rp[1]
+        for member, state in self.partners.items():
+            seen.setdefault(member, "left" if state == "left" else "dead")  # removed from the table: gone
+        self.partners = seen
+        for member, state in seen.items():
+            if state == "dead":
+                return f"{member}, a process of this replica, died"
+        step, in_view = self.step(), self.in_view()
+        if not in_view:  # holding back, standing aside, re-forming: no step is owed
+            self._last_step, self._step_at = step, now
+        elif step != self._last_step:
+            if self._last_step is not None:
+                self._intervals.append(now - self._step_at)
+            self._last_step, self._step_at = step, now
+        typical = STALL_FACTOR * statistics.median(self._intervals) if self._intervals else 0.0
+        if not in_view or now - self._step_at < max(STALL_MIN_S, typical):
+            self._suspected.clear()
+            return None
+        if now - self._probed >= self.probe_interval:
+            self._probed = now
+            self.node.probe_now(list(seen))
+        for member, state in seen.items():
+            if state != "suspect":
+                self._suspected.pop(member, None)
+                continue
+            since = self._suspected.setdefault(member, now)
+            local = self.replica.process_state(shards[member])
+            if local is None and now - since >= SILENT_REMOTE_S or local in STOPPED and now - since >= SILENT_S:
+                how = (f"has not answered for {now - since + LOOK_S:.1f} s" if local is None else
+                       "is stopped" if local != "gone" else "is gone")
+                return (f"{member}, a process of this replica, {how} while this process's training waited "
+                        f"{now - self._step_at:.1f} s for a step")
+        return None
