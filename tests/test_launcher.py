@@ -390,9 +390,11 @@ def test_a_launcher_whose_pod_container_restarted_in_place_tells_its_first_worke
         fresh = Launcher(LaunchConfig(command=["true"], nproc=2, cluster=cluster, fresh=True), environ=pod,
                          out=io.StringIO())
         assert fresh.worker_env(fresh.workers[1])["FTCOMM_GROUP_RAN"] == "0" and not mark.exists()
-        mark.symlink_to(tmp_path / "elsewhere")  # a link is no mark
+        mark.symlink_to(tmp_path / "elsewhere")  # a link is no mark, and it is in the way: said so
         assert not launcher_module.read_pod_mark(mark)
+        assert "in the way" in launcher_module.write_pod_mark(mark) and not (tmp_path / "elsewhere").exists()
         mark.unlink()
+        assert launcher_module.pod_mark("a/../../elsewhere", pod) is None  # no single file name: nothing marked
         launcher_module.write_pod_mark(mark)
         out = io.StringIO()
         environ = {**{k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}, **pod}

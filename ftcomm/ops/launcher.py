@@ -312,9 +312,10 @@ def pod_mark(cluster: str, environ: dict, root: str = POD_MARK_ROOT) -> pathlib.
     of its containers, and is the pod's own; the pod's host name is in the name as well.
     None outside a pod: on a host, /dev/shm outlives the job, and a mark left by a
     finished job would hold a new one of the same name back from founding its group."""
-    if not environ.get("KUBERNETES_SERVICE_HOST"):
-        return None
-    return pathlib.Path(root, f"ftcomm-{cluster}.ran-{socket.gethostname()}")
+    name = f"ftcomm-{cluster}.ran-{socket.gethostname()}"
+    if not environ.get("KUBERNETES_SERVICE_HOST") or "/" in name or "\0" in name:
+        return None  # (a name that is no single file name marks nothing)
+    return pathlib.Path(root, name)
 
 
 def read_pod_mark(mark: pathlib.Path | None) -> bool:
@@ -337,7 +338,8 @@ def write_pod_mark(mark: pathlib.Path | None) -> str | None:
     try:
         os.close(os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     except FileExistsError:
-        pass
+        if not read_pod_mark(mark):
+            return "something that is not this user's own file is in the way"
     except OSError as exc:
         return str(exc)
     return None
