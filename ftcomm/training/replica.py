@@ -229,9 +229,9 @@ class Replica:
         process of the replica is gone or hung (``why``), and torch's collectives inside the
         replica would wait for it until their timeout (``init_timeout``). With NCCL the
         process group is aborted; with Gloo, whose abort does not wake a waiting collective
-        (DESIGN, the facts about Gloo), every connection the group and its store made is
-        shut, so that a collective waiting on one fails at once, as when a peer crashes.
-        Only a group this replica created, once; whether it was torn down here."""
+        (DESIGN, the facts about Gloo), the connections between the group's pairs are shut,
+        so that a collective waiting on one fails at once, as when a peer crashes. Only a
+        group this replica created, once; whether it was torn down here."""
         if not self._owned or self.lost is not None:
             return False
         self.lost = why
