@@ -124,7 +124,6 @@ class FaultTolerantGroup:
             if self.replica_size > 1:  # first: the replica's K processes meet (torch's process group)
                 self._replica = collective.replica = Replica(*replica, backend, opts.init_timeout)
                 engine.replica = (self._replica.key, self.shard_rank, self.replica_size)
-            engine.hold_from_the_start()  # (before its first record)
             membership.node = GossipNode((host, port), cluster=cluster, secret=secret,
                                          config=member_cap(opts.gossip, max_workers and max_workers * size),
                                          metadata=loop.driver.record(), fault_filter=opts.fault_filter)

@@ -534,23 +534,6 @@ def test_a_joiner_whose_only_contact_left_founds_only_once_the_group_is_gone_for
     assert not any(isinstance(a, core.ProbeGroup) for a in actions) and Form(View(1, ("j",))) in actions
 
 
-def test_a_worker_told_the_group_ran_holds_back_from_its_first_record_and_its_first_look_releases_it_without_a_group():
-    """Started again into a job whose group ran, its state not registered: its very first
-    record reads as holding back (the running group would otherwise re-form for it as a
-    joiner while it then holds back: a view with nobody new, for each of a restarted
-    replica's processes); a fresh worker's first record does not."""
-    fresh = engine("f")
-    fresh.hold_from_the_start()
-    assert fresh.state == core.JOINING and not fresh.holding
-    told = engine("j", group_ran=True)
-    told.hold_from_the_start()
-    assert told.holding and told.state_pending and told.record(0, 0).holding
-    running = {"a": status("a", cv=3), "j": status("j", JOINING)}
-    assert told.agree(0.0, running)[-1] == core.AwaitState() and told.holding  # the group runs: it stays held
-    alone = engine("k", group_ran=True)
-    alone.hold_from_the_start()
-    assert alone.agree(0.0, {"k": status("k", JOINING)}) == [Publish()] and not alone.holding  # no group: released
-
 def test_a_fetched_member_list_that_does_not_match_its_digest_is_dropped():
     e = engine("j")
     key = (2, View(2, ("a", "j")).digest)

@@ -407,17 +407,6 @@ class Engine:
         """A call outside the steps completed: its attempts' failures start again from none."""
         self.call_failures = 0
 
-    def hold_from_the_start(self) -> None:
-        """A worker started again into a job whose group ran (``group_ran``), its state not
-        registered yet: its first record already reads as holding back, before its first look
-        at the membership. Otherwise the running group would read that record as a joiner's
-        and re-form for it (two processes of a restarted sharded replica would each be read
-        so for a moment) while the worker then holds back until its state is registered: a
-        re-formation with nobody new. The first look releases it when no group runs."""
-        if self.group_ran and self.state == JOINING and self.view is None:
-            self.state_pending = True
-            self._move("hold")
-
     @property
     def holding(self) -> bool:
         """HOLDING_BACK: it founds nothing now (see _may_found); its record says so, and no

@@ -179,7 +179,7 @@ class GroupSimulation:
                  first_alone: bool | None = None, starve: bool = False, stop_kills: float | None = None,
                  overlap: bool | None = None, log_in_step: bool | None = None,
                  transfer_s: float | None = None, observe_jitter: float | None = None,
-                 first_step_overlaps: bool = False, metric_read: bool = True, first_record_holds: bool = True,
+                 first_step_overlaps: bool = False, metric_read: bool = True,
                  infant: bool | None = None, in_place: bool | None = None,
                  misconfigured: bool | None = None, model_after_init: bool | None = None) -> None:
         self.seed = seed
@@ -228,9 +228,6 @@ class GroupSimulation:
         # (``first_step_overlaps``, ``metric_read``: the worlds that seeds found before the
         # first call installed the hooks and before the script read the metric's value)
         self.first_step_overlaps, self.metric_read = first_step_overlaps, metric_read
-        # (``first_record_holds``: False replays seeds found before a worker told the group ran
-        # held back from its first record, Engine.hold_from_the_start)
-        self.first_record_holds = first_record_holds
         # How long sending the state to a member that lacks it takes (the model's size): none
         # worth counting, or up to TRANSFER_S (a model of a few million parameters on loopback).
         state = random.Random(f"{seed}/state")
@@ -663,7 +660,6 @@ class GroupSimulation:
                 # ftcomm run and ElasticRayJob tell a worker they start again once they saw
                 # the group run (FTCOMM_GROUP_RAN).
                 x.loop.engine.group_ran = self._group_ran()
-                self._told_group_ran(x)
                 # The launcher gives it the peers its predecessor had: ftcomm run starts a worker
                 # again at its address, so each is where that peer's latest start runs now. A
                 # job that starts its workers in turn (first_alone: ElasticRayJob) gives it every
@@ -675,12 +671,6 @@ class GroupSimulation:
                 self.fault_log.append((self.sim.now, "restart", x.id))
                 self.sim.at(self.sim.now + self.config.join_retry_interval, lambda: self._retry_join(x, 1))
         self.sim.at(self.sim.now + delay, restart)
-
-    def _told_group_ran(self, x: Worker) -> None:
-        """``ftcomm.init`` of a worker told the group ran: its first record holds back."""
-        if self.first_record_holds:
-            x.loop.engine.hold_from_the_start()
-            x.loop.driver.publish()
 
     def _group_ran(self) -> bool:
         """Whether a view of the job's group formed (its launcher saw the group run)."""
@@ -1061,7 +1051,6 @@ class GroupSimulation:
                 group_ran = self._group_ran()
                 for x in self._start_replica(self.sim.now, hosts if self.in_place else None):
                     x.loop.engine.group_ran = group_ran
-                    self._told_group_ran(x)
         self.sim.at(now + REPLICA_RESTART_S, restart)
 
     def _in_a_view(self, victim: Worker) -> bool:
