@@ -147,10 +147,11 @@ def stat_fields(pid: int | str) -> list[str] | None:
         return None
 
 
-def process_start(pid: int) -> int | None:
-    """Process ``pid``'s start time (clock ticks since boot), None when it does not run:
-    with the pid, it names one process, never a later one that reuses the pid."""
+def process_start(pid: int, fields: list[str] | None = None) -> int | None:
+    """Process ``pid``'s start time (clock ticks since boot; from its ``fields`` when they
+    were read already), None when it does not run: with the pid, it names one process,
+    never a later one that reuses the pid."""
     try:
-        return int(stat_fields(pid)[19])
+        return int((stat_fields(pid) if fields is None else fields)[19])
     except (TypeError, ValueError, IndexError):
         return None

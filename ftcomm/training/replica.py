@@ -84,19 +84,18 @@ def parse_identity(raw: bytes) -> tuple[str, int, int] | None:
 
 def _pair_connections(before: set[int], store: str | None) -> dict[int, int]:
     """Descriptor -> inode of the connected TCP sockets made since ``before``, less those to
-    or from the ``store``'s port (``HOST:PORT``)."""
+    or from the ``store``'s port (``HOST:PORT``). A listener has no peer: it is not among them."""
     store_port = parse_address(store)[1] if store else None
-    listening = admission.listening_sockets()
     found = {}
     for fd, inode in admission.socket_descriptors().items():
-        if fd in before or fd in listening:
+        if fd in before:
             continue
         try:
             with socket.socket(fileno=os.dup(fd)) as sock:
                 if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
                     continue
                 ends = sock.getsockname()[1], sock.getpeername()[1]
-        except OSError:  # not connected, or closed meanwhile
+        except OSError:  # not connected (a listener), or closed meanwhile
             continue
         if store_port not in ends:
             found[fd] = inode
@@ -123,8 +122,7 @@ class Replica:
             if not address:
                 raise ValueError("replica_size > 1 needs the replica's address (replica_addr='HOST:PORT' of its "
                                  "shard 0, or $FTCOMM_REPLICA_ADDR)")
-            listening = set(admission.listening_sockets())
-            sockets_before = set(admission.socket_descriptors())
+            sockets_before = set(admission.socket_descriptors())  # (the listeners among them too)
             wait = datetime.timedelta(seconds=timeout)
             dist.init_process_group("nccl" if backend == "nccl" else "gloo", store=_store(address, shard_rank, size, wait),
                                     rank=shard_rank, world_size=size, timeout=wait)
@@ -158,7 +156,7 @@ class Replica:
             # the listeners torch opened for them admit nobody from here on. (NCCL connects
             # lazily, through its listeners, at later collectives: those stay open.)
             for fd, place in admission.listening_sockets().items():
-                if fd not in listening:
+                if fd not in sockets_before:
                     try:
                         self._doors.append(admission.Door(fd, *place))
                     except OSError as exc:
@@ -220,7 +218,7 @@ class Replica:
         if where is None or where[0] != _LOCAL[0]:
             return None
         fields = stat_fields(where[1])
-        if fields is None or process_start(where[1]) != where[2]:
+        if fields is None or process_start(where[1], fields) != where[2]:
             return "gone"
         return fields[0]
 
