@@ -246,6 +246,15 @@ class Replica:
             return True
         for fd, inode in self._links.items():
             admission.shut_connection(fd, inode)
+        # The group's threads still wait on its partner: never destroyed, not even at exit,
+        # where destroying it with a waiting thread aborts the process (as Gloo's own
+        # communicators are kept, see ftcomm.backends.gloo).
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        from ..backends.gloo import bury
+        group = dist.distributed_c10d._get_default_group()
+        bury((group, group._get_backend(torch.device("cpu")), _get_default_store()))
         return True
 
     def close(self) -> None:
