@@ -7,13 +7,14 @@ import dataclasses
 import re
 import socket
 import threading
-import time
 
 import pytest
 
 from ftcomm.backends import admission
+from ftcomm.localproc import stat_fields
 from ftcomm.training import replica_watch
 from ftcomm.training.replica_watch import ReplicaWatch
+from tests.polling import wait_until
 
 
 @dataclasses.dataclass
@@ -185,7 +186,8 @@ def test_a_shut_connection_wakes_the_thread_waiting_on_it_and_a_reused_descripto
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(client.recv(10)), daemon=True)
     reader.start()
-    time.sleep(0.1)
+    wait_until(lambda: reader.native_id is not None and (stat_fields(f"self/task/{reader.native_id}") or ["?"])[0]
+               == "S", 10, "the reader waiting in recv")
     descriptors = admission.socket_descriptors()
     assert client.fileno() in descriptors
     assert not admission.shut_connection(client.fileno(), descriptors[client.fileno()] + 1)  # another socket now
@@ -241,7 +243,7 @@ def test_a_torn_down_gloo_replica_fails_the_waiting_collective_and_the_process_e
         assert partner.stdout.readline().strip() == "ready"
         assert this.stdout.readline().split()[:2] in (["partner", "S"], ["partner", "R"])  # it runs
         os.kill(partner.pid, signal.SIGSTOP)
-        time.sleep(0.2)
+        wait_until(lambda: (stat_fields(partner.pid) or ["?"])[0] == "T", 10, "the partner stopped")
         this.stdin.write("\n")
         this.stdin.flush()
         assert this.stdout.readline().split()[:2] == ["partner", "T"]  # stopped
