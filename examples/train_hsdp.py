@@ -12,8 +12,8 @@ the launcher starts the replica again, which rejoins and receives every shard fr
 replica. Data comes from an ``ftcomm.ElasticSampler`` over all ``replicas x K`` processes:
 every sample of an epoch is trained on exactly once across the failures. With
 ``--checkpoint-dir`` each process flash-checkpoints its own shards every
-``--checkpoint-every`` steps, and a whole-job restart restores the newest step that every
-shard can load.
+``--checkpoint-every`` steps, and a whole-job restart restores the newest step that some
+process of every shard index can load.
 
 Every line on stdout is a JSON object: ``init`` (``ftcomm.init`` is next), ``ready``, one ``view`` per view change, ``batch``
 for every committed step with ``--log-indices``, a ``step`` every ``--report-every``
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler = ftcomm.ElasticSampler(len(x), global_batch=args.global_batch, seed=args.seed)
     ft.register_state(model=model, optimizer=optimizer, sampler=sampler)
     checkpoints = None
-    if args.checkpoint_dir:  # a whole-job restart restores the newest step every shard can load
+    if args.checkpoint_dir:  # a whole-job restart restores the newest step some process of every shard index can load
         checkpoints = ftcomm.FlashCheckpointer(ft, args.checkpoint_dir, name=args.checkpoint_name)
         emit(ev="restored", step=checkpoints.restore(), shard=ft.shard_rank, t=time.time())
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]

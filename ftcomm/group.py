@@ -120,6 +120,7 @@ class FaultTolerantGroup:
         self._keepers: weakref.WeakSet = weakref.WeakSet()  # FlashCheckpointers of this group (see _leave_with_state)
         self._left_checked = False  # a state kept by a member that lost the quorum was looked for
         self._left_keeper: Any = None  # where it was loaded from, until the next committed step
+        self._left_step: int | None = None  # the step loaded from it
         try:
             if self.replica_size > 1:  # first: the replica's K processes meet (torch's process group)
                 self._replica = collective.replica = Replica(*replica, backend, opts.init_timeout)
@@ -324,10 +325,19 @@ class FaultTolerantGroup:
             keeper.close()
             return
         self.state_restored(step)
-        self._left_keeper = keeper
+        self._left_keeper, self._left_step = keeper, step
         log.warning("resuming from step %d, the state a member of cluster %r kept in %s when it lost the quorum; "
                     "the group's reconcile gives the newest state to every member (to start fresh instead, remove "
                     "it: ftcomm run --fresh)", step, self.gossip.cluster, keeper.shm)
+
+    @property
+    def resumed_step(self) -> int | None:
+        """The step of the state kept when a member lost the quorum that this worker loaded
+        at ``register_state`` (see _resume_left_state), until a step commits after it; None
+        otherwise. ``FlashCheckpointer.restore`` offers it as a copy of that step, so that
+        an older checkpoint never replaces it."""
+        held = self._left_keeper is not None and self.step == self._left_step
+        return self.step if held else None
 
     def _left_checkpointer(self) -> Any:
         """A FlashCheckpointer of the job under which a member that lost the quorum keeps its

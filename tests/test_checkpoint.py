@@ -168,7 +168,10 @@ def test_corrupted_and_partial_checkpoints_are_skipped(tmp_path, name, caplog, g
     checkpoints.close()
 
 
-def test_members_agree_on_the_newest_step_every_one_can_load(tmp_path, name):
+def test_members_agree_on_the_newest_step_some_member_can_load_and_reconcile_it_to_the_others(tmp_path, name):
+    """Both members hold steps 4 and 8; only member 0 holds step 12 (the job ended before
+    member 1's copy was written). Step 12 is committed training: it is restored on member 0
+    and reconciled to member 1, never given up for step 8."""
     groups = start_groups(2)
     try:
         models = [trained_state(g, 2)[0] for g in groups]
@@ -182,8 +185,10 @@ def test_members_agree_on_the_newest_step_every_one_can_load(tmp_path, name):
             for g, c in zip(groups, checkpoints):
                 g.step = step
                 c.save()
-        expected = groups[0].state.digest(8)
         groups[0].step = 12
+        with torch.no_grad():
+            models[0][0].weight.add_(1.0)
+        expected = groups[0].state.digest(12)
         checkpoints[0].save()  # only member 0 has step 12
         for c in checkpoints:
             c.wait()
@@ -191,9 +196,13 @@ def test_members_agree_on_the_newest_step_every_one_can_load(tmp_path, name):
             with torch.no_grad():
                 m[2].bias.fill_(7.0)
         restored = in_threads(groups, lambda i, g: checkpoints[i].restore())
-        assert restored == [8, 8]
-        assert [g.step for g in groups] == [8, 8]
-        assert [g.state.digest(8) for g in groups] == [expected, expected]
+        assert restored == [12, 12]
+        assert [g.step for g in groups] == [12, 12]
+
+        def step(i: int, g) -> bool:  # the first collective reconciles the newest state
+            g.allreduce(torch.zeros(1))
+            return g.state.digest(g.step)
+        assert in_threads(groups, step) == [expected, expected]
         for c in checkpoints:
             c.close()
     finally:
@@ -1003,3 +1012,54 @@ def test_a_kept_state_of_sharded_replicas_is_loaded_only_at_a_step_every_shard_i
             (place / checkpoint_files.file_name(step, "meta")).write_bytes(b"")
     assert left_step("c", 2, tmp_path) == 5  # shard 1 never kept step 7
     assert left_step("c", 1, tmp_path) is None
+
+
+def test_an_older_checkpoint_never_replaces_the_state_a_member_kept_when_it_lost_the_quorum(tmp_path):
+    """The member that lost the quorum kept step 47 (no checkpointer then). The job's next
+    start has FlashCheckpointers whose newest step is 20: restore() agrees on the kept step
+    47 (the members resumed it at register_state), not on the checkpoint of step 20, and the
+    first collective leaves every member on step 47's state."""
+    from ftcomm.errors import QuorumLost
+    from ftcomm.training.checkpoint import left_places
+
+    cluster = f"test-{uuid.uuid4().hex[:8]}"
+    (kept_at,) = left_places(cluster)
+    try:
+        (solo,) = start_groups(1, cluster=cluster)
+        try:
+            trained_state(solo, 3)
+            solo.step = 47
+            solo._leave_with_state(QuorumLost("cannot reach a majority"))
+            kept = solo.state.digest(47)
+        finally:
+            solo.shutdown()
+        older = tmp_path / "older"
+        (writer,) = start_groups(1, cluster=f"test-{uuid.uuid4().hex[:8]}")
+        try:
+            trained_state(writer, 5)
+            writer.step = 20
+            saved = FlashCheckpointer(writer, older, keep=2, name=cluster + "-ckpt", shm_root=tmp_path / "shm0")
+            saved.save()
+            saved.close()
+        finally:
+            writer.shutdown()
+        groups = start_groups(2, cluster=cluster)
+        try:
+            in_threads(groups, lambda i, g: trained_state(g, 10 + i))
+            assert [g.step for g in groups] == [47, 47]
+            checkpoints = [FlashCheckpointer(g, older, keep=2, name=cluster + "-ckpt", shm_root=tmp_path / f"shm{i + 1}")
+                           for i, g in enumerate(groups)]
+            assert [c.available() for c in checkpoints] == [[20], [20]]
+            assert in_threads(groups, lambda i, g: checkpoints[i].restore()) == [47, 47]
+
+            def step(i: int, g):
+                g.allreduce(torch.zeros(1))
+                return g.step, g.state.digest(g.step)
+            assert in_threads(groups, step) == [(47, kept), (47, kept)]
+            for c in checkpoints:
+                c.close()
+        finally:
+            for g in groups:
+                g.shutdown()
+    finally:
+        shutil.rmtree(kept_at, ignore_errors=True)

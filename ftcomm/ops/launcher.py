@@ -963,7 +963,7 @@ class Launcher:
 
     def _announce_checkpoints(self) -> None:
         """Before the workers start: say which flash checkpoints of this job are here (a
-        script that restores resumes from the newest step every worker can load), or remove
+        script that restores resumes from the newest step some worker can load), or remove
         this host's shared-memory copies with ``fresh`` (only when no live checkpointer uses
         them; the persistent directory is the user's, and is only named)."""
         from ..training import checkpoint_files as files
@@ -995,7 +995,7 @@ class Launcher:
                 where = ", ".join(f"step {steps[0]} in {place}" for steps, place in ((in_shm, shm), (kept, persist))
                                   if steps)
                 self.say(f"flash checkpoints of job {name!r} here: newest {where}; a script that restores "
-                         f"(FlashCheckpointer.restore) resumes from the newest step every worker can load "
+                         f"(FlashCheckpointer.restore) resumes from the newest step some worker can load "
                          f"(--fresh removes the shared-memory copies)")
 
     def _discard_flash_copies(self) -> None:

@@ -15,9 +15,11 @@ directory (write + fsync + rename) and pruning to the ``keep`` newest run in a
 background thread. On each host only the member with the lowest rank writes; the
 others read its copy. Every wait is bounded by ``write_timeout``.
 
-``restore()`` after a whole-job restart: the members agree on the newest step every
-one of them can load (its checksums verify, from shared memory when the host is the
-same, else from the directory), load it and continue. Every field of a record is
+``restore()`` after a whole-job restart: the members agree on the newest step some
+member can load (its checksums verify, from shared memory when the host is the same, else
+from the directory; with sharded replicas, some process of every shard index), those
+that can load it do, and the group's reconciliation gives it to the others: a step one
+member's copy holds is never given up for an older one every member holds. Every field of a record is
 type- and range-checked; a malformed, corrupted or partial checkpoint is skipped with
 a warning. A copy is verified before any of it is loaded; tensors then go straight
 into the registered objects' existing tensors where shape and dtype match (no new
@@ -54,6 +56,7 @@ from .state import tensor_bytes
 
 log = logging.getLogger(__name__)
 
+_HELD = object()  # in place of a loaded copy: this member resumed the agreed step already
 MAX_CANDIDATES = 32  # newest steps each member offers when agreeing on one to restore
 
 
@@ -528,14 +531,17 @@ class FlashCheckpointer:
         return sorted(set(files.steps_in(self.shm)) | set(files.steps_in(self.directory)), reverse=True)
 
     def restore(self) -> int | None:
-        """Agree with the other members on the newest step all of them can load, and load it.
+        """Agree with the other members on the newest step some member can load, and load it.
 
         Call it on every member after ``init`` and ``register_state`` (a collective among
         the members that started the group together). Returns the restored step, or None
-        when no member has a loadable checkpoint. When no step is loadable everywhere, the
-        members that can load the newest loadable step do, and the group's reconciliation
-        gives it to the others (with sharded replicas: the newest step some process of every
-        shard index can load, each shard reconciled on its own). Unloadable copies are skipped with a warning; corrupt ones
+        when no member has a loadable checkpoint. The members that can load the newest
+        loadable step do, and the group's reconciliation gives it to the others (with
+        sharded replicas: the newest step some process of every shard index can load, each
+        shard reconciled on its own): a newer step held by one member is never given up for
+        an older one every member holds. A state this member already resumed (the step kept
+        when a member lost the quorum, see ``FaultTolerantGroup.register_state``) counts as
+        a copy of its step. Unloadable copies are skipped with a warning; corrupt ones
         are deleted by the next save's pruning.
 
         Only in a view whose members have not begun training (``FaultTolerantGroup.restorable``:
@@ -560,15 +566,15 @@ class FlashCheckpointer:
             step, everywhere, loaded, outcome = agreed
             ok = [o[0] for o in outcome]
             if (everywhere and not all(ok)) or not all(any(ok[i::self.shards]) for i in range(self.shards)):
-                if loaded is not None:
+                if loaded is not None and loaded is not _HELD:
                     loaded[1].close()
                 continue  # someone could not load it after all: agree again without that copy
-            if loaded is not None:
+            if loaded is not None and loaded is not _HELD:
                 self._apply(*loaded)
             self.group.state_restored(step if loaded is not None else None,
                                       same_everywhere=all(ok) and len({o[1] for o in outcome}) == 1)
             log.info("restored step %d%s", step, "" if everywhere else " (on some members; reconciled to the rest)")
-            if loaded is not None:
+            if loaded is not None and loaded is not _HELD:
                 self._say_resumed(step)
             return step
 
@@ -601,29 +607,36 @@ class FlashCheckpointer:
         if not self.group.restorable:
             log.info("the group is already training: its state comes from the members, not from a checkpoint")
             return None
-        mine = [s for s in self.available() if s not in rejected][:MAX_CANDIDATES]
+        held = self.group.resumed_step  # a kept state this member loaded already
+        mine = sorted({s for s in self.available() if s not in rejected} | ({held} if held else set()),
+                      reverse=True)[:MAX_CANDIDATES]
         offers = self._gather(mine)
         common = set.intersection(*(set(o) for o in offers)) if offers else set()
-        # Else the newest step some member can load, of every shard index with sharded
-        # replicas (rank r holds shard r % shards): reconciling hands each shard's copy on.
+        # The newest step some member can load, of every shard index with sharded replicas
+        # (rank r holds shard r % shards): reconciling hands each shard's copy on.
         by_shard = [set().union(*(set(o) for o in offers[i::self.shards])) for i in range(self.shards)]
-        pool = common or (set.intersection(*by_shard) if offers else set())
+        pool = set.intersection(*by_shard) if offers else set()
         if not pool:
             self.group.state_restored(None, same_everywhere=True)  # nothing to load, anywhere
             return None
         step = max(pool)
-        loaded = self._load_verified(step) if step in mine else None
-        if loaded is None:
-            rejected.add(step)
+        if step == held:
+            loaded: Any = _HELD
+        else:
+            loaded = self._load_verified(step) if step in mine else None
+            if loaded is None:
+                rejected.add(step)
         # the copies' fingerprint: equal checksums everywhere mean equal state everywhere
-        fingerprint = xxhash.xxh3_64_intdigest(msgpack.packb(loaded[0].checksums)) >> 2 if loaded else 0
+        # (a state resumed in memory has none: its digest is compared with the others')
+        fingerprint = (self.group.rank + 1 if loaded is _HELD else
+                       xxhash.xxh3_64_intdigest(msgpack.packb(loaded[0].checksums)) >> 2 if loaded else 0)
         try:
             outcome = self._gather([1 if loaded is not None else 0, fingerprint])
         except BaseException:
-            if loaded is not None:
+            if loaded is not None and loaded is not _HELD:
                 loaded[1].close()
             raise
-        return step, bool(common), loaded, outcome
+        return step, step in common, loaded, outcome
 
     def _gather(self, values: list[int]) -> list[list[int]]:
         row = torch.full((MAX_CANDIDATES,), -1, dtype=torch.int64)
