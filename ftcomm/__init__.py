@@ -25,7 +25,8 @@ from .backends import BACKENDS
 from .core.view import View
 from .errors import (AddressError, CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout,
                      GroupEnded, MembershipChanged, NcclUnavailable, NotInView, QuorumLost, ReplicaLost, RetryLimitExceeded,
-                     OtherModel, OutOfStep, SecretRequired, StateError, StateLost)
+                     OtherModel, OutOfStep, SecretRequired, StateDiverged, StateError,
+                     StateLost)
 from .gossip import GossipConfig
 from .gossip.addresses import parse_address, parse_seed
 
@@ -57,7 +58,7 @@ __all__ = [
     "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "DistributedDataParallel",
     "ElasticSampler", "FaultTolerantGroup",
     "FlashCheckpointer", "FtcommError", "FtcommTimeout", "GroupEnded", "GroupOptions", "LinearLRScaling", "MembershipChanged",
-    "NcclUnavailable", "NotInView", "OtherModel", "QuorumLost", "ReplicaLost", "RetryLimitExceeded", "StateLost", "SecretRequired", "OutOfStep", "StateError", "View", "ViewChange", "init",
+    "NcclUnavailable", "NotInView", "OtherModel", "QuorumLost", "ReplicaLost", "RetryLimitExceeded", "StateLost", "StateDiverged", "SecretRequired", "OutOfStep", "StateError", "View", "ViewChange", "init",
 ]
 
 
@@ -92,8 +93,9 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
     ``$FTCOMM_INSECURE``: ``1`` opts out), else :class:`SecretRequired`; ``network_check``
     defaults to ``$FTCOMM_NETWORK_CHECK``. ``min_workers`` defaults to
     ``$FTCOMM_MIN_WORKERS``, else 1; ``max_workers`` to ``$FTCOMM_MAX_WORKERS``, else None
-    (no bound); the options ``metrics_port`` and ``straggler_policy`` to
-    ``$FTCOMM_METRICS_PORT`` and ``$FTCOMM_STRAGGLER_POLICY`` (``ftcomm run`` sets these
+    (no bound); the options ``metrics_port``, ``straggler_policy``, ``fingerprint_every``
+    and ``sdc_policy`` to ``$FTCOMM_METRICS_PORT``, ``$FTCOMM_STRAGGLER_POLICY``,
+    ``$FTCOMM_FINGERPRINT_EVERY`` and ``$FTCOMM_SDC_POLICY`` (``ftcomm run`` sets these
     from its options). ``options``
     are :class:`GroupOptions` fields (``init_timeout``, ``max_retries``, ...); a
     ``gossip`` entry may be a :class:`GossipConfig` or a dict of its fields.
@@ -165,6 +167,10 @@ def init(backend: str = "gloo", peers: Iterable[str] | str | None = None, bind: 
         options["metrics_port"] = _env_int("FTCOMM_METRICS_PORT", None)
     if "straggler_policy" not in options and os.environ.get("FTCOMM_STRAGGLER_POLICY"):
         options["straggler_policy"] = os.environ["FTCOMM_STRAGGLER_POLICY"]
+    if "fingerprint_every" not in options and os.environ.get("FTCOMM_FINGERPRINT_EVERY"):
+        options["fingerprint_every"] = _env_int("FTCOMM_FINGERPRINT_EVERY", None)
+    if "sdc_policy" not in options and os.environ.get("FTCOMM_SDC_POLICY"):
+        options["sdc_policy"] = os.environ["FTCOMM_SDC_POLICY"]
     if isinstance(options.get("gossip"), dict):
         options["gossip"] = GossipConfig().with_overrides(**options["gossip"])
     group_options = GroupOptions(**options)  # checks every option before anything starts

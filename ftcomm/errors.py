@@ -64,6 +64,20 @@ class StateLost(FtcommError):
     newest checkpoint."""
 
 
+class StateDiverged(FtcommError):
+    """The training state's fingerprints differ between members (``fingerprint_every``):
+    silent data corruption. Raised on a member named again soon after a repair (its hardware
+    keeps computing wrong: it leaves the group), on every member under ``sdc_policy='stop'``,
+    and on every member when no fingerprint has a majority (nobody can tell which state is
+    right: restart from a checkpoint of the last step where all agreed, which the message
+    names). ``step`` is the step the fingerprints were of; ``named`` the members whose state
+    differed (all of them without a majority)."""
+
+    def __init__(self, message: str, step: int = 0, named: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.step, self.named = step, named
+
+
 class RetryLimitExceeded(FtcommError):
     """``execute``, or ``wait_gradients_ready``, failed more than ``max_retries`` times in a
     row because the membership kept changing."""

@@ -77,7 +77,8 @@ class FaultTolerantGroup:
         self.min_workers, self.max_workers = min_workers, max_workers
         size = replica[0]
         self.settings = {"backend": backend, "min_workers": min_workers, "max_workers": max_workers,
-                         "partition_policy": opts.partition_policy, "protocol": PROTOCOL, "replica_size": size}
+                         "partition_policy": opts.partition_policy, "protocol": PROTOCOL, "replica_size": size,
+                         "sdc_policy": opts.sdc_policy}
         self._config = hashlib.blake2b(json.dumps(self.settings, sort_keys=True).encode(), digest_size=4).hexdigest()
         self.state = TrainingState()
         self.network_report: NetworkReport | None = None  # GroupOptions.network_check
@@ -265,6 +266,14 @@ class FaultTolerantGroup:
     def stragglers(self) -> list[StragglerReport]:
         """Straggler reports as judged here (changes only: a few per minute at most)."""
         return self._stragglers.reports
+
+    @property
+    def corruptions(self) -> list:
+        """Every check whose state fingerprints differed (``fingerprint_every``), oldest first,
+        as :class:`ftcomm.runtime.fingerprints.Corruption`: the step, the members named, the
+        shard index with sharded replicas, whether a majority agreed, and, on a named member
+        once repaired, the tensors that differed."""
+        return self._loop.fingerprints.found
 
     @property
     def metrics_port(self) -> int | None:

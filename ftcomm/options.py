@@ -103,6 +103,26 @@ class GroupOptions:
     straggler_window: int = 20
     """Gradient steps over which a member's median compute time is taken."""
 
+    fingerprint_every: int = 10
+    """Every this many committed steps the members compare fingerprints of their training
+    state (a 48-bit hash of a wrap-around integer sum over each tensor of the registered
+    modules and optimizers, taken on the tensors' device), carried in the gradient step's
+    counters: no collective of its own. Replicas hold bit-identical state, so a member whose
+    fingerprint differs from the majority's computes wrong without crashing (a flipped bit
+    in memory or in a reduction: silent data corruption) and is named; ``sdc_policy`` says
+    what follows. 0 turns it off. See docs/ARCHITECTURE.md for what a fingerprint can and
+    cannot catch."""
+
+    sdc_policy: str = "exclude"
+    """What a fingerprint that differs from the majority's leads to. ``exclude``: the step is
+    discarded on every member, and before the next one the named members' state is
+    replaced by a majority member's (they contribute nothing until then); a member named
+    twice within ``SDC_REPEAT_CHECKS`` checks leaves the group with ``StateDiverged``, its
+    hardware not to be trusted. ``warn``: named only, the step commits. ``stop``: every
+    member raises ``StateDiverged``. When no fingerprint has a majority (two members that
+    disagree) nobody can tell which is right: every member raises ``StateDiverged`` naming
+    the last step where all agreed, under ``exclude`` and ``stop`` alike."""
+
     network_check: bool = False
     """When a group is founded (its first view's members all start together), measure the
     latency and bandwidth of every pair of members over the backend before ``init``
@@ -183,6 +203,12 @@ class GroupOptions:
         for name in ("overlap", "handle_signals", "network_check"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.fingerprint_every, bool) or not isinstance(self.fingerprint_every, int):
+            raise TypeError(f"fingerprint_every must be an int >= 0 (0: off), got {self.fingerprint_every!r}")
+        if self.fingerprint_every < 0:
+            raise ValueError(f"fingerprint_every must be an int >= 0 (0: off), got {self.fingerprint_every}")
+        if self.sdc_policy not in ("exclude", "warn", "stop"):
+            raise ValueError(f"sdc_policy must be 'exclude', 'warn' or 'stop', got {self.sdc_policy!r}")
         if self.straggler_policy not in ("warn", "exclude"):
             raise ValueError(f"straggler_policy must be 'warn' or 'exclude', got {self.straggler_policy!r}")
         if self.listener_admission not in ("members", "formation"):

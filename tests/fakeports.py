@@ -241,6 +241,12 @@ class FakeState:
     def signature(self) -> int:
         return 5
 
+    def fingerprint(self) -> int:
+        return self.value
+
+    def tensor_fingerprints(self) -> dict[str, int]:
+        return {"state": self.value}
+
     def participants(self, hook):
         return []
 

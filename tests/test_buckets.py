@@ -60,7 +60,8 @@ def test_buckets_go_out_during_backward_in_order_and_average_exactly():
         world.launched.clear()
         local = world.backward(m, step)
         tail = reduce(buckets)
-        assert tail.tolist() == [2.0, 0.0, 0.0, 0.0]  # both (identical) workers valid, no joiner
+        assert tail.tolist() == [2.0, 0.0, 0.0, 0.0] + [0.0] * 6  # both (identical) workers valid, no joiner,
+        # no fingerprint (three slots per rank)
         buckets.hand_back(float(tail[0]))
         assert all(during for _, during in world.launched), "every bucket started during backward"
         assert len(world.launched) == buckets.bucket_count
@@ -69,7 +70,8 @@ def test_buckets_go_out_during_backward_in_order_and_average_exactly():
         m.zero_grad(set_to_none=step % 2 == 0)  # both styles: freed grads, and grads kept as bucket views
     # the first bucket holds the last layer (backward produces it first); the last one ends with the tail
     assert world.launched[0][0] == params[-1].numel() + params[-2].numel()
-    assert world.launched[-1][0] == params[0].numel() + params[1].numel() + 2 + world.world  # a flag per rank
+    assert world.launched[-1][0] == params[0].numel() + params[1].numel() + 2 + 4 * world.world  # a flag and
+    # three fingerprint slots per rank
 
 
 def test_launch_order_is_bucket_order_whatever_order_the_hooks_fire_in():
@@ -182,12 +184,21 @@ def test_the_tail_carries_a_flag_per_rank_for_stragglers_asking_to_stand_aside_s
                               lambda valid: (valid, False, asks["rank"] if asks["aside"] else None))
     world.backward(m, 0)
     tail = reduce(buckets)
-    assert tail.tolist() == [3.0, 0.0, 0.0, 3.0, 0.0]  # every (identical) worker: valid, rank 1 asks
+    assert tail.tolist() == [3.0, 0.0, 0.0, 3.0, 0.0] + [0.0] * 9  # every (identical) worker: valid, rank 1 asks
     buckets.hand_back(3.0)
     world.world, asks["rank"] = 2, 0  # a new view of 2: the tail follows its size
     world.backward(m, 1)
-    assert reduce(buckets).tolist() == [2.0, 0.0, 2.0, 0.0]
+    assert reduce(buckets).tolist() == [2.0, 0.0, 2.0, 0.0] + [0.0] * 6
     assert all(p.grad is not None for p in m.parameters())
+
+
+def test_the_tail_carries_each_position_s_48_bit_fingerprint_exactly_through_a_float32_sum():
+    from ftcomm.training.buckets import counter_values, read_counters
+
+    prints = [(1 << 48) - 1, None, 0, 0x123456789ABC]
+    shares = [counter_values((True, position == 1, None, f, position), 4) for position, f in enumerate(prints)]
+    reduced = torch.tensor(shares, dtype=torch.float32).sum(dim=0)  # what the allreduce adds up
+    assert read_counters(reduced.tolist()) == (4.0, 1.0, (), tuple(prints))
 
 
 def test_a_step_whose_reductions_a_re_formation_dropped_is_lost_until_it_ends():

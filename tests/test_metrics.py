@@ -43,6 +43,7 @@ def test_the_endpoint_serves_the_groups_figures():
         assert figures[("ftcomm_view_change_seconds_count", (("phase", "agree"),))] == len(groups[1].events)
         assert figures[("ftcomm_compute_seconds", ())] > 0
         assert figures[("ftcomm_stragglers", ())] == 0
+        assert figures[("ftcomm_state_divergences_total", (("named", "false"),))] == 0
         assert figures[("ftcomm_gossip_events_total", (("counter", "datagrams_received"),))] > 0
     finally:
         for g in groups:
@@ -120,6 +121,7 @@ def test_a_scrape_reads_the_view_once_while_the_worker_leaves_it():
         events: list = []
         step = 7
         stragglers: list = []
+        corruptions: list = []
         _stragglers = Stragglers(2.0, 3)
         _views = [View(4, ("a", "b"))]
 

@@ -71,7 +71,7 @@ def test_a_re_formation_agrees_forms_verifies_reconciles_and_records_the_view_ch
     formed(world, phase)
     gather = phase.until("gather_states")
     assert gather.args == (StateSummary(0, 11, 5),) and world.engine.state == core.RECONCILING
-    gather.done([StateSummary(0, 11, 5), StateSummary(3, 99, 5)])  # b holds a newer state
+    gather.done([StateSummary(0, 11, 5), StateSummary(3, 14, 5)])  # b holds a newer state
     transfer = phase.until("transfer")
     assert transfer.args == (View(1, ("a", "b")), 1, True, 0)  # from rank 1, loaded here
     transfer.done(3)
@@ -244,7 +244,7 @@ def test_a_member_that_left_after_deciding_the_step_lets_this_replica_decide_it_
     world.engine.view, world.engine.state = view, core.RUNNING
     step = Phase(world.loop.gradient_step())
     step.until("reduce").done(Counters(2.0, 0.0, ()))
-    step.until("view_sum").done([4.0, 0.0])
+    step.until("view_sum").done([4.0, 0.0, 0.0])
     decide = step.until("replica_decide")
     for member in ("b0", "b1"):  # their final records: this view, one operation completed
         record = StatusRecord(LEAVING, 0, (1, view.digest), 0.0, CFG, 1, 4000, done_ops=(1, 1),
@@ -265,7 +265,7 @@ def test_a_step_a_partner_of_the_replica_did_not_complete_breaks_the_view_here_t
     world.engine.view, world.engine.state = View(1, ("a0", "a1", "b0", "b1")), core.RUNNING
     step = Phase(world.loop.gradient_step())
     step.until("reduce").done(Counters(2.0, 0.0, ()))
-    step.until("view_sum").done([4.0, 0.0])
+    step.until("view_sum").done([4.0, 0.0, 0.0])
     agree = step.until("replica_decide")
     assert agree.args == (("step", 1, world.engine.view.digest, 1), True)
     agree.done(False)  # a1's step failed
@@ -479,7 +479,7 @@ def test_execute_that_received_the_groups_newer_state_is_out_of_step():
     probe = verify.args[0]
     verify.done([*probe[:4], 0, probe[5], position, -position, probe[8]])  # the other member has begun training
     gather = call.until("gather_states")
-    gather.done([gather.args[0], StateSummary(40, 3, 5)])  # the group went on to step 40
+    gather.done([gather.args[0], StateSummary(40, 51, 5)])  # the group went on to step 40
     call.until("transfer").done(40)
     with pytest.raises(OutOfStep, match="state was replaced"):
         call.step()
@@ -492,7 +492,7 @@ def test_a_call_before_training_that_received_another_members_state_runs():
     world, call, verify = execute_reformed("a member left")
     verify.done(verify.args[0])  # the same place, and nobody has begun
     gather = call.until("gather_states")
-    gather.done([gather.args[0], StateSummary(40, 3, 5)])
+    gather.done([gather.args[0], StateSummary(40, 51, 5)])
     call.until("transfer").done(40)
     call.until("run").done(7)
     assert call.done and call.result == 7 and world.loop.step == 40

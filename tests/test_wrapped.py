@@ -70,7 +70,7 @@ def test_buckets_go_out_during_backward_in_order_and_no_python_runs_per_paramete
         calls.clear()
         world.backward(net, step)
         counters = reduce(buckets)
-        assert counters.tolist() == [2.0, 0.0, 0.0, 0.0]  # both (identical) workers valid, no joiner
+        assert counters.tolist() == [2.0, 0.0, 0.0, 0.0] + [0.0] * 6  # both (identical) workers valid, no joiner
         buckets.hand_back(float(counters[0]))
         for n, p in m.named_parameters():
             torch.testing.assert_close(p.grad, local_gradients(step)[n])  # the mean of identical workers
@@ -82,7 +82,7 @@ def test_buckets_go_out_during_backward_in_order_and_no_python_runs_per_paramete
     # the first bucket holds the last layer (backward produces it first); then the counters
     assert [size for size, _ in world.launched] == [params[5].numel() + params[4].numel(),
                                                     params[3].numel() + params[2].numel(),
-                                                    params[1].numel() + params[0].numel(), 2 + 2]
+                                                    params[1].numel() + params[0].numel(), 2 + 2 + 6]
     assert all(p._post_accumulate_grad_hooks is None and not p._backward_hooks for p in params), \
         "no Python hook on any parameter"
 
@@ -124,7 +124,7 @@ def test_without_overlap_or_when_the_view_must_change_first_the_step_launches_ev
     world.backward(net, 0)
     assert not buckets.touched and not world.launched
     counters = reduce(buckets)
-    assert counters.tolist() == [2.0, 0.0, 0.0, 0.0]
+    assert counters.tolist() == [2.0, 0.0, 0.0, 0.0] + [0.0] * 6
     assert len(world.launched) == buckets.bucket_count + 1 and not any(d for _, d in world.launched)
     buckets.hand_back(2.0)
     for n, p in m.named_parameters():
@@ -228,7 +228,7 @@ def test_a_lost_step_contributes_zeros_in_new_buffers_and_gets_the_others_averag
     handles, counters = buckets.finish(False)
     for h in handles:
         h.wait(AbortSignal(), 1.0)
-    assert counters.tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert counters.tolist() == [0.0, 0.0, 0.0, 0.0] + [0.0] * 6
     assert len(world.launched) == buckets.bucket_count + 1
     buckets.hand_back(1.0)  # one other member contributed: here, zeros times two
     assert all(torch.count_nonzero(p.grad) == 0 for p in m.parameters())

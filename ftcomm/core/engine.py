@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, NamedTuple, Sequence
 
 from .view import (ACTIVE, JOINING as PHASE_JOINING, LEAVING as PHASE_LEAVING, Candidate, Status, StatusRecord, View,
                    agreed, candidate, gone_from, has_quorum, superseded, whole_replicas)
@@ -1282,11 +1282,18 @@ def must_confirm(now: float, contributed_at: float, op_began: float, stalled_at:
 
 def reconcile_source(states: list[tuple[int, int]]) -> int | None:
     """The rank whose state every member of a new view takes, from each rank's (step, state
-    digest): the lowest rank holding the newest step. None when all hold the same state."""
+    digest): a holder of the newest step, of the state most of its holders share (the
+    others' went wrong without failing: see ftcomm.runtime.fingerprints), the lowest rank
+    among equals. None when all hold the same state."""
     if len(set(states)) <= 1:
         return None
     top = max(step for step, _ in states)
-    return min(rank for rank, (step, _) in enumerate(states) if step == top)
+    holders = [(rank, digest) for rank, (step, digest) in enumerate(states) if step == top]
+    tally: dict[int, int] = {}
+    for _, digest in holders:
+        tally[digest] = tally.get(digest, 0) + 1
+    most = max(tally.values())
+    return min(rank for rank, digest in holders if tally[digest] == most)
 
 
 def shard_sources(states: list[tuple[int, int]], shards: int) -> tuple[int, list[int | None]]:
@@ -1301,6 +1308,35 @@ def shard_sources(states: list[tuple[int, int]], shards: int) -> tuple[int, list
         source = reconcile_source(states[shard::shards])
         sources.append(None if source is None else shard + source * shards)
     return max(step for step, _ in states), sources
+
+
+FINGERPRINT_MASK = (1 << 48) - 1  # a state fingerprint's bits (see TrainingState.fingerprint)
+
+
+class Divergence(NamedTuple):
+    """Fingerprints of one step that differ: the positions whose state is not the
+    majority's (``named``; every one that gave a fingerprint when no value has a majority),
+    how many gave one, and whether a majority agreed (and so which state is right)."""
+
+    named: tuple[int, ...]
+    voters: int
+    majority: bool
+
+
+def fingerprint_verdict(fingerprints: Sequence[int | None]) -> Divergence | None:
+    """The positions whose state fingerprint differs from the majority's, from each
+    position's fingerprint (None: it gave none). None when every fingerprint given is the
+    same (or fewer than two were given): nothing to compare, or nothing wrong."""
+    votes = {position: f for position, f in enumerate(fingerprints) if f is not None}
+    if len(set(votes.values())) <= 1:
+        return None
+    tally: dict[int, int] = {}
+    for f in votes.values():
+        tally[f] = tally.get(f, 0) + 1
+    top = max(tally, key=lambda f: tally[f])
+    if 2 * tally[top] > len(votes):
+        return Divergence(tuple(p for p, f in votes.items() if f != top), len(votes), True)
+    return Divergence(tuple(votes), len(votes), False)
 
 
 def step_verdict(contributors: float, joiners: float, world: int, batches_checked: bool) -> tuple[bool, bool]:
@@ -1364,7 +1400,7 @@ def reason_for(noticed: str, before: tuple[str, ...], after: tuple[str, ...], go
     return "crash" if "dead" in kinds else noticed
 
 
-SETTING_NAMES = ("backend", "min_workers", "max_workers", "partition_policy", "protocol", "replica_size")
+SETTING_NAMES = ("backend", "min_workers", "max_workers", "partition_policy", "protocol", "replica_size", "sdc_policy")
 
 
 def settings_conflict(engine: "Engine", settings: tuple, statuses: dict[str, Status]) -> str | None:

@@ -43,8 +43,9 @@ MAX_VIEW_ID = 2**31  # far beyond any group's lifetime; larger ids in a record a
 # The group protocol's version: this record, the view verification probe and the step rounds.
 # Workers that speak different versions never form a group (it is one of the settings that
 # must match); a record from before the version was carried reads as version 1.
-PROTOCOL = 6  # 5: the verification probe carries rank 0's reason for the view; 6: acks may say how late
-# their member runs (a member of version 5 drops them)
+PROTOCOL = 7  # 5: the verification probe carries rank 0's reason for the view; 6: acks may say how late
+# their member runs (a member of version 5 drops them); 7: a gradient step's counters carry state
+# fingerprints, and sdc_policy is a setting
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class Status:
     floor: int = 0  # lowest view id it accepts: the views below failed to form there
     step: int = 0  # committed training steps
     rendezvous_port: int | None = None  # its rendezvous store's TCP port (same host as gossip)
-    settings: tuple = ()  # backend, min_workers, max_workers, partition_policy, protocol: named in a mismatch error
+    settings: tuple = ()  # backend, min_workers, max_workers, partition_policy, protocol, ...: named in a mismatch error
     done_ops: tuple[int, int] | None = None  # leaving: (view id, group operations it completed in that view)
     insecure: bool = False  # started without a secret on a reachable address (shown by ``ftcomm members``)
     view_digest: str | None = None  # digest of its current view (leaving: of the view it names)
@@ -139,7 +140,7 @@ class Status:
         if _is_int(meta.get("rz")) and 0 < meta["rz"] < 65536:
             extra["rendezvous_port"] = meta["rz"]
         if isinstance(meta.get("set"), (list, tuple)):
-            extra["settings"] = tuple(meta["set"][:6]) + ((1,) if len(meta["set"]) == 4 else ())
+            extra["settings"] = tuple(meta["set"][:7]) + ((1,) if len(meta["set"]) == 4 else ())
         ops = meta.get("op")
         if isinstance(ops, (list, tuple)) and len(ops) == 2 and all(_is_int(x) and 0 <= x <= MAX_VIEW_ID for x in ops):
             extra["done_ops"] = (ops[0], ops[1])

@@ -136,6 +136,7 @@ def _run(args: argparse.Namespace) -> int:
                           log_dir=args.log_dir, local_ranks_filter=args.local_ranks_filter,
                           min_workers=args.min_workers, max_workers=args.max_workers,
                           metrics_port=args.metrics_port, straggler_policy=args.straggler_policy,
+                          fingerprint_every=args.fingerprint_every, sdc_policy=args.sdc_policy,
                           standby=args.standby, standby_imports=tuple(args.standby_import),
                           kill_stopped_after=args.kill_stopped_after, fresh=args.fresh)
     return Launcher(config).run()
@@ -272,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "($FTCOMM_METRICS_PORT; needs ftcomm[metrics])")
     run.add_argument("--straggler-policy", choices=["warn", "exclude"], default=None,
                      help="the group's straggler_policy ($FTCOMM_STRAGGLER_POLICY; default warn)")
+    run.add_argument("--fingerprint-every", type=_count(0), default=None, metavar="N",
+                     help="the group's fingerprint_every: compare state fingerprints every N steps, 0 off "
+                          "($FTCOMM_FINGERPRINT_EVERY; default 10)")
+    run.add_argument("--sdc-policy", choices=["exclude", "warn", "stop"], default=None,
+                     help="the group's sdc_policy when fingerprints differ ($FTCOMM_SDC_POLICY; default exclude)")
     run.add_argument("--log-dir", default=None, metavar="DIR",
                      help="write each worker start's output to its own file: DIR/w3.log, DIR/w3.r1.log after its "
                           "first restart, ... (created 0700; an existing DIR must be yours and not writable by "

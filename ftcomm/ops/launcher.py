@@ -140,6 +140,8 @@ class LaunchConfig:
     max_workers: int | None = None  # ($FTCOMM_MAX_WORKERS)
     metrics_port: int | None = None  # worker i serves Prometheus metrics on this port + i ($FTCOMM_METRICS_PORT)
     straggler_policy: str | None = None  # warn or exclude ($FTCOMM_STRAGGLER_POLICY)
+    fingerprint_every: int | None = None  # ($FTCOMM_FINGERPRINT_EVERY)
+    sdc_policy: str | None = None  # exclude, warn or stop ($FTCOMM_SDC_POLICY)
     local_ranks_filter: tuple[int, ...] | None = None  # only these workers' output on the console
     standby: int = 0  # warm standby interpreters kept ready to replace a worker
     standby_imports: tuple[str, ...] = ()  # modules a standby imports beyond torch and ftcomm
@@ -181,6 +183,12 @@ class LaunchConfig:
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - self.nproc + 1:
             raise ValueError(f"--metrics-port {self.metrics_port}: the ports {self.metrics_port}.."
                              f"{self.metrics_port + self.nproc - 1} must be valid")
+        if self.sdc_policy not in (None, "exclude", "warn", "stop"):
+            raise ValueError(f"--sdc-policy must be exclude, warn or stop, got {self.sdc_policy!r}")
+        if self.fingerprint_every is not None and (isinstance(self.fingerprint_every, bool)
+                                                   or not isinstance(self.fingerprint_every, int)
+                                                   or self.fingerprint_every < 0):
+            raise ValueError(f"--fingerprint-every must be an int >= 0, got {self.fingerprint_every!r}")
         if self.straggler_policy not in (None, "warn", "exclude"):
             raise ValueError(f"--straggler-policy must be warn or exclude, got {self.straggler_policy!r}")
         if self.straggler_policy == "exclude" and self.replica_size > 1:
@@ -890,6 +898,8 @@ class Launcher:
         config = self.config
         for name, value in (("FTCOMM_MIN_WORKERS", config.min_workers), ("FTCOMM_MAX_WORKERS", config.max_workers),
                             ("FTCOMM_STRAGGLER_POLICY", config.straggler_policy),
+                            ("FTCOMM_FINGERPRINT_EVERY", config.fingerprint_every),
+                            ("FTCOMM_SDC_POLICY", config.sdc_policy),
                             ("FTCOMM_METRICS_PORT", None if config.metrics_port is None
                              else config.metrics_port + worker.local_rank)):
             if value is not None:

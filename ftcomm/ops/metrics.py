@@ -81,6 +81,14 @@ class GroupCollector:
         for slow in (True, False):
             reports.add_metric([str(slow).lower()], kinds[slow])
         yield reports
+        corruptions = CounterMetricFamily("ftcomm_state_divergences",
+                                          "Checks whose state fingerprints differed (silent data corruption), by "
+                                          "whether this worker was named", labels=["named"])
+        found = list(group.corruptions)
+        named = sum(1 for c in found if group.id in c.named)
+        corruptions.add_metric(["true"], named)
+        corruptions.add_metric(["false"], len(found) - named)
+        yield corruptions
         try:
             stats = group.gossip.stats()
         except Exception:  # noqa: BLE001 - the node is stopping: no gossip figures in this scrape

@@ -24,7 +24,7 @@ from ..core.view import Status, View
 from ..errors import FtcommError, FtcommTimeout, MembershipChanged, ReplicaLost
 from ..gossip import GossipNode
 from ..options import GroupOptions
-from ..training.buckets import GradientBuckets
+from ..training.buckets import GradientBuckets, read_counters
 from ..training.shard_groups import ShardGroupBuckets, shard_groups
 from ..training.reducer import DistributedDataParallel, ReducerBuckets
 from ..training.state import TrainingState
@@ -218,6 +218,12 @@ class RegisteredState:
 
     def signature(self) -> int:
         return self.training.signature()
+
+    def fingerprint(self) -> int:
+        return self.training.fingerprint()
+
+    def tensor_fingerprints(self) -> dict[str, int]:
+        return self.training.tensor_fingerprints()
 
     def participants(self, hook: str) -> list[Any]:
         return [obj for obj in self.training.objects.values() if hasattr(obj, hook)]
@@ -428,8 +434,7 @@ class BackendCollective:
             abort = self.comms.abort
             for handle in handles:
                 handle.wait(abort)
-            values = tail.tolist()
-            return Counters(values[0], values[1], tuple(rank for rank, flag in enumerate(values[2:]) if flag > 0.5))
+            return Counters(*read_counters(tail.tolist()))
         return Started(wait)
 
     def view_sum(self, values: list[float]) -> Pending[list[float]]:

@@ -230,20 +230,28 @@ class Communicators(Protocol):
 class Contribution(NamedTuple):
     """What one member adds to a gradient step's counters: its gradients count (``valid``),
     it sees a worker waiting to join (``join``), it asks to stand aside as a straggler
-    (``aside``: its rank, or None)."""
+    (``aside``: its rank, or None), and, in a step that compares fingerprints, its state's
+    (``fingerprint``, 48 bits; ``position`` its place among the members the counters are
+    reduced over: its rank, or its replica's index with sharded replicas)."""
 
     valid: bool
     join: bool
     aside: int | None
+    fingerprint: int | None = None
+    position: int = 0
 
 
 class Counters(NamedTuple):
     """A gradient step's counters, reduced: how many members' gradients count, how many saw
-    a joiner waiting, and the ranks asking to stand aside (the same on every member)."""
+    a joiner waiting, the ranks asking to stand aside, and each position's state
+    fingerprint (None: it gave none; the same on every member). ``diverged``: with sharded
+    replicas, how many shard indices found fingerprints that differ (summed over the view)."""
 
     contributors: float
     joiners: float
     asking: tuple[int, ...]
+    fingerprints: tuple[int | None, ...] = ()
+    diverged: int = 0
 
 
 class Collective(Protocol):
@@ -312,6 +320,12 @@ class TrainingState(Protocol):
 
     def signature(self) -> int:
         """A digest of the model's parameter names, shapes and dtypes."""
+
+    def fingerprint(self) -> int:
+        """A 48-bit fingerprint of the state's tensors, equal on members holding equal ones."""
+
+    def tensor_fingerprints(self) -> dict[str, int]:
+        """Each tensor's share of the fingerprint, by path (to name the tensors that differ)."""
 
     def participants(self, hook: str) -> list[Any]:
         """Registered objects that follow the steps through ``hook`` (check_step,

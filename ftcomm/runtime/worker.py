@@ -31,12 +31,13 @@ import logging
 from typing import Any, Callable, Generator, TypeVar
 
 from ..core import engine as core
-from ..core.engine import Engine, shard_sources
+from ..core.engine import Engine, fingerprint_verdict, shard_sources
 from ..core.view import View
 from ..errors import (CollectiveAborted, CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged,
-                      QuorumLost, RetryLimitExceeded, OutOfStep, StateLost)
+                      QuorumLost, RetryLimitExceeded, OutOfStep, StateDiverged, StateLost)
 from ..options import GroupOptions, ViewChange
 from .driver import AwaitingState, Driver
+from .fingerprints import SDC_REPEAT_CHECKS, FingerprintCheck
 from .news import GossipNews
 from .ports import Contribution, Counters, Formed, Pause, Ports, Reconciled, StateSummary
 from .stragglers import Stragglers
@@ -103,6 +104,10 @@ class WorkerLoop:
         self.aligned = True  # every member of the last view formed was at the same position
         self._before: tuple[str, ...] = ()  # the members of the view a re-formation began in
         self.agreed_reason = "init"  # why the last view formed, one value on its members (see _form)
+        self.fingerprints = FingerprintCheck(options.fingerprint_every, options.sdc_policy)
+        # The last state this worker received moved it to another step (it was behind), rather
+        # than replacing a state of its own step that went wrong (a repair: see _check_in_step).
+        self.moved_on = False
         ports.communicators.attach(lambda: self.news.abort)
         ports.collective.attach(self.contribution, self.may_overlap)
 
@@ -295,8 +300,12 @@ class WorkerLoop:
             load = gathered[rank][:2] != gathered[source][:2]
             received = yield comms.transfer(view, source // k, load, step)
             if received is not None:
-                self.step = received
+                self.step, self.moved_on = received, received != step
                 loaded, digest = True, state.digest(received)
+                if digest != gathered[source].digest:  # altered or damaged on the way: never trained on
+                    raise CollectiveAborted(f"the state received from rank {source} of view {view.id} does not "
+                                            f"match the digest it showed")
+                self.fingerprints.repaired(state)
         self._reconciles += 1  # (a restore reconciles again in the same view: a decision of its own)
         if k > 1 and not (yield from self._replica_decides(("reconcile", view.id, view.digest, self._reconciles),
                                                            True)):
@@ -489,10 +498,13 @@ class WorkerLoop:
         launches): its gradients count (``valid`` and its batch is the planned one), it sees
         a joiner waiting, it asks to stand aside."""
         engine = self.engine
+        # a fingerprint of the committed state, when due (not of a state just replaced)
+        fingerprint = self.fingerprints.take(self.state, self.step) if valid and engine.view is not None else None
         valid = valid and all(obj.batch_valid() for obj in self.state.participants("batch_valid"))
         join = engine.admits_joiner(self.driver.statuses()[0])
         aside = self.rank if self.stragglers.asking and engine.view is not None else None
-        return Contribution(valid, join, aside)
+        position = self.rank // engine.replica_size if engine.view is not None else 0
+        return Contribution(valid, join, aside, fingerprint, position)
 
     def may_overlap(self) -> bool:
         """Backward may start reducing: nothing has to happen before this step's collectives."""
@@ -556,6 +568,15 @@ class WorkerLoop:
             return False
         engine.count_success()
         verdict = driver.step_reduced(counters, bool(self.state.participants("batch_valid")))
+        repair = False
+        if verdict and (reduced.fingerprints or counters.diverged):
+            try:
+                judged = self._judge_fingerprints(reduced, counters)
+            except StateDiverged:
+                collective.discard()
+                self._end_step(False, reduced=True)
+                raise
+            repair, verdict = judged == "repair", judged == "commit"
         commit = yield from self._replica_decides(decision, verdict)
         # Completed only now: a member that leaves after deciding this step counts it done,
         # and the departure is held while this worker's replica still decides it (counted
@@ -571,16 +592,67 @@ class WorkerLoop:
         self._end_step(commit, reduced=True)
         if commit:
             self._commit()
+        elif repair and engine.state == core.RUNNING:
+            engine.restored()  # the named members take a majority member's state before the next collective
         return commit
+
+    def _judge_fingerprints(self, reduced: Counters, counters: Counters) -> str:
+        """The step's fingerprints (see ftcomm.runtime.fingerprints): ``commit`` when they
+        agree or the policy only warns, ``repair`` when the step is discarded everywhere and
+        the members whose state differs take a majority member's, ``again`` when it is
+        discarded to compare every member's (no majority among those given, and some member
+        gave none). Raises StateDiverged when
+        every member stops, or on a member named again soon after a repair (it leaves).
+        ``reduced``: the counters of this worker's reduction (with sharded replicas, of its
+        shard index's processes); ``counters``: the step's, over the view."""
+        k, view, checks = self.engine.replica_size, self.engine.view, self.fingerprints
+        shard = self.rank % k
+        divergence = fingerprint_verdict(reduced.fingerprints)
+        if divergence is None:
+            if not counters.diverged:
+                checks.agreed(self.step, reduced.fingerprints)
+                return "commit"
+            # another shard index's fingerprints differ: the step is repaired everywhere
+            return "repair" if self.options.sdc_policy == "exclude" else (
+                "commit" if self.options.sdc_policy == "warn" else self._stop_for_another_shard())
+        ids = tuple(view.members[position * k + shard] for position in divergence.named)
+        if not divergence.majority and divergence.voters < len(reduced.fingerprints):
+            # Some member gave none (its state was just replaced): its vote may decide. The
+            # step is discarded and computed again, and every member gives one then.
+            log.warning("the state fingerprints of step %d differ without a majority among the %d given (%s); "
+                        "the step is computed again to compare every member's", self.step, divergence.voters,
+                        ", ".join(ids))
+            return "again"
+        mine = self.rank // k in divergence.named
+        action = checks.diverged(divergence, self.step, ids, mine, shard if k > 1 else None, self.state)
+        if action == "leave":
+            raise StateDiverged(f"the state of this worker differed from the majority's again at step {self.step}, "
+                                f"within {SDC_REPEAT_CHECKS} checks of its repair: its hardware keeps computing wrong, so it leaves the "
+                                f"group (the others go on)", self.step, ids)
+        if action == "stop":
+            why = ("no fingerprint has a majority, so nobody can tell which state is right" if not divergence.majority
+                   else "sdc_policy='stop'")
+            raise StateDiverged(f"the training state of step {self.step} differs between members ({', '.join(ids)}); "
+                                f"{why}. The last step where every fingerprint agreed: "
+                                f"{checks.last_agreed if checks.last_agreed is not None else 'none'}; restart from a "
+                                f"checkpoint of that step or older", self.step, ids)
+        return action
+
+    def _stop_for_another_shard(self) -> str:
+        raise StateDiverged(f"the training state of step {self.step} differs between the replicas of another shard "
+                            f"index (its processes name them); sdc_policy='stop'", self.step)
 
     def _replica_verdict(self, counters: Counters) -> Step[Counters]:
         """With sharded replicas, each shard index reduced its gradient shards, and the
         step's counters with them, over its own communicator. The step commits for every
         process or for none: the counters of every shard are summed over the whole view (one
-        tiny allreduce; each shard's sum arrives once from each of its processes)."""
+        tiny allreduce; each shard's sum arrives once from each of its processes), and so is
+        the number of shard indices whose fingerprints differ (see _judge_fingerprints)."""
         replicas = self.engine.view.size // self.engine.replica_size
-        summed = yield self.ports.collective.view_sum([counters.contributors / replicas, counters.joiners / replicas])
-        return Counters(round(summed[0]), round(summed[1]), counters.asking)
+        diverged = 1.0 if fingerprint_verdict(counters.fingerprints) is not None else 0.0
+        summed = yield self.ports.collective.view_sum([counters.contributors / replicas, counters.joiners / replicas,
+                                                       diverged / replicas])
+        return Counters(round(summed[0]), round(summed[1]), counters.asking, counters.fingerprints, round(summed[2]))
 
     def _partner_failed(self) -> None:
         """The step completed here but not on another process of this sharded replica: its
@@ -713,7 +785,9 @@ class WorkerLoop:
         """OutOfStep when preparing ``what`` replaced this worker's state, or when a view
         formed since this worker's last completed operation (in this call, or before its
         first) had members that were not all at this same call."""
-        behind = replaced and not self.engine.restorable  # in a restorable view nobody has begun training
+        # In a restorable view nobody has begun training; a state replaced at this worker's own
+        # step (its own went wrong: ftcomm.runtime.fingerprints) leaves it where the others are.
+        behind = replaced and not self.engine.restorable and self.moved_on
         if behind or (self.formations > self._settled and not self.aligned):
             why = ("this worker's state was replaced by the group's newer one (it was cut off while the group went "
                    "on)" if behind else "the members of the new view are at other places of the training (a "

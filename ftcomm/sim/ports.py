@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ..core.engine import FETCH_TIMEOUT_S
+from ..core.engine import FETCH_TIMEOUT_S, FINGERPRINT_MASK
 from ..core.view import Status, View
 from ..errors import FtcommError
 from ..gossip.config import recontact_targets
@@ -203,6 +203,12 @@ class SimState:
     def signature(self) -> int:
         return 0  # every worker trains the same model
 
+    def fingerprint(self) -> int:
+        return self.value & FINGERPRINT_MASK
+
+    def tensor_fingerprints(self) -> dict[str, int]:
+        return {"state": self.value}
+
     def participants(self, hook: str) -> list[Any]:
         return []
 
@@ -369,8 +375,13 @@ class SimCollective:
 
 
 def _counters(contributions: list[Contribution]) -> Counters:
+    fingerprints: list[int | None] = [None] * len(contributions)
+    for c in contributions:
+        if c.fingerprint is not None and 0 <= c.position < len(contributions):
+            fingerprints[c.position] = c.fingerprint
     return Counters(sum(1.0 for c in contributions if c.valid), sum(1.0 for c in contributions if c.join),
-                    tuple(sorted(c.aside for c in contributions if c.aside is not None)))
+                    tuple(sorted(c.aside for c in contributions if c.aside is not None)),
+                    tuple(fingerprints) if any(f is not None for f in fingerprints) else ())
 
 
 def member_host(member_id: str, fallback: tuple[str, int]) -> tuple[str, int]:

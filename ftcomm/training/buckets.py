@@ -13,7 +13,9 @@ The last bucket ends with two counters and one flag per rank, ``[valid, join,
 aside_0 .. aside_{W-1}]``: after the allreduce they hold the number of workers whose
 gradients are valid, the number that saw a worker waiting to join (the pending-join
 flag of DESIGN §1.4), and which ranks ask to stand aside as stragglers, the same on
-every member.
+every member. Then three slots per rank for its state fingerprint in a step that compares
+them (``fingerprint_every``): 16 bits a slot plus one, so that every value is exact in
+float32 and 0 means "none"; each rank writes only its own, so the sum holds them all.
 
 After a successful reduction each float32 gradient is handed back as a view of its
 bucket, so the next backward (when the optimizer zeroes instead of freeing) writes
@@ -34,7 +36,13 @@ from ..errors import FtcommError
 from . import sharded
 
 FIRST_BUCKET_MB = 1.0  # as DDP: the gradients of the last layers go out without waiting for 25 MB
-_COUNTERS = 2  # [valid, join], then a flag per rank
+_COUNTERS = 2  # [valid, join], then a flag per rank, then FINGERPRINT_SLOTS per rank
+FINGERPRINT_SLOTS = 3  # 16 bits each: a 48-bit fingerprint
+
+
+def tail_size(world: int) -> int:
+    """Length of the counters for ``world`` members."""
+    return _COUNTERS + (1 + FINGERPRINT_SLOTS) * world
 
 
 class Suspendable:
@@ -96,7 +104,7 @@ class GradientBuckets(Suspendable):
                 n = sharded.local(p).numel()  # a sharded parameter: this process's shard
                 self._slot[id(p)] = (b, offset, n)
                 offset += n
-        self._sizes = [sum(sharded.local(p).numel() for p in g) + (_COUNTERS if b == len(self._groups) - 1 else 0)
+        self._sizes = [sum(sharded.local(p).numel() for p in g) + (tail_size(0) if b == len(self._groups) - 1 else 0)
                        for b, g in enumerate(self._groups)]  # the last: plus a flag per rank
         self._world = 0  # the world size the buffers' tail was made for
         self._flats: list[torch.Tensor] = []
@@ -169,7 +177,7 @@ class GradientBuckets(Suspendable):
                 return
             flat = self._buffers()[b]
             if b == last:
-                flat[-(_COUNTERS + self._world):] = torch.tensor(counter_values(self._contribution(valid), self._world))
+                flat[-tail_size(self._world):] = torch.tensor(counter_values(self._contribution(valid), self._world))
             self._handles.append(self._launch(flat))
 
     def finish(self, valid: bool) -> tuple[list[Handle], torch.Tensor]:
@@ -207,7 +215,7 @@ class GradientBuckets(Suspendable):
                     view.zero_()
                 self._ready[b] += 1
             self._launch_ready(valid)
-            return list(self._handles), flats[-1][-(_COUNTERS + self._world):]
+            return list(self._handles), flats[-1][-tail_size(self._world):]
 
     def hand_back(self, contributors: float) -> None:
         """Turn the sums into averages over ``contributors`` and give the gradients back."""
@@ -271,7 +279,7 @@ class GradientBuckets(Suspendable):
 
     def _buffers(self) -> list[torch.Tensor]:
         if not self._flats:
-            sizes = self._sizes[:-1] + [self._sizes[-1] + self._world]
+            sizes = self._sizes[:-1] + [self._sizes[-1] + tail_size(self._world) - tail_size(0)]
             self._flats = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in sizes]
         return self._flats
 
@@ -291,14 +299,34 @@ class GradientBuckets(Suspendable):
         return any(f.data_ptr() <= ptr < f.data_ptr() + f.numel() * f.element_size() for f in self._flats)
 
 
-def counter_values(contribution: tuple[bool, bool, int | None], world: int) -> list[float]:
-    """A worker's share of the step's counters, ``[valid, join, aside_0 .. aside_{W-1}]``,
-    from its ``(valid, join, aside)`` (see :class:`GradientBuckets`)."""
-    counts, join, aside = contribution
-    values = [1.0 if counts else 0.0, 1.0 if join else 0.0] + [0.0] * world
+def counter_values(contribution: tuple, world: int) -> list[float]:
+    """A worker's share of the step's counters, ``[valid, join, aside_0 .. aside_{W-1},
+    fingerprint slots]``, from its ``(valid, join, aside[, fingerprint, position])`` (see
+    :class:`GradientBuckets` and ``ftcomm.runtime.ports.Contribution``)."""
+    counts, join, aside, *rest = contribution
+    fingerprint, position = (rest + [None, 0])[:2]
+    values = [1.0 if counts else 0.0, 1.0 if join else 0.0] + [0.0] * (tail_size(world) - _COUNTERS)
     if aside is not None and 0 <= aside < world:
         values[_COUNTERS + aside] = 1.0
+    if fingerprint is not None and 0 <= position < world:
+        first = _COUNTERS + world + FINGERPRINT_SLOTS * position
+        for slot in range(FINGERPRINT_SLOTS):
+            values[first + slot] = float(((fingerprint >> (16 * slot)) & 0xFFFF) + 1)
     return values
+
+
+def read_counters(values: list[float]) -> tuple[float, float, tuple[int, ...], tuple[int | None, ...]]:
+    """The reduced counters (see :func:`counter_values`): contributors, joiners, the ranks
+    asking to stand aside, and each position's fingerprint (None where it gave none)."""
+    world = (len(values) - _COUNTERS) // (1 + FINGERPRINT_SLOTS)
+    asking = tuple(rank for rank, flag in enumerate(values[_COUNTERS:_COUNTERS + world]) if flag > 0.5)
+    fingerprints: list[int | None] = []
+    for position in range(world):
+        first = _COUNTERS + world + FINGERPRINT_SLOTS * position
+        slots = [round(v) for v in values[first:first + FINGERPRINT_SLOTS]]
+        valid = all(1 <= v <= 0x10000 for v in slots)
+        fingerprints.append(sum((v - 1) << (16 * i) for i, v in enumerate(slots)) if valid else None)
+    return values[0], values[1], asking, tuple(fingerprints)
 
 
 def _group(params: list[torch.Tensor], bucket_mb: float) -> list[list[torch.Tensor]]:

@@ -8,6 +8,7 @@ import msgpack
 import torch
 import xxhash
 
+from ..core.engine import FINGERPRINT_MASK
 from ..errors import StateError
 from . import plain, sharded
 
@@ -72,6 +73,21 @@ class TrainingState:
         h = xxhash.xxh3_64()
         _feed(h, self.snapshot(step))
         return h.intdigest() >> 1
+
+    def fingerprint(self) -> int:
+        """A 48-bit fingerprint of the tensors of the registered objects (the modules'
+        parameters and buffers, the optimizers' moments; this process's shards of a sharded
+        model), equal on workers holding bit-identical tensors: see :func:`tensor_sums`. The
+        objects' plain values (a sampler's position, an optimizer's hyperparameters) are
+        compared by the reconcile's digest, not here."""
+        sums = tensor_sums(self.objects)
+        return xxhash.xxh3_64_intdigest(b"".join(s.to_bytes(8, "little", signed=True) for s in sums.values())) \
+            & FINGERPRINT_MASK
+
+    def tensor_fingerprints(self) -> dict[str, int]:
+        """Each tensor's sum (see :func:`tensor_sums`), by its path (``model.0.weight``,
+        ``optimizer.state.3.exp_avg``): comparing two of these names the tensors that differ."""
+        return tensor_sums(self.objects)
 
     def signature(self) -> int:
         """A 63-bit digest of the modules' parameter names, shapes and dtypes: equal on
@@ -165,6 +181,49 @@ def _detach_from(value: Any, data: torch.Tensor) -> Any:
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def tensor_sums(objects: dict[str, Any]) -> dict[str, int]:
+    """Each tensor of the objects' state dicts (this process's shard of a sharded one), as
+    the wrap-around sum of its bytes read as 64-bit integers (32-, 16- or 8-bit words when
+    its size is no multiple of 8), by path. Summed on the tensors' device, read back in one
+    copy. Integer addition is exact and its order does not matter, so equal tensors give
+    equal sums on any device; a changed word changes the sum (one flipped bit always does),
+    but changes that cancel out (two words changed by opposite amounts, words swapped) do
+    not."""
+    paths: list[str] = []
+    sums: list[torch.Tensor] = []
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().reshape(-1)
+            if not flat.is_contiguous():
+                flat = flat.contiguous()
+            size = flat.numel() * flat.element_size()
+            word = next(d for n, d in ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+                        if size % n == 0)
+            paths.append(path)
+            sums.append(flat.view(word).sum(dtype=torch.int64) if flat.numel() else
+                        torch.zeros((), dtype=torch.int64, device=flat.device))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{path}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(f"{path}.{index}", item)
+
+    for name, obj in objects.items():
+        walk(name, sharded.to_local(obj.state_dict()))
+    if not sums:
+        return {}
+    by_device: dict[Any, list[int]] = {}
+    for index, total in enumerate(sums):
+        by_device.setdefault(total.device, []).append(index)
+    values = [0] * len(sums)
+    for indices in by_device.values():  # one copy to the host per device
+        for index, value in zip(indices, torch.stack([sums[i] for i in indices]).cpu().tolist()):
+            values[index] = value
+    return dict(zip(paths, values))
 
 
 def _feed(h: "xxhash.xxh3_64", value: Any) -> None:

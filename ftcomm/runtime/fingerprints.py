@@ -1,0 +1,116 @@
+"""Silent data corruption: the members compare fingerprints of their training state.
+
+Replicas of a data-parallel group hold bit-identical state after every committed step.
+Every ``fingerprint_every`` committed steps each member puts a 48-bit fingerprint of its
+tensors (:meth:`ftcomm.training.state.TrainingState.fingerprint`) into the next gradient
+step's counters, which every member receives reduced: one fingerprint per position (a
+rank; a replica's index with sharded replicas, whose processes of one shard index reduce
+their counters together). A fingerprint that differs from the majority's names a member
+whose state went wrong without anything failing: a flipped bit in a parameter, an
+optimizer moment, or the gradient it stepped with.
+
+What follows is ``sdc_policy``'s (see :class:`ftcomm.GroupOptions`); every member decides
+alike, from the same counters. The checks run in the step after the state they fingerprint
+was committed: a corruption is caught within ``fingerprint_every`` + 1 steps of the step
+that carried it in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from ..core.engine import Divergence
+
+log = logging.getLogger(__name__)
+
+SDC_REPEAT_CHECKS = 10
+"""A member named again within this many checks of a repair leaves the group (its
+hardware keeps computing wrong)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Corruption:
+    """One check whose fingerprints differed: the step they were of, the members named
+    (ids), the shard index with sharded replicas (None without), whether a majority agreed,
+    and, on a named member once repaired, the tensors that differed from the state it
+    received."""
+
+    step: int
+    named: tuple[str, ...]
+    shard: int | None
+    majority: bool
+    tensors: tuple[str, ...] = ()
+
+
+class FingerprintCheck:
+    """One worker's side of the comparison: when to give a fingerprint, what a divergence
+    means for it, and, on a named worker, which of its tensors were wrong."""
+
+    def __init__(self, every: int, policy: str) -> None:
+        self.every, self.policy = every, policy
+        self.found: list[Corruption] = []  # every divergence seen, oldest first
+        self.last_agreed: int | None = None  # the last step whose fingerprints all agreed
+        self._checks = 0  # checks with at least two fingerprints
+        self._named_at: int | None = None  # the check at which this worker was last named
+        self._before_repair: dict[str, int] | None = None  # its tensors' sums, until it is repaired
+
+    def due(self, step: int) -> bool:
+        """Whether the step after committed ``step`` carries a fingerprint."""
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+    def take(self, state: Any, step: int) -> int | None:
+        """This worker's fingerprint for the step after ``step``, or None when none is due."""
+        if not self.due(step) or not state.registered:
+            return None
+        return state.fingerprint()
+
+    def agreed(self, step: int, fingerprints: tuple[int | None, ...]) -> None:
+        """A check whose fingerprints were all equal."""
+        if sum(f is not None for f in fingerprints) >= 2:
+            self._checks += 1
+            self.last_agreed = step
+
+    def diverged(self, divergence: Divergence, step: int, ids: tuple[str, ...], mine: bool,
+                 shard: int | None, state: Any) -> str:
+        """A check whose fingerprints differed (``ids``: the named members, ``mine``: this
+        worker is one of them). Records it, logs it, and returns what this worker does:
+        ``commit`` (policy ``warn``), ``repair`` (the step is discarded everywhere and the
+        named members take a majority member's state), ``leave`` (this worker, named again
+        soon after a repair, leaves) or ``stop`` (every member stops)."""
+        self._checks += 1
+        self.found.append(Corruption(step, ids, shard, divergence.majority))
+        where = f" (shard {shard})" if shard is not None else ""
+        if divergence.majority:
+            log.error("silent data corruption: the state of step %d%s differs from the majority's (%d of %d "
+                      "fingerprints) on %s", step, where, divergence.voters - len(ids), divergence.voters,
+                      ", ".join(ids))
+        else:
+            log.error("silent data corruption: the states of step %d%s differ and no fingerprint has a majority "
+                      "(%s); the last step where all agreed: %s", step, where, ", ".join(ids),
+                      self.last_agreed if self.last_agreed is not None else "none")
+        if self.policy == "warn":
+            return "commit"
+        if self.policy == "stop" or not divergence.majority:
+            return "stop"
+        if mine:
+            repeated = self._named_at is not None and self._checks - self._named_at <= SDC_REPEAT_CHECKS
+            self._named_at = self._checks
+            if repeated:
+                return "leave"
+            self._before_repair = state.tensor_fingerprints()
+        return "repair"
+
+    def repaired(self, state: Any) -> None:
+        """This worker received a majority member's state after being named: say which of
+        its tensors differed from it."""
+        before, self._before_repair = self._before_repair, None
+        if before is None:
+            return
+        after = state.tensor_fingerprints()
+        wrong = tuple(path for path, value in before.items() if after.get(path) != value)
+        if self.found:
+            self.found[-1] = dataclasses.replace(self.found[-1], tensors=wrong)
+        log.error("repaired from a majority member's state: %d tensors differed (%s)", len(wrong),
+                  ", ".join(wrong[:8]) + (f" and {len(wrong) - 8} more" if len(wrong) > 8 else ""))
