@@ -4,6 +4,7 @@ kind, and agreement time after a crash by group size.
     python benchmarks/group_sim.py --seeds 10000 --replica-seeds 10000   # about an hour on 2 cores
     python benchmarks/group_sim.py --scale 8,64,256,1000  # one crash per size; about a minute
     python benchmarks/group_sim.py --starve-seeds 2000    # CPU starvation drawn too; about 10 minutes
+    python benchmarks/group_sim.py --corrupt-seeds 1000   # silent data corruption drawn too (invariant 12)
 
 Seeds: each draws the users' world and a fault schedule (see ftcomm/sim); the summary
 counts invariant violations and gives the time from when the world allowed each
@@ -102,6 +103,8 @@ def main() -> int:
                         help="also run N seeds of sharded replicas of 2 processes")
     parser.add_argument("--starve-seeds", type=int, default=0,
                         help="also run N seeds with CPU starvation drawn, plain and sharded replicas of 2")
+    parser.add_argument("--corrupt-seeds", type=int, default=0,
+                        help="also run N seeds with silent data corruption drawn, plain and sharded replicas of 2")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--baseline-seeds", type=int, default=0,
                         help="also run the first N seeds with and without on-demand stall probing")
@@ -110,6 +113,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "group_sim.json"))
     args = parser.parse_args()
     logging.getLogger("ftcomm").setLevel(logging.ERROR)  # the workers' own waits and warnings are noise here
+    logging.getLogger("ftcomm.runtime.fingerprints").setLevel(logging.CRITICAL)  # drawn corruption
     result: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
     if os.path.exists(args.out):
         with open(args.out) as f:
@@ -126,14 +130,16 @@ def main() -> int:
         summary["wall_s"] = round(time.perf_counter() - started, 1)
         result["replica_seeds"] = summary
         print(json.dumps(summary, indent=2), flush=True)
-    for name, replica_size in (("starvation_seeds", 1), ("starvation_replica_seeds", 2)):
-        if args.starve_seeds:
-            started = time.perf_counter()
-            summary = summarize(run_seeds(list(range(args.starve_seeds)), processes=args.processes,
-                                          replica_size=replica_size, starve=True))
-            summary["wall_s"] = round(time.perf_counter() - started, 1)
-            result[name] = summary
-            print(name, json.dumps(summary, indent=2), flush=True)
+    drawn = (("starvation", args.starve_seeds, {"starve": True}), ("corruption", args.corrupt_seeds, {"corrupt": True}))
+    for world, count, knob in drawn:  # plain workers, then sharded replicas of 2
+        for name, replica_size in ((f"{world}_seeds", 1), (f"{world}_replica_seeds", 2)):
+            if count:
+                started = time.perf_counter()
+                summary = summarize(run_seeds(list(range(count)), processes=args.processes,
+                                              replica_size=replica_size, **knob))
+                summary["wall_s"] = round(time.perf_counter() - started, 1)
+                result[name] = summary
+                print(name, json.dumps(summary, indent=2), flush=True)
     if args.baseline_seeds:
         # The same seeds with the driver's on-demand probing of a stalled operation off (what
         # the simulation modelled before it ran the driver's watch_stall): its gain.

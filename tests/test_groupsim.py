@@ -78,6 +78,24 @@ def test_invariant_10_fails_a_seed_that_leaves_out_a_member_starved_within_what_
     assert any(not o.ok and "invariant 10" in o.violation for o in outcomes)
 
 
+@pytest.mark.parametrize("replica_size", [1, 2])
+def test_a_state_that_goes_wrong_is_caught_and_repaired_within_fingerprint_every_steps(replica_size):
+    """Silent corruption drawn: a member's state changes without a commit, now and then the
+    same member again soon after. No member commits on a wrong state more than
+    fingerprint_every steps while most of its view holds a right one (invariant 12), and
+    every other invariant holds through the repairs and StateDiverged exits."""
+    summary = summarize(run_seeds(list(range(40)), processes=2, corrupt=True, replica_size=replica_size))
+    assert summary["violations"] == 0, summary["first_violation"]
+    assert summary["corruption"]["struck"] > 40 and summary["corruption"]["commits_on_a_wrong_state"] > 0
+
+
+def test_invariant_12_fails_seeds_whose_members_never_compare_fingerprints(monkeypatch):
+    from ftcomm.runtime.fingerprints import FingerprintCheck
+    monkeypatch.setattr(FingerprintCheck, "due", lambda self, step: False)
+    outcomes = [GroupSimulation(seed, corrupt=True).run() for seed in (5, 6, 9)]
+    assert all(not o.ok and "invariant 12" in o.violation for o in outcomes), [o.violation for o in outcomes]
+
+
 @pytest.mark.parametrize("seed, replica_size", [(1400, 1), (1000, 2)])
 def test_a_member_left_out_for_a_worse_starvation_or_a_cut_is_not_held_merely_starved(seed, replica_size):
     """Seed 1400: a member starved by 0.4 s was suspected then, and left out 1.7 s later,

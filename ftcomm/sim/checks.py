@@ -19,7 +19,12 @@ row is told so (RetryLimitExceeded); (9) a straggler stands aside only where the
 still make ``min_workers``; (10) with CPU starvation drawn, no view leaves out a member
 that was merely starved by at most ``STARVED_TOLERATED``; (11) a worker started with other
 settings than the group's never enters a view with its members, and is told so (it ends
-on ConfigMismatch).
+on ConfigMismatch); (12) with silent corruption drawn, a member whose state went wrong
+(``GroupSimulation.taint``) commits no step more than ``fingerprint_every`` steps after the
+corruption struck while most of its view (its shard index's processes) hold a state that
+did not, and a script ends on StateDiverged only after some state went wrong. A corrupted
+state is exempt from invariants 1 and 3: its commits differ from the others' by
+definition, which is what 12 bounds.
 Invariant 0 is the simulation's own: a worker's script raised what no user's script
 should see, or its loop spun without virtual time passing.
 """
@@ -41,6 +46,10 @@ def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
     state's digest advances), and invariants 1 to 4 are checked."""
     now, step = world.sim.now, w.loop.step
     key = (view.id, view.digest)
+    origin = world.taint.get(w.state.value)
+    if origin is not None:
+        _committed_wrong(world, w, view, origin)
+        return
     if w.last_view != key:  # its first commit in this view
         w.last_view = key
         first = world.view_digest.setdefault((*key, w.shard), (step - 1, w.state.value))
@@ -94,6 +103,34 @@ def committed(world: "GroupSimulation", w: "Worker", view: View) -> None:
     w.committed.append((now, step, view.id))
 
 
+def _committed_wrong(world: "GroupSimulation", w: "Worker", view: View, origin: int) -> None:
+    """``w`` commits step ``w.loop.step`` holding a state that descends from a corruption
+    struck at step ``origin``: its next state descends from it too. Invariant 12."""
+    step, every = w.loop.step, world.options.fingerprint_every
+    shard = [m for m in view.members[w.shard::world.k] if m in world.by_id]
+    healthy = sum(1 for m in shard if world.by_id[m].state.value not in world.taint)
+    if every and step > origin + every and 2 * healthy > len(shard):
+        world.violation(12, f"{w.id} commits step {step} in view {view.id} with a state that went wrong at step "
+                            f"{origin}, more than fingerprint_every={every} steps later, while {healthy} of the "
+                            f"{len(shard)} members hold a right one")
+    digest = int.from_bytes(hashlib.blake2b(f"{w.state.value}/{step}/{view.id}".encode(), digest_size=8).digest(),
+                            "big")
+    world.taint[digest] = origin
+    world.wrong_commits += 1
+    world.wrong_steps.add(step)
+    if w.committed and step <= w.committed[-1][1]:
+        world.violation(2, f"{w.id} commits step {step} after step {w.committed[-1][1]}")
+    w.last_view = (view.id, view.digest)
+    w.state.value = digest
+    w.committed.append((world.sim.now, step, view.id))
+
+
+def diverged(world: "GroupSimulation", w: "Worker", exc: BaseException) -> None:
+    """``w``'s script ended on StateDiverged: only where some state went wrong (12)."""
+    if not world.corruptions:
+        world.violation(12, f"{w.id} raised StateDiverged while no state went wrong: {exc}")
+
+
 def state_lost(world: "GroupSimulation", w: "Worker") -> None:
     """``w`` raised StateLost: no member of its view holds every shard of the newest step
     (invariant 3). Legitimate only when a replica committed that step on every shard and
@@ -144,7 +181,7 @@ def stood_aside(world: "GroupSimulation", w: "Worker") -> None:
 
 def at_end(world: "GroupSimulation") -> None:
     """Invariants 5, 6, 7 and 11 once the run is over."""
-    steps = sorted({step for step, _ in world.history})
+    steps = sorted({step for step, _ in world.history} | world.wrong_steps)
     if steps and steps != list(range(1, steps[-1] + 1)):
         missing = sorted(set(range(1, steps[-1] + 1)) - set(steps))[:5]
         world.violation(5, f"committed steps are not contiguous: missing {missing}")

@@ -22,7 +22,7 @@ from ..core import engine as core
 from ..core.engine import ANNOUNCE_LIMIT, Engine
 from ..core.view import PROTOCOL, Status, View
 from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout, GroupEnded,
-                      JoinError, QuorumLost, ReplicaLost, RetryLimitExceeded, OutOfStep, StateLost)
+                      JoinError, QuorumLost, ReplicaLost, RetryLimitExceeded, OutOfStep, StateDiverged, StateLost)
 from ..gossip.config import GossipConfig
 from ..gossip.runtime import decode_metadata, encode_metadata
 from ..gossip.sim import Simulation
@@ -146,6 +146,8 @@ class Outcome:
     first_alone: bool = False  # the workers started in turn, the first alone (GroupSimulation.first_alone)
     starvations: list = field(default_factory=list)  # (start, length, lag) of each CPU starvation drawn
     starved_excluded: list = field(default_factory=list)  # (member, lag, reason): starved ones left out of a view
+    corruptions: int = 0  # states that went wrong (``corrupt``)
+    wrong_commits: int = 0  # steps committed on a state that went wrong (invariant 12 bounds them)
 
 
 class GroupSimulation:
@@ -181,7 +183,8 @@ class GroupSimulation:
                  transfer_s: float | None = None, observe_jitter: float | None = None,
                  first_step_overlaps: bool = False, metric_read: bool = True,
                  infant: bool | None = None, in_place: bool | None = None,
-                 misconfigured: bool | None = None, model_after_init: bool | None = None) -> None:
+                 misconfigured: bool | None = None, model_after_init: bool | None = None,
+                 corrupt: bool = False) -> None:
         self.seed = seed
         # Faults strike while more than this many workers (replicas) live: 1 for drawn
         # schedules (down to one of two: the survivor goes on once the other is proven dead,
@@ -276,6 +279,18 @@ class GroupSimulation:
             self.starvations = [(when.uniform(0.0, duration * 0.8), when.uniform(1.0, 6.0),
                                  when.choice([0.01, 0.02, 0.05, 0.1, 0.2, 0.4]), when.random())
                                 for _ in range(when.randint(1, 3))]
+        # Silent data corruption (``corrupt``): a live member's state changes without a commit
+        # (a flipped bit), once to three times a run, now and then the same member again
+        # soon after (hardware that keeps computing wrong). Its fingerprint then differs from
+        # the others' (checks: invariant 12).
+        self.corrupt_rng = random.Random(f"{seed}/corrupt")
+        self.corruptions: list[tuple[float, str]] = []  # (time, member)
+        self.taint: dict[int, int] = {}  # a state value that descends from a corruption -> the step it struck at
+        self.corrupt_schedule: list[tuple[float, float, float]] = []  # (time, pick, again after; 0: not again)
+        if corrupt:
+            self.corrupt_schedule = [(self.corrupt_rng.uniform(1.0, duration * 0.8), self.corrupt_rng.random(),
+                                      self.corrupt_rng.uniform(0.3, 2.0) if self.corrupt_rng.random() < 0.3 else 0.0)
+                                     for _ in range(self.corrupt_rng.randint(1, 3))]
         self.rng = random.Random(seed)
         self.recontact_rng = random.Random(f"{seed}/recontact")  # which seeds a cut-off worker asks
         self.stop_rng = random.Random(f"{seed}/stopped")  # which hangs a launcher sees as stops (KILL_STOPPED_S)
@@ -370,19 +385,24 @@ class GroupSimulation:
         self._crashed_cache: tuple = (None, [])  # see _crash_error
         self._down_cache: tuple = (None, False)  # see _connected
         self.rolled_back = 0
+        self.wrong_commits = 0  # steps committed by a member whose state went wrong (see corrupt)
+        self.wrong_steps: set[int] = set()  # the steps they committed
         self.lost_state = 0  # steps committed again after every member that held them died or left
         self.restarting: set[str] = set()  # replicas the launcher stopped, to start again
         self.quorum_survived = True
         self.healed_at = float("-inf")  # when the latest partition or node loss healed
         for t, kind, args in self.faults:
             self.sim.at(t, lambda kind=kind, args=args: self._fault(kind, args))
+        for t, pick, again in self.corrupt_schedule:
+            self.sim.at(t, lambda pick=pick, again=again: self._corrupt(pick, again))
+        self.end_faults = max([self.end_faults] + [t + again for t, _, again in self.corrupt_schedule])
         self.sim.at(0.0, self._tick)
 
     # ------------------------------------------------------------------ workers
     def _engine(self, member: str, node: int, now: float, foreign: bool = False) -> Engine:
         replica = self.replica_of.get(node)
         min_workers = self.min_workers + foreign
-        settings = ("gloo", min_workers, None, self.options.partition_policy, PROTOCOL, self.k)
+        settings = ("gloo", min_workers, None, self.options.partition_policy, PROTOCOL, self.k, self.options.sdc_policy)
         return Engine(member, FOREIGN_CONFIG if foreign else CONFIG, min_workers=min_workers, settings=settings,
                       settle_interval=self.options.settle_interval,
                       chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6,
@@ -566,6 +586,10 @@ class GroupSimulation:
                 self._exit(w)
                 return
             except EXPECTED_ERRORS as exc:  # the script ends on it; the process exits 1
+                self._failed(w, exc)
+                return
+            except StateDiverged as exc:  # the script ends on it, where a state went wrong (checks, 12)
+                checks.diverged(self, w, exc)
                 self._failed(w, exc)
                 return
             except InvariantViolation:
@@ -946,6 +970,27 @@ class GroupSimulation:
                 w.leave_after_commit = True
             self.pending_recovery.append((now, "leave", survivors, isolated))
 
+    def _corrupt(self, pick: float, again: float, w: Worker | None = None) -> None:
+        """A member's state goes wrong without a commit (see ``corrupt``): a live member in a
+        view, with its state registered, drawn by ``pick`` (or ``w`` again); ``again``: the
+        same member's state goes wrong once more this many seconds later (0: not again)."""
+        now = self.sim.now
+        if w is None:
+            held = [x for x in self.live() if x.loop.engine.view is not None and x.state.registered and not x.hung]
+            if not held:
+                return
+            w = held[int(pick * len(held)) % len(held)]
+        elif w.crashed or w.exited or w.loop.engine.view is None:
+            return
+        value = self.corrupt_rng.getrandbits(62)
+        self.taint[value] = w.loop.step
+        w.state.value = value
+        self.corruptions.append((now, w.id))
+        self.fault_log.append((now, "corrupt", w.id))
+        self.fault_times.append(now)
+        if again:
+            self.sim.at(now + again, lambda: self._corrupt(0.0, 0.0, w))
+
     def _survivors(self, struck: set[str]) -> set[str]:
         """The live workers a fault on ``struck`` leaves, whose next commit in a newer view
         ends its recovery; a straggler standing aside is not among them: it comes back when
@@ -1311,4 +1356,4 @@ class GroupSimulation:
                        self.recovery, self.recovery_overlapping, settle, self.quorum_survived, self.rolled_back,
                        round(time.perf_counter() - started, 3), self.min_workers, dict(self.exits), self.recoveries,
                        self.started_over, self.first_alone, [w[:3] for w in self.starvations],
-                       self.starved_excluded)
+                       self.starved_excluded, len(self.corruptions), self.wrong_commits)
