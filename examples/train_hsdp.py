@@ -17,8 +17,9 @@ process of every shard index can load.
 
 Every line on stdout is a JSON object: ``init`` (``ftcomm.init`` is next), ``ready``, one ``view`` per view change, ``batch``
 for every committed step with ``--log-indices``, a ``step`` every ``--report-every``
-committed steps, ``restored`` after a checkpoint restore, and ``done`` with this
-process's shard digest. ``--plain-rank``/
+committed steps, ``restored`` after a checkpoint restore, ``corruption`` for each check
+whose state fingerprints differed (``flipped`` where ``--flip-bit-at`` flipped a bit), and
+``done`` with this process's shard digest. ``--plain-rank``/
 ``--plain-world``/``--plain-port`` run the same training as plain FSDP2 HSDP on a fixed
 ``("replicate", "shard")`` mesh instead (the baseline of benchmarks/hsdp.py).
 """
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rebuild-time", type=float, default=0.0,
                         help="extra seconds a restarted process spends building its model after init "
                              "(stands in for a large model's load)")
+    parser.add_argument("--flip-bit-at", type=int, default=None, metavar="STEP",
+                        help="testing: at committed STEP, the process of rank --flip-rank flips one bit of its "
+                             "shard of the first parameter (silent data corruption; see fingerprint_every)")
+    parser.add_argument("--flip-rank", type=int, default=1)
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     parser.add_argument("--plain-rank", type=int, default=None, help="run as plain FSDP2 HSDP, this rank")
     parser.add_argument("--plain-world", type=int, default=None)
@@ -113,10 +118,16 @@ def main(argv: list[str] | None = None) -> int:
          replica=ft.replica_rank, replicas=ft.num_replicas, restarts=restarts,
          t=time.time())
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
-    reported = 0
+    reported = found = 0
+    flip = args.flip_bit_at if restarts == 0 else None
     loss = torch.zeros(())
     while ft.step < args.steps:
         for inputs, targets in sampler.steps(loader):
+            if flip is not None and ft.step == flip and ft.rank == args.flip_rank:
+                with torch.no_grad():  # what a faulty memory cell does to one value
+                    local[0].view(-1).view(torch.int32)[0] ^= 1 << 20
+                emit(ev="flipped", step=ft.step, id=ft.id, shard=ft.shard_rank, t=time.time())
+                flip = None
             loss = F.cross_entropy(model(inputs), targets)
             loss.backward()
             if args.step_time:
@@ -130,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                 if checkpoints is not None and args.checkpoint_every and ft.step % args.checkpoint_every == 0:
                     checkpoints.save()
             optimizer.zero_grad()
+            while found < len(ft.corruptions):
+                emit(ev="corruption", **dataclasses.asdict(ft.corruptions[found]))
+                found += 1
             while reported < len(ft.events):
                 emit(ev="view", shard=ft.shard_rank, t=time.time(), **dataclasses.asdict(ft.events[reported]))
                 reported += 1
@@ -141,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if checkpoints is not None:
         checkpoints.close()
     emit(ev="done", id=ft.id, step=ft.step, rank=ft.rank, world=ft.world_size, shard=ft.shard_rank,
-         digest=ft.state.digest(ft.step), views=len(ft.events), loss=round(loss.item(), 5), t=time.time())
+         digest=ft.state.digest(ft.step), views=len(ft.events), loss=round(loss.item(), 5),
+         corruptions=[dataclasses.asdict(c) for c in ft.corruptions], t=time.time())
     ft.shutdown()
     return 0
 

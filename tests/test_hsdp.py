@@ -285,6 +285,28 @@ def test_a_restarted_replica_that_builds_its_model_late_does_not_pause_the_other
         assert len({d["digest"] for d in done if d["shard"] == shard}) == 1, f"shard {shard} ends with two states"
 
 
+def test_a_bit_flipped_in_one_replica_s_shard_is_caught_by_that_shard_index_and_repaired():
+    """Three replicas of two: at step 20 the process of rank 3 (replica 1, shard 1) flips a
+    bit of its shard of the first parameter. The fingerprints of shard 1's processes (one
+    per replica) name it at the next check, every process discards the step, it takes
+    shard 1 from a majority replica, and the job ends with one state per shard and every
+    sample trained on once."""
+    steps = 40
+    job = Job(steps, "--flip-bit-at", "20", "--flip-rank", "3", env={"FTCOMM_FINGERPRINT_EVERY": "5"})
+    try:
+        assert job.finish() == 0, "".join(job.log[-60:])
+    finally:
+        job.finish(30)
+    (flipped,) = job.of("flipped")
+    assert flipped["shard"] == 1
+    found = job.of("corruption")
+    assert len(found) == REPLICAS and {e["shard"] for e in found} == {1}  # shard 1's processes, one per replica
+    assert all(e["named"] == [flipped["id"]] and e["majority"] and e["step"] == 20 for e in found), found
+    (victim,) = [d for d in job.of("done") if d["id"] == flipped["id"]]
+    assert [c["tensors"] for c in victim["corruptions"]] == [["model.0.weight"]], victim["corruptions"]
+    assert_per_shard_invariants(job, steps)
+
+
 def test_a_hung_process_of_a_replica_releases_its_partner_within_seconds_not_after_init_timeout():
     """Two replicas of two; the launcher leaves stopped processes alone (--kill-stopped-after
     off), so a SIGSTOP is a hang as a stuck kernel or a dead NIC makes one: torch's
