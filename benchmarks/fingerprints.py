@@ -1,7 +1,7 @@
-"""The cost of comparing state fingerprints (``fingerprint_every``) against none, in the same run.
+"""Silent-corruption checks: the cost of fingerprints (``fingerprint_every``) against none in one run; a caught flip.
 
     python benchmarks/fingerprints.py [--rounds 3] [--steps 200] [--every 0,1,10,100]
-                                      [--only plain,sharded]
+                                      [--only plain,sharded,timeline]
 
 *Plain*: 2 processes on 127.0.0.1 train a 10-layer 1024-wide MLP (10.5M parameters) with
 Adam (so a fingerprint reads 31.5M float32 values: parameters and both moments), batch
@@ -16,6 +16,13 @@ apart in the same processes.
 --nproc-per-node 4 --replica-size 2``, FSDP2 on Gloo, hidden 1024, Adam), one run per
 setting in turn (``FTCOMM_FINGERPRINT_EVERY``), ``--rounds`` times: the median step time
 of rank 0 over steps 10 to the end.
+
+*Timeline*: 3 replicas of 2 processes (hidden 256, 0.03 s of extra work per step),
+``fingerprint_every`` 10; at committed step 40 the process of rank 3 (replica 1, shard 1)
+flips one bit of its shard of the first parameter. Reported: the step whose check named
+it and the seconds from the flip to that check, from the check to the next committed
+step, the tensors the repaired process found wrong, and whether every shard ends with
+one state.
 """
 
 from __future__ import annotations
@@ -127,6 +134,25 @@ def sharded(args: argparse.Namespace, every: list[int]) -> dict:
                           "change_vs_none": round(statistics.median(times[e]) / base - 1, 4)} for e in every]}
 
 
+def timeline(args: argparse.Namespace, every: list[int]) -> dict:
+    job = Job([sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "6", "--replica-size", "2",
+               "--fingerprint-every", "10", EXAMPLE, "--steps", "80", "--min-workers", "2", "--step-time", "0.03",
+               "--report-every", "1", "--flip-bit-at", "40", "--flip-rank", "3"])
+    job.process.wait(600)
+    job.stop()
+    (flipped_at, flipped), = job.of("flipped")
+    named_at, named = min(job.of("corruption"), key=lambda te: te[0])
+    after = min(t for t, e in job.of("step") if t > named_at and e["step"] > named["step"])
+    done = [e for _, e in job.of("done")]
+    victim = next(e for e in done if e["id"] == flipped["id"])
+    return {"replicas": 3, "replica_size": 2, "fingerprint_every": 10, "flipped_at_step": flipped["step"],
+            "named_at_step": named["step"], "named_members": named["named"], "shard": named["shard"],
+            "flip_to_named_s": round(named_at - flipped_at, 3), "named_to_next_commit_s": round(after - named_at, 3),
+            "tensors_found_wrong": victim["corruptions"][0]["tensors"] if victim["corruptions"] else None,
+            "one_state_per_shard": all(len({e["digest"] for e in done if e["shard"] == s}) == 1 for s in (0, 1)),
+            "finished": len(done)}
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         rank, world, port, steps, rounds = map(int, sys.argv[2:7])
@@ -137,18 +163,20 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--every", default="0,1,10,100")
-    parser.add_argument("--only", default="plain,sharded")
+    parser.add_argument("--only", default="plain,sharded,timeline")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "fingerprints.json"))
     args = parser.parse_args()
     every = sorted({int(e) for e in args.every.split(",")} | {0})
-    report = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-              "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "steps": args.steps}
-    if "plain" in args.only:
-        report["plain"] = plain(args, every)
-        print(json.dumps(report["plain"]), flush=True)
-    if "sharded" in args.only:
-        report["sharded"] = sharded(args, every)
-        print(json.dumps(report["sharded"]), flush=True)
+    report: dict = {}
+    if os.path.exists(args.out):  # the parts not run this time are kept
+        with open(args.out) as f:
+            report = json.load(f)
+    report.update({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()})
+    for part, run in (("plain", plain), ("sharded", sharded), ("timeline", timeline)):
+        if part in args.only:
+            report[part] = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "steps": args.steps,
+                            **run(args, every)}
+            print(json.dumps(report[part]), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     return 0

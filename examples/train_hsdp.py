@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     checkpoints.save()
             optimizer.zero_grad()
             while found < len(ft.corruptions):
-                emit(ev="corruption", **dataclasses.asdict(ft.corruptions[found]))
+                emit(ev="corruption", t=time.time(), **dataclasses.asdict(ft.corruptions[found]))
                 found += 1
             while reported < len(ft.events):
                 emit(ev="view", shard=ft.shard_rank, t=time.time(), **dataclasses.asdict(ft.events[reported]))

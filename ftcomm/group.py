@@ -108,6 +108,7 @@ class FaultTolerantGroup:
         ports = Ports(SystemClock(), membership, StoreProposals(rendezvous), TcpProber(), comms, collective,
                       RegisteredState(self.state))
         self._loop = loop = WorkerLoop(engine, ports, opts, self._stragglers)
+        loop.on_diverged = self._discard_after
         # The agreement waits on news; this worker's own record counts as news, since reading
         # it back may complete the agreement (statuses come from gossip's table).
         membership.on_published = loop.news.changed.set
@@ -347,6 +348,16 @@ class FaultTolerantGroup:
         an older checkpoint never replaces it."""
         held = self._left_keeper is not None and self.step == self._left_step
         return self.step if held else None
+
+    def _discard_after(self, step: int) -> None:
+        """This worker's state was named wrong, or nobody's could be told right (see
+        ``fingerprint_every``): the checkpoints its host's writer made after ``step``, the
+        last step whose fingerprints agreed, may hold a wrong state, and go."""
+        for checkpointer in [c for c in list(self._keepers) if not c.closed]:
+            try:
+                checkpointer.discard_after(step)
+            except Exception as failure:  # noqa: BLE001 - the verdict is what the caller must see
+                log.warning("could not delete the checkpoints after step %d: %s", step, failure)
 
     def _left_checkpointer(self) -> Any:
         """A FlashCheckpointer of the job under which a member that lost the quorum keeps its

@@ -206,3 +206,94 @@ def test_a_check_is_due_every_n_committed_steps_and_off_at_zero():
     check = FingerprintCheck(10, "exclude")
     assert [s for s in range(35) if check.due(s)] == [10, 20, 30]
     assert not any(FingerprintCheck(0, "exclude").due(s) for s in range(100))
+
+
+def test_a_state_damaged_on_its_way_to_a_joiner_is_never_trained_on(monkeypatch, caplog):
+    """The first state a joiner receives has one bit flipped after it arrived (on the wire,
+    or in the joiner's memory while it was loaded): its digest is not the one the source
+    showed, so the reconcile fails and the view is agreed again; the next transfer is
+    whole, and the joiner trains on the group's state."""
+    from ftcomm.training.state import TrainingState
+    from tests.test_group_threads import join_running
+
+    unpack = TrainingState.unpack
+    damaged = []
+
+    def unpack_and_damage(self, manifest, data):
+        step = unpack(self, manifest, data)
+        if not damaged:
+            damaged.append(step)
+            flip_bit(self.objects["model"][0].weight)
+        return step
+    with members(2) as (groups, models, optimizers):
+        train(groups, models, optimizers, 3)
+        joiner = join_running(groups)
+        try:
+            monkeypatch.setattr(TrainingState, "unpack", unpack_and_damage)
+            everyone = [*groups, joiner]
+
+            def run(i: int, g) -> None:
+                if g is joiner:  # registered while the others train: it is let in at a step boundary
+                    (model,), (optimizer,) = models_for([joiner], seed=1)
+                    models.append(model)
+                    optimizers.append(optimizer)
+                    train_one(g, model, optimizer, 30)
+                else:
+                    train_one(g, models[i], optimizers[i], 30)
+            with caplog.at_level("WARNING"):
+                in_threads(everyone, run)
+            assert damaged, "no state was received"
+            assert "does not match the digest it showed" in caplog.text
+            assert len({g.state.digest(g.step) for g in everyone}) == 1 and joiner.step == 30
+        finally:
+            joiner.shutdown()
+
+
+def test_ftcomm_members_and_the_status_record_show_a_member_whose_state_was_named():
+    from ftcomm.core.view import StatusRecord
+    from ftcomm.gossip.runtime import Member
+    from ftcomm.ops.cli import _member_table
+
+    record = StatusRecord("active", 3, None, 1.0, "cf", 40, 5000, diverged=(2, 30)).encode()
+    assert record["sd"] == [2, 30] and "sd" not in StatusRecord("active", 3, None, 1.0, "cf", 40, 5000).encode()
+    table = _member_table([Member("a:1/x", "a", 1, "alive", 0, record),
+                           Member("b:1/x", "b", 1, "alive", 0, {**record, "sd": ["\x1b[2J", 1]})])
+    rows = {line.split()[0]: line for line in table.splitlines()[1:3]}
+    assert "state_diverged=2x!(step 30)" in rows["a:1/x"] and "state_diverged" not in rows["b:1/x"]
+    assert table.splitlines()[-1].startswith("! state_diverged") and "\x1b" not in table
+
+
+def test_checkpoints_made_after_the_last_step_all_agreed_are_not_restored_once_nobody_can_tell_who_is_right(
+        tmp_path):
+    """Two members checkpoint every step; at step 5 one member's bias has a bit flipped; the
+    check of step 6 finds the two fingerprints apart and nobody can tell which is right:
+    both raise StateDiverged, and the writers delete their checkpoints after step 4, the
+    last step whose fingerprints agreed, so a restart restores step 4."""
+    from ftcomm.training.checkpoint import FlashCheckpointer
+    from ftcomm.training.checkpoint_files import steps_in
+
+    name = f"test-sdc-{tmp_path.name[-12:]}"
+    with members(2) as (groups, models, optimizers):
+        checkpoints = [FlashCheckpointer(g, tmp_path / f"dir{i}", keep=10, name=name, shm_root=tmp_path / f"shm{i}")
+                       for i, g in enumerate(groups)]
+        for c in checkpoints:
+            c.is_writer = lambda: True  # two hosts: each member writes its own copies
+
+        def run(i: int, g):
+            def corrupt(g, where: str) -> None:
+                if where == "state" and i == 0 and g.step == 5 and not getattr(g, "_flipped", False):
+                    g._flipped = True
+                    flip_bit(models[0][0].bias, index=1)
+            try:
+                while g.step < 8:
+                    train_one(g, models[i], optimizers[i], g.step + 1, corrupt)
+                    checkpoints[i].save()
+            except ftcomm.StateDiverged as exc:
+                checkpoints[i].wait()
+                return exc
+        outcomes = in_threads(groups, run)
+        assert all(isinstance(o, ftcomm.StateDiverged) for o in outcomes), outcomes
+        for c in checkpoints:
+            assert c.available() == [4, 3, 2, 1]
+            assert steps_in(c.directory) == [4, 3, 2, 1]
+            c.close()

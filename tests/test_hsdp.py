@@ -291,12 +291,17 @@ def test_a_bit_flipped_in_one_replica_s_shard_is_caught_by_that_shard_index_and_
     per replica) name it at the next check, every process discards the step, it takes
     shard 1 from a majority replica, and the job ends with one state per shard and every
     sample trained on once."""
-    steps = 40
-    job = Job(steps, "--flip-bit-at", "20", "--flip-rank", "3", env={"FTCOMM_FINGERPRINT_EVERY": "5"})
+    steps = 60
+    job = Job(steps, command=[sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", str(REPLICAS * SHARDS),
+                              "--replica-size", str(SHARDS), "--status-interval", "0.5", "--fingerprint-every", "5",
+                              EXAMPLE, "--steps", str(steps), "--min-workers", "2", "--step-time", "0.03",
+                              "--report-every", "10", "--log-indices", "--flip-bit-at", "20", "--flip-rank", "3"])
     try:
         assert job.finish() == 0, "".join(job.log[-60:])
     finally:
         job.finish(30)
+    # the launcher's status line names it once the member published it
+    assert "1 named for silent data corruption (last at step 20)" in "".join(job.log), "".join(job.log[-30:])
     (flipped,) = job.of("flipped")
     assert flipped["shard"] == 1
     found = job.of("corruption")

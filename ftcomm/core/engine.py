@@ -333,6 +333,7 @@ class Engine:
     insecure: bool = False  # started without a secret on a reachable address
     replica: tuple[str, int, int] | None = None  # a sharded replica's process: (replica key, shard rank, size)
     view_reason: str | None = None  # why the current view formed (init, crash, join, ...): published, for operators
+    diverged: tuple[int, int] | None = None  # times this member's state was named wrong, the last step: published
     _announced_at: float = float("-inf")  # see _announce_waiting
     _announce_after: float = 0.0
     _recontacted_at: float = float("-inf")
@@ -451,7 +452,7 @@ class Engine:
                             self.rendezvous_port, self.floor, self.settings,
                             (named.id, ops) if named is not None and self.state == LEAVING else None,
                             self.insecure, named.digest if named is not None else None, compute_s, self.benched,
-                            self.aside, self.witnessed, self.holding, self.replica, self.view_reason)
+                            self.aside, self.witnessed, self.holding, self.replica, self.view_reason, self.diverged)
 
     def broken(self) -> list[Action]:
         """Re-agree: the view (the one being reconciled, or run) can no longer be used, or is

@@ -205,6 +205,7 @@ class StatusRecord:
     holding: bool = False  # a joiner that founds no group (Engine._may_found): reads as standing aside
     replica: tuple[str, int, int] | None = None  # see Status.replica
     view_reason: str | None = None  # why its current view formed (shown by ftcomm members and ftcomm run)
+    diverged: tuple[int, int] | None = None  # times its state fingerprint was named, and the last step it was
 
     def encode(self) -> dict:
         meta = {"ph": self.phase, "cv": self.current_view, "jt": self.joined_at, "cf": self.config, "st": self.step,
@@ -235,6 +236,8 @@ class StatusRecord:
             meta["rp"] = list(self.replica)
         if self.view_reason is not None:
             meta["vr"] = self.view_reason[:16]
+        if self.diverged is not None:
+            meta["sd"] = list(self.diverged)
         return meta
 
 

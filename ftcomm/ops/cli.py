@@ -86,8 +86,13 @@ def _member_table(members: list, previous: tuple[float, dict[str, int]] | None =
     slow = slow_members(compute, GroupOptions.straggler_factor)
     header = ["ID", "ADDRESS", "STATE", "INC", "STEP", "COMPUTE"] + (["STEPS/S"] if previous else []) + ["METADATA"]
     rows = [header]
+    named = 0
     for m in sorted(members, key=lambda m: m.id):
         meta = dict(m.metadata)
+        diverged = meta.pop("sd", None)  # its state fingerprint was named: (times, last step)
+        if isinstance(diverged, list) and len(diverged) == 2 and all(type(v) is int for v in diverged):
+            meta["state_diverged"] = f"{diverged[0]}x!(step {diverged[1]})"
+            named += 1
         step = meta.pop("st", None)  # a training worker's committed step
         step = meta.pop("step", "-") if step is None else step
         ct = meta.pop("ct", None)
@@ -104,6 +109,9 @@ def _member_table(members: list, previous: tuple[float, dict[str, int]] | None =
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows]
     if slow:
         lines.append(f"* straggler: compute time per step above {GroupOptions.straggler_factor:g}x the others' median")
+    if named:
+        lines.append("! state_diverged: the member's state fingerprint differed from the other replicas' (silent "
+                     "data corruption; see fingerprint_every): suspect its host's memory or GPU")
     return "\n".join(lines)
 
 

@@ -1156,11 +1156,15 @@ class _StatusLine:
         in_view = sum(1 for r in newest if r.get("ph") == "active")
         left = sum(max(0, launcher.config.max_restarts - w.restarts) for w in launcher.workers
                    if w.status not in ("failed", "finished", "stopped"))
+        diverged = [r["sd"] for r in records if isinstance(r.get("sd"), list) and len(r["sd"]) == 2
+                    and all(type(v) is int for v in r["sd"])]
         return (f"{len(live)} members ({local} local, {in_view} in the view), step {step}"
                 + (f", {rate:.1f} steps/s" if rate is not None else "")
                 + f", view {view}" + (f" ({reason}, {now - self._view[1]:.0f} s ago)" if reason else
                                        f" (for {now - self._view[1]:.0f} s)")
-                + f", restarts left {left}")
+                + f", restarts left {left}"
+                + (f", {len(diverged)} named for silent data corruption (last at step {max(s for _, s in diverged)})"
+                   if diverged else ""))
 
     def _changed(self, view: int, reason: str | None, members: frozenset[str], live: set[str]) -> None:
         """One line per view change seen (views that came and went between two readings are

@@ -66,9 +66,12 @@ class FingerprintCheck:
             return None
         return state.fingerprint()
 
-    def agreed(self, step: int, fingerprints: tuple[int | None, ...]) -> None:
-        """A check whose fingerprints were all equal."""
-        if sum(f is not None for f in fingerprints) >= 2:
+    def agreed(self, step: int, fingerprints: tuple[int | None, ...] | None = None) -> None:
+        """A check whose fingerprints were all equal, or (``fingerprints`` None) a reconcile
+        that left every member with one state at ``step``."""
+        if fingerprints is None:
+            self.last_agreed = step
+        elif sum(f is not None for f in fingerprints) >= 2:
             self._checks += 1
             self.last_agreed = step
 

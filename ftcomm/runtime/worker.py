@@ -108,6 +108,9 @@ class WorkerLoop:
         # The last state this worker received moved it to another step (it was behind), rather
         # than replacing a state of its own step that went wrong (a repair: see _check_in_step).
         self.moved_on = False
+        self.on_diverged: Callable[[int], None] = lambda step: None
+        """Called with the last step whose fingerprints agreed when this worker's state was
+        named wrong, or nobody's could be told right: its checkpoints after it go."""
         ports.communicators.attach(lambda: self.news.abort)
         ports.collective.attach(self.contribution, self.may_overlap)
 
@@ -303,8 +306,9 @@ class WorkerLoop:
                 self.step, self.moved_on = received, received != step
                 loaded, digest = True, state.digest(received)
                 if digest != gathered[source].digest:  # altered or damaged on the way: never trained on
-                    raise CollectiveAborted(f"the state received from rank {source} of view {view.id} does not "
-                                            f"match the digest it showed")
+                    text = f"the state received from rank {source} of view {view.id} does not match the digest it showed"
+                    log.warning("%s: discarded, the view is agreed again", text)
+                    raise CollectiveAborted(text)
                 self.fingerprints.repaired(state)
         self._reconciles += 1  # (a restore reconciles again in the same view: a decision of its own)
         if k > 1 and not (yield from self._replica_decides(("reconcile", view.id, view.digest, self._reconciles),
@@ -476,6 +480,7 @@ class WorkerLoop:
         the batch-size / learning-rate policies adapt to the view (same state, same result)."""
         if not self.state.registered or not self.events:
             return
+        self.fingerprints.agreed(self.step)  # every member holds this state now
         policy: dict = {}
         for obj in self.state.participants("view_changed"):
             policy.update(obj.view_changed(self.rank, self.engine.view.size, self.step) or {})
@@ -625,6 +630,10 @@ class WorkerLoop:
             return "again"
         mine = self.rank // k in divergence.named
         action = checks.diverged(divergence, self.step, ids, mine, shard if k > 1 else None, self.state)
+        if mine:  # published with the next record: ftcomm members and the launcher's status line show it
+            self.engine.diverged = ((self.engine.diverged or (0, 0))[0] + 1, self.step)
+        if (mine and action != "commit") or (action == "stop" and not divergence.majority):
+            self.on_diverged(checks.last_agreed if checks.last_agreed is not None else 0)
         if action == "leave":
             raise StateDiverged(f"the state of this worker differed from the majority's again at step {self.step}, "
                                 f"within {SDC_REPEAT_CHECKS} checks of its repair: its hardware keeps computing wrong, so it leaves the "

@@ -303,6 +303,33 @@ class FlashCheckpointer:
             if discard and not any(s.busy for s in self._slots) and files.discard_if_unused(self.shm):
                 log.info("removed the shared-memory checkpoints in %s", self.shm)
 
+    def discard_after(self, step: int) -> list[int]:
+        """The state of the steps after ``step`` may have gone wrong unnoticed (fingerprints
+        that differed: see ``GroupOptions.fingerprint_every``): when this member is its
+        host's writer, delete its checkpoints of those steps, in shared memory and in the
+        directory, so that no restore loads them (a restore then takes ``step`` or older).
+        Waits for the writes under way first (at most ``write_timeout``); the checkpointer
+        stays open. The steps deleted, newest first; none on a member that does not write
+        (its host's copies are the writer's, whose state may be right)."""
+        if not self.is_writer():
+            return []
+        try:
+            self.wait()
+        except FtcommError as exc:  # an earlier write's failure: what was published is checked all the same
+            log.warning("deleting the checkpoints after step %d: %s", step, exc)
+        dropped: set[int] = set()
+        for place in (self.shm, self.directory):
+            later = [s for s in files.steps_in(place) if s > step]
+            with self._cond:
+                own = {s.path.name: s for s in self._slots if not s.busy} if place == self.shm else {}
+            for s in later:
+                self._delete(place, s, own.get(files.file_name(s, "data")))
+                dropped.add(s)
+        if dropped:
+            log.error("deleted the checkpoints of steps %s of job %r: their state may have gone wrong (the last step "
+                      "whose fingerprints agreed is %d)", sorted(dropped, reverse=True), self.job, step)
+        return sorted(dropped, reverse=True)
+
     def _raise_failure(self) -> None:
         error, self._error = self._error, None
         if error is not None:
