@@ -105,8 +105,9 @@ class GroupOptions:
 
     fingerprint_every: int = 10
     """Every this many committed steps the members compare fingerprints of their training
-    state (a 48-bit hash of a wrap-around integer sum over each tensor of the registered
-    modules and optimizers, taken on the tensors' device), carried in the gradient step's
+    state (a 48-bit hash of a wrap-around integer sum over each parameter of the registered
+    modules and each tensor of the optimizers' state, taken on the tensors' device; buffers
+    are left out: they may differ by rank), carried in the gradient step's
     counters: no collective of its own. Replicas hold bit-identical state, so a member whose
     fingerprint differs from the majority's computes wrong without crashing (a flipped bit
     in memory or in a reduction: silent data corruption) and is named; ``sdc_policy`` says

@@ -297,3 +297,21 @@ def test_checkpoints_made_after_the_last_step_all_agreed_are_not_restored_once_n
             assert c.available() == [4, 3, 2, 1]
             assert steps_in(c.directory) == [4, 3, 2, 1]
             c.close()
+
+
+def test_buffers_that_differ_by_rank_are_no_corruption():
+    """A batch norm's running statistics come from each member's own batches, so they
+    differ by rank (ftcomm averages gradients, not buffers): the fingerprints leave buffers
+    out, and three members train 12 steps, checked every 2, with no member named."""
+    with members(3) as (groups, _, _):
+        models, optimizers = [], []
+        for g in groups:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3))
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+            g.register_state(model=model, optimizer=optimizer)
+            models.append(model)
+            optimizers.append(optimizer)
+        train(groups, models, optimizers, 12)
+        assert not any(g.corruptions for g in groups) and [g.step for g in groups] == [12] * 3
+        assert len({m[1].running_mean.sum().item() for m in models}) == 3  # the buffers do differ

@@ -75,11 +75,10 @@ class TrainingState:
         return h.intdigest() >> 1
 
     def fingerprint(self) -> int:
-        """A 48-bit fingerprint of the tensors of the registered objects (the modules'
-        parameters and buffers, the optimizers' moments; this process's shards of a sharded
-        model), equal on workers holding bit-identical tensors: see :func:`tensor_sums`. The
-        objects' plain values (a sampler's position, an optimizer's hyperparameters) are
-        compared by the reconcile's digest, not here."""
+        """A 48-bit fingerprint of the registered modules' parameters and the optimizers'
+        state (this process's shards of a sharded model), equal on workers holding
+        bit-identical tensors: see :func:`tensor_sums` for what is left out (buffers, other
+        objects, plain values: the reconcile's digest compares those)."""
         sums = tensor_sums(self.objects)
         return xxhash.xxh3_64_intdigest(b"".join(s.to_bytes(8, "little", signed=True) for s in sums.values())) \
             & FINGERPRINT_MASK
@@ -184,19 +183,27 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def tensor_sums(objects: dict[str, Any]) -> dict[str, int]:
-    """Each tensor of the objects' state dicts (this process's shard of a sharded one), as
-    the wrap-around sum of its bytes read as 64-bit integers (32-, 16- or 8-bit words when
-    its size is no multiple of 8), by path. Summed on the tensors' device, read back in one
-    copy. Integer addition is exact and its order does not matter, so equal tensors give
-    equal sums on any device; a changed word changes the sum (one flipped bit always does),
-    but changes that cancel out (two words changed by opposite amounts, words swapped) do
-    not."""
+    """Each parameter of the registered modules and each tensor of the registered
+    optimizers' state (this process's shard of a sharded one), as the wrap-around sum of its
+    bytes read as 64-bit integers (32-, 16- or 8-bit words when its size is no multiple of
+    8), by path (``model.0.weight``, ``optimizer.state.3.exp_avg``). Summed on the tensors'
+    device, read back in one copy per device. Integer addition is exact and its order does
+    not matter, so equal tensors give equal sums on any device; a changed word changes the
+    sum (one flipped bit always does), but changes that cancel out (two words changed by
+    opposite amounts, words swapped) do not.
+
+    Only what replicas hold bit for bit: the modules' buffers (a batch norm's running
+    statistics, computed from each replica's own batches) and other registered objects
+    (a sampler, a scheduler, extras that may differ by rank) are left out; the reconcile's
+    digest covers them when a view forms. Sparse tensors are left out too."""
     paths: list[str] = []
     sums: list[torch.Tensor] = []
 
     def walk(path: str, value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            flat = value.detach().reshape(-1)
+            if value.layout != torch.strided:
+                return
+            flat = sharded.local(value).detach().reshape(-1)
             if not flat.is_contiguous():
                 flat = flat.contiguous()
             size = flat.numel() * flat.element_size()
@@ -213,7 +220,11 @@ def tensor_sums(objects: dict[str, Any]) -> dict[str, int]:
                 walk(f"{path}.{index}", item)
 
     for name, obj in objects.items():
-        walk(name, sharded.to_local(obj.state_dict()))
+        if isinstance(obj, torch.nn.Module):
+            for key, parameter in obj.named_parameters():
+                walk(f"{name}.{key}", parameter)
+        elif isinstance(obj, torch.optim.Optimizer):
+            walk(f"{name}.state", obj.state_dict()["state"])
     if not sums:
         return {}
     by_device: dict[Any, list[int]] = {}
