@@ -118,6 +118,8 @@ def _committed_wrong(world: "GroupSimulation", w: "Worker", view: View, origin: 
     world.taint[digest] = origin
     world.wrong_commits += 1
     world.wrong_steps.add(step)
+    world.whole.setdefault(step, collections.defaultdict(set))[w.replica[0] if w.replica is not None else w.id].add(
+        w.shard)  # a replica committed the step (see state_lost), whatever state one of its shards holds
     if w.committed and step <= w.committed[-1][1]:
         world.violation(2, f"{w.id} commits step {step} after step {w.committed[-1][1]}")
     w.last_view = (view.id, view.digest)
