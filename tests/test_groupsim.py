@@ -89,6 +89,21 @@ def test_a_state_that_goes_wrong_is_caught_and_repaired_within_fingerprint_every
     assert summary["corruption"]["struck"] > 40 and summary["corruption"]["commits_on_a_wrong_state"] > 0
 
 
+@pytest.mark.parametrize("seed, replica_size", [(172, 1), (960, 2)])
+def test_seeds_that_found_a_repair_taken_for_falling_behind_and_a_wrong_commit_left_out_of_its_replica(
+        seed, replica_size):
+    """Seed 172: a member repaired inside the metric call before the step took the repair
+    for having fallen behind and skipped the call the others ran (every member then waited
+    in another collective for good); a state replaced at the member's own step is not
+    behind. Seed 960 (replicas): a replica whose shard 0 committed step 27 on a wrong state
+    was read as a replica that committed it on some processes only, so the StateLost that
+    followed its loss seemed a violation (the checker's, not the loop's)."""
+    world = GroupSimulation(seed, corrupt=True, replica_size=replica_size)
+    outcome = world.run()
+    assert outcome.ok, outcome.violation
+    assert outcome.corruptions and outcome.wrong_commits
+
+
 def test_invariant_12_fails_seeds_whose_members_never_compare_fingerprints(monkeypatch):
     from ftcomm.runtime.fingerprints import FingerprintCheck
     monkeypatch.setattr(FingerprintCheck, "due", lambda self, step: False)
