@@ -67,15 +67,16 @@ class StateLost(FtcommError):
 class StateDiverged(FtcommError):
     """The training state's fingerprints differ between members (``fingerprint_every``):
     silent data corruption. Raised on a member named again soon after a repair (its hardware
-    keeps computing wrong: it leaves the group), on every member under ``sdc_policy='stop'``,
-    and on every member when no fingerprint has a majority (nobody can tell which state is
-    right: restart from a checkpoint of the last step where all agreed, which the message
-    names). ``step`` is the step the fingerprints were of; ``named`` the members whose state
-    differed (all of them without a majority)."""
+    keeps computing wrong: it has left the group when this reaches the script, ``leaves``),
+    on every member under ``sdc_policy='stop'``, and on every member when no fingerprint has
+    a majority (nobody can tell which state is right: restart from a checkpoint of the last
+    step where all agreed, which the message names). ``step`` is the step the fingerprints
+    were of; ``named`` the members whose state differed (all of them without a majority;
+    with sharded replicas, empty on the processes of the shard indices that agreed)."""
 
-    def __init__(self, message: str, step: int = 0, named: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, step: int = 0, named: tuple[str, ...] = (), leaves: bool = False) -> None:
         super().__init__(message)
-        self.step, self.named = step, named
+        self.step, self.named, self.leaves = step, named, leaves
 
 
 class RetryLimitExceeded(FtcommError):

@@ -30,7 +30,8 @@ from .backends import communicator_class
 from .core import engine as core
 from .core.engine import Engine
 from .core.view import PROTOCOL, View
-from .errors import CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, NotInView, QuorumLost, ReplicaLost
+from .errors import (CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, NotInView, QuorumLost,
+                     ReplicaLost, StateDiverged)
 from .gossip import GossipNode
 from .gossip.runtime import parse_address
 from .ops import netcheck
@@ -78,7 +79,7 @@ class FaultTolerantGroup:
         size = replica[0]
         self.settings = {"backend": backend, "min_workers": min_workers, "max_workers": max_workers,
                          "partition_policy": opts.partition_policy, "protocol": PROTOCOL, "replica_size": size,
-                         "sdc_policy": opts.sdc_policy}
+                         "sdc_policy": opts.sdc_policy, "fingerprint_every": opts.fingerprint_every}
         self._config = hashlib.blake2b(json.dumps(self.settings, sort_keys=True).encode(), digest_size=4).hexdigest()
         self.state = TrainingState()
         self.network_report: NetworkReport | None = None  # GroupOptions.network_check
@@ -399,11 +400,17 @@ class FaultTolerantGroup:
     def _at_boundary(self, phase: Any) -> Any:
         """Run ``phase``, begun with the registered state at the committed step (between
         steps, or in the gradient path before the optimizer steps), and keep that state in
-        the checkpoints before a QuorumLost leaves the group (see _leave_with_state)."""
+        the checkpoints before a QuorumLost leaves the group (see _leave_with_state). A worker
+        whose state was named wrong again soon after a repair leaves the group before its
+        StateDiverged reaches the script (a script that carries on gets FtcommError)."""
         try:
             return self._run(phase)
         except QuorumLost as exc:
             self._leave_with_state(exc)
+            raise
+        except StateDiverged as exc:
+            if exc.leaves:
+                self.shutdown()
             raise
 
     def _leave_with_state(self, exc: QuorumLost) -> None:

@@ -118,11 +118,12 @@ class GroupOptions:
     """What a fingerprint that differs from the majority's leads to. ``exclude``: the step is
     discarded on every member, and before the next one the named members' state is
     replaced by a majority member's (they contribute nothing until then); a member named
-    twice within ``SDC_REPEAT_CHECKS`` checks leaves the group with ``StateDiverged``, its
-    hardware not to be trusted. ``warn``: named only, the step commits. ``stop``: every
-    member raises ``StateDiverged``. When no fingerprint has a majority (two members that
-    disagree) nobody can tell which is right: every member raises ``StateDiverged`` naming
-    the last step where all agreed, under ``exclude`` and ``stop`` alike."""
+    again within ``SDC_REPEAT_CHECKS`` checks of its repair leaves the group, then raises
+    ``StateDiverged``, its hardware not to be trusted. ``warn``: named only, the step
+    commits. ``stop``: every member raises ``StateDiverged``. When no fingerprint has a
+    majority (two members that disagree) nobody can tell which is right: every member
+    raises ``StateDiverged`` naming the last step where all agreed, under ``exclude`` and
+    ``stop`` alike. Must be equal on every member, as ``fingerprint_every``."""
 
     network_check: bool = False
     """When a group is founded (its first view's members all start together), measure the

@@ -77,11 +77,12 @@ def run_steps(groups, models, optimizers, steps: int) -> None:
     in_threads(groups, loop)
 
 
-def join_running(groups) -> ftcomm.FaultTolerantGroup:
+def join_running(groups, **options) -> ftcomm.FaultTolerantGroup:
     """A fresh worker started beside the running ``groups`` without its state registered:
-    init returns at once, the worker holding back in no view."""
+    init returns at once, the worker holding back in no view. ``options``: the group's
+    that must match (GroupOptions)."""
     joiner = ftcomm.init(peers=[f"127.0.0.1:{groups[0]._membership.node.port}"], bind="127.0.0.1:0",
-                         min_workers=1, handle_signals=False, init_timeout=30, settle_interval=0.5)
+                         min_workers=1, handle_signals=False, init_timeout=30, settle_interval=0.5, **options)
     assert joiner._loop.awaiting_state and joiner._loop.view is None
     return joiner
 

@@ -1281,25 +1281,30 @@ def must_confirm(now: float, contributed_at: float, op_began: float, stalled_at:
     return now - contributed_at > probe_interval or stalled_at >= op_began or refuted_at >= op_began
 
 
-def reconcile_source(states: list[tuple[int, int]]) -> int | None:
+def reconcile_source(states: list[tuple]) -> int | None:
     """The rank whose state every member of a new view takes, from each rank's (step, state
-    digest): a holder of the newest step, of the state most of its holders share (the
-    others' went wrong without failing: see ftcomm.runtime.fingerprints), the lowest rank
-    among equals. None when all hold the same state."""
-    if len(set(states)) <= 1:
+    digest[, fingerprint]): a holder of the newest step, of the fingerprint most of its
+    holders share (a state that went wrong without failing, see
+    ftcomm.runtime.fingerprints, never wins by its holder's rank; the digests cannot tell:
+    they cover buffers that differ by rank), the lowest rank among equals. A fingerprint
+    below 0 is none. None when all hold the same state."""
+    if len({state[:2] for state in states}) <= 1:
         return None
-    top = max(step for step, _ in states)
-    holders = [(rank, digest) for rank, (step, digest) in enumerate(states) if step == top]
+    top = max(state[0] for state in states)
+    holders = [(rank, state[2] if len(state) > 2 else -1) for rank, state in enumerate(states) if state[0] == top]
     tally: dict[int, int] = {}
-    for _, digest in holders:
-        tally[digest] = tally.get(digest, 0) + 1
+    for _, fingerprint in holders:
+        if fingerprint >= 0:
+            tally[fingerprint] = tally.get(fingerprint, 0) + 1
+    if not tally:
+        return holders[0][0]
     most = max(tally.values())
-    return min(rank for rank, digest in holders if tally[digest] == most)
+    return min(rank for rank, fingerprint in holders if tally.get(fingerprint) == most)
 
 
-def shard_sources(states: list[tuple[int, int]], shards: int) -> tuple[int, list[int | None]]:
+def shard_sources(states: list[tuple], shards: int) -> tuple[int, list[int | None]]:
     """Sharded replicas: rank ``r`` of a view holds shard ``r % shards``; ``states`` is each
-    rank's (step, state digest). Returns the newest step, and for each shard the rank whose
+    rank's (step, state digest[, fingerprint]). Returns the newest step, and for each shard the rank whose
     state that shard's processes take (None: they hold one state already): as
     :func:`reconcile_source` among the shard's processes, the newest state wins. Every
     process of a replica commits a step or none does (``Replica.decide``), so the replicas
@@ -1308,7 +1313,7 @@ def shard_sources(states: list[tuple[int, int]], shards: int) -> tuple[int, list
     for shard in range(shards):
         source = reconcile_source(states[shard::shards])
         sources.append(None if source is None else shard + source * shards)
-    return max(step for step, _ in states), sources
+    return max(state[0] for state in states), sources
 
 
 FINGERPRINT_MASK = (1 << 48) - 1  # a state fingerprint's bits (see TrainingState.fingerprint)
@@ -1401,7 +1406,8 @@ def reason_for(noticed: str, before: tuple[str, ...], after: tuple[str, ...], go
     return "crash" if "dead" in kinds else noticed
 
 
-SETTING_NAMES = ("backend", "min_workers", "max_workers", "partition_policy", "protocol", "replica_size", "sdc_policy")
+SETTING_NAMES = ("backend", "min_workers", "max_workers", "partition_policy", "protocol", "replica_size", "sdc_policy",
+                 "fingerprint_every")
 
 
 def settings_conflict(engine: "Engine", settings: tuple, statuses: dict[str, Status]) -> str | None:

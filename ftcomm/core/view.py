@@ -44,8 +44,8 @@ MAX_VIEW_ID = 2**31  # far beyond any group's lifetime; larger ids in a record a
 # Workers that speak different versions never form a group (it is one of the settings that
 # must match); a record from before the version was carried reads as version 1.
 PROTOCOL = 7  # 5: the verification probe carries rank 0's reason for the view; 6: acks may say how late
-# their member runs (a member of version 5 drops them); 7: a gradient step's counters carry state
-# fingerprints, and sdc_policy is a setting
+# their member runs (a member of version 5 drops them); 7: a gradient step's counters and a reconcile's
+# state summaries carry state fingerprints; sdc_policy and fingerprint_every are settings
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Status:
         if _is_int(meta.get("rz")) and 0 < meta["rz"] < 65536:
             extra["rendezvous_port"] = meta["rz"]
         if isinstance(meta.get("set"), (list, tuple)):
-            extra["settings"] = tuple(meta["set"][:7]) + ((1,) if len(meta["set"]) == 4 else ())
+            extra["settings"] = tuple(meta["set"][:8]) + ((1,) if len(meta["set"]) == 4 else ())
         ops = meta.get("op")
         if isinstance(ops, (list, tuple)) and len(ops) == 2 and all(_is_int(x) and 0 <= x <= MAX_VIEW_ID for x in ops):
             extra["done_ops"] = (ops[0], ops[1])

@@ -188,6 +188,7 @@ class StateSummary(NamedTuple):
     step: int
     digest: int
     signature: int  # the model's parameter names, shapes and dtypes
+    fingerprint: int = -1  # its parameters' and optimizer state's (fingerprint_every; -1: none)
 
 
 class Communicators(Protocol):
@@ -244,14 +245,16 @@ class Contribution(NamedTuple):
 class Counters(NamedTuple):
     """A gradient step's counters, reduced: how many members' gradients count, how many saw
     a joiner waiting, the ranks asking to stand aside, and each position's state
-    fingerprint (None: it gave none; the same on every member). ``diverged``: with sharded
-    replicas, how many shard indices found fingerprints that differ (summed over the view)."""
+    fingerprint (None: it gave none; the same on every member). ``actions``: with sharded
+    replicas, how many shard indices' fingerprints ask for a repair, for the step to be
+    computed again, and for every member to stop (summed over the view; see
+    ftcomm.runtime.fingerprints.ACTIONS)."""
 
     contributors: float
     joiners: float
     asking: tuple[int, ...]
     fingerprints: tuple[int | None, ...] = ()
-    diverged: int = 0
+    actions: tuple[int, int, int] = (0, 0, 0)
 
 
 class Collective(Protocol):

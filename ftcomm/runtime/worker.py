@@ -31,13 +31,13 @@ import logging
 from typing import Any, Callable, Generator, TypeVar
 
 from ..core import engine as core
-from ..core.engine import Engine, fingerprint_verdict, shard_sources
+from ..core.engine import Divergence, Engine, fingerprint_verdict, shard_sources
 from ..core.view import View
 from ..errors import (CollectiveAborted, CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged,
                       QuorumLost, RetryLimitExceeded, OutOfStep, StateDiverged, StateLost)
 from ..options import GroupOptions, ViewChange
 from .driver import AwaitingState, Driver
-from .fingerprints import SDC_REPEAT_CHECKS, FingerprintCheck
+from .fingerprints import ACTIONS, SDC_REPEAT_CHECKS, FingerprintCheck, step_action
 from .news import GossipNews
 from .ports import Contribution, Counters, Formed, Pause, Ports, Reconciled, StateSummary
 from .stragglers import Stragglers
@@ -284,7 +284,9 @@ class WorkerLoop:
         comms, state, engine = self.ports.communicators, self.state, self.engine
         view, k = engine.view, engine.replica_size
         step = self.step
-        mine = StateSummary(step, state.digest(step), state.signature())
+        checked = self.options.fingerprint_every > 0
+        mine = StateSummary(step, state.digest(step), state.signature(),
+                            state.fingerprint() if checked and step > 0 else -1)
         gathered = yield comms.gather_states(mine)
         if any(len({g.signature for g in gathered[i::k]}) > 1 for i in range(k)):
             yield comms.mismatch(gathered, k)  # raises ConfigMismatch on every member
@@ -297,7 +299,9 @@ class WorkerLoop:
                             f"newest step of each shard: {newest}): the replicas that held it are gone; start "
                             f"the job again from its newest checkpoint")
         rank = view.rank_of(engine.id)
-        source = shard_sources([(g.step, g.digest) for g in gathered], k)[1][rank % k]
+        if checked:
+            self._judge_holders(gathered)
+        source = shard_sources([(g.step, g.digest, g.fingerprint) for g in gathered], k)[1][rank % k]
         loaded, digest = False, mine.digest
         if source is not None:
             load = gathered[rank][:2] != gathered[source][:2]
@@ -318,6 +322,48 @@ class WorkerLoop:
             raise CollectiveAborted(f"a process of this sharded replica did not receive its shard of view "
                                     f"{view.id}'s state")
         return loaded, digest
+
+    def _judge_holders(self, gathered: list[StateSummary]) -> None:
+        """A reconcile's fingerprints (see ftcomm.runtime.fingerprints), among each shard
+        index's members that hold its newest step: those that differ from the majority's are
+        named and take a majority member's state (the reconcile's source rule); with no
+        majority every member raises StateDiverged (but under ``sdc_policy='warn'``: the
+        lowest rank's state wins, as without fingerprints), as under ``'stop'`` whenever
+        they differ. The same on every member: it has every member's summary. Not for the
+        divergence the last step's comparison found, whose repair this reconcile is."""
+        engine, checks, k = self.engine, self.fingerprints, self.engine.replica_size
+        view, rank = engine.view, engine.view.rank_of(engine.id)
+        repairing, checks.repairing = checks.repairing, None
+        stop: tuple[int, Divergence, tuple[str, ...]] | None = None
+        for shard in range(k):
+            ranks = range(shard, len(gathered), k)
+            newest = max(gathered[r].step for r in ranks)  # (at step 0 every founder holds its own init)
+            holders = [r for r in ranks if 0 < newest == gathered[r].step and gathered[r].fingerprint >= 0]
+            divergence = fingerprint_verdict([gathered[r].fingerprint for r in holders])
+            if divergence is None or (repairing == newest and divergence.majority):
+                continue
+            ids = tuple(view.members[holders[p]] for p in divergence.named)
+            if shard == rank % k:
+                checks.record(divergence, newest, ids, shard if k > 1 else None)
+                if rank in {holders[p] for p in divergence.named}:
+                    engine.diverged = ((engine.diverged or (0, 0))[0] + 1, newest)
+                    if self.options.sdc_policy != "warn":
+                        self.on_diverged(checks.last_agreed if checks.last_agreed is not None else 0)
+                    if divergence.majority:  # repaired by this reconcile: name the tensors that were wrong
+                        checks.named_again(self.state)
+            if self.options.sdc_policy == "stop" or (self.options.sdc_policy == "exclude" and not divergence.majority):
+                stop = stop or (newest, divergence, ids)
+        if stop is not None:
+            newest, divergence, ids = stop
+            agreed = checks.last_agreed if checks.last_agreed is not None else 0
+            if not divergence.majority:
+                self.on_diverged(agreed)
+            why = "no fingerprint has a majority, so nobody can tell which state is right" \
+                if not divergence.majority else "sdc_policy='stop'"
+            raise StateDiverged(f"the members holding step {newest} hold different states ({', '.join(ids)}) as view "
+                                f"{view.id} forms; {why}. The last step where every fingerprint agreed: {agreed}; its "
+                                f"host writers deleted their checkpoints after it: restart from a checkpoint of that "
+                                f"step or older", newest, ids)
 
     def _raise_stuck(self) -> None:
         engine = self.engine
@@ -574,7 +620,7 @@ class WorkerLoop:
         engine.count_success()
         verdict = driver.step_reduced(counters, bool(self.state.participants("batch_valid")))
         repair = False
-        if verdict and (reduced.fingerprints or counters.diverged):
+        if verdict and (reduced.fingerprints or any(counters.actions)):
             try:
                 judged = self._judge_fingerprints(reduced, counters)
             except StateDiverged:
@@ -601,67 +647,78 @@ class WorkerLoop:
             engine.restored()  # the named members take a majority member's state before the next collective
         return commit
 
+    def _local_action(self, reduced: Counters) -> tuple[str, Divergence | None]:
+        """What the fingerprints of this worker's reduction ask for (with sharded replicas,
+        its shard index's), and how they differ (None: they agree)."""
+        divergence = fingerprint_verdict(reduced.fingerprints)
+        complete = divergence is None or divergence.voters == len(reduced.fingerprints)
+        return step_action(divergence, self.options.sdc_policy, complete,
+                           self.fingerprints.again_at == self.step), divergence
+
     def _judge_fingerprints(self, reduced: Counters, counters: Counters) -> str:
         """The step's fingerprints (see ftcomm.runtime.fingerprints): ``commit`` when they
         agree or the policy only warns, ``repair`` when the step is discarded everywhere and
-        the members whose state differs take a majority member's, ``again`` when it is
-        discarded to compare every member's (no majority among those given, and some member
-        gave none). Raises StateDiverged when
-        every member stops, or on a member named again soon after a repair (it leaves).
-        ``reduced``: the counters of this worker's reduction (with sharded replicas, of its
-        shard index's processes); ``counters``: the step's, over the view."""
+        the members whose state differs take a majority member's (at the next reconcile),
+        ``again`` when it is discarded to compare every member's. With sharded replicas the
+        most severe action any shard index asks for is every process's. Raises
+        StateDiverged (``stop``) on every member, or on a member named again soon after a
+        repair (``leaves``: it leaves the group). ``reduced``: the counters of this worker's
+        reduction; ``counters``: the step's, over the view."""
         k, view, checks = self.engine.replica_size, self.engine.view, self.fingerprints
         shard = self.rank % k
-        divergence = fingerprint_verdict(reduced.fingerprints)
-        if divergence is None:
-            if not counters.diverged:
-                checks.agreed(self.step, reduced.fingerprints)
-                return "commit"
-            # another shard index's fingerprints differ: the step is repaired everywhere
-            return "repair" if self.options.sdc_policy == "exclude" else (
-                "commit" if self.options.sdc_policy == "warn" else self._stop_for_another_shard())
-        ids = tuple(view.members[position * k + shard] for position in divergence.named)
-        if not divergence.majority and divergence.voters < len(reduced.fingerprints):
-            # Some member gave none (its state was just replaced): its vote may decide. The
-            # step is discarded and computed again, and every member gives one then.
-            log.warning("the state fingerprints of step %d differ without a majority among the %d given (%s); "
-                        "the step is computed again to compare every member's", self.step, divergence.voters,
-                        ", ".join(ids))
+        local, divergence = self._local_action(reduced)
+        action = ACTIONS[max([ACTIONS.index(local)] + [i + 1 for i, n in enumerate(counters.actions) if n])]
+        if divergence is None and action == "commit":
+            checks.agreed(self.step, reduced.fingerprints)
+            return "commit"
+        ids = tuple(view.members[p * k + shard] for p in divergence.named) if divergence is not None else ()
+        mine = divergence is not None and self.rank // k in divergence.named
+        if action == "again":
+            checks.again_at = self.step
+            log.warning("the state fingerprints of step %d differ without a majority among those given, and some "
+                        "member gave none (its state was just replaced): the step is computed again to compare "
+                        "every member's", self.step)
             return "again"
-        mine = self.rank // k in divergence.named
-        action = checks.diverged(divergence, self.step, ids, mine, shard if k > 1 else None, self.state)
+        if divergence is not None:
+            checks.record(divergence, self.step, ids, shard if k > 1 else None)
         if mine:  # published with the next record: ftcomm members and the launcher's status line show it
             self.engine.diverged = ((self.engine.diverged or (0, 0))[0] + 1, self.step)
-        if (mine and action != "commit") or (action == "stop" and not divergence.majority):
-            self.on_diverged(checks.last_agreed if checks.last_agreed is not None else 0)
-        if action == "leave":
+        leaves = action == "repair" and mine and checks.named_again(self.state)
+        agreed = checks.last_agreed if checks.last_agreed is not None else 0
+        if (mine and action != "commit") or (action == "stop" and divergence is not None and not divergence.majority):
+            self.on_diverged(agreed)  # its checkpoints after the last step all agreed go
+        if leaves:
             raise StateDiverged(f"the state of this worker differed from the majority's again at step {self.step}, "
-                                f"within {SDC_REPEAT_CHECKS} checks of its repair: its hardware keeps computing wrong, so it leaves the "
-                                f"group (the others go on)", self.step, ids)
+                                f"within {SDC_REPEAT_CHECKS} checks of its repair: its hardware keeps computing "
+                                f"wrong, so it leaves the group (the others go on)", self.step, ids, leaves=True)
         if action == "stop":
-            why = ("no fingerprint has a majority, so nobody can tell which state is right" if not divergence.majority
-                   else "sdc_policy='stop'")
-            raise StateDiverged(f"the training state of step {self.step} differs between members ({', '.join(ids)}); "
-                                f"{why}. The last step where every fingerprint agreed: "
-                                f"{checks.last_agreed if checks.last_agreed is not None else 'none'}; restart from a "
-                                f"checkpoint of that step or older", self.step, ids)
+            if divergence is None:
+                why = "between the replicas of another shard index (its processes name them)"
+            elif divergence.majority:
+                why = f"between members ({', '.join(ids)}); sdc_policy='stop'"
+            else:
+                why = (f"between members ({', '.join(ids)}) and no fingerprint has a majority, so nobody can tell "
+                       f"which state is right")
+            raise StateDiverged(f"the training state of step {self.step} differs {why}. The last step where every "
+                                f"fingerprint agreed: {agreed}; its host writers deleted their checkpoints after "
+                                f"it: restart from a checkpoint of that step or older", self.step, ids)
+        if action == "repair":
+            checks.repairing = self.step
         return action
-
-    def _stop_for_another_shard(self) -> str:
-        raise StateDiverged(f"the training state of step {self.step} differs between the replicas of another shard "
-                            f"index (its processes name them); sdc_policy='stop'", self.step)
 
     def _replica_verdict(self, counters: Counters) -> Step[Counters]:
         """With sharded replicas, each shard index reduced its gradient shards, and the
         step's counters with them, over its own communicator. The step commits for every
         process or for none: the counters of every shard are summed over the whole view (one
         tiny allreduce; each shard's sum arrives once from each of its processes), and so is
-        the number of shard indices whose fingerprints differ (see _judge_fingerprints)."""
+        what each shard index's fingerprints ask for (see _judge_fingerprints)."""
         replicas = self.engine.view.size // self.engine.replica_size
-        diverged = 1.0 if fingerprint_verdict(counters.fingerprints) is not None else 0.0
+        local = self._local_action(counters)[0] if counters.fingerprints else "commit"
+        flags = [1.0 / replicas if local == a else 0.0 for a in ACTIONS[1:]]
         summed = yield self.ports.collective.view_sum([counters.contributors / replicas, counters.joiners / replicas,
-                                                       diverged / replicas])
-        return Counters(round(summed[0]), round(summed[1]), counters.asking, counters.fingerprints, round(summed[2]))
+                                                       *flags])
+        return Counters(round(summed[0]), round(summed[1]), counters.asking, counters.fingerprints,
+                        tuple(round(v) for v in summed[2:5]))
 
     def _partner_failed(self) -> None:
         """The step completed here but not on another process of this sharded replica: its

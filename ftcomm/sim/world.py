@@ -402,7 +402,8 @@ class GroupSimulation:
     def _engine(self, member: str, node: int, now: float, foreign: bool = False) -> Engine:
         replica = self.replica_of.get(node)
         min_workers = self.min_workers + foreign
-        settings = ("gloo", min_workers, None, self.options.partition_policy, PROTOCOL, self.k, self.options.sdc_policy)
+        settings = ("gloo", min_workers, None, self.options.partition_policy, PROTOCOL, self.k, self.options.sdc_policy,
+                    self.options.fingerprint_every)
         return Engine(member, FOREIGN_CONFIG if foreign else CONFIG, min_workers=min_workers, settings=settings,
                       settle_interval=self.options.settle_interval,
                       chase_interval=3 * self.config.gossip_interval, joined_at=now + node * 1e-6,

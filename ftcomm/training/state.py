@@ -203,12 +203,16 @@ def tensor_sums(objects: dict[str, Any]) -> dict[str, int]:
         if isinstance(value, torch.Tensor):
             if value.layout != torch.strided:
                 return
-            flat = sharded.local(value).detach().reshape(-1)
+            flat = sharded.local(value).detach().resolve_conj().resolve_neg()
+            if flat.is_quantized:
+                flat = flat.int_repr()
+            flat = flat.reshape(-1)
             if not flat.is_contiguous():
                 flat = flat.contiguous()
-            size = flat.numel() * flat.element_size()
+            size, offset = flat.numel() * flat.element_size(), flat.storage_offset() * flat.element_size()
+            # a word must fit the size and start where the tensor does in its storage
             word = next(d for n, d in ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
-                        if size % n == 0)
+                        if size % n == 0 and offset % n == 0)
             paths.append(path)
             sums.append(flat.view(word).sum(dtype=torch.int64) if flat.numel() else
                         torch.zeros((), dtype=torch.int64, device=flat.device))
