@@ -463,6 +463,7 @@ class FaultTolerantGroup:
         FtcommError after ``shutdown``."""
         self._check_open()
         self._loop.engine.began()
+        self._loop.lineage = -1  # loaded, not committed in a view: compared with nobody's until it is
         if step is not None:
             self.step = step
         if not same_everywhere:

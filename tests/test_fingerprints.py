@@ -205,6 +205,10 @@ def test_a_reconcile_takes_the_fingerprint_most_holders_of_the_newest_step_share
     assert reconcile_source([(3, 9, 1), (4, 1, 7), (4, 2, 5), (4, 3, 5)]) == 2
     assert reconcile_source([(4, 1), (4, 2)]) == 0 and reconcile_source([(4, 1, -1), (4, 2, -1)]) == 0  # none given
     assert reconcile_source([(4, 1, 7), (4, 1, 7)]) is None
+    # (…, lineage): holders of one step from two lineages (two sides of a partition) differ by
+    # design; the lowest rank's lineage is handed on, of it the majority's fingerprint
+    assert reconcile_source([(4, 1, 7, 100), (4, 2, 5, 200), (4, 3, 5, 200)]) == 0
+    assert reconcile_source([(4, 1, 7, 100), (4, 2, 5, 100), (4, 3, 5, 100), (4, 4, 9, 200)]) == 1
 
 
 def test_every_process_of_sharded_replicas_takes_the_most_severe_action_any_shard_index_asks_for():

@@ -1281,25 +1281,35 @@ def must_confirm(now: float, contributed_at: float, op_began: float, stalled_at:
     return now - contributed_at > probe_interval or stalled_at >= op_began or refuted_at >= op_began
 
 
+def view_lineage(view: "View") -> int:
+    """A view as a state's lineage (see reconcile_source): 62 bits of its digest."""
+    return int(view.digest, 16) >> 2
+
+
 def reconcile_source(states: list[tuple]) -> int | None:
     """The rank whose state every member of a new view takes, from each rank's (step, state
-    digest[, fingerprint]): a holder of the newest step, of the fingerprint most of its
-    holders share (a state that went wrong without failing, see
-    ftcomm.runtime.fingerprints, never wins by its holder's rank; the digests cannot tell:
-    they cover buffers that differ by rank), the lowest rank among equals. A fingerprint
-    below 0 is none. None when all hold the same state."""
+    digest[, fingerprint[, lineage]]): a holder of the newest step. Of the lineage of the
+    lowest-ranked holder (the view in which its state was committed; holders of one step
+    from two lineages, such as two sides of a partition, differ by design, and the lowest
+    rank's lineage wins as it always has), one of the fingerprint most of that lineage's
+    holders share: within one lineage the states must be equal, so one that went wrong
+    without failing (see ftcomm.runtime.fingerprints) never wins by its holder's rank; the
+    digests cannot tell, for they cover buffers that differ by rank. The lowest rank among
+    equals. A fingerprint or lineage below 0 is none. None when all hold the same state."""
     if len({state[:2] for state in states}) <= 1:
         return None
     top = max(state[0] for state in states)
-    holders = [(rank, state[2] if len(state) > 2 else -1) for rank, state in enumerate(states) if state[0] == top]
+    holders = [(rank, *(tuple(state[2:4]) + (-1, -1))[:2]) for rank, state in enumerate(states) if state[0] == top]
+    lineage = holders[0][2]
+    holders = [h for h in holders if h[2] == lineage]
     tally: dict[int, int] = {}
-    for _, fingerprint in holders:
+    for _, fingerprint, _ in holders:
         if fingerprint >= 0:
             tally[fingerprint] = tally.get(fingerprint, 0) + 1
     if not tally:
         return holders[0][0]
     most = max(tally.values())
-    return min(rank for rank, fingerprint in holders if tally.get(fingerprint) == most)
+    return min(rank for rank, fingerprint, _ in holders if tally.get(fingerprint) == most)
 
 
 def shard_sources(states: list[tuple], shards: int) -> tuple[int, list[int | None]]:

@@ -189,6 +189,7 @@ class StateSummary(NamedTuple):
     digest: int
     signature: int  # the model's parameter names, shapes and dtypes
     fingerprint: int = -1  # its parameters' and optimizer state's (fingerprint_every; -1: none)
+    lineage: int = -1  # the view in which the state was committed or handed on (view_lineage; -1: unknown)
 
 
 class Communicators(Protocol):

@@ -31,7 +31,7 @@ import logging
 from typing import Any, Callable, Generator, TypeVar
 
 from ..core import engine as core
-from ..core.engine import Divergence, Engine, fingerprint_verdict, shard_sources
+from ..core.engine import Divergence, Engine, fingerprint_verdict, shard_sources, view_lineage
 from ..core.view import View
 from ..errors import (CollectiveAborted, CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged,
                       QuorumLost, RetryLimitExceeded, OutOfStep, StateDiverged, StateLost)
@@ -108,6 +108,7 @@ class WorkerLoop:
         # The last state this worker received moved it to another step (it was behind), rather
         # than replacing a state of its own step that went wrong (a repair: see _check_in_step).
         self.moved_on = False
+        self.lineage = -1  # the view in which this worker's state was committed or handed on (-1: unknown)
         self.on_diverged: Callable[[int], None] = lambda step: None
         """Called with the last step whose fingerprints agreed when this worker's state was
         named wrong, or nobody's could be told right: its checkpoints after it go."""
@@ -286,7 +287,7 @@ class WorkerLoop:
         step = self.step
         checked = self.options.fingerprint_every > 0
         mine = StateSummary(step, state.digest(step), state.signature(),
-                            state.fingerprint() if checked and step > 0 else -1)
+                            state.fingerprint() if checked and step > 0 else -1, self.lineage)
         gathered = yield comms.gather_states(mine)
         if any(len({g.signature for g in gathered[i::k]}) > 1 for i in range(k)):
             yield comms.mismatch(gathered, k)  # raises ConfigMismatch on every member
@@ -301,13 +302,13 @@ class WorkerLoop:
         rank = view.rank_of(engine.id)
         if checked:
             self._judge_holders(gathered)
-        source = shard_sources([(g.step, g.digest, g.fingerprint) for g in gathered], k)[1][rank % k]
+        source = shard_sources([(g.step, g.digest, g.fingerprint, g.lineage) for g in gathered], k)[1][rank % k]
         loaded, digest = False, mine.digest
         if source is not None:
             load = gathered[rank][:2] != gathered[source][:2]
             received = yield comms.transfer(view, source // k, load, step)
             if received is not None:
-                self.step, self.moved_on = received, received != step
+                self.step, self.moved_on, self.lineage = received, received != step, gathered[source].lineage
                 loaded, digest = True, state.digest(received)
                 if digest != gathered[source].digest:  # altered or damaged on the way: never trained on
                     text = f"the state received from rank {source} of view {view.id} does not match the digest it showed"
@@ -325,7 +326,9 @@ class WorkerLoop:
 
     def _judge_holders(self, gathered: list[StateSummary]) -> None:
         """A reconcile's fingerprints (see ftcomm.runtime.fingerprints), among each shard
-        index's members that hold its newest step: those that differ from the majority's are
+        index's members that hold its newest step in the lineage whose state is handed on
+        (see ftcomm.core.engine.reconcile_source: holders of one step in two lineages, two
+        sides of a partition, differ by design): those that differ from the majority's are
         named and take a majority member's state (the reconcile's source rule); with no
         majority every member raises StateDiverged (but under ``sdc_policy='warn'``: the
         lowest rank's state wins, as without fingerprints), as under ``'stop'`` whenever
@@ -335,10 +338,15 @@ class WorkerLoop:
         view, rank = engine.view, engine.view.rank_of(engine.id)
         repairing, checks.repairing = checks.repairing, None
         stop: tuple[int, Divergence, tuple[str, ...]] | None = None
+        groups = []  # each shard index's holders of its newest step, of the lineage whose state is handed on
         for shard in range(k):
             ranks = range(shard, len(gathered), k)
             newest = max(gathered[r].step for r in ranks)  # (at step 0 every founder holds its own init)
-            holders = [r for r in ranks if 0 < newest == gathered[r].step and gathered[r].fingerprint >= 0]
+            lineage = gathered[min(r for r in ranks if gathered[r].step == newest)].lineage
+            holders = [r for r in ranks if 0 < newest == gathered[r].step and gathered[r].fingerprint >= 0
+                       and gathered[r].lineage == lineage >= 0]
+            groups.append((shard, newest, holders))
+        for shard, newest, holders in groups:
             divergence = fingerprint_verdict([gathered[r].fingerprint for r in holders])
             if divergence is None or (repairing == newest and divergence.majority):
                 continue
@@ -752,6 +760,7 @@ class WorkerLoop:
 
     def _commit(self) -> None:
         self.step += 1
+        self.lineage = view_lineage(self.engine.view)
         if self.ports.clock.now() - self.driver.published_at < self.options.step_publish_interval:
             return
         self.driver.publish()  # the record with the committed step, at most every step_publish_interval
