@@ -100,6 +100,17 @@ def test_a_repair_inside_the_call_before_the_step_is_not_falling_behind():
     assert outcome.corruptions and outcome.wrong_commits
 
 
+def test_a_member_that_leaves_for_a_state_wrong_again_may_linger_with_its_communicator():
+    """Seed 449: a member named again soon after its repair leaves the group; the run ended
+    while it lingered in the view it left (leave_grace), its communicator still open, which
+    invariant 7 read as a leak. A leaving member holds its view's communicator until its
+    leave completes."""
+    world = GroupSimulation(449, corrupt=True)
+    outcome = world.run()
+    assert outcome.ok, outcome.violation
+    assert outcome.exits.get("StateDiverged") == 1
+
+
 def test_a_commit_on_a_wrong_state_counts_toward_its_replica_s_whole_step():
     """Found by seed 960 of replicas (before the reconcile compared fingerprints): a replica
     whose shard 0 committed step 27 on a wrong state was read as one that committed it on

@@ -35,6 +35,7 @@ import collections
 import hashlib
 from typing import TYPE_CHECKING
 
+from ..core import engine as core
 from ..core.view import View, gone_from, has_quorum
 
 if TYPE_CHECKING:
@@ -246,6 +247,9 @@ def at_end(world: "GroupSimulation") -> None:
     for w in world.workers.values():
         open_comms = [entry[0] for entry in w.comms if not entry[1]]
         allowed = [current[w.id]] if w.id in current else []
+        leaving = w.loop.engine.view if w.loop.engine.state == core.LEAVING and not w.crashed else None
+        if leaving is not None:  # it lingers in the view it leaves (leave_grace): its communicator with it
+            allowed.append((leaving.id, leaving.digest))
         if any(c not in allowed for c in open_comms):
             world.violation(7, f"{w.id} still holds communicators {open_comms} (current {current.get(w.id)})")
 
