@@ -7,8 +7,8 @@
 Adam (so a fingerprint reads 31.5M float32 values: parameters and both moments), batch
 32, one torch thread each, through ``ft.wrap``. In the same processes, segments of
 ``--steps`` steps run in turn with each ``fingerprint_every`` of ``--every`` (0: none),
-``--rounds`` times, every member switching at the same step; the steps/s of each segment
-is timed on rank 0. Reported per setting: the median steps/s and its change against
+``--rounds`` times (each round starting with the next setting), every member switching
+at the same step; the steps/s of each segment is timed on rank 0. Reported per setting: the median steps/s and its change against
 ``0`` (none), and the time of one fingerprint (``TrainingState.fingerprint``) measured
 apart in the same processes.
 
@@ -73,8 +73,8 @@ def plain_worker(rank: int, world: int, port: int, steps: int, rounds: int, ever
 
     segment(WARMUP)
     rates: dict[int, list[float]] = {e: [] for e in every}
-    for _ in range(rounds):
-        for e in every:
+    for r in range(rounds):
+        for e in every[r % len(every):] + every[:r % len(every)]:  # each setting first in turn: no order bias
             checks.every = e
             rates[e].append(segment(steps))
     checks.every = 0
