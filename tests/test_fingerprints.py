@@ -265,9 +265,9 @@ def test_a_step_computed_again_for_a_missing_fingerprint_stops_the_second_time()
 
 
 def test_a_check_is_due_every_n_committed_steps_and_off_at_zero():
-    check = FingerprintCheck(10, "exclude")
+    check = FingerprintCheck(10)
     assert [s for s in range(35) if check.due(s)] == [10, 20, 30]
-    assert not any(FingerprintCheck(0, "exclude").due(s) for s in range(100))
+    assert not any(FingerprintCheck(0).due(s) for s in range(100))
 
 
 def test_a_state_damaged_on_its_way_to_a_joiner_is_never_trained_on(monkeypatch, caplog):

@@ -67,8 +67,8 @@ class FingerprintCheck:
     """One worker's side of the comparison: when to give a fingerprint, what it records of
     a divergence, and, on a named worker, which of its tensors were wrong."""
 
-    def __init__(self, every: int, policy: str) -> None:
-        self.every, self.policy = every, policy
+    def __init__(self, every: int) -> None:
+        self.every = every
         self.found: list[Corruption] = []  # every divergence seen, oldest first
         self.last_agreed: int | None = None  # the last step every member held one state at
         self.again_at: int | None = None  # the step last computed again to compare every member's
@@ -76,6 +76,11 @@ class FingerprintCheck:
         self._checks = 0  # comparisons with at least two fingerprints
         self._named_at: int | None = None  # the comparison at which this worker was last named
         self._before_repair: dict[str, int] | None = None  # its tensors' sums, until it is repaired
+
+    @property
+    def agreed_step(self) -> int:
+        """The last step every member held one state at (0 before any)."""
+        return self.last_agreed if self.last_agreed is not None else 0
 
     def due(self, step: int) -> bool:
         """Whether the step after committed ``step`` carries a fingerprint."""

@@ -104,7 +104,7 @@ class WorkerLoop:
         self.aligned = True  # every member of the last view formed was at the same position
         self._before: tuple[str, ...] = ()  # the members of the view a re-formation began in
         self.agreed_reason = "init"  # why the last view formed, one value on its members (see _form)
-        self.fingerprints = FingerprintCheck(options.fingerprint_every, options.sdc_policy)
+        self.fingerprints = FingerprintCheck(options.fingerprint_every)
         # The last state this worker received moved it to another step (it was behind), rather
         # than replacing a state of its own step that went wrong (a repair: see _check_in_step).
         self.moved_on = False
@@ -324,6 +324,11 @@ class WorkerLoop:
                                     f"{view.id}'s state")
         return loaded, digest
 
+    def _named(self, step: int) -> None:
+        """This worker's state was named wrong at ``step``: published with its next record
+        (``ftcomm members`` and the launcher's status line show it)."""
+        self.engine.diverged = ((self.engine.diverged or (0, 0))[0] + 1, step)
+
     def _judge_holders(self, gathered: list[StateSummary]) -> None:
         """A reconcile's fingerprints (see ftcomm.runtime.fingerprints), among each shard
         index's members that hold its newest step in the lineage whose state is handed on
@@ -354,16 +359,16 @@ class WorkerLoop:
             if shard == rank % k:
                 checks.record(divergence, newest, ids, shard if k > 1 else None)
                 if rank in {holders[p] for p in divergence.named}:
-                    engine.diverged = ((engine.diverged or (0, 0))[0] + 1, newest)
+                    self._named(newest)
                     if self.options.sdc_policy != "warn":
-                        self.on_diverged(checks.last_agreed if checks.last_agreed is not None else 0)
+                        self.on_diverged(checks.agreed_step)
                     if divergence.majority:  # repaired by this reconcile: name the tensors that were wrong
                         checks.named_again(self.state)
             if self.options.sdc_policy == "stop" or (self.options.sdc_policy == "exclude" and not divergence.majority):
                 stop = stop or (newest, divergence, ids)
         if stop is not None:
             newest, divergence, ids = stop
-            agreed = checks.last_agreed if checks.last_agreed is not None else 0
+            agreed = checks.agreed_step
             if not divergence.majority:
                 self.on_diverged(agreed)
             why = "no fingerprint has a majority, so nobody can tell which state is right" \
@@ -689,10 +694,10 @@ class WorkerLoop:
             return "again"
         if divergence is not None:
             checks.record(divergence, self.step, ids, shard if k > 1 else None)
-        if mine:  # published with the next record: ftcomm members and the launcher's status line show it
-            self.engine.diverged = ((self.engine.diverged or (0, 0))[0] + 1, self.step)
+        if mine:
+            self._named(self.step)
         leaves = action == "repair" and mine and checks.named_again(self.state)
-        agreed = checks.last_agreed if checks.last_agreed is not None else 0
+        agreed = checks.agreed_step
         if (mine and action != "commit") or (action == "stop" and divergence is not None and not divergence.majority):
             self.on_diverged(agreed)  # its checkpoints after the last step all agreed go
         if leaves:

@@ -56,7 +56,6 @@ from .state import tensor_bytes
 
 log = logging.getLogger(__name__)
 
-_HELD = object()  # in place of a loaded copy: this member resumed the agreed step already
 MAX_CANDIDATES = 32  # newest steps each member offers when agreeing on one to restore
 
 
@@ -593,15 +592,15 @@ class FlashCheckpointer:
             step, everywhere, loaded, outcome = agreed
             ok = [o[0] for o in outcome]
             if (everywhere and not all(ok)) or not all(any(ok[i::self.shards]) for i in range(self.shards)):
-                if loaded is not None and loaded is not _HELD:
+                if loaded is not None:
                     loaded[1].close()
                 continue  # someone could not load it after all: agree again without that copy
-            if loaded is not None and loaded is not _HELD:
+            if loaded is not None:
                 self._apply(*loaded)
             self.group.state_restored(step if loaded is not None else None,
                                       same_everywhere=all(ok) and len({o[1] for o in outcome}) == 1)
             log.info("restored step %d%s", step, "" if everywhere else " (on some members; reconciled to the rest)")
-            if loaded is not None and loaded is not _HELD:
+            if loaded is not None:
                 self._say_resumed(step)
             return step
 
@@ -647,20 +646,18 @@ class FlashCheckpointer:
             self.group.state_restored(None, same_everywhere=True)  # nothing to load, anywhere
             return None
         step = max(pool)
-        if step == held:
-            loaded: Any = _HELD
-        else:
-            loaded = self._load_verified(step) if step in mine else None
-            if loaded is None:
-                rejected.add(step)
+        resumed = step == held  # this member holds the step already: nothing to load
+        loaded = self._load_verified(step) if step in mine and not resumed else None
+        if loaded is None and not resumed:
+            rejected.add(step)
         # the copies' fingerprint: equal checksums everywhere mean equal state everywhere
         # (a state resumed in memory has none: its digest is compared with the others')
-        fingerprint = (self.group.rank + 1 if loaded is _HELD else
+        fingerprint = (self.group.rank + 1 if resumed else
                        xxhash.xxh3_64_intdigest(msgpack.packb(loaded[0].checksums)) >> 2 if loaded else 0)
         try:
-            outcome = self._gather([1 if loaded is not None else 0, fingerprint])
+            outcome = self._gather([1 if loaded is not None or resumed else 0, fingerprint])
         except BaseException:
-            if loaded is not None and loaded is not _HELD:
+            if loaded is not None:
                 loaded[1].close()
             raise
         return step, step in common, loaded, outcome
