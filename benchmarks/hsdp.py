@@ -6,9 +6,15 @@ and the steady step against plain FSDP2 HSDP.
 Every job is ``examples/train_hsdp.py`` under ``ftcomm run --replica-size K`` on 127.0.0.1.
 
 *Recovery*: 3 replicas of 2 processes train (hidden 256, 0.02 s of extra work per step);
-one process of a replica is killed with SIGKILL. Reported: the time from the kill to the
-next step committed by the other replicas ("others commit again"), and to the view that
-holds the replica again after the launcher restarted it as a whole ("replica back").
+one process of a replica is killed with SIGKILL, or stopped with SIGSTOP (the launcher's
+own killing of stopped processes off: a hang as a stuck kernel makes one), in three
+modes side by side in one invocation: the replica repaired in place by a new process
+(``repair``), the same with a warm standby ready (``repair_standby``: ``--standby 1``),
+and the whole replica restarted (``restart``: ``--replica-restart``, what ``ftcomm run``
+did before repair in place). Reported: from the fault to the next step committed by the
+other replicas ("others commit again"), to the partner's release (the log line saying its
+replica is lost: torch's collectives no longer hold it), and to the first view that holds
+the replica again ("replica back"), and whether the partner kept its process.
 
 *Join by K*: one replica of K processes trains a model of about 4.3M parameters (hidden
 2048, Adam: 52 MB of state); a second replica of K processes is started by a second
@@ -48,13 +54,22 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exampl
 class Job:
     """One ``ftcomm run`` (or plain processes); every JSON line printed, with its arrival time."""
 
-    def __init__(self, command: list[str], env: dict | None = None) -> None:
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    def __init__(self, command: list[str], env: dict | None = None, log: bool = False) -> None:
+        """``log``: keep the lines of its standard error too (the launcher's and the library's log)."""
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE if log else subprocess.DEVNULL, text=True,
                                         env={**{k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")},
                                              **(env or {})}, start_new_session=True)
         self.events: list[tuple[float, dict]] = []
+        self.log: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        if log:
+            threading.Thread(target=self._read_log, daemon=True).start()
+
+    def _read_log(self) -> None:
+        for line in self.process.stderr:
+            self.log.append((time.time(), line))
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -89,26 +104,41 @@ def launcher(nproc: int, k: int, args: list[str], extra: list[str] = ()) -> list
             "--restart-backoff", "0.2", *extra, EXAMPLE, "--steps", "100000000", *args]
 
 
-def recovery_run() -> dict:
-    job = Job(launcher(6, 2, ["--hidden", "256", "--step-time", "0.02", "--report-every", "1", "--min-workers", "2"]))
+RECOVERY_MODES = {"repair": [], "repair_standby": ["--standby", "1"], "restart": ["--replica-restart"]}
+
+
+def recovery_run(mode: str, sig: int) -> dict:
+    extra = RECOVERY_MODES[mode] + (["--kill-stopped-after", "off"] if sig == signal.SIGSTOP else [])
+    job = Job(launcher(6, 2, ["--hidden", "256", "--step-time", "0.02", "--report-every", "1", "--min-workers", "2"],
+                       extra), log=True)
     try:
         job.wait_for(lambda: len(job.of("ready")) >= 6 and len(job.of("step")) >= 6 * 20, 120, "six processes training")
+        if mode == "repair_standby":
+            job.wait_for(lambda: any("standby ready" in line for _, line in job.log), 120, "a standby ready")
         ready = [e for _, e in job.of("ready")]
         victim = next(e for e in ready if e["rank"] == 3)
-        at_kill = max(e["step"] for _, e in job.of("step"))
-        killed = time.time()
-        os.kill(victim["pid"], signal.SIGKILL)
-        job.wait_for(lambda: any(t > killed and e["world"] == 4 and e["step"] > at_kill for t, e in job.of("step")),
+        partner = next(e for e in ready if e["rank"] == 2)
+        at_fault = max(e["step"] for _, e in job.of("step"))
+        struck = time.time()
+        os.kill(victim["pid"], sig)
+        job.wait_for(lambda: any(t > struck and e["world"] == 4 and e["step"] > at_fault for t, e in job.of("step")),
                      60, "the other replicas committing")
-        job.wait_for(lambda: any(t > killed and len(e["members"]) == 6 for t, e in job.of("view")), 120,
-                     "the replica coming back")
-        others = min(t for t, e in job.of("step") if t > killed and e["world"] == 4 and e["step"] > at_kill)
-        back = min(t for t, e in job.of("view") if t > killed and len(e["members"]) == 6)
-        broken = [e for t, e in job.of("view") if t > killed and len(e["members"]) == 4]
-        phases = {k: statistics.median(e[k] for e in broken) for k in ("detect_s", "agree_s", "form_s", "reconcile_s")}
-        return {"others_commit_s": round(others - killed, 3), "replica_back_s": round(back - killed, 3),
-                "reason": sorted({e["reason"] for e in broken}), **{k: round(v, 4) for k, v in phases.items()}}
+        job.wait_for(lambda: any(t > struck and len(e["members"]) == 6 and victim["id"] not in e["members"]
+                                 for t, e in job.of("view")), 120, "the replica coming back")
+        others = min(t for t, e in job.of("step") if t > struck and e["world"] == 4 and e["step"] > at_fault)
+        back = min(t for t, e in job.of("view") if t > struck and len(e["members"]) == 6
+                   and victim["id"] not in e["members"])
+        released = min([t for t, line in job.log if t > struck and "sharded replica is lost" in line] + [float("nan")])
+        kept = [e for _, e in job.of("ready") if e["pid"] == partner["pid"]] == [partner] and \
+            any(partner["id"] in e["members"] for t, e in job.of("view") if t >= back)
+        return {"others_commit_s": round(others - struck, 3), "partner_released_s": round(released - struck, 3),
+                "replica_back_s": round(back - struck, 3), "partner_kept_its_process": kept}
     finally:
+        if sig == signal.SIGSTOP:
+            try:
+                os.kill(victim["pid"], signal.SIGKILL)
+            except (ProcessLookupError, UnboundLocalError):
+                pass
         job.stop()
 
 
@@ -191,11 +221,19 @@ def main() -> int:
     parts = set(args.only.split(","))
     report: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
     if "recovery" in parts:
-        runs = [recovery_run() for _ in range(args.runs)]
-        report["recovery_kill9"] = {
-            "runs": runs, "median_others_commit_s": statistics.median(r["others_commit_s"] for r in runs),
-            "median_replica_back_s": statistics.median(r["replica_back_s"] for r in runs)}
-        print(json.dumps({k: v for k, v in report["recovery_kill9"].items() if k != "runs"}), flush=True)
+        for sig, name in ((signal.SIGKILL, "kill9"), (signal.SIGSTOP, "sigstop")):
+            by_mode = {}
+            for _ in range(args.runs):  # the modes in turn, each run: the same load for each
+                for mode in RECOVERY_MODES:
+                    by_mode.setdefault(mode, []).append(recovery_run(mode, sig))
+            report[f"recovery_{name}"] = {mode: {
+                "runs": runs, **{f"median_{key}": statistics.median(r[key] for r in runs)
+                                 for key in ("others_commit_s", "partner_released_s", "replica_back_s")},
+                "partner_kept_its_process": sum(r["partner_kept_its_process"] for r in runs)}
+                for mode, runs in by_mode.items()}
+            for mode, result in report[f"recovery_{name}"].items():
+                print(json.dumps({"fault": name, "mode": mode, **{k: v for k, v in result.items() if k != "runs"}}),
+                      flush=True)
     if "join" in parts:
         by_k = []
         for k in (1, 2, 4):

@@ -52,9 +52,17 @@ class GroupEnded(FtcommError):
 
 
 class ReplicaLost(FtcommError):
-    """A process of this worker's sharded replica died or left: torch's process group inside
-    the replica is broken, so this process cannot train again. Exit; the launcher
-    (``ftcomm run --replica-size K``) starts the whole replica again, and it rejoins."""
+    """A process of this worker's sharded replica died or left, and the replica cannot be
+    formed again with a replacement in place (not started by ``ftcomm run``, NCCL, no other
+    replica holds the state, or no replacement came): torch's process group inside the
+    replica is broken, so this process cannot train again. Exit; the launcher
+    (``ftcomm run --replica-size K``) starts the whole replica again, and it rejoins.
+    ``shard``: the lost process's shard rank, where known; ``left``: it left gracefully (its
+    script ended or shut the group down): nothing to repair."""
+
+    def __init__(self, message: str, shard: int | None = None, left: bool = False) -> None:
+        super().__init__(message)
+        self.shard, self.left = shard, left
 
 
 class StateLost(FtcommError):

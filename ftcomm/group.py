@@ -29,7 +29,7 @@ import torch
 from .backends import communicator_class
 from .core import engine as core
 from .core.engine import Engine
-from .core.view import PROTOCOL, View
+from .core.view import PROTOCOL, View, state_elsewhere
 from .errors import (CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged, NotInView, QuorumLost,
                      ReplicaLost, StateDiverged)
 from .gossip import GossipNode
@@ -46,6 +46,7 @@ from .runtime.worker import WorkerLoop
 from .runtime.stragglers import StragglerReport, Stragglers
 from .training.reducer import DistributedDataParallel
 from .training.replica import Replica
+from .training.replica_repair import RepairChannel
 from .training.replica_watch import ReplicaWatch
 from .training.state import TrainingState
 
@@ -118,6 +119,9 @@ class FaultTolerantGroup:
         self._metrics = None
         self._replica: Replica | None = None
         self._watch: ReplicaWatch | None = None  # releases this process when a process of its replica is lost
+        self._repair_channel: RepairChannel | None = None  # to the launcher that replaces a lost process
+        self.repairs: list[float] = []  # seconds each repair of this process's replica took, in place
+        self.restarts = _restarts()  # times the launcher started this worker again ($FTCOMM_RESTARTS)
         self.replica_size, self.shard_rank = replica[0], replica[1]
         self._owner = threading.get_ident()  # the thread that trains: only it acts at step boundaries
         self._keepers: weakref.WeakSet = weakref.WeakSet()  # FlashCheckpointers of this group (see _leave_with_state)
@@ -146,8 +150,11 @@ class FaultTolerantGroup:
             if engine.founding:
                 self._check_network()
             if self._replica is not None:
-                self._watch = ReplicaWatch(self._replica, membership.node, lambda: loop.step,
-                                           lambda: loop.engine.view is not None, opts.gossip.probe_interval).start()
+                self._start_watch()
+                self._repair_channel = RepairChannel.from_env()
+                replica = self._replica
+                loop.replica_lost = lambda: (replica.lost, min(replica.lost_shards, default=None)) \
+                    if replica.lost is not None else None
             _RUNNING.add(self)
         except BaseException:
             if membership.node is not None:
@@ -160,13 +167,88 @@ class FaultTolerantGroup:
             rendezvous.close()
             raise
 
-    def _check_open(self) -> None:
-        """FtcommError after shutdown; ReplicaLost once the replica's collectives were torn
-        down (a process of it died or hung: see ftcomm.training.replica_watch)."""
+    def _start_watch(self) -> None:
+        loop = self._loop
+        self._watch = ReplicaWatch(self._replica, self._membership.node, lambda: loop.step,
+                                   lambda: loop.engine.view is not None, self.options.gossip.probe_interval).start()
+
+    def _check_open(self, in_step: bool = False) -> bool:
+        """FtcommError after shutdown. Once the replica's collectives were torn down (a
+        process of it died or hung: see ftcomm.training.replica_watch), the replica is
+        repaired in place (the step under way, ``in_step``, discarded), or ReplicaLost when
+        it cannot be (see :meth:`_repair`). Whether it was repaired."""
         self._loop.check_open()
         if self._replica is not None and self._replica.lost is not None:
-            raise ReplicaLost(f"this process's sharded replica is lost ({self._replica.lost}): exit, and start the "
-                              f"whole replica again (ftcomm run --replica-size does) to rejoin")
+            self._repair(self._replica.lost, in_step)
+            return True
+        return False
+
+    def _may_repair(self) -> str | None:
+        """Why this process's replica cannot be formed again with a replacement for its lost
+        process, or None when it can: ``ftcomm run`` started it (and replaces the lost
+        process), its group is one ftcomm made with Gloo, and either another replica holds
+        the group's state or this process holds none worth keeping (with none elsewhere, the
+        whole replica starts again from its checkpoints instead)."""
+        replica, channel, loop = self._replica, self._repair_channel, self._loop
+        if channel is None or channel.closed:
+            return "no launcher replaces a lost process (ftcomm run --replica-size does)"
+        if not replica.repairable:
+            return "its process group is not one ftcomm can form again (NCCL, or torch.distributed initialized " \
+                   "by the script, or a module with FSDP2's own collectives)"
+        if loop.step == 0 and self.resumed_step is None:
+            return None
+        if not state_elsewhere(replica.key, loop.engine.config, loop.driver.statuses()[0]):
+            return "no other replica holds the group's state, which a replacement would receive"
+        return None
+
+    def _repair(self, why: str, in_step: bool, shard: int | None = None) -> None:
+        """This process's replica lost a process (``why``; shard ``shard`` where known): it
+        is formed again in place with a process ``ftcomm run`` starts to replace the lost
+        one (see ftcomm.training.replica_repair). This process leaves its view (the step
+        under way, ``in_step``, is discarded), asks the launcher to replace a partner found
+        hung, meets the replacement at the address the launcher gives, and asks to join the
+        group again with its replica, returning once the group took the replica whole (at a
+        step boundary of the others) and each of its processes received the newest state of
+        its shard from another replica. It keeps its interpreter, model and optimizer, and
+        what agreeing raises may come from here too. ReplicaLost when it
+        cannot be repaired (:meth:`_may_repair`), or no replacement came within
+        ``init_timeout``: exit, and the launcher starts the whole replica again."""
+        replica, channel = self._replica, self._repair_channel
+        replica.tear_down(why, shard)  # (when it was not yet: its collectives fail from now on)
+        cannot = self._may_repair()
+        if cannot is not None:
+            raise ReplicaLost(f"this process's sharded replica is lost ({why}) and cannot be repaired in place: "
+                              f"{cannot}; exit, and start the whole replica again (ftcomm run --replica-size "
+                              f"does) to rejoin", shard)
+        began = time.monotonic()
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        log.warning("this process's sharded replica is lost (%s): repairing it in place (this process leaves its "
+                    "view and meets the process that replaces the lost one)", why)
+        self._loop.repair_replica(why, in_step)
+        for lost in sorted(replica.lost_shards):
+            channel.report(lost, replica.process_id(lost))
+        deadline = began + self.options.init_timeout
+        while True:
+            address = channel.meeting(deadline - time.monotonic())
+            if address is None:
+                raise ReplicaLost(f"this process's sharded replica is lost ({why}) and no process replaced the lost "
+                                  f"one within {self.options.init_timeout:g} s (init_timeout)"
+                                  + (" (the launcher is gone)" if channel.closed else "")
+                                  + ": exit, and start the whole replica again to rejoin", shard)
+            try:
+                replica.reform(address)
+                break
+            except (FtcommError, RuntimeError) as exc:  # its replacement failed too: the launcher starts another
+                log.warning("forming this replica again at %s failed (%s): waiting for the next replacement",
+                            address, str(exc).splitlines()[0][:200])
+        self._loop.driver.replica_formed(replica.key)
+        self._start_watch()
+        log.warning("this process's sharded replica formed again in %.2f s (in place, formation %d): it joins the "
+                    "group again and receives the newest state", time.monotonic() - began, replica.formations)
+        self._run(self._loop.recover("replica repair", began))
+        self.repairs.append(round(time.monotonic() - began, 4))
 
     def _run(self, phase: Any) -> Any:
         """Run a phase of the worker loop on this thread (see ftcomm.runtime.live_ports.run)."""
@@ -397,14 +479,21 @@ class FaultTolerantGroup:
             return
         self._at_boundary(loop.boundary())
 
-    def _at_boundary(self, phase: Any) -> Any:
+    def _at_boundary(self, phase: Any, in_step: bool = False) -> Any:
         """Run ``phase``, begun with the registered state at the committed step (between
-        steps, or in the gradient path before the optimizer steps), and keep that state in
-        the checkpoints before a QuorumLost leaves the group (see _leave_with_state). A worker
-        whose state was named wrong again soon after a repair leaves the group before its
-        StateDiverged reaches the script (a script that carries on gets FtcommError)."""
+        steps, or in the gradient path before the optimizer steps: ``in_step``), and keep that
+        state in the checkpoints before a QuorumLost leaves the group (see _leave_with_state).
+        A worker whose state was named wrong again soon after a repair leaves the group before
+        its StateDiverged reaches the script (a script that carries on gets FtcommError). A
+        process of this worker's sharded replica found gone meanwhile: the replica is
+        repaired in place (the step discarded: False), or ReplicaLost (see :meth:`_repair`)."""
         try:
             return self._run(phase)
+        except ReplicaLost as exc:
+            if self._replica is None or exc.left or self._may_repair() is not None:
+                raise
+            self._repair(str(exc), in_step, exc.shard)
+            return False
         except QuorumLost as exc:
             self._leave_with_state(exc)
             raise
@@ -492,14 +581,15 @@ class FaultTolerantGroup:
         every member of the new view runs it alike (with an ElasticSampler, whose steps
         must count every member's batch, it is then discarded on every member).
         """
-        self._check_open()
         self._owner = threading.get_ident()
+        if self._check_open(in_step=True):
+            return False  # (repaired: the step is discarded, and the replica is in the group again)
         if isinstance(model_or_params, DistributedDataParallel):
             self._collective.use_wrapped(model_or_params)
         else:
             module = model_or_params if isinstance(model_or_params, torch.nn.Module) else None
             self._collective.use(_parameters(model_or_params), module)
-        committed = self._at_boundary(self._loop.gradient_step())
+        committed = self._at_boundary(self._loop.gradient_step(), in_step=True)
         if committed and self._left_keeper is not None:
             self._discard_left_state()
         return committed
@@ -635,6 +725,11 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     (the collectives ``fn`` runs wait on their own)."""
     return fn(*args, **kwargs)
     yield  # noqa: unreachable - makes this a generator
+
+
+def _restarts() -> int:
+    raw = os.environ.get("FTCOMM_RESTARTS", "0")
+    return int(raw) if raw.isdigit() else 0
 
 
 def raise_descriptor_limit() -> None:

@@ -4,7 +4,9 @@ script that uses only the public interface, trains as 3 replicas of 2 processes.
 Each test asserts DESIGN §2 per shard: after every view change and at the end, the
 processes of one shard index hold one state in every replica; every sample of the epoch
 is trained on exactly once by committed steps; every process exits 0. And the replica is
-the unit of failure: its processes leave and come back together.
+the unit of membership: its processes leave and come back together; a process it loses is
+replaced in place while the others keep running (or, with ``--replica-restart``, the
+whole replica starts again).
 """
 
 from __future__ import annotations
@@ -13,16 +15,20 @@ import collections
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 
 from ftcomm.ops.worker_output import untagged
+from tests.conftest import free_port
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,10 +40,12 @@ REPLICAS, SHARDS = 3, 2
 class Job:
     """``ftcomm run`` of the example; every JSON line the processes print, with its arrival time."""
 
-    def __init__(self, steps: int, *extra: str, command: list[str] | None = None, env: dict | None = None) -> None:
-        """``command``: instead of one launcher for every replica (``env``: added to its environment)."""
+    def __init__(self, steps: int, *extra: str, command: list[str] | None = None, env: dict | None = None,
+                 launcher: tuple[str, ...] = ()) -> None:
+        """``command``: instead of one launcher for every replica (``env``: added to its environment);
+        ``launcher``: more options of ``ftcomm run``."""
         command = command or [sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", str(REPLICAS * SHARDS),
-                              "--replica-size", str(SHARDS), "--restart-backoff", "0.2", EXAMPLE,
+                              "--replica-size", str(SHARDS), "--restart-backoff", "0.2", *launcher, EXAMPLE,
                               "--steps", str(steps), "--min-workers", "2", "--step-time", "0.03",
                               "--report-every", "10", "--log-indices", *extra]
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("FTCOMM_")}, **(env or {})}
@@ -78,6 +86,39 @@ class Job:
         for t in self._threads:
             t.join(10)
         return code
+
+
+def free_port_block(n: int) -> int:
+    """A port with the ``n`` - 1 above it free too (the launcher counts metrics ports up from it)."""
+    while True:
+        port = free_port()
+        sockets = []
+        try:
+            for p in range(port, port + n):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+
+
+def local_rank(job: Job, pid: int) -> int:
+    """The local rank of the worker whose process is ``pid``, as the launcher said it started it."""
+    return next(int(m.group(1)) for line in job.log if (m := re.search(rf"worker (\d+) started: pid {pid}\b", line)))
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A worker's metrics (unlabelled samples), or nothing while it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.labels}
 
 
 def started(job: Job) -> list[dict]:
@@ -139,11 +180,11 @@ def assert_per_shard_invariants(job: Job, steps: int, first_step: int = 1, stopp
         position = (epoch, start + size)
 
 
-def test_a_replica_that_loses_a_process_to_kill_9_leaves_whole_and_comes_back():
+def test_with_replica_restart_a_replica_that_loses_a_process_to_kill_9_leaves_whole_and_comes_back():
     # Long enough for the replica's restart (Python, torch, its own group) to rejoin before
     # the others end on a loaded machine too (as in the SIGTERM test below).
     steps = 240
-    job = Job(steps)
+    job = Job(steps, launcher=("--replica-restart",))
     try:
         ready = started(job)
         victim = next(e for e in ready if e["rank"] == 3)  # shard 1 of the replica of rank 1
@@ -168,6 +209,49 @@ def test_a_replica_that_loses_a_process_to_kill_9_leaves_whole_and_comes_back():
     back = [e for e in views if e["view_id"] > views[0]["view_id"] and len(e["members"]) == REPLICAS * SHARDS]
     assert back, "the replica never came back"
     assert [e["restarts"] for e in job.of("ready") if e["restarts"]] == [1, 1]  # both of its processes, once
+    assert_per_shard_invariants(job, steps, stopped=frozenset({victim["rank"]}))
+
+
+def test_a_process_lost_to_kill_9_is_replaced_in_place_by_a_standby_and_its_partner_keeps_its_interpreter():
+    """3 replicas of 2 with a warm standby: kill -9 of one process. Its partner is not
+    restarted (its one start, its gossip identity and its pid stay to the end); a standby
+    takes the lost shard at a fresh address, the partner meets it there, and the replica
+    joins the others again as a whole, receiving the newest state of each shard. Equal state
+    per shard, exactly-once samples, exit 0."""
+    steps = 300
+    metrics = free_port_block(REPLICAS * SHARDS)
+    job = Job(steps, launcher=("--standby", "1", "--metrics-port", str(metrics)))
+    try:
+        ready = started(job)
+        wait_until(lambda: any("standby ready" in line for line in job.log), 120,
+                   lambda: f"no standby: {''.join(job.log[-40:])}")
+        victim = next(e for e in ready if e["rank"] == 3)  # shard 1 of the replica of rank 1
+        partner = next(e for e in ready if e["rank"] == 2)
+        before = max(e["view_id"] for e in job.of("view"))
+        os.kill(victim["pid"], signal.SIGKILL)
+        port = metrics + local_rank(job, partner["pid"])
+        wait_until(lambda: scrape(port).get("ftcomm_replica_repairs_total"), 120,
+                   lambda: f"no repair: {''.join(job.log[-40:])}")
+        figures = scrape(port)
+        assert job.finish() == 0, "".join(job.log[-60:])
+    finally:
+        job.finish(30)
+    # the partner's metrics count the repair, apart from restarts (it was never restarted)
+    assert figures["ftcomm_replica_repairs_total"] == 1 and figures["ftcomm_restarts"] == 0
+    assert figures["ftcomm_replica_repair_seconds_count"] == 1 and figures["ftcomm_replica_repair_seconds_sum"] > 0
+    log = "".join(job.log)
+    assert "exited with signal SIGKILL" in log and "its replica is repaired in place" in log
+    assert "with the rest of its replica" not in log and "left with its replica" not in log
+    assert "(a warm standby)" in log and "formed again in" in log
+    # the partner: one start, the same process to the end (its gossip identity is its process's)
+    assert [e for e in job.of("ready") if e["pid"] == partner["pid"]] == [partner]
+    assert any(d["id"] == partner["id"] for d in job.of("done"))
+    assert [e["restarts"] for e in job.of("ready") if e["restarts"]] == [1]  # the lost process's shard alone
+    views = sorted((e for e in job.of("view") if e["view_id"] > before), key=lambda e: e["view_id"])
+    assert views and all(victim["id"] not in e["members"] for e in views)
+    # (with a warm standby the replica may be whole again before the others formed a view without it)
+    assert all(partner["id"] not in e["members"] or len(e["members"]) == REPLICAS * SHARDS for e in views)
+    assert any(partner["id"] in e["members"] for e in views), "the repaired replica never came back"
     assert_per_shard_invariants(job, steps, stopped=frozenset({victim["rank"]}))
 
 
@@ -243,7 +327,8 @@ def test_the_replica_of_two_left_when_rank_0_s_replica_loses_a_process_trains_on
         job.finish(30)
     log = "".join(job.log)
     assert "exited with signal SIGKILL" in log and "QuorumLost" not in log
-    assert ("is stopped: killed" in log) == (sig == signal.SIGSTOP)
+    # a stopped process is killed by the launcher: stopped too long, or reported hung by its partner
+    assert ("is stopped: killed" in log or "is hung, its replica's worker" in log) == (sig == signal.SIGSTOP)
     after = sorted((e for e in job.of("view") if e["view_id"] > before), key=lambda e: e["view_id"])
     assert after and after[0]["reason"] in ("crash", "hang") and len(after[0]["members"]) == SHARDS, after[:1]
     assert victim["id"] not in after[0]["members"]
@@ -253,13 +338,13 @@ def test_the_replica_of_two_left_when_rank_0_s_replica_loses_a_process_trains_on
         assert len({d["digest"] for d in done if d["shard"] == shard}) == 1, f"shard {shard} ends with two states"
 
 
-def test_a_restarted_replica_that_builds_its_model_late_does_not_pause_the_other_replica():
+def test_a_replica_whose_replacement_builds_its_model_late_does_not_pause_the_other_replica():
     """Two replicas of two, the tutorial's order (init, then build the model, then
-    register_state): the restarted replica's processes spend 4 s building after init. They
-    hold back from the running group until both registered their state, so the other
-    replica commits steps all the while (admitted at init, the group would wait in its
-    reconcile for their state), then the replica enters whole and every shard ends with one
-    state."""
+    register_state): the process that replaces a lost one spends 4 s building after init.
+    It holds back from the running group until it registered its state, and its partner
+    (repairing in place) waits for it, so the other replica commits steps all the while
+    (admitted at init, the group would wait in its reconcile for their state), then the
+    replica enters whole and every shard ends with one state."""
     steps, build = 400, 4.0
     job = Job(steps, command=[sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "4", "--replica-size", "2",
                               "--restart-backoff", "0.2", EXAMPLE, "--steps", str(steps), "--min-workers", "1",
@@ -269,16 +354,17 @@ def test_a_restarted_replica_that_builds_its_model_late_does_not_pause_the_other
                    lambda: f"the job did not start: {''.join(job.log[-40:])}")
         victim = next(e for e in job.of("ready") if e["rank"] == 2)
         os.kill(victim["pid"], signal.SIGKILL)
-        wait_until(lambda: len(job.of("building")) >= 2, 120, lambda: f"no restart: {''.join(job.log[-40:])}")
+        wait_until(lambda: len(job.of("building")) >= 1, 120, lambda: f"no restart: {''.join(job.log[-40:])}")
         assert job.finish() == 0, "".join(job.log[-60:])
     finally:
         job.finish(30)
-    began = max(e["t"] for e in job.of("building"))  # both processes of the replica build from here
+    assert len(job.of("building")) == 1  # the replacement alone: its partner kept its model
+    began = max(e["t"] for e in job.of("building"))
     steps_meanwhile = {e["step"] for t, e in list(job.events)
                        if e["ev"] == "step" and e["world"] == SHARDS and began + 1.0 < t < began + build}
     assert len(steps_meanwhile) >= 5, f"the running replica paused for the restarted one: {sorted(steps_meanwhile)}"
     back = [e for e in job.of("view") if e["reason"] == "join" and len(e["members"]) == 4]
-    assert back, "the restarted replica never entered"
+    assert back, "the repaired replica never entered"
     done = job.of("done")
     assert len(done) == 4 and {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {4}
     for shard in range(SHARDS):
@@ -312,13 +398,15 @@ def test_a_bit_flipped_in_one_replica_s_shard_is_caught_by_that_shard_index_and_
     assert_per_shard_invariants(job, steps)
 
 
-def test_a_hung_process_of_a_replica_releases_its_partner_within_seconds_not_after_init_timeout():
+def test_a_hung_process_of_a_replica_releases_its_partner_within_seconds_and_is_replaced_in_place():
     """Two replicas of two; the launcher leaves stopped processes alone (--kill-stopped-after
     off), so a SIGSTOP is a hang as a stuck kernel or a dead NIC makes one: torch's
     collectives inside the replica would hold its partner until their timeout (init_timeout,
     120 s). Gossip suspects the stopped process, its partner's watch tears the replica's
-    collectives down and the partner exits saying why, within seconds; the launcher then
-    starts the replica again, the other replica trains on, every shard ends with one state."""
+    collectives down within seconds and the partner asks the launcher to replace it: the
+    launcher kills the stopped process and starts one for its shard, the partner (the same
+    process) forms the replica again with it, the other replica trains on meanwhile, and
+    every shard ends with one state."""
     steps = 300
     job = Job(steps, command=[sys.executable, "-m", "ftcomm", "run", "--nproc-per-node", "4", "--replica-size", "2",
                               "--restart-backoff", "0.2", "--kill-stopped-after", "off", EXAMPLE, "--steps",
@@ -344,7 +432,12 @@ def test_a_hung_process_of_a_replica_releases_its_partner_within_seconds_not_aft
     assert released_at - stopped_at < 60, released_at - stopped_at
     line = next(line for line in job.log if lost in line)
     assert "is stopped" in line or "died" in line, line  # (its partner runs on this host: looked up in /proc)
-    assert "SIGABRT" not in "".join(job.log)  # the released process exits by itself, not by an abort
+    log = "".join(job.log)
+    assert "SIGABRT" not in log and "with the rest of its replica" not in log, log[-6000:]
+    assert "is hung, its replica's worker" in log and "its replica is repaired in place" in log, log[-6000:]
+    partner = next(e for e in job.of("ready") if e["rank"] == 2)
+    assert [e for e in job.of("ready") if e["pid"] == partner["pid"]] == [partner]  # not restarted
+    assert any(d["id"] == partner["id"] for d in job.of("done"))
     done = job.of("done")
     assert len(done) == 4 and {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {4}
     for shard in range(SHARDS):

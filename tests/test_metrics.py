@@ -45,6 +45,8 @@ def test_the_endpoint_serves_the_groups_figures():
         assert figures[("ftcomm_stragglers", ())] == 0
         assert figures[("ftcomm_state_divergences_total", (("named", "false"),))] == 0
         assert figures[("ftcomm_gossip_events_total", (("counter", "datagrams_received"),))] > 0
+        assert figures[("ftcomm_restarts", ())] == 0  # (FTCOMM_RESTARTS unset: started once)
+        assert not any(name.startswith("ftcomm_replica_repair") for name, _ in figures)  # no sharded replica
     finally:
         for g in groups:
             g.shutdown()
@@ -122,6 +124,7 @@ def test_a_scrape_reads_the_view_once_while_the_worker_leaves_it():
         step = 7
         stragglers: list = []
         corruptions: list = []
+        replica_size, repairs, restarts = 2, [0.5, 0.75], 1
         _stragglers = Stragglers(2.0, 3)
         _views = [View(4, ("a", "b"))]
 
@@ -140,3 +143,8 @@ def test_a_scrape_reads_the_view_once_while_the_worker_leaves_it():
     figures = {family.name: family.samples[0].value for family in GroupCollector(Leaving()).collect()
                if family.samples}
     assert (figures["ftcomm_view_id"], figures["ftcomm_world_size"], figures["ftcomm_rank"]) == (4, 2, 1)
+    # a sharded replica's repairs in place, apart from the worker's own restarts
+    assert figures["ftcomm_replica_repairs"] == 2 and figures["ftcomm_restarts"] == 1
+    samples = {s.name: s.value for family in GroupCollector(Leaving()).collect()
+               if family.name == "ftcomm_replica_repair_seconds" for s in family.samples}
+    assert samples == {"ftcomm_replica_repair_seconds_count": 2, "ftcomm_replica_repair_seconds_sum": 1.25}

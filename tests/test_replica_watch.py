@@ -149,9 +149,10 @@ def test_a_partner_on_this_host_that_runs_is_no_reason_until_gossip_declares_it_
 def test_the_stall_counts_from_when_the_process_entered_its_view():
     """A process that held back for a minute (building its model) is not stalled on entry."""
     node, steps, in_view = Node(a1="suspect"), [0], [False]
-    w = watch(node, steps, in_view=in_view, partner="T")
+    w = watch(node, steps, in_view=in_view, partner="S")  # (its gossip starved meanwhile: suspected, running)
     assert all(w.look(t / 10) is None for t in range(600))
     assert node.probed == []
+    w.replica.partner = "T"  # stopped from when the process enters its view
     in_view[0] = True
     t, why = stall_until_reason(w, 60.0, 70.0)
     assert why is not None and t - 60.0 == pytest.approx(replica_watch.STALL_MIN_S + replica_watch.SILENT_S, abs=0.11)
@@ -170,6 +171,24 @@ def test_a_suspicion_refuted_before_it_held_starts_over():
     node.states["a1"] = "suspect"
     assert w.look(t + 0.45) is None and w.look(t + 0.8) is None  # 0.35 s since suspected again
     assert w.look(t + 0.95) is not None
+
+
+@pytest.mark.parametrize("partner, said", [("T", "is stopped"), ("gone", "is gone")])
+def test_out_of_its_view_a_suspected_partner_stopped_or_gone_here_is_a_reason_once_the_suspicion_held(partner, said):
+    """Left out of the others' view (its partner stopped), a process owes no step, so nothing
+    stalls; a partner that /proc shows stopped or gone keeps the replica out for good: a
+    reason after SILENT_S of suspicion, without probing. One that runs here, or runs on
+    another host, is waited for."""
+    for state, expect in ((partner, said), ("S", None), (None, None)):
+        node, steps = Node(a1="suspect"), [0]
+        w = watch(node, steps, in_view=False, partner=state)
+        t, why = stall_until_reason(w, 0.0, 10.0)
+        if expect is None:
+            assert why is None
+            continue
+        assert why is not None and why.startswith(f"a1, a process of this replica, {said}") and "in no view" in why
+        assert t == pytest.approx(replica_watch.SILENT_S, abs=0.06) and w.culprit == 1
+        assert node.probed == []
 
 
 def test_no_stall_counts_before_the_process_is_in_a_view():

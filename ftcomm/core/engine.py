@@ -24,6 +24,7 @@ States and transitions are the table :data:`TRANSITIONS` (anything else raises
     RECONCILING | RECONCILE_DUE | BROKEN ---broken unreconciled (re)joiner---> JOINING | REJOINING
                                                    (it joined the view and never held the state)
     AGREEING ---superseded---> REJOINING           (a newer view exists without it)
+    AGREEING ---replica silent | replica repair---> REJOINING   (its sharded replica is not whole)
     any state but LEAVING and CLOSED ---leave---> LEAVING ---closed---> CLOSED
 
 The published phase (``joining`` / ``active`` / ``leaving``) follows from the state and
@@ -97,6 +98,7 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     **{(state, "broken unreconciled rejoiner"): REJOINING for state in UNRECONCILED},
     (AGREEING, "superseded"): REJOINING,
     (AGREEING, "replica silent"): REJOINING,  # stands aside with its replica, whose other process is silent
+    (AGREEING, "replica repair"): REJOINING,  # its replica lost a process and forms again with a replacement
     (STANDING_ASIDE, "rested"): REJOINING,
     (LEAVING, "closed"): CLOSED,
     **{(state, "leave"): LEAVING for state in (*JOINERS, AGREEING, FORMING, RECONCILING, *IN_VIEW)},
@@ -334,6 +336,7 @@ class Engine:
     replica: tuple[str, int, int] | None = None  # a sharded replica's process: (replica key, shard rank, size)
     view_reason: str | None = None  # why the current view formed (init, crash, join, ...): published, for operators
     diverged: tuple[int, int] | None = None  # times this member's state was named wrong, the last step: published
+    repairing: bool = False  # its sharded replica lost a process and forms again in place, until it is in a view
     _announced_at: float = float("-inf")  # see _announce_waiting
     _announce_after: float = 0.0
     _recontacted_at: float = float("-inf")
@@ -452,7 +455,8 @@ class Engine:
                             self.rendezvous_port, self.floor, self.settings,
                             (named.id, ops) if named is not None and self.state == LEAVING else None,
                             self.insecure, named.digest if named is not None else None, compute_s, self.benched,
-                            self.aside, self.witnessed, self.holding, self.replica, self.view_reason, self.diverged)
+                            self.aside, self.witnessed, self.holding, self.replica, self.view_reason, self.diverged,
+                            self.repairing)
 
     def broken(self) -> list[Action]:
         """Re-agree: the view (the one being reconciled, or run) can no longer be used, or is
@@ -522,6 +526,7 @@ class Engine:
         self.founding, self.restorable = founding, restorable
         self.view, self.forming = self.forming, None
         self.benched = None
+        self.repairing = False
         self._lagging.clear()
         self._recontact_after = self._announce_after = 0.0
         return [Publish()]
@@ -563,6 +568,29 @@ class Engine:
         self.view, self.proposal, self._last, self.witnessed, self.vouched = None, None, None, None, frozenset()
         self.proven_gone = frozenset()
         return [Rejoined(why), Publish()]
+
+    def repair_replica(self, why: str) -> list[Action]:
+        """A process of this member's sharded replica is lost, and the replica is formed
+        again with a process that replaces it (``why``; see ftcomm.training.replica_repair):
+        an agreeing member leaves the view it holds, its record saying from which (the
+        others count it as gone for the quorum at once, as a straggler standing aside), and
+        joins again with its replica once that is whole under its new key
+        (:meth:`replica_formed`). A member without a view (a joiner) stays as it is."""
+        self.repairing = True
+        if self.state != AGREEING or self.view is None:
+            return [Publish()]
+        view = self.view
+        actions = self._rejoin(why, "replica repair")
+        self.benched = view.id
+        return actions
+
+    def replica_formed(self, key: str) -> list[Action]:
+        """This member's sharded replica formed again, under ``key``: its record says so, and
+        views take the replica once each of its processes shows the key."""
+        if self.replica is None:
+            raise IllegalTransition(f"{self.id}: replica_formed without a replica")
+        self.replica = (key, *self.replica[1:])
+        return [Publish()]
 
     def bench(self, now: float, seconds: float) -> list[Action]:
         """This member, chosen by the last step (ASIDE_DUE), is a straggler and stands aside

@@ -206,6 +206,7 @@ class StatusRecord:
     replica: tuple[str, int, int] | None = None  # see Status.replica
     view_reason: str | None = None  # why its current view formed (shown by ftcomm members and ftcomm run)
     diverged: tuple[int, int] | None = None  # times its state fingerprint was named, and the last step it was
+    repairing: bool = False  # its sharded replica lost a process and forms again in place (ftcomm members shows it)
 
     def encode(self) -> dict:
         meta = {"ph": self.phase, "cv": self.current_view, "jt": self.joined_at, "cf": self.config, "st": self.step,
@@ -238,6 +239,8 @@ class StatusRecord:
             meta["vr"] = self.view_reason[:16]
         if self.diverged is not None:
             meta["sd"] = list(self.diverged)
+        if self.repairing:
+            meta["rr"] = True
         return meta
 
 
@@ -375,6 +378,14 @@ def replica_broken(own: tuple[str, int, int] | None, statuses: dict[str, Status]
         if s.replica is not None and s.replica[0] == own[0] and s.replica[1] != own[1] and (s.dead or s.left):
             return s.id
     return None
+
+
+def state_elsewhere(key: str, config: str, statuses: dict[str, Status]) -> bool:
+    """A live member of a sharded replica other than ``key`` runs a view of this group
+    (``config``): it holds the group's state, which the processes of replica ``key`` receive
+    when they join again (a replica repaired in place, see ftcomm.training.replica_repair)."""
+    return any(s.alive and s.replica is not None and s.replica[0] != key and s.current_view > 0
+               and s.config == config for s in statuses.values())
 
 
 def group_ended(own: Status, records: Iterable[Status], saw_view: int) -> bool:

@@ -86,13 +86,16 @@ def _member_table(members: list, previous: tuple[float, dict[str, int]] | None =
     slow = slow_members(compute, GroupOptions.straggler_factor)
     header = ["ID", "ADDRESS", "STATE", "INC", "STEP", "COMPUTE"] + (["STEPS/S"] if previous else []) + ["METADATA"]
     rows = [header]
-    named = 0
+    named = repairing = 0
     for m in sorted(members, key=lambda m: m.id):
         meta = dict(m.metadata)
         diverged = meta.pop("sd", None)  # its state fingerprint was named: (times, last step)
         if isinstance(diverged, list) and len(diverged) == 2 and all(type(v) is int for v in diverged):
             meta["state_diverged"] = f"{diverged[0]}x!(step {diverged[1]})"
             named += 1
+        if meta.pop("rr", None) is True:  # its sharded replica lost a process and forms again in place
+            meta["replica"] = "repairing"
+            repairing += 1
         step = meta.pop("st", None)  # a training worker's committed step
         step = meta.pop("step", "-") if step is None else step
         ct = meta.pop("ct", None)
@@ -109,6 +112,9 @@ def _member_table(members: list, previous: tuple[float, dict[str, int]] | None =
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows]
     if slow:
         lines.append(f"* straggler: compute time per step above {GroupOptions.straggler_factor:g}x the others' median")
+    if repairing:
+        lines.append("replica=repairing: the member's sharded replica lost a process, which a new one replaces while "
+                     "this one keeps its state (it rejoins with the replica)")
     if named:
         lines.append("! state_diverged: the member's state fingerprint differed from the other replicas' (silent "
                      "data corruption; see fingerprint_every): suspect its host's memory or GPU")
@@ -146,7 +152,8 @@ def _run(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, straggler_policy=args.straggler_policy,
                           fingerprint_every=args.fingerprint_every, sdc_policy=args.sdc_policy,
                           standby=args.standby, standby_imports=tuple(args.standby_import),
-                          kill_stopped_after=args.kill_stopped_after, fresh=args.fresh)
+                          kill_stopped_after=args.kill_stopped_after, fresh=args.fresh,
+                          replica_restart=args.replica_restart)
     return Launcher(config).run()
 
 
@@ -231,8 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "stopped by signal N, 1 when no worker finished.")
     run.add_argument("--nproc-per-node", type=_count(1), default=1, help="workers on this node (>= 1)")
     run.add_argument("--replica-size", type=_count(1), default=1, metavar="K",
-                     help="each K consecutive local ranks are one sharded replica (FSDP2 over ft.shard_mesh), "
-                          "restarted as a whole when one of its processes fails; K divides --nproc-per-node")
+                     help="each K consecutive local ranks are one sharded replica (FSDP2 over ft.shard_mesh); a "
+                          "failed process of a replica is replaced in place (a warm standby when one is ready) "
+                          "while the others keep running; K divides --nproc-per-node")
+    run.add_argument("--replica-restart", action="store_true",
+                     help="a failed process of a sharded replica restarts the whole replica instead of being "
+                          "replaced in place")
     run.add_argument("--bind", default=None, metavar="HOST",
                      help="IPv4 address the workers bind (default: the host of $FTCOMM_BIND, else 127.0.0.1)")
     run.add_argument("--port", type=_count(0), default=0,

@@ -43,11 +43,18 @@ launcher died while it was being started does not start).
 With ``replica_size`` K > 1 each K consecutive local ranks are one sharded replica
 (``FTCOMM_REPLICA_SIZE``, ``FTCOMM_SHARD_RANK`` = local rank mod K, and
 ``FTCOMM_REPLICA_ADDR``: a fresh port for torch's process group inside the replica at each
-start of it). The replica is the unit of failure: when one of its processes exits other
-than finished, the others are stopped (SIGTERM, then SIGKILL after ``REPLICA_HALT_S``, or
-``REPLICA_KILLED_HALT_S`` when it died by a signal: a process blocked in a collective with
-the dead one may never reach its signal handler),
-and the whole replica starts again once all have exited, counted as one restart of each.
+start of it). When one of its processes exits other than finished, the replica is
+repaired in place (see :mod:`ftcomm.training.replica_repair`): a process (a warm standby when
+one is ready) replaces the failed one at a fresh address, which the others are told through
+their socket pair with the launcher (``FTCOMM_REPAIR_FD``); they keep running. A process
+that reports a partner hung (``lost SHARD PID``) gets that partner killed, to be replaced.
+A replica whose process fails again within ``REPAIR_SETTLE_S`` of a repair, one whose
+other processes then exit (they cannot be repaired: NCCL, no other replica holding the
+state), or with ``replica_restart``, is the unit of failure: the others are stopped
+(SIGTERM, then SIGKILL after ``REPLICA_HALT_S``, or ``REPLICA_KILLED_HALT_S`` when it died
+by a signal: a process blocked in a collective with the dead one may never reach its
+signal handler), and the whole replica starts again once all have exited, counted as one
+restart of each.
 
 With ``standby`` N > 0 the launcher keeps N warm standby interpreters (see
 :mod:`ftcomm.ops.standby`): torch and ftcomm imported, waiting. A worker to be restarted
@@ -92,6 +99,7 @@ from ..errors import AddressError, FtcommError
 from ..gossip.addresses import parse_seed
 from ..localproc import process_start, stat_fields
 from ..options import check_addresses, check_protection
+from ..training.replica_repair import REPAIR_FD_ENV, LineReader, parse_lost, receive
 from . import runfile
 from .standby import FD_ENV as STANDBY_FD_ENV, IMPORTS_ENV as STANDBY_IMPORTS_ENV, order, python_command, \
     standby_command
@@ -105,6 +113,9 @@ REPLICA_KILLED_HALT_S = 0.5
 """The same when the process that failed died by a signal (killed, crashed): its partners
 are blocked in a collective with it, most likely, where no signal handler runs."""
 POLL_S = 0.05
+REPAIR_SETTLE_S = 60.0
+"""A process of a sharded replica that fails this soon after its replica was repaired (or a
+partner that fails while the repair is under way) restarts the whole replica instead."""
 STANDBY_RESPAWN_S = 3.0
 """After a standby took over (or another was started), the next is started this much later."""
 STANDBY_WAIT_S = 30.0
@@ -135,6 +146,7 @@ class LaunchConfig:
     checkpoint_dir: str | None = None
     network_check: bool = False  # the workers measure their links when they found the group; shown here
     replica_size: int = 1  # K > 1: each K consecutive local ranks are one sharded replica
+    replica_restart: bool = False  # a failed process of a replica restarts the whole replica (no repair in place)
     log_dir: str | None = None  # one log file per worker start: w3.log, w3.r1.log, ...
     min_workers: int | None = None  # the group's, for every worker ($FTCOMM_MIN_WORKERS); None: the script's
     max_workers: int | None = None  # ($FTCOMM_MAX_WORKERS)
@@ -226,6 +238,11 @@ class Worker:
     halt_grace: float = 0.0  # halting: how long it was given to leave
     stopped_since: float | None = None  # when the launcher first saw its process stopped (SIGSTOP)
     replica_addr: str = ""  # a sharded replica's processes: where they meet (torch's store), per start
+    channel: socket.socket | None = None  # the launcher's end of its socket pair with the process (repairs)
+    reader: LineReader | None = None  # the lines the process sent on it
+    repairs: int = 0  # starts that repaired its replica in place (counted among the restarts too)
+    repaired_at: float | None = None  # when the last of them began
+    repair_due: bool = False  # waiting to be started alone, to repair its replica
     output: WorkerOutput | None = None  # the current start's output streams
     starts: list[dict] = dataclasses.field(default_factory=list)  # each start's end: exit, seconds, last lines
 
@@ -239,6 +256,8 @@ class Standby:
     ready: int  # a pipe's read end: one byte arrives once the standby is prepared
     started_at: float
     prepared: bool = False
+    channel: socket.socket | None = None  # the launcher's end of the socket pair it will hand its worker
+    channel_fd: int = -1  # the standby's end, by its descriptor's number in the standby
 
 
 def free_ports(host: str, count: int) -> list[int]:
@@ -407,6 +426,9 @@ class Launcher:
         self._saving = threading.Lock()  # one breakpoint save at a time: the workers share the checkpoint
         self._report_dir: str | None = None  # where the workers write the network check's report
         self.standbys: list[Standby] = []
+        # sharded replicas are repaired in place: each process gets a socket pair with this launcher
+        self._repairs = config.replica_size > 1 and not config.replica_restart
+        self._formations = 0  # replica formations announced to repairing processes (see _tell_replica)
         self._standby_after = time.monotonic() + STANDBY_WAIT_S  # the next standby starts then at the earliest
         self._standby_failures = 0  # standbys in a row that exited before they were needed
         self._group_answered = False
@@ -465,6 +487,7 @@ class Launcher:
                     self._ended(worker, worker.process.returncode, time.monotonic())
                 if worker.saving is not None:
                     worker.saving.join()
+                self._close_channel(worker)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._status.finish()
@@ -479,7 +502,8 @@ class Launcher:
 
     def _nap(self, seconds: float) -> None:
         """Wait ``seconds``, or less: until a running worker exits (each worker's pidfd
-        becomes readable then), so that a replacement starts without a polling delay."""
+        becomes readable then) or sends on its repair channel, so that a replacement starts
+        without a polling delay."""
         running = {w.process for w in self.workers
                    if w.status in ("running", "halting") and w.process.returncode is None}  # reaped by _step
         for process in [p for p in self._exit_doors if p not in running]:
@@ -489,12 +513,13 @@ class Launcher:
                 self._exit_doors[process] = os.pidfd_open(process.pid)
             except (AttributeError, OSError):  # no pidfd on this system: polling only
                 break
-        if not self._exit_doors:
+        channels = [w.channel for w in self.workers if w.channel is not None and w.status == "running"]
+        if not self._exit_doors and not channels:
             time.sleep(seconds)
             return
         doors = select.poll()
-        for fd in self._exit_doors.values():
-            doors.register(fd, select.POLLIN)
+        for fd in list(self._exit_doors.values()) + [c.fileno() for c in channels]:
+            doors.register(fd, select.POLLIN)  # (a repair channel: a hung partner reported)
         doors.poll(seconds * 1000)
 
     def _step(self, now: float) -> None:
@@ -516,6 +541,7 @@ class Launcher:
                 if worker.process is not None and worker.process.poll() is None:
                     self.say(f"worker {worker.local_rank} (pid {worker.process.pid}) still runs: killed")
                     _kill_group(worker.process, signal.SIGKILL)
+        self._read_channels()
         for worker in self.workers:
             if worker.status == "running" and worker.process.poll() is not None:
                 self._exited(worker, worker.process.returncode, now)
@@ -527,6 +553,10 @@ class Launcher:
             if worker.status == "waiting" and self._ending_at is not None:
                 worker.status = "failed"
                 self.say(f"worker {worker.local_rank} is not restarted: the job is ending")
+            elif worker.status == "waiting" and worker.repair_due and now >= worker.restart_at:
+                self._start(worker)  # it repairs its replica, whose other processes run
+                if worker.status == "running":
+                    self._tell_replica(worker)
             elif worker.status == "waiting" and worker.restart_at is not None and now >= worker.restart_at and \
                     (worker.saving is None or not worker.saving.is_alive()) and \
                     not any(w.status in ("running", "halting") for w in self.replica(worker)):
@@ -604,6 +634,13 @@ class Launcher:
                      f"no restarts left (--max-restarts {self.config.max_restarts})")
             self._halt_replica(worker, now, code)
             return
+        if self._repairs_in_place(worker, now):
+            worker.status, worker.restart_at, worker.repaired_at, worker.repair_due = "waiting", now, now, True
+            worker.repairs += 1
+            self.say(f"worker {worker.local_rank} exited with {describe_exit(code)} after {ran:.1f} s; its replica "
+                     f"is repaired in place: a new process takes its shard (restart {worker.restarts + 1} of "
+                     f"{self.config.max_restarts}), the others keep running")
+            return
         delay = 0.0 if worker.restarts == 0 else \
             min(MAX_BACKOFF_S, self.config.restart_backoff * 2 ** min(worker.restarts - 1, 16))
         worker.status, worker.restart_at = "waiting", now + delay
@@ -611,6 +648,65 @@ class Launcher:
                  f"restart {worker.restarts + 1} of {self.config.max_restarts} in {delay:g} s"
                  + (", with the rest of its replica" if self.config.replica_size > 1 else ""))
         self._halt_replica(worker, now, code)
+
+    def _repairs_in_place(self, worker: Worker, now: float) -> bool:
+        """Whether ``worker``'s replica, which it failed, is repaired in place (a process
+        replaces it while the others keep running) rather than started again as a whole:
+        sharded replicas, not ``replica_restart``, every other process of the replica
+        running, and none of them (nor ``worker``) started by a repair that has not settled
+        (``REPAIR_SETTLE_S``)."""
+        if self.config.replica_size == 1 or self.config.replica_restart:
+            return False
+        replica = self.replica(worker)
+        if any(w.repaired_at is not None and now - w.repaired_at < REPAIR_SETTLE_S for w in replica):
+            return False
+        return all(w.status == "running" and w.channel is not None for w in replica if w is not worker)
+
+    def _read_channels(self) -> None:
+        """Read what the running processes of sharded replicas sent (see
+        ftcomm.training.replica_repair): a partner reported hung or gone, still running with
+        the pid reported, is killed, to be replaced when its exit is seen."""
+        for worker in self.workers:
+            if worker.channel is None or worker.status != "running":
+                continue
+            data = receive(worker.channel)
+            if data is None:
+                continue
+            if not data:  # its process closed it (exited, or it is not a replica's)
+                self._close_channel(worker)
+                continue
+            for line in worker.reader.feed(data):
+                lost = parse_lost(line)
+                replica = self.replica(worker)
+                if lost is None or not 0 <= lost[0] < len(replica):
+                    self.say(f"worker {worker.local_rank} sent an unknown line on its repair channel: dropped")
+                    continue
+                partner = replica[lost[0]]
+                if partner is worker or partner.status != "running" or partner.process.pid != lost[1] \
+                        or partner.process.poll() is not None:
+                    continue  # (gone already, or replaced since)
+                self.say(f"worker {partner.local_rank} (pid {lost[1]}) is hung, its replica's worker "
+                         f"{worker.local_rank} found: killed, to be replaced")
+                _kill_group(partner.process, signal.SIGKILL)
+
+    def _close_channel(self, worker: Worker) -> None:
+        if worker.channel is not None:
+            worker.channel.close()
+        worker.channel, worker.reader = None, None
+
+    def _tell_replica(self, worker: Worker) -> None:
+        """``worker`` was started to repair its replica: the replica's other processes are
+        told where to meet it (a formation number of their own, so a stale line is never
+        taken for a newer one)."""
+        self._formations += 1
+        line = f"meet {self._formations} {worker.replica_addr}\n".encode("ascii")
+        for other in self.replica(worker):
+            if other is worker or other.channel is None or other.status != "running":
+                continue
+            try:
+                other.channel.sendall(line)
+            except OSError as exc:  # (it exited meanwhile: its exit is seen at the next poll)
+                self.say(f"could not tell worker {other.local_rank} where its replica meets: {exc}")
 
     def _watch_stopped(self, worker: Worker, now: float) -> None:
         """Kill a worker whose process, or one it started (the script under a wrapper,
@@ -645,6 +741,7 @@ class Launcher:
         fails with it)."""
         grace = REPLICA_KILLED_HALT_S if code < 0 else REPLICA_HALT_S
         for other in self.replica(worker):
+            other.repair_due = False  # (a repair not started yet: the replica starts again as a whole)
             if other is worker:
                 continue
             if other.status == "running" and other.process.poll() is None:  # (one that exited: see _exited)
@@ -693,27 +790,45 @@ class Launcher:
         if worker.status == "waiting":
             worker.restarts += 1
         worker.restart_at, worker.stopped_since = None, None
-        if self.config.replica_size > 1 and worker.local_rank % self.config.replica_size == 0:
+        if self.config.replica_size > 1 and (worker.local_rank % self.config.replica_size == 0 or worker.repair_due):
             address = f"{self.config.host}:{free_ports(self.config.host, 1)[0]}"  # torch's store: fresh each start
             for w in self.replica(worker):
                 w.replica_addr = address
+        self._close_channel(worker)
         standby = self._take_standby()
+        child = None  # the process's end of its repair channel, here
         try:
             if standby is not None:
                 worker.process = standby.process
-                threading.Thread(target=_send_order, args=(standby.orders, order(self.config.command,
-                                 self.worker_env(worker))), daemon=True, name="ftcomm-run-standby").start()
+                worker.channel, channel_fd = standby.channel, standby.channel_fd
+                env = self.worker_env(worker)
+                if worker.channel is not None:
+                    env[REPAIR_FD_ENV] = str(channel_fd)
+                threading.Thread(target=_send_order, args=(standby.orders, order(self.config.command, env)),
+                                 daemon=True, name="ftcomm-run-standby").start()
             else:
-                worker.process = subprocess.Popen(self.config.command, env=self.worker_env(worker),
+                env = self.worker_env(worker)
+                if self._repairs:
+                    worker.channel, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                    env[REPAIR_FD_ENV] = str(child.fileno())
+                worker.process = subprocess.Popen(self.config.command, env=env,
                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                  start_new_session=True,
+                                                  start_new_session=True, pass_fds=(child.fileno(),) if child else (),
                                                   preexec_fn=functools.partial(_leave_with_parent, os.getpid()))
         except OSError as exc:  # no such program, not executable: restarting cannot help
+            self._close_channel(worker)
             worker.status = "failed"
             worker.starts.append({"restarts": worker.restarts, "exit": f"not started: {exc.strerror or exc}",
                                   "code": None, "seconds": 0.0, "lines": [], "log": None})
             self.say(f"worker {worker.local_rank} cannot start {self.config.command[0]!r}: {exc.strerror or exc}")
             return
+        finally:
+            if child is not None:
+                child.close()
+        worker.repair_due = False
+        if worker.channel is not None:
+            worker.channel.setblocking(False)
+            worker.reader = LineReader()
         shown = self.config.local_ranks_filter is None or worker.local_rank in self.config.local_ranks_filter
         try:
             worker.output = WorkerOutput(self.console, worker.local_rank, worker.restarts, worker.process.stdout,
@@ -823,25 +938,33 @@ class Launcher:
         ready, ready_out = os.pipe()
         os.set_blocking(ready, False)
         env[STANDBY_FD_ENV] = f"{orders_in},{ready_out}"
+        channel, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if self._repairs else (None, None)
+        child_fd = child.fileno() if child is not None else -1  # (its number in the standby too)
         try:
             process = subprocess.Popen(standby_command(self.config.command), env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                       pass_fds=(orders_in, ready_out),
+                                       pass_fds=(orders_in, ready_out) + ((child_fd,) if child else ()),
                                        preexec_fn=functools.partial(_leave_with_parent, os.getpid()))
         except OSError as exc:
             os.close(orders)
             os.close(ready)
+            if channel is not None:
+                channel.close()
             self._standby_failures = STANDBY_FAILURES
             self.say(f"cannot start a standby ({exc.strerror or exc}): restarts start new processes")
             return
         finally:
             os.close(orders_in)
             os.close(ready_out)
-        self.standbys.append(Standby(process, orders, ready, now))
+            if child is not None:
+                child.close()
+        self.standbys.append(Standby(process, orders, ready, now, channel=channel, channel_fd=child_fd))
 
     def _standby_gone(self, dead: Standby) -> None:
         """A standby exited before it was needed: say why, with its last line of output."""
         os.close(dead.orders)
+        if dead.channel is not None:
+            dead.channel.close()
         if dead.ready >= 0:
             os.close(dead.ready)
         code = dead.process.wait()
@@ -863,6 +986,8 @@ class Launcher:
         for s in self.standbys:
             os.close(s.orders)
             os.close(s.ready)
+            if s.channel is not None:
+                s.channel.close()
             _kill_group(s.process, signal.SIGKILL)
             s.process.wait()
             for stream in (s.process.stdout, s.process.stderr):
@@ -1158,11 +1283,15 @@ class _StatusLine:
                    if w.status not in ("failed", "finished", "stopped"))
         diverged = [r["sd"] for r in records if isinstance(r.get("sd"), list) and len(r["sd"]) == 2
                     and all(type(v) is int for v in r["sd"])]
+        repairing = sum(1 for m in live if m.metadata.get("rr") is True)
+        repaired = sum(w.repairs for w in launcher.workers)
         return (f"{len(live)} members ({local} local, {in_view} in the view), step {step}"
                 + (f", {rate:.1f} steps/s" if rate is not None else "")
                 + f", view {view}" + (f" ({reason}, {now - self._view[1]:.0f} s ago)" if reason else
                                        f" (for {now - self._view[1]:.0f} s)")
                 + f", restarts left {left}"
+                + (f", {repaired} replica repair{'s' if repaired != 1 else ''} in place" if repaired else "")
+                + (f" ({repairing} process{'es' if repairing != 1 else ''} repairing now)" if repairing else "")
                 + (f", {len(diverged)} named for silent data corruption (last at step {max(s for _, s in diverged)})"
                    if diverged else ""))
 

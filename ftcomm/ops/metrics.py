@@ -89,6 +89,17 @@ class GroupCollector:
         corruptions.add_metric(["true"], named)
         corruptions.add_metric(["false"], len(found) - named)
         yield corruptions
+        if group.replica_size > 1:
+            repairs = list(group.repairs)
+            yield CounterMetricFamily("ftcomm_replica_repairs", "Repairs in place of this process's sharded replica "
+                                      "(a lost process replaced while this one kept its state)", value=len(repairs))
+            seconds = SummaryMetricFamily("ftcomm_replica_repair_seconds", "From the loss to the repaired replica "
+                                          "back in a view")
+            seconds.add_metric([], len(repairs), sum(repairs))
+            yield seconds
+        yield GaugeMetricFamily("ftcomm_restarts", "Times the launcher started this worker again (ftcomm run: "
+                                "$FTCOMM_RESTARTS; a process that replaced a replica's lost one counts one)",
+                                value=group.restarts)
         try:
             stats = group.gossip.stats()
         except Exception:  # noqa: BLE001 - the node is stopping: no gossip figures in this scrape

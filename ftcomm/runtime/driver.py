@@ -179,7 +179,8 @@ class Driver:
             raise ReplicaLost(f"{gone}, a process of this worker's sharded replica, "
                               f"{'left' if statuses[gone].left else 'died'}: torch's process group inside the "
                               f"replica is broken, so this process cannot train on; exit, and start the whole "
-                              f"replica again (ftcomm run --replica-size does) to rejoin")
+                              f"replica again (ftcomm run --replica-size does) to rejoin", statuses[gone].replica[1],
+                              statuses[gone].left)
         unconfirmed: tuple[Status, ...] = ()
         seeds = None
         if founding or now - self._confirmed_at >= engine.chase_interval:
@@ -368,6 +369,24 @@ class Driver:
         self.ports.communicators.abandon()
         self.perform(self.engine.bench(self.ports.clock.now(), seconds))
         self.begin_recovery("straggler")
+
+    def repair_replica(self, why: str) -> None:
+        """A process of this member's sharded replica is lost and the replica forms again
+        with its replacement (``why``): the view's communicator is given up, and a member
+        that held a view leaves it (see Engine.repair_replica); it agrees again, as a
+        joiner, once the replica formed (:meth:`replica_formed`)."""
+        engine = self.engine
+        self.ports.communicators.abandon()
+        if engine.state == core.FORMING:
+            self.perform(engine.form_failed())
+        elif engine.state in core.IN_VIEW or engine.state == core.RECONCILING:
+            self.perform(engine.broken())
+        self.perform(engine.repair_replica(why))
+        self.reason = "replica repair"
+        self._again()
+
+    def replica_formed(self, key: str) -> None:
+        self.perform(self.engine.replica_formed(key))
 
     # ------------------------------------------------------------------ operations
     def confirmation(self, contributed_at: float, op_began: float, probe_interval: float) -> Pending[bool] | None:

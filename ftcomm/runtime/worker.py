@@ -34,7 +34,7 @@ from ..core import engine as core
 from ..core.engine import Divergence, Engine, fingerprint_verdict, shard_sources, view_lineage
 from ..core.view import View
 from ..errors import (CollectiveAborted, CommunicatorError, FtcommError, FtcommTimeout, MembershipChanged,
-                      QuorumLost, RetryLimitExceeded, OutOfStep, StateDiverged, StateLost)
+                      OutOfStep, QuorumLost, ReplicaLost, RetryLimitExceeded, StateDiverged, StateLost)
 from ..options import GroupOptions, ViewChange
 from .driver import AwaitingState, Driver
 from .fingerprints import ACTIONS, SDC_REPEAT_CHECKS, FingerprintCheck, step_action
@@ -100,6 +100,8 @@ class WorkerLoop:
         self.formations = 0  # views formed (and verified) by this worker
         self._settled = 0  # views formed before this worker's last completed gradient reduction or call
         self._reductions = 0  # gradient reductions started in the current view (names a step's replica decision)
+        # why this worker's sharded replica was torn down, and the lost shard where known (None: it was not)
+        self.replica_lost: Callable[[], tuple[str, int | None] | None] = lambda: None
         self._reconciles = 0  # reconciles (after forming, after a restore) in the current view: names their decisions
         self.aligned = True  # every member of the last view formed was at the same position
         self._before: tuple[str, ...] = ()  # the members of the view a re-formation began in
@@ -211,6 +213,9 @@ class WorkerLoop:
         said_at = noticed  # when this worker last said why it waits
         while True:
             self.check_open()
+            lost = self.replica_lost()
+            if lost is not None:  # (torn down while this worker agrees: see ftcomm.training.replica_watch)
+                raise ReplicaLost(lost[0], lost[1])
             now = clock.now()
             if now > deadline:
                 self._raise_stuck()
@@ -555,6 +560,19 @@ class WorkerLoop:
         the group down meanwhile (nothing is left to re-form)."""
         self.check_open()
         self.driver.perform(self.engine.failed(self.driver.classify(exc)))
+
+    def repair_replica(self, why: str, in_step: bool) -> None:
+        """This worker's sharded replica lost a process and forms again with a replacement
+        (``why``; see ftcomm.training.replica_repair): the gradient step under way, if any
+        (``in_step``), is discarded, and this worker leaves its view (Driver.repair_replica)."""
+        self.check_open()
+        collective = self.ports.collective
+        if in_step or collective.touched:
+            collective.discard()
+        self.position = BEFORE_STEP
+        self.driver.repair_replica(why)
+        if in_step:
+            self._end_step(False)
 
     # ------------------------------------------------------------------ gradient steps
     def contribution(self, valid: bool) -> Contribution:

@@ -69,6 +69,9 @@ def summarize(outcomes: list[Outcome]) -> dict:
             **({"corruption": {"struck": sum(o.corruptions for o in outcomes),
                                "commits_on_a_wrong_state": sum(o.wrong_commits for o in outcomes)}}
                if any(o.corruptions for o in outcomes) else {}),
+            **({"replica_repairs": {"started": sum(o.repairs[0] for o in outcomes),
+                                    "formed_again": sum(o.repairs[1] for o in outcomes)}}
+               if any(o.repairs[0] for o in outcomes) else {}),
             "simulated_commits": sum(o.commits for o in outcomes),
             "wall_s_per_seed": round(statistics.mean(o.wall_s for o in outcomes), 4) if outcomes else 0.0}
 
@@ -95,13 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corrupt", action="store_true",
                         help="draw silent data corruption too: a member's state goes wrong without a commit "
                              "(invariant 12)")
+    parser.add_argument("--repair", action="store_true",
+                        help="sharded replicas: a lost process is replaced in place, as ftcomm run does (else the "
+                             "whole replica starts again, as with --replica-restart)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.seed is None:  # many seeds: the workers' own warnings (waits, stragglers) are noise here
         logging.getLogger("ftcomm").setLevel(logging.ERROR)
         logging.getLogger("ftcomm.runtime.fingerprints").setLevel(logging.CRITICAL)  # drawn corruption
     if args.seed is not None:
-        sim = GroupSimulation(args.seed, replica_size=args.replica_size, starve=args.starve, corrupt=args.corrupt)
+        sim = GroupSimulation(args.seed, replica_size=args.replica_size, starve=args.starve, corrupt=args.corrupt,
+                              repair=args.repair)
         outcome = sim.run()
         if args.json:
             print(json.dumps(outcome.__dict__))
@@ -122,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             print("OK" if outcome.ok else outcome.violation)
         return 0 if outcome.ok else 1
     outcomes = run_seeds(list(range(args.first, args.first + args.seeds)), args.processes,
-                         replica_size=args.replica_size, starve=args.starve, corrupt=args.corrupt)
+                         replica_size=args.replica_size, starve=args.starve, corrupt=args.corrupt,
+                         repair=args.repair)
     summary = summarize(outcomes)
     print(json.dumps(summary, indent=None if args.json else 2))
     return 0 if summary["violations"] == 0 else 1

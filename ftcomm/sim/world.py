@@ -20,7 +20,7 @@ from typing import Any, Callable, Generator, NamedTuple
 
 from ..core import engine as core
 from ..core.engine import ANNOUNCE_LIMIT, Engine
-from ..core.view import PROTOCOL, Status, View
+from ..core.view import PROTOCOL, Status, View, state_elsewhere
 from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommError, FtcommTimeout, GroupEnded,
                       JoinError, QuorumLost, ReplicaLost, RetryLimitExceeded, OutOfStep, StateDiverged, StateLost)
 from ..gossip.config import GossipConfig
@@ -42,6 +42,8 @@ REPLICA_HALT_S = 5.0  # ftcomm.ops.launcher's: a process of a replica that lost 
 REPLICA_KILLED_HALT_S = 0.5  # the same, when the process the replica lost died by a signal
 RESTART_S = (0.2, 2.5)  # a launcher starting a failed worker again: a warm standby .. a cold start
 KILL_STOPPED_S = (0.25, 0.30)
+REPAIR_BOOT_S = (0.05, 2.5)  # the replacement of a replica's lost process: a warm standby .. a cold start
+REPAIR_SETTLE_S = 60.0  # ftcomm.ops.launcher's: a process failing this soon after a repair restarts the replica whole
 """ftcomm run's ``--kill-stopped-after`` (0.25 s, seen on two looks 50 ms apart): a worker
 whose process is stopped (SIGSTOP) is killed this long after, which proves it gone (its
 ports refuse), and started again. Half the hangs drawn under a launcher are such stops
@@ -85,6 +87,7 @@ class Worker:
     crashed_at: float = float("inf")
     exited_at: float = float("inf")
     hung: bool = False
+    repairing: str | None = None  # the key of its replica, while it waits to form it again with a replacement
     resumed_at: float = float("-inf")  # when it last came back from a hang
     gone: bool = False  # leaving (gracefully) or exited: no longer counted among the live
     exited: bool = False  # the process ended (its script returned or raised)
@@ -148,6 +151,7 @@ class Outcome:
     starved_excluded: list = field(default_factory=list)  # (member, lag, reason): starved ones left out of a view
     corruptions: int = 0  # states that went wrong (``corrupt``)
     wrong_commits: int = 0  # steps committed on a state that went wrong (invariant 12 bounds them)
+    repairs: tuple[int, int] = (0, 0)  # sharded replicas repaired in place: started, formed again
 
 
 class GroupSimulation:
@@ -176,6 +180,7 @@ class GroupSimulation:
                  announce_limit: int = ANNOUNCE_LIMIT, converged: bool = False,
                  exclude_stragglers: bool | None = None, straggler_cooldown: float = 2.0,
                  replica_size: int = 1, min_workers: int | None = None, launcher: bool | None = None,
+                 repair: bool = False,
                  dense: bool | None = None, late_registration: bool | None = None,
                  max_retries: int | None = None, keep_live: int | None = None,
                  first_alone: bool | None = None, starve: bool = False, stop_kills: float | None = None,
@@ -355,6 +360,14 @@ class GroupSimulation:
         self.exits: dict[str, int] = {}
         self.last_start = 0.0  # when a worker last started (a join, or a launcher's restart)
         self.starting = 0  # restarts a launcher has scheduled and not made yet
+        # Sharded replicas repaired in place (ftcomm run's default; see _replica_repair): the
+        # launcher's repairs under way, by the key of the replica repaired, and when each
+        # replica formed again (by its new key: a process that fails within REPAIR_SETTLE_S
+        # restarts it whole).
+        self.repair = repair and self.k > 1
+        self.repair_rng = random.Random(f"{seed}/repair")
+        self.repairs: dict[str, dict] = {}
+        self.repaired_at: dict[str, float] = {}
         self.settled_at: float | None = None  # when every live worker ran one view of all, committing
         self.sim.listeners.append(self._on_event)
         starts = random.Random(f"{seed}/start/times")
@@ -487,15 +500,24 @@ class GroupSimulation:
         """What a user's training script does with the group (see the module docstring)."""
         loop = w.loop
         yield from loop.start(self.sim.now, self.options.init_timeout)
+        if self.repair:  # (the replica's watch starts once init returned: FaultTolerantGroup.__init__)
+            loop.replica_lost = lambda: self._watch(w)
         if not w.state.registered:  # the model is built after init
             yield Sleep(w.register_at)
             w.state.registered = True
             self.fault_times.append(self.sim.now)  # a joiner asks for admission now; founders wait for it
         if loop.awaiting_state:  # found a running group: register_state asks to be admitted
-            yield from loop.admit()
+            try:
+                yield from loop.admit()
+            except ReplicaLost as exc:
+                yield from self._repair(w, exc, in_step=False)
         collective = loop.ports.collective
         while True:
-            yield from loop.boundary()
+            try:
+                yield from loop.boundary()
+            except ReplicaLost as exc:  # (FaultTolerantGroup._at_boundary)
+                yield from self._repair(w, exc, in_step=False)
+                continue
             checks.view_changed(self, w)
             checks.step_started(self, w)
             compute = w.step_time * w.slow
@@ -510,7 +532,11 @@ class GroupSimulation:
                     yield Sleep(self.sim.now + 0.001)
             w.hooked = True  # (the first call installs the hooks: the first step is not overlapped)
             views = len(loop.events)  # (a re-formation in the metric is the call's, not the step's)
-            committed = yield from loop.gradient_step()
+            try:
+                committed = yield from loop.gradient_step()
+            except ReplicaLost as exc:
+                yield from self._repair(w, exc, in_step=True)
+                committed = False
             checks.view_changed(self, w)
             checks.step_ended(self, w, committed, len(loop.events) > views)
             if not committed:
@@ -664,7 +690,7 @@ class GroupSimulation:
         if w.foreign:  # its operator reads the error and fixes the flag
             return
         if w.replica is not None:
-            self._replica_failed(w.replica[0])
+            self._replica_lost(w)
         elif self.launcher:
             self._restart_later(w)
 
@@ -832,7 +858,7 @@ class GroupSimulation:
         how = (f"GroupSimulation({self.seed}, n={self.n}, replica_size={self.k}, faults=<this run's scripted "
                f"schedule>).run()" if self.scripted
                else f"python -m ftcomm.groupsim --seed {self.seed}" + (f" --replica-size {self.k}" if self.k > 1 else "")
-               + (" --starve" if self.starvations else ""))
+               + (" --starve" if self.starvations else "") + (" --repair" if self.repair else ""))
         raise InvariantViolation(f"invariant {number} violated at t={self.sim.now:.3f} (seed {self.seed}): {text}; "
                                  f"reproduce: {how}")
 
@@ -1068,6 +1094,119 @@ class GroupSimulation:
         self.fault_log.append((now, "replica_start", key))
         return started
 
+    def _replica_lost(self, w: Worker, grace: float = REPLICA_HALT_S) -> None:
+        """``w``, a process of a sharded replica, ended other than finished: the launcher
+        repairs the replica in place where it can (ftcomm.ops.launcher._repairs_in_place),
+        else starts it again as a whole."""
+        key = w.replica[0]
+        others = [x for x in self.workers.values() if x.replica is not None and x.replica[0] == key and x is not w]
+        if (self.repair and key not in self.restarting and key not in self.repairs
+                and self.sim.now - self.repaired_at.get(key, -REPAIR_SETTLE_S) >= REPAIR_SETTLE_S
+                and others and all(not (x.crashed or x.exited or x.gone) for x in others)):
+            self._replica_repair(w)
+            return
+        job = self.repairs.get(key)
+        if job is not None and not job["formed"]:
+            job["failed"] = True  # (its replacement, never formed, exits at its timeout)
+        self._replica_failed(key, grace)
+
+    def _replica_repair(self, w: Worker) -> None:
+        """ftcomm run repairs ``w``'s replica in place: a process for its shard starts (after
+        a warm standby's or a cold start's delay) under the replica's next key, and forms the
+        replica with the others once each of them waits for it (:meth:`_repair`)."""
+        key, shard = w.replica
+        new = f"R{self.replicas_started}"
+        self.replicas_started += 1
+        now = self.sim.now
+        job = {"new": new, "shard": shard, "node": w.node, "ready_at": now + self.repair_rng.uniform(*REPAIR_BOOT_S),
+               "formed": False, "failed": False}
+        self.repairs[key] = job
+        self.starting += 1
+        self.fault_log.append((now, "replica_repair", f"{key} shard {shard} -> {new}"))
+        self.sim.at(job["ready_at"], lambda: self._form_repaired(key))
+
+    def _form_repaired(self, key: str) -> None:
+        """The replacement of ``key``'s lost process meets the others (Replica.reform): once
+        every one of them waits for it; never when one of them ended meanwhile (the
+        launcher then starts the replica again as a whole), nor after the replacement's
+        timeout (``init_timeout``: it exits, and so does the replica)."""
+        job = self.repairs[key]
+        if job["formed"] or job["failed"]:
+            self.starting -= job["failed"] and not job.get("counted", False)
+            job["counted"] = True
+            return
+        survivors = [x for x in self.workers.values() if x.replica is not None and x.replica[0] == key
+                     and x.node != job["node"]]
+        now = self.sim.now
+        if any(x.crashed or x.exited for x in survivors) or now > job["ready_at"] + self.options.init_timeout:
+            job["failed"], job["counted"] = True, True
+            self.starting -= 1
+            self._replica_failed(key, REPLICA_HALT_S)
+            return
+        if not all(x.repairing == key and not x.hung for x in survivors):  # (a stopped one cannot meet it)
+            self.sim.at(now + 0.02, lambda: self._form_repaired(key))
+            return
+        for y in survivors:  # formed: each process holds the replica's new key now (Replica.reform)
+            y.replica = (job["new"], y.replica[1])
+            self.replica_of[y.node] = y.replica
+        seed = next((x.node for x in self.live() if x.replica is None or x.replica[0] != key), survivors[0].node)
+        node = self._add_node(seed, job["node"] if self.in_place else None)
+        self.replica_of[node] = (job["new"], job["shard"])
+        x = self._start_worker(node, now)
+        x.loop.engine.group_ran = self._group_ran()
+        x.seeds = tuple(dict.fromkeys([y.node for y in survivors] + [seed]))
+        self.sim.at(now + self.config.join_retry_interval, lambda: self._retry_join(x, 1))
+        job["formed"], job["counted"] = True, True
+        self.starting -= 1
+        self.repaired_at[job["new"]] = now
+        self.fault_log.append((now, "replica_formed", f"{job['new']}: {', '.join(y.id for y in survivors)}, {x.id}"))
+
+    def _watch(self, w: Worker) -> tuple[str, int] | None:
+        """ReplicaWatch's first rule, as ``w``'s agreement loop reads it (WorkerLoop.replica_lost):
+        a process of its replica that its gossip table shows dead, or no longer holds
+        (removed after it was declared dead), tears the replica down."""
+        key = w.replica[0]
+        states = {r.id: r.state for r in w.loop.ports.membership.records()}
+        for x in self.workers.values():
+            if x is not w and x.replica is not None and x.replica[0] == key and x.crashed \
+                    and states.get(x.id, "dead") == "dead":
+                return f"{x.id}, a process of this replica, died", x.replica[1]
+        return None
+
+    def _repair(self, w: Worker, exc: ReplicaLost, in_step: bool) -> Generator:
+        """What FaultTolerantGroup._repair does with the launcher's repair: ``w`` leaves its
+        view, asks the launcher to kill a partner that is hung, waits (up to
+        ``init_timeout``) for the replacement to form the replica again, takes the replica's
+        new key and joins the group again with it. ``exc`` again when it cannot be repaired
+        (a partner that left gracefully, no repair, no other replica holding the state)."""
+        loop, key = w.loop, w.replica[0]
+        if not self.repair or exc.left or (loop.step > 0 and not state_elsewhere(key, loop.engine.config,
+                                                                                 loop.driver.statuses()[0])):
+            raise exc
+        began = self.sim.now
+        loop.repair_replica(str(exc), in_step)
+        for x in list(self.workers.values()):
+            # its `lost SHARD PID` report (the shard the error names, a partner its watch found
+            # stopped): the launcher kills that process if it still runs, to replace it
+            if x.replica is not None and x.replica[0] == key and x is not w and not (x.crashed or x.exited) \
+                    and (x.hung or x.replica[1] == exc.shard):
+                self.fault_log.append((began, "reported_lost", x.id))
+                x.hung = False
+                self._killed(x)
+        w.repairing = key
+        while True:
+            job = self.repairs.get(key)
+            if job is not None and job["formed"]:
+                break
+            if self.sim.now - began > self.options.init_timeout or job is not None and job["failed"]:
+                w.repairing = None
+                raise ReplicaLost(f"no process replaced the lost one of replica {key} "
+                                  f"({'its repair failed' if job is not None else 'none started'})")
+            yield Sleep(self.sim.now + 0.02)
+        w.repairing = None
+        loop.driver.replica_formed(job["new"])
+        yield from loop.recover("replica repair", began)
+
     def _replica_failed(self, key: str, grace: float = REPLICA_HALT_S) -> None:
         """A process of replica ``key`` crashed, or exited on an error: the launcher stops
         the others (SIGTERM: a graceful leave; one that is stopped cannot leave and is
@@ -1186,7 +1325,7 @@ class GroupSimulation:
         and starts it again, or starts a plain worker again."""
         self._crash(w)
         if self.k > 1:
-            self._replica_failed(w.replica[0], REPLICA_KILLED_HALT_S)
+            self._replica_lost(w, REPLICA_KILLED_HALT_S)
         elif self.launcher:
             self._restart_later(w)
 
@@ -1357,4 +1496,5 @@ class GroupSimulation:
                        self.recovery, self.recovery_overlapping, settle, self.quorum_survived, self.rolled_back,
                        round(time.perf_counter() - started, 3), self.min_workers, dict(self.exits), self.recoveries,
                        self.started_over, self.first_alone, [w[:3] for w in self.starvations],
-                       self.starved_excluded, len(self.corruptions), self.wrong_commits)
+                       self.starved_excluded, len(self.corruptions), self.wrong_commits,
+                       (len(self.repairs), sum(job["formed"] for job in self.repairs.values())))

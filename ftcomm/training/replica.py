@@ -7,6 +7,14 @@ the shard-*i* processes of a view reduce their gradient shards over a communicat
 their own (see :mod:`ftcomm.training.sharded`). The replica's key, drawn by shard 0 when
 the replica starts, tells its processes from those of an earlier start of the same replica.
 Every process of a replica commits a gradient step or none does (:meth:`Replica.decide`).
+
+With Gloo the replica's process group is one ftcomm builds and can build again: FSDP2's
+all-gathers and reduce-scatters go through :class:`ReplicaComms` (FSDP2's custom
+collectives) to the replica's current group, and a failed one completes empty instead of
+raising into the script's forward or backward (the step is then discarded). When a process
+of the replica is lost, the others keep their interpreters, models and optimizers, and
+:meth:`Replica.reform` meets the process that replaces it at a fresh address; the device
+mesh keeps its name, which now names the new group (see ``ftcomm.training.replica_repair``).
 """
 
 from __future__ import annotations
@@ -16,10 +24,12 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable
 
 import torch
+import torch.distributed.distributed_c10d  # noqa: F401 - _Settled subclasses its Work
 
 from ..errors import FtcommError, ReplicaLost, StateError
 from ..gossip.addresses import parse_address
@@ -102,56 +112,101 @@ def _pair_connections(before: set[int], store: str | None) -> dict[int, int]:
     return found
 
 
+def _install_gloo_group(store: Any, rank: int, size: int, timeout: datetime.timedelta, name: str) -> Any:
+    """A Gloo process group of ``size`` ranks (this one ``rank``) meeting in ``store``, made
+    torch's default group under ``name`` (the name a device mesh made over an earlier group
+    of this replica resolves): torch's own bookkeeping, as ``init_process_group`` does it."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    prefix = dist.PrefixStore("ftcomm/replica", store)
+    backend = dist.ProcessGroupGloo(prefix, rank, size, timeout)  # (connects every pair, or raises)
+    backend._set_sequence_number_for_group()
+    group = dist.ProcessGroup(prefix, rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    group._set_group_name(name)
+    group._set_group_desc("ftcomm sharded replica")
+    if c10d._world.default_pg is not None:  # the group this one replaces keeps its entries (FSDP2 holds it)
+        c10d._unregister_process_group(name)
+    c10d._register_pg_in_world(group, backend_name="gloo", store=prefix, group_name=name, backend_config="cpu:gloo",
+                               rank_mapping={i: i for i in range(size)}, add_to_default_tag=True)
+    c10d._update_default_pg(group)
+    return group
+
+
 class Replica:
     """This process's replica: ``size`` processes, this one shard ``shard_rank``, meeting at
     ``address`` (``HOST:PORT``, shard 0's; torch's TCP store). An already initialized default
     process group is used as it is when it has ``size`` ranks and this is rank
-    ``shard_rank``. ``timeout``: how long its collectives wait for a process."""
+    ``shard_rank`` (such a replica is never formed again). ``timeout``: how long its
+    collectives wait for a process."""
 
     def __init__(self, size: int, shard_rank: int, address: str | None, backend: str, timeout: float) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         self.size, self.shard_rank = size, shard_rank
+        self._backend, self._timeout = backend, timeout
         self._owned = False
+        self._lock = threading.Lock()  # tear_down (the watch's thread, a failed collective) against reform
+        self.lost: str | None = None  # why tear_down failed the replica's collectives
+        self.lost_shards: set[int] = set()  # the shard ranks whose processes tear_down named
+        self.formations = 0  # how often the replica's group formed in this process (1: never repaired)
+        self._doors: list[admission.Door] = []
+        self._group_name: str | None = None
         if dist.is_initialized():
             if (dist.get_world_size(), dist.get_rank()) != (size, shard_rank):
                 raise FtcommError(f"torch.distributed is initialized with rank {dist.get_rank()} of "
                                   f"{dist.get_world_size()}, not shard {shard_rank} of a replica of {size}")
+            self._links: dict[int, int] = {}
         else:
             if not address:
                 raise ValueError("replica_size > 1 needs the replica's address (replica_addr='HOST:PORT' of its "
                                  "shard 0, or $FTCOMM_REPLICA_ADDR)")
-            sockets_before = set(admission.socket_descriptors())  # (the listeners among them too)
-            wait = datetime.timedelta(seconds=timeout)
-            dist.init_process_group("nccl" if backend == "nccl" else "gloo", store=_store(address, shard_rank, size, wait),
-                                    rank=shard_rank, world_size=size, timeout=wait)
-            self._owned = True
+            self._form(address)
         device = "cuda" if backend == "nccl" else "cpu"
         self.device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.mesh = init_device_mesh(device, (size,), mesh_dim_names=("shard",))
-        drawn = torch.tensor(list(os.urandom(8)) if shard_rank == 0 else [0] * 8, dtype=torch.uint8,
-                             device=self.device)
-        from torch.distributed.distributed_c10d import _get_default_store
-        store = _get_default_store()
-        store.set(f"ftcomm/process/{shard_rank}", local_identity())  # (before the broadcast: see below)
-        dist.broadcast(drawn, 0)  # raw bytes: nothing from another process is unpickled
-        # Where each other process of the replica runs (the watch looks at a partner on this
-        # host in /proc): each wrote it before the broadcast; get waits for a late writer.
-        self._processes = {i: parse_identity(store.get(f"ftcomm/process/{i}")) for i in range(size)
-                           if i != shard_rank}
+        self._meet()
+        self.comms = ReplicaComms(self) if self._owned and backend != "nccl" else None
+
+    @property
+    def repairable(self) -> bool:
+        """The replica's group is one ftcomm made with Gloo: it can be formed again with a
+        process that replaces a lost one (:meth:`reform`)."""
+        return self._owned and self._backend != "nccl" and self.comms is not None
+
+    @property
+    def group(self) -> Any:
+        """The replica's current process group (torch's default group)."""
+        import torch.distributed as dist
+        return dist.distributed_c10d._get_default_group()
+
+    def _form(self, address: str) -> None:
+        """Meet the replica's other processes at ``address`` and make its process group
+        (torch's default group; with Gloo one ftcomm builds, under the same name at every
+        formation, so that the device mesh and FSDP2 find the new one)."""
+        import torch.distributed as dist
+
+        sockets_before = set(admission.socket_descriptors())  # (the listeners among them too)
+        wait = datetime.timedelta(seconds=self._timeout)
+        store = _store(address, self.shard_rank, self.size, wait)
+        if self._backend == "nccl":
+            dist.init_process_group("nccl", store=store, rank=self.shard_rank, world_size=self.size, timeout=wait)
+        else:
+            if self._group_name is None:
+                import torch.distributed.distributed_c10d as c10d
+                self._group_name = c10d._process_group_name([], use_hashed_name=False)
+            _install_gloo_group(store, self.shard_rank, self.size, wait, self._group_name)
+        self._owned = True
+        self.formations += 1
         # Every pair of the replica's Gloo group is connected now (Gloo connects all of them
         # when the group is made): the connections tear_down shuts. Not the listeners (a
         # listener shut under Gloo's or the store's accept loop aborts the process) and not
         # the store's connections (the store's own threads serve them).
-        self._links = _pair_connections(sockets_before, address) if self._owned and backend != "nccl" else {}
-        self._backend = backend
-        self.lost: str | None = None  # why tear_down failed the replica's collectives
-        self.key = bytes(drawn.cpu().tolist()).hex()
-        self._store = dist.PrefixStore(f"ftcomm/decide/{self.key}", _get_default_store())
-        self._written: collections.deque[str] = collections.deque()  # slots written here, oldest first
-        self._doors: list[admission.Door] = []
-        if self._owned and backend != "nccl":
+        self._links = _pair_connections(sockets_before, address) if self._backend != "nccl" else {}
+        if self._backend != "nccl":
             # Every process of the replica is connected now (torch's store, Gloo's pairs):
             # the listeners torch opened for them admit nobody from here on. (NCCL connects
             # lazily, through its listeners, at later collectives: those stay open.)
@@ -162,6 +217,40 @@ class Replica:
                     except OSError as exc:
                         log.warning("the replica's listener on %s:%d stays open to every host that reaches it: "
                                     "the kernel refused a socket filter (%s)", place[2], place[3], exc)
+
+    def _meet(self) -> None:
+        """Once the group formed: shard 0 draws the replica's key, and each process learns
+        where the others run."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        drawn = torch.tensor(list(os.urandom(8)) if self.shard_rank == 0 else [0] * 8, dtype=torch.uint8,
+                             device=self.device)
+        store = _get_default_store()
+        store.set(f"ftcomm/process/{self.shard_rank}", local_identity())  # (before the broadcast: see below)
+        dist.broadcast(drawn, 0)  # raw bytes: nothing from another process is unpickled
+        # Where each other process of the replica runs (the watch looks at a partner on this
+        # host in /proc): each wrote it before the broadcast; get waits for a late writer.
+        self._processes = {i: parse_identity(store.get(f"ftcomm/process/{i}")) for i in range(self.size)
+                           if i != self.shard_rank}
+        self.key = bytes(drawn.cpu().tolist()).hex()
+        self._store = dist.PrefixStore(f"ftcomm/decide/{self.key}", store)
+        self._written: collections.deque[str] = collections.deque()  # slots written here, oldest first
+
+    def reform(self, address: str) -> None:
+        """Form the replica's group again at ``address`` with the processes that are its
+        shards now (this one kept its interpreter, model and optimizer; a lost one was
+        replaced): a fresh store and Gloo group under the group's name, a fresh key. The
+        torn-down group is kept, never destroyed (its threads may still wait on the lost
+        process). FtcommError, or torch's error, when the others do not come within the
+        replica's timeout."""
+        if not self.repairable:
+            raise FtcommError("this replica's process group was not made by ftcomm with Gloo: it cannot be formed "
+                              "again")
+        self._form(address)
+        self._meet()
+        with self._lock:
+            self.lost, self.lost_shards = None, set()
 
     def check_sharded(self, entries: dict[str, Any]) -> None:
         """StateError naming the first parameter of a module in ``entries`` that is not a
@@ -174,6 +263,17 @@ class Replica:
                     raise StateError(f"{name}.{path} is not sharded over ft.shard_mesh: with replica_size="
                                      f"{self.size}, shard the model with fully_shard(module, mesh=ft.shard_mesh) "
                                      f"before registering it")
+        if self.comms is None:
+            return
+        for name, entry in entries.items():
+            if isinstance(entry, torch.nn.Module):
+                try:
+                    self.comms.install(entry)
+                except ValueError as exc:  # (FSDP2 takes no custom collectives for several parameter groups)
+                    log.warning("%s keeps FSDP2's own collectives (%s): a lost process of this replica restarts "
+                                "the whole replica", name, exc)
+                    self.comms = None
+                    return
 
     def decide(self, key: str, vote: bool, aborted: Callable[[], bool], timeout: float) -> bool:
         """Whether every process of this replica votes yes on decision ``key`` (a gradient
@@ -222,20 +322,22 @@ class Replica:
             return "gone"
         return fields[0]
 
-    def tear_down(self, why: str) -> bool:
+    def tear_down(self, why: str, shard: int | None = None) -> bool:
         """Fail every collective of this replica that is in flight or to come, now: a
-        process of the replica is gone or hung (``why``), and torch's collectives inside the
-        replica would wait for it until their timeout (``init_timeout``). With NCCL the
-        process group is aborted; with Gloo, whose abort does not wake a waiting collective
-        (DESIGN, the facts about Gloo), the connections between the group's pairs are shut,
-        so that a collective waiting on one fails at once, as when a peer crashes. Only a
-        group this replica created, once; whether it was torn down here."""
-        if not self._owned or self.lost is not None:
-            return False
-        self.lost = why
-        log.error("this process's sharded replica is lost: %s; its collectives are torn down (torch's next or "
-                  "current call inside the replica raises): exit, and start the whole replica again (ftcomm run "
-                  "--replica-size does)", why)
+        process of the replica (shard ``shard`` where known) is gone or hung (``why``), and
+        torch's collectives inside the replica would wait for it until their timeout
+        (``init_timeout``). With NCCL the process group is aborted; with Gloo, whose abort
+        does not wake a waiting collective (DESIGN, the facts about Gloo), the connections
+        between the group's pairs are shut, so that a collective waiting on one fails at
+        once, as when a peer crashes. Only a group this replica created, once per
+        formation; whether it was torn down here."""
+        with self._lock:
+            if shard is not None:
+                self.lost_shards.add(shard)
+            if not self._owned or self.lost is not None:
+                return False
+            self.lost = why
+        log.error("this process's sharded replica is lost: %s; its collectives are torn down", why)
         if self._backend == "nccl":
             import torch.distributed as dist
 
@@ -249,20 +351,120 @@ class Replica:
         # The group's threads still wait on its partner: never destroyed, not even at exit,
         # where destroying it with a waiting thread aborts the process (as Gloo's own
         # communicators are kept, see ftcomm.backends.gloo).
-        import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
         from ..backends.gloo import bury
-        group = dist.distributed_c10d._get_default_group()
+        group = self.group
         bury((group, group._get_backend(torch.device("cpu")), _get_default_store()))
         return True
 
+    def process_id(self, shard: int) -> int | None:
+        """The pid of shard ``shard``'s process when it runs in this process's pid namespace
+        (as it wrote it when the group formed), else None."""
+        where = self._processes.get(shard)
+        return where[1] if where is not None and where[0] == _LOCAL[0] else None
+
     def close(self) -> None:
-        """Destroy the process group this replica created (not one the caller initialized)."""
+        """Destroy the process group this replica created (not one the caller initialized,
+        nor one that was torn down or formed again: their threads may wait on a lost process)."""
         import torch.distributed as dist
-        if self._owned and dist.is_initialized():
+        if self._owned and dist.is_initialized() and self.lost is None and self.formations == 1:
             dist.destroy_process_group()
             self._owned = False
+
+
+def _fsdp_api() -> tuple[type, type]:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    return AllGather, ReduceScatter
+
+
+class _Settled(torch.distributed.distributed_c10d.Work):
+    """The work of a collective of the replica that FSDP2 waits for: waiting never raises.
+    A collective that fails (its replica torn down, or a process of it gone) tears the
+    replica down and leaves its output zeroed; the step it belongs to is then discarded."""
+
+    def __init__(self, work: Any, comms: ReplicaComms, output: torch.Tensor, what: str) -> None:
+        super().__init__()
+        self._work, self._comms, self._output, self._what = work, comms, output, what
+
+    def wait(self, timeout: Any = None) -> bool:
+        work, self._work = self._work, None
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                self._comms.failed(self._what, exc, self._output)
+        return True
+
+
+class ReplicaComms:
+    """FSDP2's all-gather and reduce-scatter for the modules of a repairable replica
+    (installed with ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` when the state
+    is registered): each runs on the replica's current process group, whatever group FSDP2
+    was built with, and one that fails, or is asked for while the replica is lost, leaves
+    its output zeroed instead of raising into the script's forward or backward. ftcomm's
+    next call at the step then finds the replica lost (:attr:`Replica.lost`) and discards
+    the step."""
+
+    def __init__(self, replica: Replica) -> None:
+        import torch.distributed as dist
+
+        self.replica = replica
+        AllGather, ReduceScatter = _fsdp_api()
+        comms = self
+        # (torch's names for the same collectives, newest first: the older ones warn now)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+        class Gather(AllGather):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(*size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                return comms.run("all-gather", output_tensor, lambda: gather(
+                    output_tensor, input_tensor, group=comms.replica.group, async_op=True), async_op)
+
+        class Scatter(ReduceScatter):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(*size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                return comms.run("reduce-scatter", output_tensor, lambda: scatter(
+                    output_tensor, input_tensor, op=op, group=comms.replica.group, async_op=True), async_op)
+
+        self.gather, self.scatter = Gather(), Scatter()
+
+    def install(self, module: torch.nn.Module) -> int:
+        """Route the collectives of every FSDP2 module in ``module`` through the replica;
+        how many modules."""
+        from torch.distributed.fsdp import FSDPModule
+
+        installed = 0
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.set_custom_all_gather(self.gather)
+                sub.set_custom_reduce_scatter(self.scatter)
+                installed += 1
+        return installed
+
+    def run(self, what: str, output: torch.Tensor, start: Callable[[], Any], async_op: bool) -> Any:
+        if self.replica.lost is not None:
+            output.zero_()
+            return None
+        try:
+            work = start()
+        except RuntimeError as exc:
+            self.failed(what, exc, output)
+            return None
+        settled = _Settled(work, self, output, what)
+        if async_op:
+            return settled
+        settled.wait()
+        return None
+
+    def failed(self, what: str, exc: BaseException, output: torch.Tensor) -> None:
+        self.replica.tear_down(f"its {what} failed ({str(exc).splitlines()[0][:200]})")
+        output.zero_()
 
 
 def replica_settings(replica_size: Any, shard_rank: Any, replica_addr: Any) -> tuple[int, int, str | None]:

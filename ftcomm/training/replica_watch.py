@@ -66,6 +66,7 @@ class ReplicaWatch:
         self._suspected: dict[str, float] = {}  # partner -> since when suspected, while stalled
         self._shards: dict[str, int] = {}  # partner -> its shard rank
         self._probed = float("-inf")
+        self.culprit: int | None = None  # the shard rank of the partner the last reason names
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftcomm-replica-watch", daemon=True)
 
@@ -86,7 +87,7 @@ class ReplicaWatch:
                 log.exception("the replica watch failed; it stops watching")
                 return
             if why is not None:
-                self.replica.tear_down(why)
+                self.replica.tear_down(why, self.culprit)
                 return
 
     def look(self, now: float) -> str | None:
@@ -103,6 +104,7 @@ class ReplicaWatch:
         self.partners = seen
         for member, state in seen.items():
             if state == "dead":
+                self.culprit = shards[member]
                 return f"{member}, a process of this replica, died"
         step, in_view = self.step(), self.in_view()
         if not in_view:  # holding back, standing aside, re-forming: no step is owed
@@ -112,21 +114,41 @@ class ReplicaWatch:
                 self._intervals.append(now - self._step_at)
             self._last_step, self._step_at = step, now
         typical = STALL_FACTOR * statistics.median(self._intervals) if self._intervals else 0.0
-        if not in_view or now - self._step_at < max(STALL_MIN_S, typical):
+        if not in_view:
+            return self._stopped_while_out(now, seen, shards)
+        if now - self._step_at < max(STALL_MIN_S, typical):
             self._suspected.clear()
             return None
         if now - self._probed >= self.probe_interval:
             self._probed = now
             self.node.probe_now(list(seen))
+        for member, held, local in self._suspicions(now, seen, shards):
+            if local is None and held >= SILENT_REMOTE_S or local in STOPPED and held >= SILENT_S:
+                how = (f"has not answered for {held + LOOK_S:.1f} s" if local is None else
+                       "is stopped" if local != "gone" else "is gone")
+                self.culprit = shards[member]
+                return (f"{member}, a process of this replica, {how} while this process's training waited "
+                        f"{now - self._step_at:.1f} s for a step")
+        return None
+
+    def _stopped_while_out(self, now: float, seen: dict[str, str], shards: dict[str, int]) -> str | None:
+        """Out of a view (holding back, re-forming, its replica left out of the others' view
+        for the stopped partner): no step is owed, so nothing stalls; but a partner on this
+        host that gossip suspects and /proc shows stopped or gone for ``SILENT_S`` keeps the
+        replica out for good. A reason then (the replica is repaired, the partner replaced);
+        a partner that runs, or one on another host, is waited for."""
+        for member, held, local in self._suspicions(now, seen, shards):
+            if local in STOPPED and held >= SILENT_S:
+                self.culprit = shards[member]
+                return (f"{member}, a process of this replica, {'is stopped' if local != 'gone' else 'is gone'} "
+                        f"and has not answered for {held + LOOK_S:.1f} s while this process is in no view")
+        return None
+
+    def _suspicions(self, now: float, seen: dict[str, str], shards: dict[str, int]):
+        """Each partner gossip suspects now: (member, seconds its suspicion has held, its state
+        in this host's /proc or None); one no longer suspected starts over."""
         for member, state in seen.items():
             if state != "suspect":
                 self._suspected.pop(member, None)
                 continue
-            since = self._suspected.setdefault(member, now)
-            local = self.replica.process_state(shards[member])
-            if local is None and now - since >= SILENT_REMOTE_S or local in STOPPED and now - since >= SILENT_S:
-                how = (f"has not answered for {now - since + LOOK_S:.1f} s" if local is None else
-                       "is stopped" if local != "gone" else "is gone")
-                return (f"{member}, a process of this replica, {how} while this process's training waited "
-                        f"{now - self._step_at:.1f} s for a step")
-        return None
+            yield member, now - self._suspected.setdefault(member, now), self.replica.process_state(shards[member])
