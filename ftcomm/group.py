@@ -40,6 +40,7 @@ from .options import (GroupOptions, ViewChange, check_addresses, check_protectio
                       check_worker_counts, member_cap)
 from .runtime.live_ports import (BackendCollective, BackendCommunicators, GossipMembership, RegisteredState,
                                   StoreProposals, SystemClock, TcpProber, run)
+from .runtime.driver import AwaitingState
 from .runtime.ports import Ports
 from .runtime.rendezvous import Rendezvous
 from .runtime.worker import WorkerLoop
@@ -58,6 +59,12 @@ _RUNNING: "weakref.WeakSet[FaultTolerantGroup]" = weakref.WeakSet()
 def running_groups() -> list["FaultTolerantGroup"]:
     """The groups of this process that were formed and not shut down."""
     return [g for g in list(_RUNNING) if not g._closed]
+
+
+UNNAMED_REPAIR_WAIT_S = 10.0
+"""How long a process whose replica was torn down waits for a replacement when no lost
+partner is named (a collective of the replica failed): a process that died is announced by
+the launcher within a poll."""
 
 
 class FaultTolerantGroup:
@@ -172,14 +179,14 @@ class FaultTolerantGroup:
         self._watch = ReplicaWatch(self._replica, self._membership.node, lambda: loop.step,
                                    lambda: loop.engine.view is not None, self.options.gossip.probe_interval).start()
 
-    def _check_open(self, in_step: bool = False) -> bool:
+    def _check_open(self, where: str = "boundary") -> bool:
         """FtcommError after shutdown. Once the replica's collectives were torn down (a
         process of it died or hung: see ftcomm.training.replica_watch), the replica is
-        repaired in place (the step under way, ``in_step``, discarded), or ReplicaLost when
-        it cannot be (see :meth:`_repair`). Whether it was repaired."""
+        repaired in place, or ReplicaLost when it cannot be (see :meth:`_repair`; ``where``
+        the loss is seen). Whether it was repaired."""
         self._loop.check_open()
         if self._replica is not None and self._replica.lost is not None:
-            self._repair(self._replica.lost, in_step)
+            self._repair(self._replica.lost, where)
             return True
         return False
 
@@ -201,18 +208,23 @@ class FaultTolerantGroup:
             return "no other replica holds the group's state, which a replacement would receive"
         return None
 
-    def _repair(self, why: str, in_step: bool, shard: int | None = None) -> None:
+    def _repair(self, why: str, where: str, shard: int | None = None) -> None:
         """This process's replica lost a process (``why``; shard ``shard`` where known): it
         is formed again in place with a process ``ftcomm run`` starts to replace the lost
-        one (see ftcomm.training.replica_repair). This process leaves its view (the step
-        under way, ``in_step``, is discarded), asks the launcher to replace a partner found
-        hung, meets the replacement at the address the launcher gives, and asks to join the
-        group again with its replica, returning once the group took the replica whole (at a
-        step boundary of the others) and each of its processes received the newest state of
-        its shard from another replica. It keeps its interpreter, model and optimizer, and
-        what agreeing raises may come from here too. ReplicaLost when it
-        cannot be repaired (:meth:`_may_repair`), or no replacement came within
-        ``init_timeout``: exit, and the launcher starts the whole replica again."""
+        one (see ftcomm.training.replica_repair). This process leaves its view, asks the
+        launcher to replace a partner found hung or gone, meets the replacement at the
+        address the launcher gives, and asks to join the group again with its replica,
+        returning once the group took the replica whole (at a step boundary of the others)
+        and each of its processes received the newest state of its shard from another
+        replica. It keeps its interpreter, model and optimizer, and what agreeing raises may
+        come from here too. ``where`` the loss was seen: ``step`` (in wait_gradients_ready:
+        the step ends, discarded), ``call`` (a collective or ``execute`` inside a step: the
+        step's gradients, computed on a torn-down replica, count as none), ``boundary``
+        (between steps, or registering the state). ReplicaLost when it cannot be repaired
+        (:meth:`_may_repair`), when no replacement came within ``init_timeout`` (10 s when
+        no partner is known to be lost: then no launcher replaces anything), or when no
+        other replica still holds the state once it formed again: exit, and the launcher
+        starts the whole replica again."""
         replica, channel = self._replica, self._repair_channel
         replica.tear_down(why, shard)  # (when it was not yet: its collectives fail from now on)
         cannot = self._may_repair()
@@ -226,28 +238,40 @@ class FaultTolerantGroup:
             self._watch = None
         log.warning("this process's sharded replica is lost (%s): repairing it in place (this process leaves its "
                     "view and meets the process that replaces the lost one)", why)
-        self._loop.repair_replica(why, in_step)
+        self._loop.repair_replica("its sharded replica lost a process", where)
         for lost in sorted(replica.lost_shards):
             channel.report(lost, replica.process_id(lost))
-        deadline = began + self.options.init_timeout
+        # A lost process the launcher saw exit is announced within a poll; with none named,
+        # the tear-down may have had another cause (a collective's error), and no launcher
+        # replaces anything: the whole replica starts again soon instead of after init_timeout.
+        wait = self.options.init_timeout if replica.lost_shards else min(self.options.init_timeout,
+                                                                           UNNAMED_REPAIR_WAIT_S)
+        deadline = began + wait
         while True:
             address = channel.meeting(deadline - time.monotonic())
             if address is None:
                 raise ReplicaLost(f"this process's sharded replica is lost ({why}) and no process replaced the lost "
-                                  f"one within {self.options.init_timeout:g} s (init_timeout)"
-                                  + (" (the launcher is gone)" if channel.closed else "")
+                                  f"one within {wait:g} s" + (" (the launcher is gone)" if channel.closed else "")
                                   + ": exit, and start the whole replica again to rejoin", shard)
             try:
                 replica.reform(address)
                 break
-            except (FtcommError, RuntimeError) as exc:  # its replacement failed too: the launcher starts another
-                log.warning("forming this replica again at %s failed (%s): waiting for the next replacement",
+            except (FtcommError, RuntimeError) as exc:  # (the replacement is gone: the launcher restarts the replica)
+                log.warning("forming this replica again at %s failed (%s): waiting for another replacement",
                             address, str(exc).splitlines()[0][:200])
+        if not state_elsewhere(replica.key, self._loop.engine.config, self._loop.driver.statuses()[0]) and \
+                (self._loop.step > 0 or self.resumed_step is not None):
+            raise ReplicaLost("this process's sharded replica formed again, but no other replica holds the group's "
+                              "state now (lost meanwhile): exit, and start the whole replica again to restore its "
+                              "checkpoints", shard)
         self._loop.driver.replica_formed(replica.key)
         self._start_watch()
         log.warning("this process's sharded replica formed again in %.2f s (in place, formation %d): it joins the "
                     "group again and receives the newest state", time.monotonic() - began, replica.formations)
-        self._run(self._loop.recover("replica repair", began))
+        try:
+            self._run(self._loop.recover("replica repair", began))
+        except AwaitingState:  # (repaired while registering its state: register_state asks to be let in)
+            pass
         self.repairs.append(round(time.monotonic() - began, 4))
 
     def _run(self, phase: Any) -> Any:
@@ -381,6 +405,8 @@ class FaultTolerantGroup:
         self._check_open()
         if self._replica is not None:
             self._replica.check_sharded({"model": model, **extras})
+            if self._repair_channel is not None and self._replica.repairable:
+                self._repair_channel.declare()  # the launcher may replace a lost process of this replica now
         self.state.register(model=model, optimizer=optimizer, sampler=sampler, **extras)
         for obj in self.state.objects.values():
             if hasattr(obj, "bind_group"):
@@ -477,11 +503,13 @@ class FaultTolerantGroup:
             raise FtcommError("the group was shut down")
         if loop.closed or not on_owner or self._collective.touched:
             return
+        if self._replica is not None and self._replica.lost is not None:  # (before a step on a torn-down replica)
+            self._check_open()
         self._at_boundary(loop.boundary())
 
-    def _at_boundary(self, phase: Any, in_step: bool = False) -> Any:
+    def _at_boundary(self, phase: Any, where: str = "boundary") -> Any:
         """Run ``phase``, begun with the registered state at the committed step (between
-        steps, or in the gradient path before the optimizer steps: ``in_step``), and keep that
+        steps, or in the gradient path before the optimizer steps: ``where`` is ``step``), and keep that
         state in the checkpoints before a QuorumLost leaves the group (see _leave_with_state).
         A worker whose state was named wrong again soon after a repair leaves the group before
         its StateDiverged reaches the script (a script that carries on gets FtcommError). A
@@ -492,7 +520,7 @@ class FaultTolerantGroup:
         except ReplicaLost as exc:
             if self._replica is None or exc.left or self._may_repair() is not None:
                 raise
-            self._repair(str(exc), in_step, exc.shard)
+            self._repair(str(exc), where, exc.shard)
             return False
         except QuorumLost as exc:
             self._leave_with_state(exc)
@@ -582,14 +610,14 @@ class FaultTolerantGroup:
         must count every member's batch, it is then discarded on every member).
         """
         self._owner = threading.get_ident()
-        if self._check_open(in_step=True):
+        if self._check_open("step"):
             return False  # (repaired: the step is discarded, and the replica is in the group again)
         if isinstance(model_or_params, DistributedDataParallel):
             self._collective.use_wrapped(model_or_params)
         else:
             module = model_or_params if isinstance(model_or_params, torch.nn.Module) else None
             self._collective.use(_parameters(model_or_params), module)
-        committed = self._at_boundary(self._loop.gradient_step(), in_step=True)
+        committed = self._at_boundary(self._loop.gradient_step(), "step")
         if committed and self._left_keeper is not None:
             self._discard_left_state()
         return committed
@@ -630,9 +658,8 @@ class FaultTolerantGroup:
         start; after more than ``max_retries`` failures in a row it raises
         RetryLimitExceeded. Raises what a re-formation raises (QuorumLost, FtcommTimeout,
         ConfigMismatch) and whatever ``fn`` raises otherwise, unchanged."""
-        self._check_open()
         self._owner = threading.get_ident()
-        return self._run(self._loop.execute(lambda: _call(fn, args, kwargs)))
+        return self._repairing(lambda: self._loop.execute(lambda: _call(fn, args, kwargs)))
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` in place across the view (``op``: sum, mean, max or min) and
@@ -659,9 +686,21 @@ class FaultTolerantGroup:
         self._collective_op(lambda comm: comm.barrier())
 
     def _collective_op(self, operation: Callable[[Any], Any]) -> Any:
-        self._check_open()
         self._owner = threading.get_ident()
-        return self._run(self._loop.collective(operation))
+        return self._repairing(lambda: self._loop.collective(operation))
+
+    def _repairing(self, phase: Callable[[], Any]) -> Any:
+        """Run the phase ``phase()`` makes (a collective, ``execute``); when this process's
+        replica is lost before or while it runs, repair the replica (the step's gradients
+        count as none: see :meth:`_repair`) and run it again, in the view the replica joined."""
+        self._check_open("call")
+        try:
+            return self._run(phase())
+        except ReplicaLost as exc:
+            if self._replica is None or exc.left or self._may_repair() is not None:
+                raise
+            self._repair(str(exc), "call", exc.shard)
+        return self._run(phase())
 
     def shutdown(self) -> None:
         """Leave gracefully: peers see *left* and re-form at once, without a suspicion wait."""
@@ -669,6 +708,8 @@ class FaultTolerantGroup:
             return
         if self._watch is not None:
             self._watch.stop()
+        if self._repair_channel is not None:
+            self._repair_channel.close()
         self._run(self._loop.leave())
         if self._left_keeper is not None:  # nothing committed since it was loaded: the copy stays
             keeper, self._left_keeper = self._left_keeper, None

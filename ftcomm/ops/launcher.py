@@ -243,6 +243,8 @@ class Worker:
     repairs: int = 0  # starts that repaired its replica in place (counted among the restarts too)
     repaired_at: float | None = None  # when the last of them began
     repair_due: bool = False  # waiting to be started alone, to repair its replica
+    repairable: bool = False  # its process said its replica can be repaired in place (its current start)
+    unknown_lines: int = 0  # lines on its repair channel that were none of the protocol's (its current start)
     output: WorkerOutput | None = None  # the current start's output streams
     starts: list[dict] = dataclasses.field(default_factory=list)  # each start's end: exit, seconds, last lines
 
@@ -553,7 +555,8 @@ class Launcher:
             if worker.status == "waiting" and self._ending_at is not None:
                 worker.status = "failed"
                 self.say(f"worker {worker.local_rank} is not restarted: the job is ending")
-            elif worker.status == "waiting" and worker.repair_due and now >= worker.restart_at:
+            elif worker.status == "waiting" and worker.repair_due and now >= worker.restart_at and \
+                    (worker.saving is None or not worker.saving.is_alive()):
                 self._start(worker)  # it repairs its replica, whose other processes run
                 if worker.status == "running":
                     self._tell_replica(worker)
@@ -653,21 +656,24 @@ class Launcher:
         """Whether ``worker``'s replica, which it failed, is repaired in place (a process
         replaces it while the others keep running) rather than started again as a whole:
         sharded replicas, not ``replica_restart``, every other process of the replica
-        running, and none of them (nor ``worker``) started by a repair that has not settled
-        (``REPAIR_SETTLE_S``)."""
+        running and saying it can be repaired (Gloo, ftcomm's FSDP2 collectives: a
+        ``repairable`` line), and none of them (nor ``worker``) started by a repair that has
+        not settled (``REPAIR_SETTLE_S``)."""
         if self.config.replica_size == 1 or self.config.replica_restart:
             return False
         replica = self.replica(worker)
         if any(w.repaired_at is not None and now - w.repaired_at < REPAIR_SETTLE_S for w in replica):
             return False
-        return all(w.status == "running" and w.channel is not None for w in replica if w is not worker)
+        return all(w.status == "running" and w.channel is not None and w.repairable for w in replica
+                   if w is not worker)
 
     def _read_channels(self) -> None:
         """Read what the running processes of sharded replicas sent (see
         ftcomm.training.replica_repair): a partner reported hung or gone, still running with
         the pid reported, is killed, to be replaced when its exit is seen."""
+        killed: set[int] = set()  # (a report from a process killed in this poll is not acted on)
         for worker in self.workers:
-            if worker.channel is None or worker.status != "running":
+            if worker.channel is None or worker.status != "running" or worker.local_rank in killed:
                 continue
             data = receive(worker.channel)
             if data is None:
@@ -676,18 +682,26 @@ class Launcher:
                 self._close_channel(worker)
                 continue
             for line in worker.reader.feed(data):
+                if line == "repairable":
+                    worker.repairable = True
+                    continue
                 lost = parse_lost(line)
                 replica = self.replica(worker)
                 if lost is None or not 0 <= lost[0] < len(replica):
-                    self.say(f"worker {worker.local_rank} sent an unknown line on its repair channel: dropped")
+                    worker.unknown_lines += 1
+                    if worker.unknown_lines == 1:  # (once per start: a flood says nothing more)
+                        self.say(f"worker {worker.local_rank} sent an unknown line on its repair channel: dropped")
                     continue
                 partner = replica[lost[0]]
                 if partner is worker or partner.status != "running" or partner.process.pid != lost[1] \
-                        or partner.process.poll() is not None:
+                        or partner.process.poll() is not None or worker.local_rank in killed:
                     continue  # (gone already, or replaced since)
+                if (stat_fields(lost[1]) or ["?"])[0] == "t":
+                    continue  # stopped by a debugger: left alone (as _watch_stopped leaves it)
                 self.say(f"worker {partner.local_rank} (pid {lost[1]}) is hung, its replica's worker "
                          f"{worker.local_rank} found: killed, to be replaced")
                 _kill_group(partner.process, signal.SIGKILL)
+                killed.add(partner.local_rank)
 
     def _close_channel(self, worker: Worker) -> None:
         if worker.channel is not None:
@@ -825,7 +839,7 @@ class Launcher:
         finally:
             if child is not None:
                 child.close()
-        worker.repair_due = False
+        worker.repair_due, worker.repairable, worker.unknown_lines = False, False, 0
         if worker.channel is not None:
             worker.channel.setblocking(False)
             worker.reader = LineReader()

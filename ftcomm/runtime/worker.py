@@ -561,17 +561,22 @@ class WorkerLoop:
         self.check_open()
         self.driver.perform(self.engine.failed(self.driver.classify(exc)))
 
-    def repair_replica(self, why: str, in_step: bool) -> None:
+    def repair_replica(self, why: str, where: str) -> None:
         """This worker's sharded replica lost a process and forms again with a replacement
-        (``why``; see ftcomm.training.replica_repair): the gradient step under way, if any
-        (``in_step``), is discarded, and this worker leaves its view (Driver.repair_replica)."""
+        (``why``; see ftcomm.training.replica_repair), and this worker leaves its view
+        (Driver.repair_replica). Seen in the gradient step (``where`` is ``step``), the step
+        ends, discarded; seen in a call inside a step (``call``), the step's gradients, computed
+        on a torn-down replica, count as none when it is reduced; seen between steps
+        (``boundary``), no step is under way."""
         self.check_open()
         collective = self.ports.collective
-        if in_step or collective.touched:
+        if where == "step":
             collective.discard()
+        elif where == "call":
+            collective.drop()
         self.position = BEFORE_STEP
         self.driver.repair_replica(why)
-        if in_step:
+        if where == "step":
             self._end_step(False)
 
     # ------------------------------------------------------------------ gradient steps

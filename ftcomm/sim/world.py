@@ -510,13 +510,13 @@ class GroupSimulation:
             try:
                 yield from loop.admit()
             except ReplicaLost as exc:
-                yield from self._repair(w, exc, in_step=False)
+                yield from self._repair(w, exc, "boundary")
         collective = loop.ports.collective
         while True:
             try:
                 yield from loop.boundary()
             except ReplicaLost as exc:  # (FaultTolerantGroup._at_boundary)
-                yield from self._repair(w, exc, in_step=False)
+                yield from self._repair(w, exc, "boundary")
                 continue
             checks.view_changed(self, w)
             checks.step_started(self, w)
@@ -535,7 +535,7 @@ class GroupSimulation:
             try:
                 committed = yield from loop.gradient_step()
             except ReplicaLost as exc:
-                yield from self._repair(w, exc, in_step=True)
+                yield from self._repair(w, exc, "step")
                 committed = False
             checks.view_changed(self, w)
             checks.step_ended(self, w, committed, len(loop.events) > views)
@@ -657,6 +657,7 @@ class GroupSimulation:
         if w.gone or w.crashed or w.exited:
             return
         w.gone = True
+        w.repairing = None
         if w.script is not None:
             w.script.close()
         w.script, w.waiting = self._leaving(w), Pause(0.0)
@@ -1102,7 +1103,8 @@ class GroupSimulation:
         others = [x for x in self.workers.values() if x.replica is not None and x.replica[0] == key and x is not w]
         if (self.repair and key not in self.restarting and key not in self.repairs
                 and self.sim.now - self.repaired_at.get(key, -REPAIR_SETTLE_S) >= REPAIR_SETTLE_S
-                and others and all(not (x.crashed or x.exited or x.gone) for x in others)):
+                and others and all(not (x.crashed or x.exited or x.gone) and x.state.registered for x in others)):
+            # (each of the others said it can be repaired: its state registered, see RepairChannel.declare)
             self._replica_repair(w)
             return
         job = self.repairs.get(key)
@@ -1119,7 +1121,7 @@ class GroupSimulation:
         self.replicas_started += 1
         now = self.sim.now
         job = {"new": new, "shard": shard, "node": w.node, "ready_at": now + self.repair_rng.uniform(*REPAIR_BOOT_S),
-               "formed": False, "failed": False}
+               "formed": False, "failed": False, "began": now}
         self.repairs[key] = job
         self.starting += 1
         self.fault_log.append((now, "replica_repair", f"{key} shard {shard} -> {new}"))
@@ -1138,6 +1140,12 @@ class GroupSimulation:
         survivors = [x for x in self.workers.values() if x.replica is not None and x.replica[0] == key
                      and x.node != job["node"]]
         now = self.sim.now
+        if any(x.gone and not (x.crashed or x.exited) for x in survivors):
+            # one of them leaves (the job scaled the replica down): the replacement is stopped
+            # with it, and nothing starts again
+            job["failed"], job["counted"] = True, True
+            self.starting -= 1
+            return
         if any(x.crashed or x.exited for x in survivors) or now > job["ready_at"] + self.options.init_timeout:
             job["failed"], job["counted"] = True, True
             self.starting -= 1
@@ -1158,7 +1166,7 @@ class GroupSimulation:
         self.sim.at(now + self.config.join_retry_interval, lambda: self._retry_join(x, 1))
         job["formed"], job["counted"] = True, True
         self.starting -= 1
-        self.repaired_at[job["new"]] = now
+        self.repaired_at[job["new"]] = job["began"]  # (the launcher times the settling from the failure)
         self.fault_log.append((now, "replica_formed", f"{job['new']}: {', '.join(y.id for y in survivors)}, {x.id}"))
 
     def _watch(self, w: Worker) -> tuple[str, int] | None:
@@ -1173,7 +1181,7 @@ class GroupSimulation:
                 return f"{x.id}, a process of this replica, died", x.replica[1]
         return None
 
-    def _repair(self, w: Worker, exc: ReplicaLost, in_step: bool) -> Generator:
+    def _repair(self, w: Worker, exc: ReplicaLost, where: str) -> Generator:
         """What FaultTolerantGroup._repair does with the launcher's repair: ``w`` leaves its
         view, asks the launcher to kill a partner that is hung, waits (up to
         ``init_timeout``) for the replacement to form the replica again, takes the replica's
@@ -1184,7 +1192,7 @@ class GroupSimulation:
                                                                                  loop.driver.statuses()[0])):
             raise exc
         began = self.sim.now
-        loop.repair_replica(str(exc), in_step)
+        loop.repair_replica("its sharded replica lost a process", where)
         for x in list(self.workers.values()):
             # its `lost SHARD PID` report (the shard the error names, a partner its watch found
             # stopped): the launcher kills that process if it still runs, to replace it

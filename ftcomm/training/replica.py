@@ -112,6 +112,20 @@ def _pair_connections(before: set[int], store: str | None) -> dict[int, int]:
     return found
 
 
+def rebuildable() -> bool:
+    """This torch lets ftcomm build the replica's Gloo group itself and route FSDP2's
+    collectives (what a repair in place needs); older ones get torch's own group, and a
+    lost process restarts the whole replica."""
+    import torch.distributed.distributed_c10d as c10d
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return all(hasattr(c10d, name) for name in ("_register_pg_in_world", "_unregister_process_group",
+                                                 "_update_default_pg", "_process_group_name")) \
+        and hasattr(FSDPModule, "set_custom_all_gather") and hasattr(FSDPModule, "set_custom_reduce_scatter")
+
+
 def _install_gloo_group(store: Any, rank: int, size: int, timeout: datetime.timedelta, name: str) -> Any:
     """A Gloo process group of ``size`` ranks (this one ``rank``) meeting in ``store``, made
     torch's default group under ``name`` (the name a device mesh made over an earlier group
@@ -169,13 +183,13 @@ class Replica:
         self.device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.mesh = init_device_mesh(device, (size,), mesh_dim_names=("shard",))
         self._meet()
-        self.comms = ReplicaComms(self) if self._owned and backend != "nccl" else None
+        self.comms = ReplicaComms(self) if self._owned and backend != "nccl" and rebuildable() else None
 
     @property
     def repairable(self) -> bool:
         """The replica's group is one ftcomm made with Gloo: it can be formed again with a
         process that replaces a lost one (:meth:`reform`)."""
-        return self._owned and self._backend != "nccl" and self.comms is not None
+        return self._owned and self._backend != "nccl" and self.comms is not None and self.comms.whole
 
     @property
     def group(self) -> Any:
@@ -192,8 +206,9 @@ class Replica:
         sockets_before = set(admission.socket_descriptors())  # (the listeners among them too)
         wait = datetime.timedelta(seconds=self._timeout)
         store = _store(address, self.shard_rank, self.size, wait)
-        if self._backend == "nccl":
-            dist.init_process_group("nccl", store=store, rank=self.shard_rank, world_size=self.size, timeout=wait)
+        if self._backend == "nccl" or not rebuildable():
+            dist.init_process_group(self._backend, store=store, rank=self.shard_rank, world_size=self.size,
+                                    timeout=wait)
         else:
             if self._group_name is None:
                 import torch.distributed.distributed_c10d as c10d
@@ -422,7 +437,7 @@ class ReplicaComms:
 
             def __call__(self, output_tensor, input_tensor, group, async_op=False):
                 return comms.run("all-gather", output_tensor, lambda: gather(
-                    output_tensor, input_tensor, group=comms.replica.group, async_op=True), async_op)
+                    output_tensor, input_tensor, group=comms.group_for(group), async_op=True), async_op)
 
         class Scatter(ReduceScatter):
             def allocate(self, size, *, dtype, device):
@@ -430,9 +445,23 @@ class ReplicaComms:
 
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
                 return comms.run("reduce-scatter", output_tensor, lambda: scatter(
-                    output_tensor, input_tensor, op=op, group=comms.replica.group, async_op=True), async_op)
+                    output_tensor, input_tensor, op=op, group=comms.group_for(group), async_op=True), async_op)
 
         self.gather, self.scatter = Gather(), Scatter()
+        self.whole = True  # every collective spans the whole replica (see group_for)
+
+    def group_for(self, group: Any) -> Any:
+        """The group a collective FSDP2 asks for on ``group`` runs on: the replica's current
+        one when ``group`` spans the replica (the group FSDP2 was built with, or a later one),
+        else ``group`` itself (a sub-group, as ``reshard_after_forward=N`` makes), which a
+        repair could not form again: the replica is then repaired no more (:attr:`whole`)."""
+        if group.size() == self.replica.size:
+            return self.replica.group
+        if self.whole:
+            self.whole = False
+            log.warning("an FSDP2 module gathers over a part of the replica (reshard_after_forward=N?): a lost "
+                        "process of this replica restarts the whole replica")
+        return group
 
     def install(self, module: torch.nn.Module) -> int:
         """Route the collectives of every FSDP2 module in ``module`` through the replica;

@@ -16,7 +16,9 @@ The messages are lines of ASCII, each at most :data:`MAX_LINE` bytes:
 - launcher to worker: ``meet GENERATION HOST:PORT`` (the replica's store for its formation
   number GENERATION, counted by the launcher);
 - worker to launcher: ``lost SHARD PID`` (the process of shard SHARD, pid PID as the
-  worker read it when the replica formed, is hung or gone).
+  worker read it when the replica formed, is hung or gone), and ``repairable`` once its
+  replica can be repaired in place (its state registered, its FSDP2 collectives ftcomm's);
+  the launcher repairs a replica only when every other process of it said so.
 
 Nothing else is read from the socket; a malformed line is dropped with a warning.
 """
@@ -132,12 +134,22 @@ class RepairChannel:
     def report(self, shard: int, pid: int | None) -> None:
         """Ask the launcher to replace the process of shard ``shard`` (pid ``pid`` on this
         host; None: not known here, which asks nothing: the launcher sees its exit)."""
-        if pid is None or self.closed:
+        if pid is not None:
+            self._send(f"lost {shard} {pid}\n")
+
+    def declare(self) -> None:
+        """Tell the launcher this process's replica can be repaired in place (its process
+        group is ftcomm's, its FSDP2 collectives ftcomm's): a lost partner is replaced, not
+        the whole replica restarted."""
+        self._send("repairable\n")
+
+    def _send(self, line: str) -> None:
+        if self.closed:
             return
         try:
-            self._sock.send(f"lost {shard} {pid}\n".encode("ascii"))
+            self._sock.send(line.encode("ascii"))
         except OSError as exc:  # (a full buffer: the launcher reads its end every poll)
-            log.warning("could not ask the launcher to replace shard %d: %s", shard, exc)
+            log.warning("could not tell the launcher %r: %s", line.strip(), exc)
 
     def _read(self, timeout: float) -> None:
         if self.closed:
@@ -172,5 +184,7 @@ class RepairChannel:
             self._read(min(left, 0.5))
 
     def close(self) -> None:
-        self.closed = True
+        if not self.closed:
+            self.closed = True
+            os.environ.pop(REPAIR_FD_ENV, None)  # (its descriptor number may name another file from now on)
         self._sock.close()
