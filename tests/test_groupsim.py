@@ -202,6 +202,36 @@ def test_a_replica_that_loses_a_process_leaves_whole_and_comes_back_with_every_s
     assert {w.state.value for w in sim.live() if w.shard == 0} != {w.state.value for w in sim.live() if w.shard == 1}
 
 
+
+
+def test_a_replica_that_loses_a_process_is_repaired_in_place_and_its_survivor_keeps_its_process():
+    """With repair in place (ftcomm run's default), the crashed process's partner is neither
+    stopped nor started again: a replacement takes the lost shard under the replica's next
+    key, the two rejoin whole, and every shard ends with one state in every replica."""
+    sim = GroupSimulation(2, n=6, faults=[(3.0, "crash", {"pick": 0.3})], duration=10.0, replica_size=2, repair=True)
+    outcome = sim.run()
+    assert outcome.ok, outcome.violation
+    assert outcome.repairs == (1, 1)
+    crashed = next(w for w in sim.workers.values() if w.crashed)
+    survivor = sim.workers[crashed.node ^ 1]  # its partner from the start (replicas of two consecutive nodes)
+    assert not (survivor.gone or survivor.crashed) and survivor.replica[1] == 1 - crashed.replica[1]
+    assert survivor.replica[0] != crashed.replica[0]  # the replica's next key
+    replacement = next(w for w in sim.live() if w.replica == (survivor.replica[0], crashed.replica[1]))
+    assert replacement.started_at > 0
+    final = sim.live()[0].loop.engine.view
+    assert len(final.members) == 6 and {survivor.id, replacement.id} <= final.member_set
+    assert all(w.loop.engine.view == final for w in sim.live())
+    for shard in (0, 1):
+        assert len({(w.loop.step, w.state.value) for w in sim.live() if w.shard == shard}) == 1
+
+
+@pytest.mark.parametrize("replica_size", [2, 3])
+def test_sharded_replicas_repaired_in_place_keep_every_invariant(replica_size):
+    summary = summarize(run_seeds(list(range(60)), processes=2, replica_size=replica_size, repair=True))
+    assert summary["violations"] == 0, summary["first_violation"]
+    assert summary["replica_repairs"]["formed_again"] > 0
+
+
 @pytest.mark.parametrize("length", [8.0, 1.6])
 def test_a_hang_no_launcher_sees_in_the_replica_holding_the_tie_stalls_the_other_replica_no_longer_than_detection(
         length):

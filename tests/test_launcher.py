@@ -171,6 +171,57 @@ def test_a_replica_whose_process_fails_is_stopped_and_restarted_as_a_whole(tmp_p
     assert starts["0-0"] == starts["1-0"] != starts["2-0"] == starts["3-0"] != starts["2-1"] == starts["3-1"]
 
 
+def test_a_replica_whose_partner_said_it_can_be_repaired_gets_a_replacement_and_keeps_the_partner(tmp_path):
+    """Replica 0's shard 1 fails once; shard 0 had said `repairable` on its repair channel:
+    only shard 1 starts again, at a fresh store address, which shard 0 (the same process)
+    is told in a `meet` line; a `lost` report names a hung partner, which is killed. Lines
+    that are none of the protocol's are dropped, said once."""
+    log_dir = tmp_path / "starts"
+    log_dir.mkdir()
+    body = ("import socket\n"
+            "rank, restarts = os.environ['LOCAL_RANK'], os.environ['FTCOMM_RESTARTS']\n"
+            "channel = socket.socket(fileno=int(os.environ['FTCOMM_REPAIR_FD']))\n"
+            f"open(os.path.join({str(log_dir)!r}, rank + '-' + restarts), 'w').write(os.environ['FTCOMM_REPLICA_ADDR'])\n"
+            "if rank == '1' and restarts == '0': time.sleep(1.0); sys.exit(7)\n"
+            "if rank == '0':\n"
+            "    channel.sendall(b'repairable\\n' + b'nonsense\\n' * 50)\n"
+            "    line = channel.makefile().readline().strip()\n"
+            f"    open(os.path.join({str(log_dir)!r}, 'told'), 'w').write(line + ' ' + str(os.getpid()))\n"
+            "time.sleep(1.0)\n")
+    code, log = launch(tmp_path, body, nproc=2, replica_size=2, restart_backoff=0.0)
+    assert code == 0, log
+    assert "worker 1 exited with status 7" in log and "its replica is repaired in place" in log, log
+    assert "with the rest of its replica" not in log and "left with its replica" not in log
+    assert log.count("sent an unknown line on its repair channel") == 1
+    starts = {p.name: p.read_text() for p in log_dir.iterdir()}
+    assert set(starts) == {"0-0", "1-0", "1-1", "told"}  # shard 0 started once
+    told = starts["told"].split()
+    assert told[0] == "meet" and told[2] == starts["1-1"] != starts["1-0"]
+
+
+def test_a_replica_partner_reported_hung_is_killed_and_replaced(tmp_path):
+    """Shard 0, repairable, reports shard 1 (stopped) lost with its pid: the launcher kills
+    it at once (not after --kill-stopped-after) and starts a replacement."""
+    body = ("import signal, socket\n"
+            "rank, restarts = os.environ['LOCAL_RANK'], os.environ['FTCOMM_RESTARTS']\n"
+            "channel = socket.socket(fileno=int(os.environ['FTCOMM_REPAIR_FD']))\n"
+            "if rank == '1' and restarts == '0':\n"
+            f"    open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n"
+            "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+            "if rank == '0':\n"
+            "    channel.sendall(b'repairable\\n')\n"
+            f"    path = {str(tmp_path / 'pid')!r}\n"
+            "    while not os.path.exists(path) or not open(path).read(): time.sleep(0.05)\n"
+            "    time.sleep(0.3)\n"
+            "    channel.sendall(f'lost 1 {open(path).read()}\\n'.encode())\n"
+            "    channel.makefile().readline()\n"
+            "time.sleep(0.5)\n")
+    code, log = launch(tmp_path, body, nproc=2, replica_size=2, restart_backoff=0.0)
+    assert code == 0, log
+    assert "is hung, its replica's worker 0 found: killed, to be replaced" in log, log
+    assert "worker 1 exited with signal SIGKILL" in log and "its replica is repaired in place" in log, log
+
+
 def test_a_replica_partner_of_a_killed_process_is_killed_after_a_short_grace(tmp_path):
     """Shard 0 dies by a signal; shard 1 (in a collective with it, where no handler runs:
     here it ignores SIGTERM) is killed after REPLICA_KILLED_HALT_S, not REPLICA_HALT_S, and the

@@ -145,3 +145,28 @@ def test_the_channel_is_taken_only_from_a_unix_stream_socket(monkeypatch):
     b.detach()
     channel.close()
     a.close()
+
+
+def test_fsdp2_collectives_over_the_whole_replica_take_its_current_group_and_a_sub_group_its_own():
+    """ReplicaComms runs a collective FSDP2 asks for over the whole replica (the group it
+    was built with, torn down since) on the replica's current group; one over a sub-group
+    (reshard_after_forward=N) on that sub-group, and the replica is then no longer
+    repairable in place (a repair could not form the sub-group again)."""
+    from ftcomm.training.replica import ReplicaComms
+
+    class Group:
+        def __init__(self, size):
+            self._size = size
+
+        def size(self):
+            return self._size
+
+    current = Group(4)
+
+    class Replica:
+        size, lost, group = 4, None, current
+
+    comms = ReplicaComms(Replica())
+    assert comms.group_for(Group(4)) is current and comms.whole
+    sub = Group(2)
+    assert comms.group_for(sub) is sub and not comms.whole

@@ -553,7 +553,11 @@ class GroupSimulation:
         """The script averages a metric over the group for its log, inside ``execute``."""
         loop = w.loop
         try:
-            yield from loop.execute(lambda: loop.collective("the mean loss"))
+            try:
+                yield from loop.execute(lambda: loop.collective("the mean loss"))
+            except ReplicaLost as exc:  # (FaultTolerantGroup._repairing: repaired, and run again)
+                yield from self._repair(w, exc, "call")
+                yield from loop.execute(lambda: loop.collective("the mean loss"))
         except OutOfStep:  # the group re-formed and is elsewhere: nothing to log (docs/GUIDE.md)
             self.exits["OutOfStep (tolerated)"] = self.exits.get("OutOfStep (tolerated)", 0) + 1
 
