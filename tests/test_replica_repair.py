@@ -170,3 +170,27 @@ def test_fsdp2_collectives_over_the_whole_replica_take_its_current_group_and_a_s
     assert comms.group_for(Group(4)) is current and comms.whole
     sub = Group(2)
     assert comms.group_for(sub) is sub and not comms.whole
+
+
+def test_ftcomm_members_and_the_record_show_a_process_whose_replica_is_under_repair():
+    """A process repairing its replica publishes it (``rr``): ftcomm members marks it and
+    says what it means; the engine's record carries it from repair_replica until the
+    process is in a view again."""
+    from ftcomm.core.engine import Engine
+    from ftcomm.core.view import StatusRecord
+    from ftcomm.gossip.runtime import Member
+    from ftcomm.ops.cli import _member_table
+
+    record = StatusRecord("joining", 0, None, 1.0, "cf", 40, 5000, repairing=True).encode()
+    assert record["rr"] is True and "rr" not in StatusRecord("active", 3, None, 1.0, "cf", 40, 5000).encode()
+    table = _member_table([Member("a:1/x", "a", 1, "alive", 0, record),
+                           Member("b:1/x", "b", 1, "alive", 0, {**record, "rr": "\x1b[2J"})])
+    rows = {line.split()[0]: line for line in table.splitlines()[1:3]}
+    assert "replica=repairing" in rows["a:1/x"] and "replica=repairing" not in rows["b:1/x"]
+    assert table.splitlines()[-1].startswith("replica=repairing") and "\x1b" not in table
+    engine = Engine("a", "cf", replica=("K", 0, 2))
+    assert not engine.record().repairing
+    engine.repair_replica("a partner died")  # (a joiner: no view to leave)
+    assert engine.record().repairing and engine.state == "JOINING"
+    engine.replica_formed("K2")
+    assert engine.replica == ("K2", 0, 2) and engine.record().replica == ("K2", 0, 2)
