@@ -5,6 +5,7 @@ kind, and agreement time after a crash by group size.
     python benchmarks/group_sim.py --scale 8,64,256,1000  # one crash per size; about a minute
     python benchmarks/group_sim.py --starve-seeds 2000    # CPU starvation drawn too; about 10 minutes
     python benchmarks/group_sim.py --corrupt-seeds 1000   # silent data corruption drawn too (invariant 12)
+    python benchmarks/group_sim.py --repair-seeds 1000    # sharded replicas of 2 and 3 repaired in place
 
 Seeds: each draws the users' world and a fault schedule (see ftcomm/sim); the summary
 counts invariant violations and gives the time from when the world allowed each
@@ -105,6 +106,9 @@ def main() -> int:
                         help="also run N seeds with CPU starvation drawn, plain and sharded replicas of 2")
     parser.add_argument("--corrupt-seeds", type=int, default=0,
                         help="also run N seeds with silent data corruption drawn, plain and sharded replicas of 2")
+    parser.add_argument("--repair-seeds", type=int, default=0,
+                        help="also run N seeds each of sharded replicas of 2 and of 3 repaired in place (ftcomm run's "
+                             "default: a lost process replaced while the others keep their state)")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--baseline-seeds", type=int, default=0,
                         help="also run the first N seeds with and without on-demand stall probing")
@@ -130,6 +134,13 @@ def main() -> int:
         summary["wall_s"] = round(time.perf_counter() - started, 1)
         result["replica_seeds"] = summary
         print(json.dumps(summary, indent=2), flush=True)
+    for replica_size in (2, 3) if args.repair_seeds else ():
+        started = time.perf_counter()
+        summary = summarize(run_seeds(list(range(args.repair_seeds)), processes=args.processes,
+                                      replica_size=replica_size, repair=True))
+        summary["wall_s"] = round(time.perf_counter() - started, 1)
+        result[f"repair_replica_seeds_k{replica_size}"] = summary
+        print(f"repair, replicas of {replica_size}", json.dumps(summary, indent=2), flush=True)
     drawn = (("starvation", args.starve_seeds, {"starve": True}), ("corruption", args.corrupt_seeds, {"corrupt": True}))
     for world, count, knob in drawn:  # plain workers, then sharded replicas of 2
         for name, replica_size in ((f"{world}_seeds", 1), (f"{world}_replica_seeds", 2)):
@@ -159,7 +170,8 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     violations = sum(result.get(key, {}).get("violations", 0)
-                     for key in ("seeds", "replica_seeds", "starvation_seeds", "starvation_replica_seeds"))
+                     for key in ("seeds", "replica_seeds", "starvation_seeds", "starvation_replica_seeds",
+                                 "repair_replica_seeds_k2", "repair_replica_seeds_k3"))
     return 0 if violations == 0 else 1
 
 

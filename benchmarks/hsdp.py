@@ -128,10 +128,13 @@ def recovery_run(mode: str, sig: int) -> dict:
         others = min(t for t, e in job.of("step") if t > struck and e["world"] == 4 and e["step"] > at_fault)
         back = min(t for t, e in job.of("view") if t > struck and len(e["members"]) == 6
                    and victim["id"] not in e["members"])
-        released = min([t for t, line in job.log if t > struck and "sharded replica is lost" in line] + [float("nan")])
+        released = min((t for t, line in job.log if t > struck and "sharded replica is lost" in line), default=None)
         kept = [e for _, e in job.of("ready") if e["pid"] == partner["pid"]] == [partner] and \
             any(partner["id"] in e["members"] for t, e in job.of("view") if t >= back)
-        return {"others_commit_s": round(others - struck, 3), "partner_released_s": round(released - struck, 3),
+        # (None: the partner never said its replica was lost; with --replica-restart it may just
+        # leave when the launcher stops it)
+        return {"others_commit_s": round(others - struck, 3),
+                "partner_released_s": round(released - struck, 3) if released is not None else None,
                 "replica_back_s": round(back - struck, 3), "partner_kept_its_process": kept}
     finally:
         if sig == signal.SIGSTOP:
@@ -227,8 +230,9 @@ def main() -> int:
                 for mode in RECOVERY_MODES:
                     by_mode.setdefault(mode, []).append(recovery_run(mode, sig))
             report[f"recovery_{name}"] = {mode: {
-                "runs": runs, **{f"median_{key}": statistics.median(r[key] for r in runs)
-                                 for key in ("others_commit_s", "partner_released_s", "replica_back_s")},
+                "runs": runs, **{f"median_{key}": statistics.median(values) if values else None
+                                 for key in ("others_commit_s", "partner_released_s", "replica_back_s")
+                                 for values in [[r[key] for r in runs if r[key] is not None]]},
                 "partner_kept_its_process": sum(r["partner_kept_its_process"] for r in runs)}
                 for mode, runs in by_mode.items()}
             for mode, result in report[f"recovery_{name}"].items():
