@@ -232,7 +232,12 @@ def _other_widths(rank: int, ports: list[int], out: str) -> None:
     _shard(model, group.shard_mesh)
     try:
         group.register_state(model=model)
-        group.step_boundary()  # the first reconcile compares every shard's model
+        # The first reconcile compares every shard's model. A step boundary alone may not run
+        # it: news that breaks the view there (a busy host's late gossip) leaves the view to be
+        # formed again before the next collective, and the boundary returns. A collective run
+        # through execute is reconciled before it, in whatever view forms.
+        group.step_boundary()
+        group.execute(group.barrier)
         error = "trained"
     except ftcomm.ConfigMismatch as exc:
         error = str(exc)
