@@ -171,6 +171,12 @@ def test_a_replica_whose_process_fails_is_stopped_and_restarted_as_a_whole(tmp_p
     assert starts["0-0"] == starts["1-0"] != starts["2-0"] == starts["3-0"] != starts["2-1"] == starts["3-1"]
 
 
+REPAIR_CHANNEL = ("import socket\n"
+                  "rank, restarts = os.environ['LOCAL_RANK'], os.environ['FTCOMM_RESTARTS']\n"
+                  "channel = socket.socket(fileno=int(os.environ['FTCOMM_REPAIR_FD']))\n")
+"""A fake replica process's start: its local rank, its start's number and its repair channel."""
+
+
 def test_a_replica_whose_partner_said_it_can_be_repaired_gets_a_replacement_and_keeps_the_partner(tmp_path):
     """Replica 0's shard 1 fails once; shard 0 had said `repairable` on its repair channel:
     only shard 1 starts again, at a fresh store address, which shard 0 (the same process)
@@ -178,9 +184,7 @@ def test_a_replica_whose_partner_said_it_can_be_repaired_gets_a_replacement_and_
     that are none of the protocol's are dropped, said once."""
     log_dir = tmp_path / "starts"
     log_dir.mkdir()
-    body = ("import socket\n"
-            "rank, restarts = os.environ['LOCAL_RANK'], os.environ['FTCOMM_RESTARTS']\n"
-            "channel = socket.socket(fileno=int(os.environ['FTCOMM_REPAIR_FD']))\n"
+    body = (REPAIR_CHANNEL +
             f"open(os.path.join({str(log_dir)!r}, rank + '-' + restarts), 'w').write(os.environ['FTCOMM_REPLICA_ADDR'])\n"
             "if rank == '1' and restarts == '0': time.sleep(1.0); sys.exit(7)\n"
             "if rank == '0':\n"
@@ -202,16 +206,17 @@ def test_a_replica_whose_partner_said_it_can_be_repaired_gets_a_replacement_and_
 def test_a_replica_partner_reported_hung_is_killed_and_replaced(tmp_path):
     """Shard 0, repairable, reports shard 1 (stopped) lost with its pid: the launcher kills
     it at once (not after --kill-stopped-after) and starts a replacement."""
-    body = ("import signal, socket\n"
-            "rank, restarts = os.environ['LOCAL_RANK'], os.environ['FTCOMM_RESTARTS']\n"
-            "channel = socket.socket(fileno=int(os.environ['FTCOMM_REPAIR_FD']))\n"
+    body = (REPAIR_CHANNEL + "import signal\n"
             "if rank == '1' and restarts == '0':\n"
             f"    open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n"
             "    os.kill(os.getpid(), signal.SIGSTOP)\n"
             "if rank == '0':\n"
             "    channel.sendall(b'repairable\\n')\n"
             f"    path = {str(tmp_path / 'pid')!r}\n"
-            "    while not os.path.exists(path) or not open(path).read(): time.sleep(0.05)\n"
+            "    deadline = time.monotonic() + 60\n"
+            "    while not os.path.exists(path) or not open(path).read():\n"
+            "        assert time.monotonic() < deadline, 'shard 1 never wrote its pid'\n"
+            "        time.sleep(0.05)\n"
             "    time.sleep(0.3)\n"
             "    channel.sendall(f'lost 1 {open(path).read()}\\n'.encode())\n"
             "    channel.makefile().readline()\n"
