@@ -58,11 +58,13 @@ class ReplicaLost(FtcommError):
     replica is broken, so this process cannot train again. Exit; the launcher
     (``ftcomm run --replica-size K``) starts the whole replica again, and it rejoins.
     ``shard``: the lost process's shard rank, where known; ``left``: it left gracefully (its
-    script ended or shut the group down): nothing to repair."""
+    script ended or shut the group down): nothing to repair; ``reason``: what was lost, in
+    words, without the advice (the message when not given)."""
 
-    def __init__(self, message: str, shard: int | None = None, left: bool = False) -> None:
+    def __init__(self, message: str, shard: int | None = None, left: bool = False,
+                 reason: str | None = None) -> None:
         super().__init__(message)
-        self.shard, self.left = shard, left
+        self.shard, self.left, self.reason = shard, left, reason or message
 
 
 class StateLost(FtcommError):

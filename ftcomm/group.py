@@ -190,6 +190,11 @@ class FaultTolerantGroup:
             return True
         return False
 
+    def _repairs(self, lost: ReplicaLost) -> bool:
+        """Whether ``lost`` is repaired in place (see :meth:`_repair`) rather than raised: a
+        partner was lost, not left gracefully, and the replica can be formed again."""
+        return self._replica is not None and not lost.left and self._may_repair() is None
+
     def _may_repair(self) -> str | None:
         """Why this process's replica cannot be formed again with a replacement for its lost
         process, or None when it can: ``ftcomm run`` started it (and replaces the lost
@@ -518,9 +523,9 @@ class FaultTolerantGroup:
         try:
             return self._run(phase)
         except ReplicaLost as exc:
-            if self._replica is None or exc.left or self._may_repair() is not None:
+            if not self._repairs(exc):
                 raise
-            self._repair(str(exc), where, exc.shard)
+            self._repair(exc.reason, where, exc.shard)
             return False
         except QuorumLost as exc:
             self._leave_with_state(exc)
@@ -697,9 +702,9 @@ class FaultTolerantGroup:
         try:
             return self._run(phase())
         except ReplicaLost as exc:
-            if self._replica is None or exc.left or self._may_repair() is not None:
+            if not self._repairs(exc):
                 raise
-            self._repair(str(exc), "call", exc.shard)
+            self._repair(exc.reason, "call", exc.shard)
         return self._run(phase())
 
     def shutdown(self) -> None:

@@ -176,11 +176,10 @@ class Driver:
                                  "another would train the job again from scratch")
         gone = replica_broken(engine.replica, statuses)
         if gone is not None:
-            raise ReplicaLost(f"{gone}, a process of this worker's sharded replica, "
-                              f"{'left' if statuses[gone].left else 'died'}: torch's process group inside the "
-                              f"replica is broken, so this process cannot train on; exit, and start the whole "
-                              f"replica again (ftcomm run --replica-size does) to rejoin", statuses[gone].replica[1],
-                              statuses[gone].left)
+            what = f"{gone}, a process of this worker's sharded replica, {'left' if statuses[gone].left else 'died'}"
+            raise ReplicaLost(f"{what}: torch's process group inside the replica is broken, so this process cannot "
+                              f"train on; exit, and start the whole replica again (ftcomm run --replica-size does) "
+                              f"to rejoin", statuses[gone].replica[1], statuses[gone].left, reason=what)
         unconfirmed: tuple[Status, ...] = ()
         seeds = None
         if founding or now - self._confirmed_at >= engine.chase_interval:
