@@ -46,7 +46,13 @@ out["sum"] = t.tolist()
 out["full"] = model[0].weight.full_tensor().sum().item()
 out["key2"] = replica.key
 out["formations"] = replica.formations
+replica.close()  # (as ftcomm's shutdown does)
 print(json.dumps(out), flush=True)
+# Not through the interpreter's exit: a Gloo worker thread may still be releasing the last
+# collective's tensors a few microseconds after it completed, and a release that needs the
+# interpreter while it finalizes aborts the process (torch's, for any script that exits
+# right after a collective; ftcomm's shutdown leaves the group first, which takes longer).
+os._exit(0)
 """
 
 

@@ -149,6 +149,22 @@ def _install_gloo_group(store: Any, rank: int, size: int, timeout: datetime.time
     return group
 
 
+def _forget_groups(groups: list[Any]) -> None:
+    """Drop ``groups`` from torch's bookkeeping of process groups (so that destroying the
+    default group does not shut them down too), leaving the objects alive."""
+    import torch.distributed.distributed_c10d as c10d
+
+    world = c10d._world
+    for group in groups:
+        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                      world.pg_coalesce_state):
+            table.pop(group, None)
+        world.pg_to_tag.pop(group, None)
+        for tagged in world.tags_to_pg.values():
+            while group in tagged:
+                tagged.remove(group)
+
+
 class Replica:
     """This process's replica: ``size`` processes, this one shard ``shard_rank``, meeting at
     ``address`` (``HOST:PORT``, shard 0's; torch's TCP store). An already initialized default
@@ -169,6 +185,7 @@ class Replica:
         self.formations = 0  # how often the replica's group formed in this process (1: never repaired)
         self._doors: list[admission.Door] = []
         self._group_name: str | None = None
+        self._superseded: list[Any] = []  # groups of earlier formations (torn down, kept alive: see tear_down)
         if dist.is_initialized():
             if (dist.get_world_size(), dist.get_rank()) != (size, shard_rank):
                 raise FtcommError(f"torch.distributed is initialized with rank {dist.get_rank()} of "
@@ -213,6 +230,8 @@ class Replica:
             if self._group_name is None:
                 import torch.distributed.distributed_c10d as c10d
                 self._group_name = c10d._process_group_name([], use_hashed_name=False)
+            if self.formations:
+                self._superseded.append(self.group)
             _install_gloo_group(store, self.shard_rank, self.size, wait, self._group_name)
         self._owned = True
         self.formations += 1
@@ -320,8 +339,9 @@ class Replica:
             while len(self._written) > 8 * self.size:  # slots of decisions long over
                 store.delete_key(self._written.popleft())
         except RuntimeError as exc:  # the store's process died: its connections reset
-            raise ReplicaLost(f"a process of this worker's sharded replica is gone ({str(exc).splitlines()[0][:200]}): "
-                              f"exit, and start the whole replica again (ftcomm run --replica-size does)") from None
+            what = f"a process of this worker's sharded replica is gone ({str(exc).splitlines()[0][:200]})"
+            raise ReplicaLost(f"{what}: exit, and start the whole replica again (ftcomm run --replica-size does)",
+                              reason=what) from None
         return decided
 
     def process_state(self, shard: int) -> str | None:
@@ -380,12 +400,20 @@ class Replica:
         return where[1] if where is not None and where[0] == _LOCAL[0] else None
 
     def close(self) -> None:
-        """Destroy the process group this replica created (not one the caller initialized,
-        nor one that was torn down or formed again: their threads may wait on a lost process)."""
+        """Destroy the process group this replica created and formed last, unless it was torn
+        down (its threads may wait on a lost process), and never one the caller initialized.
+        The groups of earlier formations are only dropped from torch's bookkeeping: they were
+        torn down, and stay alive for the rest of the process. Destroying the group joins its
+        threads, which may still be releasing the last collective's tensors: left to the
+        interpreter's exit, that release needs the interpreter and aborts the process."""
         import torch.distributed as dist
-        if self._owned and dist.is_initialized() and self.lost is None and self.formations == 1:
-            dist.destroy_process_group()
-            self._owned = False
+        if not (self._owned and dist.is_initialized() and self.lost is None):
+            return
+        if self._superseded:
+            _forget_groups(self._superseded)
+            self._superseded = []
+        dist.destroy_process_group()
+        self._owned = False
 
 
 def _fsdp_api() -> tuple[type, type]:
