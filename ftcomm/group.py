@@ -137,7 +137,7 @@ class FaultTolerantGroup:
         self._left_step: int | None = None  # the step loaded from it
         try:
             if self.replica_size > 1:  # first: the replica's K processes meet (torch's process group)
-                self._replica = collective.replica = Replica(*replica, backend, opts.init_timeout)
+                self._replica = collective.replica = Replica(*replica, backend, opts.init_timeout, host)
                 engine.replica = (self._replica.key, self.shard_rank, self.replica_size)
             membership.node = GossipNode((host, port), cluster=cluster, secret=secret,
                                          config=member_cap(opts.gossip, max_workers and max_workers * size),

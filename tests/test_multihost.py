@@ -52,6 +52,36 @@ def exits_cleanly(workers) -> None:
         assert w.process.wait(timeout=60) == 0, "".join(w.stderr_tail[-60:])
 
 
+def leave_all(jobs) -> None:
+    """SIGTERM (a graceful leave) to every job still running, then reap them all."""
+    for job in jobs:
+        if job.process.poll() is None:
+            job.process.send_signal(signal.SIGTERM)
+    for job in jobs:
+        job.finish(90)
+
+
+def three_replicas_together(jobs) -> int:
+    """Once the six processes of three replicas of 2 all reported one view of all six: its id."""
+    views = lambda: [e for job in jobs for e in job.of("view") if len(e["members"]) == 6]  # noqa: E731
+    try:
+        wait_until(lambda: len(views()) >= 6, 120, "view of the three replicas together")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; logs:\n" + "\n".join("".join(job.log[-20:]) for job in jobs)) from None
+    return max(e["view_id"] for e in views())
+
+
+def assert_one_state_per_shard(views: list[dict]) -> None:
+    """Every process of a view reported one member list, and those of one shard index one
+    state (step and digest)."""
+    seen: dict = {}
+    for e in views:
+        seen.setdefault((e["view_id"], e["shard"]), []).append(e)
+    for (view_id, shard), events in seen.items():
+        assert len({tuple(e["members"]) for e in events}) == 1, f"view {view_id} has two member lists"
+        assert len({(e["step"], e["state_digest"]) for e in events}) == 1, f"view {view_id}, shard {shard}"
+
+
 @needs_netns
 def test_four_hosts_train_survive_a_crash_and_take_a_joiner_from_a_new_host():
     with group_on_hosts(4) as (lab, cluster, workers, view_id):
@@ -214,9 +244,7 @@ def test_three_hosts_each_running_a_sharded_replica_lose_one_and_take_it_back_wh
                            "--report-every", "1"]
                 jobs.append(Job(0, command=lab.command(host, command), env=env))
             everyone = lambda: [e for job in jobs for e in job.of("view")]  # noqa: E731
-            wait_until(lambda: sum(len(e["members"]) == 6 for e in everyone()) >= 6, 120,
-                       lambda: "the three replicas never trained together: " + "".join(jobs[0].log[-30:]))
-            whole = max(e["view_id"] for e in everyone() if len(e["members"]) == 6)
+            whole = three_replicas_together(jobs)
             lab.set_host_link(2, False)
             cut = lambda: [e for job in jobs[:2] for e in job.of("view")  # noqa: E731
                            if len(e["members"]) == 4 and e["view_id"] > whole]
@@ -231,15 +259,61 @@ def test_three_hosts_each_running_a_sharded_replica_lose_one_and_take_it_back_wh
             wait_until(lambda: min(max([e["step"] for e in job.of("step")] + [0]) for job in jobs) > at_cut + 40,
                        60, "the replicas training together again")
         finally:
-            for job in jobs:
-                if job.process.poll() is None:
-                    job.process.send_signal(signal.SIGTERM)  # a graceful leave of every worker
-            for job in jobs:
-                job.finish(90)
-        views: dict = {}
-        for e in everyone():
-            views.setdefault((e["view_id"], e["shard"]), []).append(e)
-        for (view_id, shard), events in views.items():
-            assert len({tuple(e["members"]) for e in events}) == 1, f"view {view_id} has two member lists"
-            assert len({(e["step"], e["state_digest"]) for e in events}) == 1, f"view {view_id}, shard {shard}"
+            leave_all(jobs)
+        assert_one_state_per_shard(everyone())
         assert not any("Traceback" in line for job in jobs[:2] for line in job.log), "".join(jobs[0].log[-40:])
+
+
+@needs_netns
+def test_a_replica_split_across_two_hosts_releases_its_partner_when_one_host_is_lost():
+    """Three sharded replicas of 2 processes, each process on a host of its own (a replica
+    split across two hosts, started without ``ftcomm run``). Host 1's link goes down: its
+    replica partner on host 0 sees nothing refused, only silence; gossip suspects the lost
+    process and the replica's collectives are torn down, so the partner is released with
+    ReplicaLost (no launcher here replaces the lost process) long before ``init_timeout``
+    (120 s), and the other two replicas go on. Once the link returns the lost process,
+    whose partner is gone, exits too: nothing hangs."""
+    import secrets
+    import sys
+    import time
+
+    from .test_hsdp import EXAMPLE, Job
+
+    with netns.Lab(6) as lab:
+        secret = secrets.token_hex(16)
+        jobs = []
+        try:
+            for host in range(6):
+                replica, shard = divmod(host, 2)
+                env = {"FTCOMM_SECRET": secret, "FTCOMM_BIND": f"{lab.address(host)}:7946",
+                       "FTCOMM_REPLICA_SIZE": "2", "FTCOMM_SHARD_RANK": str(shard),
+                       "FTCOMM_REPLICA_ADDR": f"{lab.address(2 * replica)}:7950",
+                       **({"FTCOMM_PEERS": f"{lab.address(0)}:7946"} if host else {})}
+                command = [sys.executable, EXAMPLE, "--steps", "100000000", "--min-workers", "2",
+                           "--step-time", "0.03", "--report-every", "1", "--log-level", "INFO"]
+                jobs.append(Job(0, command=lab.command(host, command), env=env))
+            everyone = lambda: [e for job in jobs for e in job.of("view")]  # noqa: E731
+            whole = three_replicas_together(jobs)
+            lab.set_host_link(1, False)
+            cut_at = time.time()
+            partner, lost, others = jobs[0], jobs[1], jobs[2:]
+            wait_until(lambda: partner.process.poll() is not None, 60,
+                       lambda: "the partner was never released: " + "".join(partner.log[-30:]))
+            assert partner.process.returncode != 0
+            said = [t for t, line in zip(partner.log_times, partner.log) if "ReplicaLost" in line]
+            assert said, "".join(partner.log[-30:])
+            released = said[0]
+            assert released - cut_at < 60  # well before the replica's collectives would time out (120 s)
+            cut = lambda: [e for job in others for e in job.of("view")  # noqa: E731
+                           if len(e["members"]) == 4 and e["view_id"] > whole]
+            wait_until(lambda: len(cut()) >= 4, 60, "the other replicas going on without the split one")
+            at_cut = max(e["step"] for e in others[0].of("step"))
+            wait_until(lambda: min(max(e["step"] for e in job.of("step")) for job in others) > at_cut + 20, 60,
+                       "progress without it")
+            lab.set_host_link(1, True)
+            wait_until(lambda: lost.process.poll() is not None, 120,
+                       lambda: "the lost process, its partner gone, never exited: " + "".join(lost.log[-30:]))
+        finally:
+            leave_all(jobs)
+        assert_one_state_per_shard(everyone())
+        assert not any("Traceback" in line for job in others for line in job.log), "".join(others[0].log[-40:])

@@ -4,8 +4,12 @@ collectives down, and that a torn-down connection wakes a thread waiting on it."
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -14,6 +18,7 @@ from ftcomm.backends import admission
 from ftcomm.localproc import stat_fields
 from ftcomm.training import replica_watch
 from ftcomm.training.replica_watch import ReplicaWatch
+from tests.conftest import free_port
 from tests.polling import wait_until
 
 
@@ -218,6 +223,19 @@ def test_a_shut_connection_wakes_the_thread_waiting_on_it_and_a_reused_descripto
         s.close()
 
 
+def two_shards(tmp_path, source: str, stopped: int) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """The two processes of a replica running ``source`` (argv: shard rank, store port):
+    shard ``stopped`` (which the test will stop), then the other, which reads its stdin."""
+    script = tmp_path / "shard.py"
+    script.write_text(source)
+    port = free_port()
+    first = subprocess.Popen([sys.executable, str(script), str(stopped), str(port)], stdout=subprocess.PIPE,
+                             text=True)
+    other = subprocess.Popen([sys.executable, str(script), str(1 - stopped), str(port)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return first, other
+
+
 REPLICA_PROCESS = """
 import sys, threading, time
 import torch, torch.distributed as dist
@@ -245,19 +263,7 @@ def test_a_torn_down_gloo_replica_fails_the_waiting_collective_and_the_process_e
     other sees it stopped in /proc, and tearing the replica down wakes its collective waiting
     for the partner at once, with a RuntimeError, and leaves the process able to exit
     normally (shutting a listener under Gloo's accept loop would abort it)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from tests.conftest import free_port
-
-    script = tmp_path / "replica.py"
-    script.write_text(REPLICA_PROCESS)
-    port = free_port()
-    partner = subprocess.Popen([sys.executable, str(script), "1", str(port)], stdout=subprocess.PIPE, text=True)
-    this = subprocess.Popen([sys.executable, str(script), "0", str(port)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partner, this = two_shards(tmp_path, REPLICA_PROCESS, stopped=1)
     try:
         assert partner.stdout.readline().strip() == "ready"
         assert this.stdout.readline().split()[:2] in (["partner", "S"], ["partner", "R"])  # it runs
@@ -273,5 +279,49 @@ def test_a_torn_down_gloo_replica_fails_the_waiting_collective_and_the_process_e
     finally:
         for p in (this, partner):
             if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+STORE_WAITER = """
+import sys, threading, time
+from ftcomm.errors import ReplicaLost
+from ftcomm.training.replica import Replica
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+replica = Replica(2, rank, f"127.0.0.1:{port}", "gloo", 60)
+print("ready", flush=True)
+if rank == 0:  # serves the replica's store
+    time.sleep(120)
+sys.stdin.readline()  # the test stopped shard 0, and with it the store
+threading.Timer(0.5, lambda: replica.tear_down("the test")).start()
+began = time.monotonic()
+try:
+    replica.decide("step/1", True, lambda: False, 60)
+    print("decided", flush=True)
+except ReplicaLost:
+    print("raised", round(time.monotonic() - began, 2), flush=True)
+"""
+
+
+def test_a_torn_down_replica_releases_a_decision_waiting_on_a_store_that_went_silent(tmp_path):
+    """Shard 0 serves the replica's store and stops (as a host that vanished: no refusal, only
+    silence); shard 1 waits in a decision on that store. Tearing the replica down shuts its
+    connection to the store too, so the decision raises ReplicaLost at once rather than
+    after the store's timeout (60 s here)."""
+    store, this = two_shards(tmp_path, STORE_WAITER, stopped=0)
+    try:
+        assert store.stdout.readline().strip() == "ready"
+        assert this.stdout.readline().strip() == "ready"
+        os.kill(store.pid, signal.SIGSTOP)
+        wait_until(lambda: (stat_fields(store.pid) or ["?"])[0] == "T", 10, "shard 0 stopped")
+        this.stdin.write("\n")
+        this.stdin.flush()
+        out, err = this.communicate(timeout=90)
+        assert this.returncode == 0, err
+        assert out.split()[0] == "raised" and float(out.split()[1]) < 30, out  # (the store's timeout: 60 s)
+    finally:
+        for p in (this, store):
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
                 p.kill()
                 p.wait()

@@ -35,6 +35,7 @@ from ..errors import FtcommError, ReplicaLost, StateError
 from ..gossip.addresses import parse_address
 from ..localproc import process_start, stat_fields
 from ..backends import admission
+from .. import netif
 from . import sharded
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,11 @@ def parse_identity(raw: bytes) -> tuple[str, int, int] | None:
 
 
 def _pair_connections(before: set[int], store: str | None) -> dict[int, int]:
-    """Descriptor -> inode of the connected TCP sockets made since ``before``, less those to
-    or from the ``store``'s port (``HOST:PORT``). A listener has no peer: it is not among them."""
+    """Descriptor -> inode of the connected TCP sockets made since ``before``, less those the
+    ``store`` (``HOST:PORT``) accepted on its port (its own threads serve them): Gloo's pairs,
+    and this process's connection to the store, whose operations (a decision) would
+    otherwise wait for a host that vanished until the store's timeout. A listener has no
+    peer: it is not among them."""
     store_port = parse_address(store)[1] if store else None
     found = {}
     for fd, inode in admission.socket_descriptors().items():
@@ -104,10 +108,10 @@ def _pair_connections(before: set[int], store: str | None) -> dict[int, int]:
             with socket.socket(fileno=os.dup(fd)) as sock:
                 if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
                     continue
-                ends = sock.getsockname()[1], sock.getpeername()[1]
+                local, peer = sock.getsockname()[1], sock.getpeername()[1]
         except OSError:  # not connected (a listener), or closed meanwhile
             continue
-        if store_port not in ends:
+        if local != store_port:
             found[fd] = inode
     return found
 
@@ -126,15 +130,23 @@ def rebuildable() -> bool:
         and hasattr(FSDPModule, "set_custom_all_gather") and hasattr(FSDPModule, "set_custom_reduce_scatter")
 
 
-def _install_gloo_group(store: Any, rank: int, size: int, timeout: datetime.timedelta, name: str) -> Any:
+def _install_gloo_group(store: Any, rank: int, size: int, timeout: datetime.timedelta, name: str,
+                        host: str | None) -> Any:
     """A Gloo process group of ``size`` ranks (this one ``rank``) meeting in ``store``, made
     torch's default group under ``name`` (the name a device mesh made over an earlier group
-    of this replica resolves): torch's own bookkeeping, as ``init_process_group`` does it."""
+    of this replica resolves): torch's own bookkeeping, as ``init_process_group`` does it.
+    Its pairs listen on ``host``, the address this process's group is bound to (without it
+    Gloo takes the address of the host name, loopback on many hosts: a replica split across
+    hosts could not form)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     prefix = dist.PrefixStore("ftcomm/replica", store)
-    backend = dist.ProcessGroupGloo(prefix, rank, size, timeout)  # (connects every pair, or raises)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_default_device() if host is None or netif.is_wildcard(host)
+                        else dist.ProcessGroupGloo.create_device(hostname=netif.resolve(host))]
+    backend = dist.ProcessGroupGloo(prefix, rank, size, options)  # (connects every pair, or raises)
     backend._set_sequence_number_for_group()
     group = dist.ProcessGroup(prefix, rank, size)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
@@ -170,14 +182,16 @@ class Replica:
     ``address`` (``HOST:PORT``, shard 0's; torch's TCP store). An already initialized default
     process group is used as it is when it has ``size`` ranks and this is rank
     ``shard_rank`` (such a replica is never formed again). ``timeout``: how long its
-    collectives wait for a process."""
+    collectives wait for a process; ``host``: the address this process's group is bound to,
+    where the replica's Gloo pairs listen too (None: the host name's)."""
 
-    def __init__(self, size: int, shard_rank: int, address: str | None, backend: str, timeout: float) -> None:
+    def __init__(self, size: int, shard_rank: int, address: str | None, backend: str, timeout: float,
+                 host: str | None = None) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         self.size, self.shard_rank = size, shard_rank
-        self._backend, self._timeout = backend, timeout
+        self._backend, self._timeout, self._host = backend, timeout, host
         self._owned = False
         self._lock = threading.Lock()  # tear_down (the watch's thread, a failed collective) against reform
         self.lost: str | None = None  # why tear_down failed the replica's collectives
@@ -232,13 +246,14 @@ class Replica:
                 self._group_name = c10d._process_group_name([], use_hashed_name=False)
             if self.formations:
                 self._superseded.append(self.group)
-            _install_gloo_group(store, self.shard_rank, self.size, wait, self._group_name)
+            _install_gloo_group(store, self.shard_rank, self.size, wait, self._group_name, self._host)
         self._owned = True
         self.formations += 1
         # Every pair of the replica's Gloo group is connected now (Gloo connects all of them
-        # when the group is made): the connections tear_down shuts. Not the listeners (a
-        # listener shut under Gloo's or the store's accept loop aborts the process) and not
-        # the store's connections (the store's own threads serve them).
+        # when the group is made): the connections tear_down shuts, with this process's
+        # connection to the store. Not the listeners (a listener shut under Gloo's or the
+        # store's accept loop aborts the process) and not the connections the store accepted
+        # (its own threads serve them).
         self._links = _pair_connections(sockets_before, address) if self._backend != "nccl" else {}
         if self._backend != "nccl":
             # Every process of the replica is connected now (torch's store, Gloo's pairs):
@@ -363,7 +378,8 @@ class Replica:
         torch's collectives inside the replica would wait for it until their timeout
         (``init_timeout``). With NCCL the process group is aborted; with Gloo, whose abort
         does not wake a waiting collective (DESIGN, the facts about Gloo), the connections
-        between the group's pairs are shut, so that a collective waiting on one fails at
+        between the group's pairs (and this process's connection to the replica's store, for a
+        decision waiting on it) are shut, so that a collective waiting on one fails at
         once, as when a peer crashes. Only a group this replica created, once per
         formation; whether it was torn down here."""
         with self._lock:
