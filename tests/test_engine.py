@@ -1039,3 +1039,15 @@ def test_a_member_whose_formation_failed_here_forms_no_view_without_a_quorum_of_
     e.members_probed(["b", "c"])  # their ports refuse: gone for sure
     actions, _ = agree_until_form(e, {**cut, "a": published(e)}, 5.0)
     assert actions[-1].view.members == ("a",)
+
+
+def test_a_member_repairing_its_replica_leaves_its_view_and_tells_the_others_directly():
+    """repair_replica from a view: the member leaves it (benched from it, so the others count
+    it gone for the quorum) and sends its record to each other member of the view at once:
+    they may be waiting on it to agree a view without its replica."""
+    e = running(engine("c"))
+    e.broken()
+    assert e.state == core.AGREEING
+    actions = e.repair_replica("a partner died")
+    assert Publish() in actions and Announce(("a", "b")) in actions
+    assert (e.state, e.view, e.benched) == (core.REJOINING, None, 1) and e.record().repairing

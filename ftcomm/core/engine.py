@@ -573,7 +573,8 @@ class Engine:
         """A process of this member's sharded replica is lost, and the replica is formed
         again with a process that replaces it (``why``; see ftcomm.training.replica_repair):
         an agreeing member leaves the view it holds, its record saying from which (the
-        others count it as gone for the quorum at once, as a straggler standing aside), and
+        others count it as gone for the quorum at once, as a straggler standing aside: the
+        record is sent to each of them directly, as they may wait on it to agree), and
         joins again with its replica once that is whole under its new key
         (:meth:`replica_formed`). A member without a view (a joiner) stays as it is."""
         self.repairing = True
@@ -582,7 +583,7 @@ class Engine:
         view = self.view
         actions = self._rejoin(why, "replica repair")
         self.benched = view.id
-        return actions
+        return actions + [Announce(tuple(m for m in view.members if m != self.id))]
 
     def replica_formed(self, key: str) -> list[Action]:
         """This member's sharded replica formed again, under ``key``: its record says so, and
