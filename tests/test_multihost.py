@@ -61,13 +61,20 @@ def leave_all(jobs) -> None:
         job.finish(90)
 
 
+def wait_logged(predicate, timeout: float, what: str, jobs) -> None:
+    """:func:`wait_until`, failing with the end of each job's log."""
+    try:
+        wait_until(predicate, timeout, what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; logs:\n" + "\n".join("".join(line for line in job.log[-60:]
+                                                                    if "DEBUG" not in line) for job in jobs)) from None
+
+
 def three_replicas_together(jobs) -> int:
     """Once the six processes of three replicas of 2 all reported one view of all six: its id."""
     views = lambda: [e for job in jobs for e in job.of("view") if len(e["members"]) == 6]  # noqa: E731
-    try:
-        wait_until(lambda: len(views()) >= 6, 120, "view of the three replicas together")
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}; logs:\n" + "\n".join("".join(job.log[-20:]) for job in jobs)) from None
+    together = lambda: all(any(len(e["members"]) == 6 for e in job.of("view")) for job in jobs)  # noqa: E731
+    wait_logged(together, 120, "view of the three replicas together", jobs)
     return max(e["view_id"] for e in views())
 
 
@@ -265,11 +272,13 @@ def test_three_hosts_each_running_a_sharded_replica_lose_one_and_take_it_back_wh
 
 
 @needs_netns
-def test_a_replica_split_across_two_hosts_releases_its_partner_when_one_host_is_lost():
+@pytest.mark.parametrize("lost_host", [1, 0], ids=["shard-1-host", "store-host"])
+def test_a_replica_split_across_two_hosts_releases_its_partner_when_one_host_is_lost(lost_host):
     """Three sharded replicas of 2 processes, each process on a host of its own (a replica
-    split across two hosts, started without ``ftcomm run``). Host 1's link goes down: its
-    replica partner on host 0 sees nothing refused, only silence; gossip suspects the lost
-    process and the replica's collectives are torn down, so the partner is released with
+    split across two hosts, started without ``ftcomm run``). The link of one host of replica
+    0 goes down (shard 1's, or shard 0's, which serves the replica's store): its partner
+    sees nothing refused, only silence; gossip suspects the lost process and the replica's
+    collectives and store connection are torn down, so the partner is released with
     ReplicaLost (no launcher here replaces the lost process) long before ``init_timeout``
     (120 s), and the other two replicas go on. Once the link returns the lost process,
     whose partner is gone, exits too: nothing hangs."""
@@ -294,26 +303,24 @@ def test_a_replica_split_across_two_hosts_releases_its_partner_when_one_host_is_
                 jobs.append(Job(0, command=lab.command(host, command), env=env))
             everyone = lambda: [e for job in jobs for e in job.of("view")]  # noqa: E731
             whole = three_replicas_together(jobs)
-            lab.set_host_link(1, False)
+            lab.set_host_link(lost_host, False)
             cut_at = time.time()
-            partner, lost, others = jobs[0], jobs[1], jobs[2:]
-            wait_until(lambda: partner.process.poll() is not None, 60,
-                       lambda: "the partner was never released: " + "".join(partner.log[-30:]))
-            assert partner.process.returncode != 0
+            partner, lost, others = jobs[1 - lost_host], jobs[lost_host], jobs[2:]
+            wait_logged(lambda: partner.process.poll() is not None, 60, "release of the partner", [partner])
             said = [t for t, line in zip(partner.log_times, partner.log) if "ReplicaLost" in line]
-            assert said, "".join(partner.log[-30:])
-            released = said[0]
-            assert released - cut_at < 60  # well before the replica's collectives would time out (120 s)
+            assert partner.process.returncode != 0 and said, "".join(partner.log[-40:])
+            assert said[0] - cut_at < 60  # well before the replica's collectives would time out (120 s)
             cut = lambda: [e for job in others for e in job.of("view")  # noqa: E731
                            if len(e["members"]) == 4 and e["view_id"] > whole]
-            wait_until(lambda: len(cut()) >= 4, 60, "the other replicas going on without the split one")
+            wait_logged(lambda: len(cut()) >= 4, 60, "view of the other replicas without the split one", others)
             at_cut = max(e["step"] for e in others[0].of("step"))
-            wait_until(lambda: min(max(e["step"] for e in job.of("step")) for job in others) > at_cut + 20, 60,
-                       "progress without it")
-            lab.set_host_link(1, True)
-            wait_until(lambda: lost.process.poll() is not None, 120,
-                       lambda: "the lost process, its partner gone, never exited: " + "".join(lost.log[-30:]))
+            wait_logged(lambda: min(max(e["step"] for e in job.of("step")) for job in others) > at_cut + 20, 60,
+                        "progress without it", others)
+            lab.set_host_link(lost_host, True)
+            wait_logged(lambda: lost.process.poll() is not None, 120, "exit of the lost process (its partner gone)",
+                        [lost])
         finally:
             leave_all(jobs)
         assert_one_state_per_shard(everyone())
-        assert not any("Traceback" in line for job in others for line in job.log), "".join(others[0].log[-40:])
+        for job in others:
+            assert not any("Traceback" in line for line in job.log), "".join(job.log[-60:])

@@ -46,12 +46,11 @@ out["sum"] = t.tolist()
 out["full"] = model[0].weight.full_tensor().sum().item()
 out["key2"] = replica.key
 out["formations"] = replica.formations
-replica.close()  # (as ftcomm's shutdown does)
 print(json.dumps(out), flush=True)
 # Not through the interpreter's exit: a Gloo worker thread may still be releasing the last
 # collective's tensors a few microseconds after it completed, and a release that needs the
 # interpreter while it finalizes aborts the process (torch's, for any script that exits
-# right after a collective; ftcomm's shutdown leaves the group first, which takes longer).
+# right after a collective; a script under ftcomm leaves its group first, which takes longer).
 os._exit(0)
 """
 
@@ -200,3 +199,40 @@ def test_ftcomm_members_and_the_record_show_a_process_whose_replica_is_under_rep
     assert engine.record().repairing and engine.state == "JOINING"
     engine.replica_formed("K2")
     assert engine.replica == ("K2", 0, 2) and engine.record().replica == ("K2", 0, 2)
+
+
+MESH_PROCESS = """
+import sys
+import torch, torch.distributed as dist
+torch.cuda.is_available = lambda: True  # (a host with GPUs: torch's mesh would make a group of its own)
+from ftcomm.training.replica import Replica
+shard, first, second = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+replica = Replica(2, shard, f"127.0.0.1:{first}", "gloo", 30)
+print(replica.mesh.get_group() is replica.group, len(dist.distributed_c10d._world.pg_map), flush=True)
+replica.tear_down("the test")
+replica.reform(f"127.0.0.1:{second}")
+print(replica.mesh.get_group() is replica.group, flush=True)
+t = torch.full((2,), float(shard + 1))
+dist.all_reduce(t, group=replica.mesh.get_group())
+print(t.tolist(), flush=True)
+"""
+
+
+def test_the_shard_mesh_is_the_replica_s_own_group_where_cuda_is_available(tmp_path):
+    """Where CUDA is available, torch's device mesh over a Gloo default group makes a group
+    of its own, which no tear-down would shut and no repair form again. The replica's mesh
+    is made over its own group instead, and resolves to the group of the newest formation."""
+    script = tmp_path / "mesh.py"
+    script.write_text(MESH_PROCESS)
+    first, second = free_port(), free_port()
+    runs = [subprocess.Popen([sys.executable, str(script), str(shard), str(first), str(second)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for shard in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=90) for p in runs]
+    finally:
+        for p in runs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(runs, outs):
+        assert p.returncode == 0, err
+        assert out.split("\n")[:3] == ["True 1", "True", "[3.0, 3.0]"], (out, err)

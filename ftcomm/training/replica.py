@@ -93,13 +93,13 @@ def parse_identity(raw: bytes) -> tuple[str, int, int] | None:
     return identity if identity[0] and identity[1] > 0 else None
 
 
-def _pair_connections(before: set[int], store: str | None) -> dict[int, int]:
+def _pair_connections(before: set[int], store: str | None, serves: bool) -> dict[int, int]:
     """Descriptor -> inode of the connected TCP sockets made since ``before``, less those the
-    ``store`` (``HOST:PORT``) accepted on its port (its own threads serve them): Gloo's pairs,
-    and this process's connection to the store, whose operations (a decision) would
-    otherwise wait for a host that vanished until the store's timeout. A listener has no
-    peer: it is not among them."""
-    store_port = parse_address(store)[1] if store else None
+    ``store`` (``HOST:PORT``) accepted on its port when this process ``serves`` it (its own
+    threads serve them): Gloo's pairs, and this process's connection to the store, whose
+    operations (a decision) would otherwise wait for a host that vanished until the store's
+    timeout. A listener has no peer: it is not among them."""
+    store_port = parse_address(store)[1] if store and serves else None
     found = {}
     for fd, inode in admission.socket_descriptors().items():
         if fd in before:
@@ -108,7 +108,8 @@ def _pair_connections(before: set[int], store: str | None) -> dict[int, int]:
             with socket.socket(fileno=os.dup(fd)) as sock:
                 if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
                     continue
-                local, peer = sock.getsockname()[1], sock.getpeername()[1]
+                sock.getpeername()  # (raises for a listener)
+                local = sock.getsockname()[1]
         except OSError:  # not connected (a listener), or closed meanwhile
             continue
         if local != store_port:
@@ -161,22 +162,6 @@ def _install_gloo_group(store: Any, rank: int, size: int, timeout: datetime.time
     return group
 
 
-def _forget_groups(groups: list[Any]) -> None:
-    """Drop ``groups`` from torch's bookkeeping of process groups (so that destroying the
-    default group does not shut them down too), leaving the objects alive."""
-    import torch.distributed.distributed_c10d as c10d
-
-    world = c10d._world
-    for group in groups:
-        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
-                      world.pg_coalesce_state):
-            table.pop(group, None)
-        world.pg_to_tag.pop(group, None)
-        for tagged in world.tags_to_pg.values():
-            while group in tagged:
-                tagged.remove(group)
-
-
 class Replica:
     """This process's replica: ``size`` processes, this one shard ``shard_rank``, meeting at
     ``address`` (``HOST:PORT``, shard 0's; torch's TCP store). An already initialized default
@@ -188,7 +173,7 @@ class Replica:
     def __init__(self, size: int, shard_rank: int, address: str | None, backend: str, timeout: float,
                  host: str | None = None) -> None:
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         self.size, self.shard_rank = size, shard_rank
         self._backend, self._timeout, self._host = backend, timeout, host
@@ -199,7 +184,6 @@ class Replica:
         self.formations = 0  # how often the replica's group formed in this process (1: never repaired)
         self._doors: list[admission.Door] = []
         self._group_name: str | None = None
-        self._superseded: list[Any] = []  # groups of earlier formations (torn down, kept alive: see tear_down)
         if dist.is_initialized():
             if (dist.get_world_size(), dist.get_rank()) != (size, shard_rank):
                 raise FtcommError(f"torch.distributed is initialized with rank {dist.get_rank()} of "
@@ -212,7 +196,14 @@ class Replica:
             self._form(address)
         device = "cuda" if backend == "nccl" else "cpu"
         self.device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        self.mesh = init_device_mesh(device, (size,), mesh_dim_names=("shard",))
+        if self._group_name is not None:
+            # Over the group ftcomm made, by its name, which every formation keeps: DTensor's
+            # collectives (clip_grad_norm_, full_tensor) then follow it. (init_device_mesh makes
+            # a group of its own over a Gloo default group wherever CUDA is available: one
+            # that no tear-down shuts and no repair forms again.)
+            self.mesh = DeviceMesh.from_group(self.group, device, mesh_dim_names=("shard",))
+        else:
+            self.mesh = init_device_mesh(device, (size,), mesh_dim_names=("shard",))
         self._meet()
         self.comms = ReplicaComms(self) if self._owned and backend != "nccl" and rebuildable() else None
 
@@ -244,8 +235,6 @@ class Replica:
             if self._group_name is None:
                 import torch.distributed.distributed_c10d as c10d
                 self._group_name = c10d._process_group_name([], use_hashed_name=False)
-            if self.formations:
-                self._superseded.append(self.group)
             _install_gloo_group(store, self.shard_rank, self.size, wait, self._group_name, self._host)
         self._owned = True
         self.formations += 1
@@ -254,7 +243,8 @@ class Replica:
         # connection to the store. Not the listeners (a listener shut under Gloo's or the
         # store's accept loop aborts the process) and not the connections the store accepted
         # (its own threads serve them).
-        self._links = _pair_connections(sockets_before, address) if self._backend != "nccl" else {}
+        self._links = _pair_connections(sockets_before, address, self.shard_rank == 0) \
+            if self._backend != "nccl" else {}
         if self._backend != "nccl":
             # Every process of the replica is connected now (torch's store, Gloo's pairs):
             # the listeners torch opened for them admit nobody from here on. (NCCL connects
@@ -353,10 +343,12 @@ class Replica:
             self._written.append(f"{key}/{self.shard_rank}")
             while len(self._written) > 8 * self.size:  # slots of decisions long over
                 store.delete_key(self._written.popleft())
-        except RuntimeError as exc:  # the store's process died: its connections reset
-            what = f"a process of this worker's sharded replica is gone ({str(exc).splitlines()[0][:200]})"
+        except RuntimeError as exc:  # the store's process died (its connections reset), or a tear-down shut ours
+            with self._lock:
+                lost, shard = self.lost, min(self.lost_shards, default=None)
+            what = lost or f"a process of this worker's sharded replica is gone ({str(exc).splitlines()[0][:200]})"
             raise ReplicaLost(f"{what}: exit, and start the whole replica again (ftcomm run --replica-size does)",
-                              reason=what) from None
+                              shard, reason=what) from None
         return decided
 
     def process_state(self, shard: int) -> str | None:
@@ -416,20 +408,12 @@ class Replica:
         return where[1] if where is not None and where[0] == _LOCAL[0] else None
 
     def close(self) -> None:
-        """Destroy the process group this replica created and formed last, unless it was torn
-        down (its threads may wait on a lost process), and never one the caller initialized.
-        The groups of earlier formations are only dropped from torch's bookkeeping: they were
-        torn down, and stay alive for the rest of the process. Destroying the group joins its
-        threads, which may still be releasing the last collective's tensors: left to the
-        interpreter's exit, that release needs the interpreter and aborts the process."""
+        """Destroy the process group this replica created (not one the caller initialized,
+        nor one that was torn down or formed again: their threads may wait on a lost process)."""
         import torch.distributed as dist
-        if not (self._owned and dist.is_initialized() and self.lost is None):
-            return
-        if self._superseded:
-            _forget_groups(self._superseded)
-            self._superseded = []
-        dist.destroy_process_group()
-        self._owned = False
+        if self._owned and dist.is_initialized() and self.lost is None and self.formations == 1:
+            dist.destroy_process_group()
+            self._owned = False
 
 
 def _fsdp_api() -> tuple[type, type]:
