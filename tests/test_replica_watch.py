@@ -288,18 +288,17 @@ import sys, threading, time
 from ftcomm.errors import ReplicaLost
 from ftcomm.training.replica import Replica
 rank, port = int(sys.argv[1]), int(sys.argv[2])
-replica = Replica(2, rank, f"127.0.0.1:{port}", "gloo", 60)
+replica = Replica(2, rank, f"127.0.0.1:{port}", "gloo", 600)
 print("ready", flush=True)
 if rank == 0:  # serves the replica's store
     time.sleep(120)
 sys.stdin.readline()  # the test stopped shard 0, and with it the store
 threading.Timer(0.5, lambda: replica.tear_down("the test")).start()
-began = time.monotonic()
 try:
-    replica.decide("step/1", True, lambda: False, 60)
+    replica.decide("step/1", True, lambda: False, 600)
     print("decided", flush=True)
 except ReplicaLost:
-    print("raised", round(time.monotonic() - began, 2), flush=True)
+    print("raised", flush=True)
 """
 
 
@@ -307,7 +306,7 @@ def test_a_torn_down_replica_releases_a_decision_waiting_on_a_store_that_went_si
     """Shard 0 serves the replica's store and stops (as a host that vanished: no refusal, only
     silence); shard 1 waits in a decision on that store. Tearing the replica down shuts its
     connection to the store too, so the decision raises ReplicaLost at once rather than
-    after the store's timeout (60 s here)."""
+    after the store's timeout (600 s here: the test waits 90)."""
     store, this = two_shards(tmp_path, STORE_WAITER, stopped=0)
     try:
         assert store.stdout.readline().strip() == "ready"
@@ -318,7 +317,7 @@ def test_a_torn_down_replica_releases_a_decision_waiting_on_a_store_that_went_si
         this.stdin.flush()
         out, err = this.communicate(timeout=90)
         assert this.returncode == 0, err
-        assert out.split()[0] == "raised" and float(out.split()[1]) < 30, out  # (the store's timeout: 60 s)
+        assert out.split() == ["raised"], out
     finally:
         for p in (this, store):
             if p.poll() is None:
