@@ -241,20 +241,19 @@ import sys, threading, time
 import torch, torch.distributed as dist
 from ftcomm.training.replica import Replica
 rank, port = int(sys.argv[1]), int(sys.argv[2])
-replica = Replica(2, rank, f"127.0.0.1:{port}", "gloo", 60)
+replica = Replica(2, rank, f"127.0.0.1:{port}", "gloo", 600)
 if rank == 1:
     print("ready", flush=True)
-    time.sleep(60)
+    time.sleep(120)
 print("partner", replica.process_state(1), flush=True)
 sys.stdin.readline()  # the test stopped the partner
 print("partner", replica.process_state(1), flush=True)
 threading.Timer(0.5, lambda: replica.tear_down("the test")).start()
-began = time.monotonic()
 try:
     dist.all_reduce(torch.ones(4))
     print("returned", flush=True)
 except RuntimeError:
-    print("raised", round(time.monotonic() - began, 2), flush=True)
+    print("raised", flush=True)
 """
 
 
@@ -274,7 +273,7 @@ def test_a_torn_down_gloo_replica_fails_the_waiting_collective_and_the_process_e
         assert this.stdout.readline().split()[:2] == ["partner", "T"]  # stopped
         out, err = this.communicate(timeout=60)
         assert this.returncode == 0, err  # not killed by an abort
-        assert out.split()[0] == "raised" and float(out.split()[1]) < 30, out  # (the group's timeout: 60 s)
+        assert out.split() == ["raised"], out  # within the test's 60 s (the group's timeout: 600 s)
         assert "sharded replica is lost: the test" in err
     finally:
         for p in (this, partner):
