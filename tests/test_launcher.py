@@ -367,7 +367,7 @@ def test_a_killed_worker_is_restarted_rejoins_and_ends_with_the_others_state(tmp
     restarted (a new process, or a warm standby taking its place), receives the state from
     its peers, and every worker ends with one digest."""
     job = Launched(["--nproc-per-node", "3", "--restart-backoff", "0.2", "--stop-timeout", "120",
-                    *(["--standby", "1"] if standby else []), str(EXAMPLE), "--steps", "1500" if standby else "600",
+                    *(["--standby", "1"] if standby else []), str(EXAMPLE), "--steps", "600",
                     "--step-time", "0.03", "--report-every", "1000000"])
     try:
         wait_until(lambda: len(job.of("first_step")) >= 3, 120, "three workers training")

@@ -176,8 +176,8 @@ def test_the_network_check_names_the_host_behind_a_slow_link(tmp_path):
 @needs_netns
 def test_the_network_check_waits_for_a_round_that_outlasts_the_formation_timeout(tmp_path):
     """Three hosts (one sits out each round); TCP towards host 1 carries 2 Mbit/s (gossip's
-    UDP probes go at full speed: nobody is suspected), so each of its pairs' three 1 MB
-    allreduces takes about 4 s and its rounds outlast formation_timeout (8 s), while no
+    UDP probes go at full speed: nobody is suspected), so each of its pairs' three 0.5 MB
+    allreduces takes about 2 s and its rounds outlast formation_timeout (5 s), while no
     single operation does. A member whose next partner is still in such a round must
     wait for it, not give up on the check."""
     with netns.Lab(3) as lab:
@@ -185,7 +185,7 @@ def test_the_network_check_waits_for_a_round_that_outlasts_the_formation_timeout
         cluster = TrainCluster(lab)
         try:
             addresses = [f"{lab.address(i)}:{cluster.PORT}" for i in range(3)]
-            options = json.dumps({"network_check": True, "network_check_mb": 1, "formation_timeout": 8})
+            options = json.dumps({"network_check": True, "network_check_mb": 0.5, "formation_timeout": 5})
             workers = []
             for i in range(3):
                 env = {"FTCOMM_NETWORK_REPORT": str(tmp_path / f"report{i}.json")}
