@@ -149,6 +149,26 @@ class Worker:
             yield from self.sampler.steps(self.loader)
 
 
+def churn_worker(sampler: ElasticSampler, depth: int, inner_steps: int | None = None) -> Worker:
+    """A worker of the churn tests: its sampler bound to a group of its own, a loader
+    prefetching ``depth`` batches ahead."""
+    group = FakeGroup(0, 1)
+    sampler.bind_group(group)
+    if inner_steps is not None:
+        sampler.plan_inner_steps(inner_steps)
+    return Worker(sampler, group, depth)
+
+
+def view_change(workers: list[Worker]) -> None:
+    """A view of ``workers`` in order: re-ranked, each loads the first's state (the reconcile)."""
+    for rank, w in enumerate(workers):
+        w.group.rank, w.group.world_size = rank, len(workers)
+    leader = workers[0].sampler.state_dict()
+    for w in workers:
+        w.sampler.load_state_dict(leader)
+        w.sampler.view_changed(w.group.rank, len(workers), 0)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("policy", ["global", "worker"])
 def test_random_churn_consumes_every_index_exactly_once_per_epoch(seed, policy):
@@ -158,21 +178,8 @@ def test_random_churn_consumes_every_index_exactly_once_per_epoch(seed, policy):
     size, epochs = 157, 4
     kwargs = {"global_batch": 12} if policy == "global" else {"worker_batch": 3}
 
-    def new_worker(state=None):
-        sampler = ElasticSampler(size, seed=seed, **kwargs)
-        group = FakeGroup(0, 1)
-        sampler.bind_group(group)
-        if state is not None:
-            sampler.load_state_dict(state)
-        return Worker(sampler, group, depth=rng.choice([0, 0, 1, 3]))
-
-    def view_change(workers):
-        for rank, w in enumerate(workers):
-            w.group.rank, w.group.world_size = rank, len(workers)
-        leader = workers[0].sampler.state_dict()
-        for w in workers:
-            w.sampler.load_state_dict(leader)
-            w.sampler.view_changed(w.group.rank, len(workers), 0)
+    def new_worker():
+        return churn_worker(ElasticSampler(size, seed=seed, **kwargs), rng.choice([0, 0, 1, 3]))
 
     workers = [new_worker() for _ in range(4)]
     view_change(workers)
@@ -226,3 +233,98 @@ def test_linear_lr_scaling_follows_the_world_with_warmup():
     instant = LinearLRScaling(optimizer, reference_world=2)
     instant.view_changed(0, 4, 0)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_with_inner_steps_each_outer_step_takes_h_global_batches_and_the_epoch_is_tiled_once(drop_last):
+    """DiLoCo's plan: an outer step of 4 inner batches of 16 samples each split over 3 ranks
+    (the epoch's last outer step shorter, or dropped with drop_last); standalone samplers of
+    every rank together visit each sample once, each inner batch a contiguous slice."""
+    size, batch, inner, world = 150, 16, 4, 3
+    order = epoch_permutation(size, 7, 0).tolist()
+    seen: list[int] = []
+    for rank in range(world):
+        sampler = ElasticSampler(size, global_batch=batch, seed=7, drop_last=drop_last, rank=rank, world_size=world)
+        sampler.plan_inner_steps(inner)
+        assert len(sampler) == (8 if drop_last else 10)  # inner steps: two outer steps of 4 (and 2 short ones)
+        parts = sampler.plan_parts(0, 0)
+        assert [p.part for p in parts] == [0, 1, 2, 3] and {(p.start, p.size, p.parts) for p in parts} == {(0, 64, 4)}
+        for indices in sampler:
+            seen.extend(indices)
+        assert sampler.epoch == 1  # the last part of the last outer step advanced it
+    expected = order[:128] if drop_last else order
+    assert sorted(seen) == sorted(expected) and len(seen) == len(set(seen))
+    short = ElasticSampler(size, global_batch=batch, seed=7, rank=0, world_size=world)
+    short.plan_inner_steps(inner)
+    tail = short.plan_parts(0, 128)  # 22 samples left: inner batches of 16 and 6
+    assert [(p.part, p.parts, p.size) for p in tail] == [(0, 2, 22), (1, 2, 22)]
+    assert [p.count for p in tail] == [6, 2] and tail[1].lo == 128 + 16
+
+
+def test_inner_steps_are_weighted_by_the_worker_s_own_share_and_start_no_reduction():
+    group = FakeGroup(1, 3)
+    group.no_sync = lambda: pytest.fail("an inner step trained alone entered no_sync")
+    sampler = ElasticSampler(300, global_batch=30, micro_batch=4, seed=0)
+    sampler.bind_group(group)
+    sampler.plan_inner_steps(5)
+    it = iter(sampler)
+    indices = next(it)
+    assert len(indices) == 10 and sampler._pending[0].local
+    x = torch.arange(10, dtype=torch.float32)
+    parts = list(sampler.micro_batches(x))
+    assert sum(w * p[0].mean().item() for p, w in parts) == pytest.approx(x.mean().item())  # this worker's mean
+    assert not sampler.step_drawn()
+    for _ in range(4):
+        next(it)
+    assert sampler.step_drawn() and sampler.batch_valid()
+    with pytest.raises(FtcommError, match="inner batches were being drawn"):
+        next(iter(sampler))  # a second pass in the middle of an outer step
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_with_inner_steps_random_churn_consumes_every_index_exactly_once_per_epoch(seed):
+    """Outer steps of 3 inner steps under crashes during an outer step (discarded on every
+    member, its inner batches planned again over the new world) and joiners admitted at
+    outer boundaries, loaders prefetching: every sample once per epoch by committed steps."""
+    rng = random.Random(seed)
+    size, epochs, inner = 157, 3, 3
+
+    def new_worker():
+        return churn_worker(ElasticSampler(size, seed=seed, global_batch=12), rng.choice([0, 0, 2, 5]), inner)
+
+    workers = [new_worker() for _ in range(4)]
+    view_change(workers)
+    consumed: dict[int, list[int]] = collections.defaultdict(list)
+    steps = 0
+    while workers[0].sampler.epoch < epochs:
+        steps += 1
+        assert steps < 2000
+        drawn = []
+        for w in workers:  # each worker's inner steps of the outer step, alone
+            mine = [next(w.stream)]
+            while not w.sampler.step_drawn():
+                mine.append(next(w.stream))
+            drawn.append(mine)
+            w.sampler.check_step()
+        event = rng.random()
+        if event < 0.1 and len(workers) > 1:  # a crash during the outer step: discarded everywhere
+            for w in workers:
+                w.sampler.step_ended(False)
+            workers.pop(rng.randrange(len(workers)))
+            view_change(workers)
+            continue
+        valid = all(w.sampler.batch_valid() for w in workers)
+        assert valid
+        epoch = workers[0].sampler.epoch
+        for w, mine in zip(workers, drawn):
+            consumed[epoch].extend(i for part, indices in zip(list(w.sampler._pending), mine) if part.count
+                                   for i in indices)
+        for w in workers:
+            w.sampler.step_ended(True)
+        if event < 0.2 and len(workers) < 6:  # a joiner admitted at this outer boundary
+            workers.append(new_worker())
+            view_change(workers)
+        states = {tuple(sorted(w.sampler.state_dict().items())) for w in workers}
+        assert len(states) == 1
+    for epoch in range(epochs):
+        assert sorted(consumed[epoch]) == list(range(size)), epoch

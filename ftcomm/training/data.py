@@ -18,6 +18,13 @@ Batches can be planned ahead of the step that uses them (``DataLoader`` worker
 processes prefetch). A batch planned before a view change or a discarded step no
 longer matches the plan; :meth:`ElasticSampler.steps` skips such batches before any
 compute is spent on them.
+
+With low-communication training (:class:`ftcomm.DiLoCo`, :class:`ftcomm.LocalSGD`) a
+committed step is an *outer* step of ``H`` inner steps that each worker trains alone:
+the step takes ``H`` global batches at once, each split over the world by rank, and
+yields them one inner step at a time (:meth:`ElasticSampler.plan_inner_steps`). The
+outer step commits as one, so every inner batch of it is consumed exactly once too; a
+discarded outer step's inner batches are planned again over the new world.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ class Batch:
     ``start``/``size``: the whole step (all workers) in the permutation. ``count`` 0
     means this worker has no sample in the step (an epoch's short last step with fewer
     samples than workers): it is given one index of the step with weight 0.
+
+    An outer step of inner steps (``local``: each worker trains its inner steps alone)
+    holds ``parts`` inner batches; this is inner batch ``part`` of it, and ``lo``/``count``
+    this worker's share of that inner batch.
     """
 
     epoch: int
@@ -51,11 +62,17 @@ class Batch:
     world: int
     lo: int
     count: int
+    part: int = 0
+    parts: int = 1
+    local: bool = False
 
     def weight(self, samples: int) -> float:
         """The factor that turns the mean loss over ``samples`` of this share into its part of
-        the step's global mean, once the group averages over ``world`` workers."""
-        return samples * self.world / self.size if self.count else 0.0
+        the step's global mean, once the group averages over ``world`` workers (of this
+        worker's share, for an inner step trained alone)."""
+        if not self.count:
+            return 0.0
+        return samples / self.count if self.local else samples * self.world / self.size
 
 
 def epoch_permutation(size: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
@@ -112,12 +129,16 @@ class ElasticSampler:
         self.epoch = 0
         self.offset = 0  # positions of this epoch's permutation consumed by committed steps
         self.committed: Batch | None = None  # this worker's share of the last committed step
+        self.committed_parts: list[Batch] = []  # ... each of its inner batches (the share alone without inner steps)
         self._standalone = (rank, world_size)
         self._group: Any = None
         self._pending: collections.deque[Batch] = collections.deque()  # yielded, step not ended yet
         self._restart = False  # batches planned so far are stale: plan again from the offset
         self._skipping = False  # iterated through steps(), which skips stale batches
         self._permutation: tuple[int, torch.Tensor] | None = None
+        self.inner_steps = 1  # inner batches per committed step (plan_inner_steps)
+        self._local = False  # inner steps are trained alone (low-communication training)
+        self._drawn = 0  # with inner steps: inner batches of the current step drawn by the training loop
 
     # ------------------------------------------------------------------ plan
     @property
@@ -130,26 +151,53 @@ class ElasticSampler:
             return self._standalone
         return group.rank, group.world_size
 
+    def plan_inner_steps(self, inner_steps: int) -> None:
+        """Each committed step from now on is an outer step of ``inner_steps`` inner steps
+        that every worker trains alone (:class:`ftcomm.DiLoCo` calls this when registered):
+        the step takes ``inner_steps`` global batches (the last step of an epoch may take
+        fewer) and yields them one inner step at a time, each split over the world by rank."""
+        if inner_steps < 1:
+            raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
+        if self._drawn:
+            raise FtcommError("plan_inner_steps between steps, not while a step's batches are drawn")
+        self.inner_steps, self._local, self._restart = inner_steps, True, True
+
     def full_step(self, world: int) -> int:
-        """Samples of a full step for ``world`` workers under this sampler's policy."""
+        """Samples of a full (inner) batch for ``world`` workers under this sampler's policy."""
         return self.global_batch if self.global_batch is not None else self.worker_batch * world
 
     def step_size(self, start: int, world: int) -> int:
-        """Samples of the step at position ``start`` for ``world`` workers; 0 when the epoch is over."""
-        full = self.full_step(world)
+        """Samples of the step at position ``start`` for ``world`` workers (all its inner
+        batches); 0 when the epoch is over."""
+        full = self.full_step(world) * self.inner_steps
         remaining = self.size - start
         if remaining <= 0 or (self.drop_last and remaining < full):
             return 0
         return min(full, remaining)
 
     def plan(self, epoch: int, start: int) -> Batch | None:
-        """This worker's share of the step at ``start`` of ``epoch`` in the current world."""
+        """This worker's share of the step at ``start`` of ``epoch`` in the current world (its
+        first inner batch, with inner steps)."""
+        parts = self.plan_parts(epoch, start)
+        return parts[0] if parts else None
+
+    def plan_parts(self, epoch: int, start: int) -> list[Batch]:
+        """This worker's share of each inner batch of the step at ``start`` of ``epoch`` in the
+        current world (one, without inner steps); empty when the epoch is over."""
         rank, world = self._place()
         size = self.step_size(start, world)
         if size == 0:
-            return None
-        lo, count = share(start, size, rank, world)
-        return Batch(epoch, start, size, rank, world, lo, count)
+            return []
+        if not self._local:
+            lo, count = share(start, size, rank, world)
+            return [Batch(epoch, start, size, rank, world, lo, count)]
+        inner = self.full_step(world)
+        bounds = range(start, start + size, inner)
+        batches = []
+        for part, lo in enumerate(bounds):
+            first, count = share(lo, min(inner, start + size - lo), rank, world)
+            batches.append(Batch(epoch, start, size, rank, world, first, count, part, len(bounds), True))
+        return batches
 
     def indices(self, batch: Batch) -> list[int]:
         """The dataset indices of a share (one index of the step, weight 0, for an empty share)."""
@@ -165,7 +213,7 @@ class ElasticSampler:
         _, world = self._place()
         steps, start = 0, self.offset
         while (size := self.step_size(start, world)) > 0:
-            steps, start = steps + 1, start + size
+            steps, start = steps + (-(-size // self.full_step(world)) if self._local else 1), start + size
         return steps
 
     # ------------------------------------------------------------------ iteration
@@ -173,8 +221,12 @@ class ElasticSampler:
         """This worker's index list for each remaining step of the current epoch.
 
         Plans ahead freely (a DataLoader prefetches); the plan restarts from the
-        committed offset after a view change, a discarded step or a state load.
+        committed offset after a view change, a discarded step or a state load. With
+        inner steps, one index list per inner step.
         """
+        if self._drawn:
+            raise FtcommError("a new pass over the ElasticSampler began while a step's inner batches were "
+                              "being drawn: iterate it once per step, through sampler.steps(loader)")
         if self._group is not None:
             self._group.step_boundary()  # a joiner plans from the group's position
         self._pending.clear()  # a new pass: batches planned for an earlier iterator are never used
@@ -185,21 +237,29 @@ class ElasticSampler:
             if self._restart:
                 self._restart = False
                 cursor = self.offset
-            batch = self.plan(epoch, cursor)
-            if batch is None:
+            parts = self.plan_parts(epoch, cursor)
+            if not parts:
                 return
-            cursor += batch.size
-            if self._group is None:
-                self._advance(batch)
-            else:
-                self._pending.append(batch)
-            yield self.indices(batch)
+            cursor += parts[0].size
+            for batch in parts:
+                if self._restart:
+                    break  # the rest of this step was planned for a world or position now gone
+                if self._group is None:
+                    if batch.part == batch.parts - 1:
+                        self._advance(batch)
+                else:
+                    self._pending.append(batch)
+                    if self._local and not self._skipping:
+                        self._drawn += 1  # iterated directly: each batch planned is drawn
+                yield self.indices(batch)
 
     def steps(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Iterate ``loader`` (built with ``batch_sampler=self``) over the rest of the epoch.
 
-        Yields one item per training step; each must end in ``wait_gradients_ready``.
-        Items planned before a view change (prefetched by loader worker processes) are
+        Yields one item per training step; each must end in ``wait_gradients_ready``
+        (with inner steps: one item per inner step, and the step's last ends in its outer
+        sync: :meth:`ftcomm.DiLoCo.step`). Items planned before a view change (prefetched by
+        loader worker processes) are
         skipped before any compute is spent on them, and when steps were discarded near
         the end of the epoch the loader is iterated again from the committed offset, so
         the loop ends exactly when the epoch is complete.
@@ -215,7 +275,7 @@ class ElasticSampler:
                     break
                 items = iter(loader)
                 while True:
-                    if self._group is not None:
+                    if self._group is not None and not self._drawn:
                         self._group.step_boundary()  # a joiner admitted by the last step joins before the next draw
                     try:
                         item = next(items)
@@ -223,6 +283,23 @@ class ElasticSampler:
                         break
                     if self._group is None:
                         yield item
+                        continue
+                    if self._local:
+                        if len(self._pending) <= self._drawn:
+                            raise FtcommError("sampler.steps(loader) needs a loader built with batch_sampler=sampler")
+                        batch = self._pending[self._drawn]
+                        if not self._drawn and not self._fits(batch, 0):
+                            self._pending.popleft()  # planned before a view change: skip it
+                            continue
+                        self._drawn += 1
+                        yield item
+                        if self._drawn >= batch.parts:
+                            log.warning("a step's inner steps ended without its outer sync; its batches count as "
+                                        "not consumed")
+                            self._drop_drawn()
+                            self._restart = True
+                        if self.epoch != epoch:
+                            break
                         continue
                     if not self._pending:
                         raise FtcommError("sampler.steps(loader) needs a loader built with batch_sampler=sampler")
@@ -242,6 +319,15 @@ class ElasticSampler:
 
     def check_step(self) -> None:
         """Called by the group before a step's collective: a batch must have been drawn."""
+        if self._local:
+            if not self._drawn:
+                raise FtcommError("an outer step began but no inner batch was drawn from the ElasticSampler "
+                                  "registered with the group (iterate sampler.steps(loader))")
+            if len(self._pending) > self._drawn and not self._skipping:
+                raise FtcommError("the DataLoader runs ahead of the training loop (worker processes prefetch); "
+                                  "iterate `sampler.steps(loader)` so that batches planned before a view change "
+                                  "are skipped instead of trained on")
+            return
         if not self._pending:
             raise FtcommError("a step began but no batch was drawn from the ElasticSampler registered with "
                               "the group: draw exactly one batch per step (iterate sampler.steps(loader))")
@@ -257,7 +343,10 @@ class ElasticSampler:
         ``backward()`` and the averaged gradient is the gradient of the step's global
         mean loss, at any world size. All but the last chunk run inside ``no_sync``.
         """
-        batch = self._pending[0] if self._pending else self.committed
+        if self._local:
+            batch = self._pending[self._drawn - 1] if self._drawn else None
+        else:
+            batch = self._pending[0] if self._pending else self.committed
         total = len(tensors[0])
         chunk = self.micro_batch or total
         bounds = list(range(0, total, chunk)) or [0]
@@ -265,7 +354,8 @@ class ElasticSampler:
             part = tuple(t[lo:lo + chunk] for t in tensors)
             weight = batch.weight(len(part[0])) if batch is not None else len(part[0]) / total
             last = i == len(bounds) - 1
-            quiet = self._group.no_sync() if (self._group is not None and not last) else contextlib.nullcontext()
+            quiet = self._group.no_sync() if (self._group is not None and not last and not self._local) \
+                else contextlib.nullcontext()  # (an inner step trained alone starts no reduction)
             with quiet:
                 yield part, weight
 
@@ -277,15 +367,42 @@ class ElasticSampler:
 
     def batch_valid(self) -> bool:
         """The batch this worker is training on was planned at the committed position for the
-        current world."""
+        current world (with inner steps: every inner batch of the step, each drawn once)."""
+        if self._local:
+            drawn = [self._pending[i] for i in range(min(self._drawn, len(self._pending)))]
+            return bool(drawn) and len(drawn) == drawn[0].parts and all(
+                self._fits(b, i) for i, b in enumerate(drawn))
         if not self._pending:
             return self._group is None
         batch = self._pending[0]
         rank, world = self._place()
         return (batch.epoch, batch.start, batch.rank, batch.world) == (self.epoch, self.offset, rank, world)
 
+    def step_drawn(self) -> bool:
+        """With inner steps: the training loop drew the current step's last inner batch (its
+        outer sync is due)."""
+        return bool(self._drawn) and bool(self._pending) and self._drawn >= self._pending[0].parts
+
+    def _fits(self, batch: Batch, part: int) -> bool:
+        """``batch`` is inner batch ``part`` of the step at the committed position in this world."""
+        rank, world = self._place()
+        return (batch.epoch, batch.start, batch.rank, batch.world, batch.part) == \
+            (self.epoch, self.offset, rank, world, part)
+
+    def _drop_drawn(self) -> list[Batch]:
+        drawn = [self._pending.popleft() for _ in range(min(self._drawn, len(self._pending)))]
+        self._drawn = 0
+        return drawn
+
     def step_ended(self, committed: bool) -> None:
         """Called by the group after every step: advance past a committed step's samples."""
+        if self._local:
+            drawn = self._drop_drawn()
+            if drawn and committed:
+                self._advance(drawn[-1], drawn)
+            elif drawn and (drawn[0].epoch, drawn[0].start) == (self.epoch, self.offset):
+                self._restart = True  # the batches planned after these assumed the step would commit
+            return
         if not self._pending:
             return
         batch = self._pending.popleft()
@@ -298,14 +415,20 @@ class ElasticSampler:
     def view_changed(self, rank: int, world: int, step: int) -> dict:
         """Called after each re-formation once the state is reconciled; what the policy does now."""
         self._restart = True
-        size = self.step_size(self.offset, world) or self.full_step(world)
+        if self._local:
+            size = min(self.step_size(self.offset, world), self.full_step(world)) or self.full_step(world)
+        else:
+            size = self.step_size(self.offset, world) or self.full_step(world)
         _, count = share(self.offset, size, rank, world)
         accumulation = -(-count // self.micro_batch) if self.micro_batch else 1
-        return {"policy": self.policy, "global_batch": size, "worker_batch": count,
-                "accumulation_steps": max(accumulation, 1), "epoch": self.epoch, "offset": self.offset}
+        policy = {"policy": self.policy, "global_batch": size, "worker_batch": count,
+                  "accumulation_steps": max(accumulation, 1), "epoch": self.epoch, "offset": self.offset}
+        if self._local:
+            policy["inner_steps"] = self.inner_steps
+        return policy
 
-    def _advance(self, batch: Batch) -> None:
-        self.committed = batch
+    def _advance(self, batch: Batch, parts: list[Batch] | None = None) -> None:
+        self.committed, self.committed_parts = batch, parts or [batch]
         self.offset = batch.start + batch.size
         if self.plan(self.epoch, self.offset) is None:
             self._finish_epoch()
