@@ -13,7 +13,10 @@ policy keeps the global batch constant (``--global-batch``; ``--micro-batch`` bo
 memory with gradient accumulation); ``--worker-batch`` fixes the per-worker batch and
 scales the learning rate linearly with the world size instead. ``--checkpoint-dir``
 adds flash checkpoints every ``--checkpoint-every`` steps, restored when the whole job
-restarts (a worker restarted into a running group gets the group's state instead). ``--ddp-rank``/``--ddp-world``/``--ddp-port`` run the same training under
+restarts (a worker restarted into a running group gets the group's state instead).
+``--sync-every H`` trains with DiLoCo instead (each worker alone for H inner steps, then
+an outer step across the group; ``--local-sgd`` averages parameters instead of DiLoCo's
+outer Nesterov step): a committed step is then an outer step. ``--ddp-rank``/``--ddp-world``/``--ddp-port`` run the same training under
 ``torch.nn.parallel.DistributedDataParallel`` instead (a fixed world, for comparison).
 
 Every line on stdout is a JSON object: ``started`` (modules imported, model and
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gossip", default="{}", help="GossipConfig overrides as JSON")
     parser.add_argument("--options", default="{}",
                         help='other GroupOptions as JSON, e.g. \'{"straggler_policy": "exclude"}\'')
+    parser.add_argument("--sync-every", type=int, default=0, help="DiLoCo: inner steps per outer step (0: off)")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate (Nesterov, 0.9)")
+    parser.add_argument("--local-sgd", action="store_true", help="with --sync-every: LocalSGD (parameter averaging)")
     parser.add_argument("--hidden", type=int, default=128, help="hidden width (3150: about 10M parameters)")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     args = parser.parse_args(argv)
@@ -165,8 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     extras = {}
     if args.worker_batch is not None:
         extras["lr_scaling"] = ftcomm.LinearLRScaling(optimizer, args.lr_reference_world, args.lr_warmup)
-    ft.register_state(model=model, optimizer=optimizer, sampler=sampler, **extras)
-    net = ft.wrap(model)  # DDP's C++ reducer fills the gradient buckets; ftcomm reduces them over the view
+    diloco = None
+    if args.sync_every:  # low-communication training: the model and its optimizer are each worker's own
+        if args.local_sgd:
+            diloco = ftcomm.LocalSGD(ft, model, optimizer, sync_every=args.sync_every)
+        else:
+            outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.9, nesterov=True)
+            diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.sync_every)
+        ft.register_state(diloco=diloco, sampler=sampler, **extras)
+        net = model
+    else:
+        ft.register_state(model=model, optimizer=optimizer, sampler=sampler, **extras)
+        net = ft.wrap(model)  # DDP's C++ reducer fills the gradient buckets; ftcomm reduces them over the view
     checkpoints = None
     if args.checkpoint_dir:
         checkpoints = ftcomm.FlashCheckpointer(ft, args.checkpoint_dir, name=args.checkpoint_name)
@@ -192,19 +208,26 @@ def main(argv: list[str] | None = None) -> int:
             step_time = control.step_time if control is not None and control.step_time is not None else args.step_time
             if step_time:
                 time.sleep(step_time)  # stands in for a heavier model's compute
-            if ft.wait_gradients_ready(net):
-                optimizer.step()
+            if diloco is not None:
+                committed = diloco.step()  # an inner step; at the end of the outer step, True or False
+            else:
+                committed = ft.wait_gradients_ready(net)
+                if committed:
+                    optimizer.step()
+            if committed:
                 if args.log_indices:
                     share = sampler.committed
                     emit(ev="batch", step=ft.step, epoch=share.epoch, start=share.start, size=share.size,
-                         world=share.world, pid=os.getpid(), idx=sampler.indices(share) if share.count else [])
+                         world=share.world, pid=os.getpid(),
+                         idx=[i for part in sampler.committed_parts if part.count for i in sampler.indices(part)])
                 if awaiting_commit:
                     awaiting_commit = False
                     emit(ev="first_step", pid=os.getpid(), view_id=ft.view.id, step=ft.step, since_init_s=time.time() - init_started,
                          t=time.time())
                 if checkpoints is not None and args.checkpoint_every and ft.step % args.checkpoint_every == 0:
                     emit(ev="checkpoint", step=ft.step, pause_s=checkpoints.save(), t=time.time())
-            optimizer.zero_grad()
+            if diloco is None:
+                optimizer.zero_grad()
             while reported < len(ft.events):
                 emit(ev="view", t=time.time(), **dataclasses.asdict(ft.events[reported]))
                 reported += 1
@@ -212,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             for report in ft.stragglers[stragglers_seen:]:
                 emit(ev="straggler", **dataclasses.asdict(report))
             stragglers_seen = len(ft.stragglers)
-            if ft.step % args.report_every == 0:
+            if ft.step % args.report_every == 0 and committed is not None:
                 emit(ev="step", step=ft.step, rank=ft.rank, world=ft.world_size, epoch=sampler.epoch,
                      loss=round(loss.item(), 4), t=time.time())
             if ft.step >= args.steps or (control and control.should_stop(ft.step)):

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 _LAZY = {"FlashCheckpointer": "training.checkpoint", "ElasticSampler": "training.data", "FaultTolerantGroup": "group",
          "GroupOptions": "options", "ViewChange": "options", "LinearLRScaling": "training.scaling",
          "check_worker_counts": "options",
-         "DistributedDataParallel": "training.reducer"}
+         "DistributedDataParallel": "training.reducer", "DiLoCo": "training.diloco", "LocalSGD": "training.diloco"}
 
 
 def __getattr__(name: str) -> Any:
@@ -55,9 +55,9 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 __all__ = [
-    "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "DistributedDataParallel",
+    "AddressError", "CollectiveAborted", "CommunicatorError", "ConfigMismatch", "DiLoCo", "DistributedDataParallel",
     "ElasticSampler", "FaultTolerantGroup",
-    "FlashCheckpointer", "FtcommError", "FtcommTimeout", "GroupEnded", "GroupOptions", "LinearLRScaling", "MembershipChanged",
+    "FlashCheckpointer", "FtcommError", "FtcommTimeout", "GroupEnded", "GroupOptions", "LinearLRScaling", "LocalSGD", "MembershipChanged",
     "NcclUnavailable", "NotInView", "OtherModel", "QuorumLost", "ReplicaLost", "RetryLimitExceeded", "StateLost", "StateDiverged", "SecretRequired", "OutOfStep", "StateError", "View", "ViewChange", "init",
 ]
 

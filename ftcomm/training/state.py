@@ -229,6 +229,8 @@ def tensor_sums(objects: dict[str, Any]) -> dict[str, int]:
                 walk(f"{name}.{key}", parameter)
         elif isinstance(obj, torch.optim.Optimizer):
             walk(f"{name}.state", obj.state_dict()["state"])
+        elif hasattr(obj, "fingerprint_tensors"):  # (ftcomm.DiLoCo: its global model and outer state)
+            walk(name, obj.fingerprint_tensors())
     if not sums:
         return {}
     by_device: dict[Any, list[int]] = {}

@@ -1,0 +1,225 @@
+"""Low-communication training: DiLoCo and LocalSGD over an elastic group.
+
+Each worker trains its own copy of the model for ``sync_every`` inner steps with its inner
+optimizer, without talking to anyone; then an *outer step* runs across the group: every
+worker's pseudo-gradient (the global model minus its local model) is averaged over the
+view, the outer optimizer applies it to the global model (DiLoCo: SGD with Nesterov
+momentum; LocalSGD: SGD with a learning rate of 1, which is parameter averaging), and every
+worker starts its next inner steps from the new global model. One averaging per
+``sync_every`` steps instead of one per step: ``sync_every`` times fewer bytes.
+
+The outer step is the group's committed step (``ft.step`` counts outer steps), so it has
+the same fault semantics as a training step of the gradient path:
+
+* the pseudo-gradients are averaged through ``wait_gradients_ready``: a crash, hang or
+  leave during the averaging aborts it within milliseconds of the news, and the outer
+  step commits on every member of the view or on none;
+* what must be identical on every worker is the *global* model and the outer
+  optimizer's state (registered: ``ft.register_state(diloco=diloco, sampler=sampler)``);
+  each worker's drifting local model and its inner optimizer are its own. A joiner
+  receives the global model and the outer state, never a member's local model, and is
+  admitted at an outer boundary only;
+* a discarded outer step (the view changed during it) is done again in the new view:
+  every worker goes back to the global model and to its inner optimizer's state at the
+  last outer step, and an :class:`ftcomm.ElasticSampler` plans that step's inner batches
+  again over the new world, so every sample is consumed exactly once by committed outer
+  steps. A worker that died took its pseudo-gradient with it; keeping the survivors'
+  without its samples would lose those samples, so the inner steps are computed again:
+  a failure costs up to ``sync_every`` inner steps of compute, never a sample or a model
+  mixed from two outer steps;
+* a partitioned minority goes on with its inner steps but commits no outer step (the
+  quorum rule of every step).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..errors import FtcommError
+from . import sharded
+
+log = logging.getLogger(__name__)
+
+
+class DiLoCo:
+    """DiLoCo over the group ``group``: ``model`` trained ``sync_every`` inner steps at a time
+    with ``inner_optimizer``, then one outer step of ``outer_optimizer`` on the averaged
+    pseudo-gradients.
+
+    ``outer_optimizer`` is built over ``model.parameters()`` (as the DiLoCo paper's
+    ``torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)``); it is
+    moved onto the global model, a copy of the parameters this object keeps (one more
+    copy of the parameters in memory, on their device, plus the outer optimizer's state).
+
+    Register it instead of the model and the optimizers, with the sampler:
+    ``ft.register_state(diloco=diloco, sampler=sampler)``. A registered
+    :class:`ftcomm.ElasticSampler` then yields one batch per inner step and plans each
+    outer step as ``sync_every`` global batches (fewer at the end of an epoch: the outer
+    step comes after the epoch's last inner batch); without a sampler the outer step
+    comes after every ``sync_every`` calls of :meth:`step`.
+
+    The inner optimizer's state is saved (on the host) at each outer step and restored
+    when an outer step is discarded. The model's buffers (batch-norm statistics) are each
+    worker's own, as with ``DistributedDataParallel(broadcast_buffers=False)``.
+    """
+
+    def __init__(self, group: Any, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+                 outer_optimizer: torch.optim.Optimizer, sync_every: int) -> None:
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be a positive number of inner steps, got {sync_every!r}")
+        if outer_optimizer is inner_optimizer:
+            raise ValueError("the outer optimizer must be another optimizer than the inner one")
+        self.group, self.model = group, model
+        self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
+        self.sync_every = sync_every
+        self.syncs = 0  # outer steps committed since this object was made (not registered state)
+        self._names = [name for name, _ in model.named_parameters()]
+        self._local = [p for _, p in model.named_parameters()]
+        if not self._local:
+            raise ValueError("the model has no parameters")
+        with torch.no_grad():
+            self._global = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in self._local]
+        self._move_outer_optimizer()
+        self._inner_steps = 0  # inner steps since the last outer step (without a sampler)
+        self._sampler: Any = None
+        self._inner_saved = _to_host(self.inner_optimizer.state_dict())
+
+    def _move_outer_optimizer(self) -> None:
+        """Point the outer optimizer's parameter groups at the global model."""
+        if self.outer_optimizer.state:
+            raise ValueError("the outer optimizer already holds state: build it fresh over model.parameters()")
+        index = {id(p): g for p, g in zip(self._local, self._global)}
+        for group in self.outer_optimizer.param_groups:
+            try:
+                group["params"] = [index[id(p)] for p in group["params"]]
+            except KeyError:
+                raise ValueError("the outer optimizer holds a tensor that is not a parameter of the model: build it "
+                                 "over model.parameters()") from None
+
+    # ------------------------------------------------------------------ training
+    def step(self) -> bool | None:
+        """An inner step: the inner optimizer steps (and its gradients are zeroed). When the
+        outer step is due, it runs across the group: True when it committed (the model now
+        holds the new global model), False when it was discarded (the model is back at the
+        global model, to do the outer step's inner steps again in the new view; with a
+        sampler their batches are planned again). None between outer steps."""
+        self.inner_optimizer.step()
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        self._inner_steps += 1
+        due = self._sampler.step_drawn() if self._sampler is not None else self._inner_steps >= self.sync_every
+        if not due:
+            return None
+        self._inner_steps = 0
+        committed = self._outer_step()
+        self.group.step_boundary()  # a joiner agreed by this outer step is admitted before the next inner step
+        return committed
+
+    def _outer_step(self) -> bool:
+        trainable = [g for g in self._global if g.requires_grad]
+        with torch.no_grad():
+            for g, p in zip(self._global, self._local):
+                if not g.requires_grad:
+                    continue
+                if g.grad is None:
+                    g.grad = torch.empty_like(g)
+                torch.sub(g.detach(), p.detach(), out=g.grad)  # the pseudo-gradient
+        committed = self.group.wait_gradients_ready(trainable)
+        if committed:
+            self.outer_optimizer.step()
+            self.syncs += 1
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        if committed:
+            self._inner_saved = _to_host(self.inner_optimizer.state_dict())
+            self._to_global()
+        else:
+            log.info("outer step discarded: the view changed during it; its inner steps run again from the global "
+                     "model of step %d", self.group.step)
+            self._rewind()
+        return committed
+
+    def _to_global(self) -> None:
+        with torch.no_grad():
+            for g, p in zip(self._global, self._local):
+                p.copy_(g)
+
+    def _rewind(self) -> None:
+        """Back to the last outer step: the global model, the inner optimizer's state then."""
+        self._to_global()
+        self.inner_optimizer.load_state_dict(self._inner_saved)
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        self._inner_steps = 0
+
+    # ------------------------------------------------------------------ group protocol
+    def bind_group(self, group: Any) -> None:
+        """Called by ``register_state``: plan a registered sampler's steps as outer steps."""
+        from .data import ElasticSampler
+        if group is not self.group:
+            raise FtcommError("a DiLoCo object is registered with the group it was made for")
+        objects = list(group.state.objects.values())
+        if any(o is self.model or o is self.inner_optimizer or o is self.outer_optimizer for o in objects):
+            raise FtcommError("register the DiLoCo object, not its model or optimizers: between outer steps each "
+                              "worker's model and inner optimizer are its own, and the DiLoCo object holds the "
+                              "global model and the outer optimizer that must be identical everywhere")
+        samplers = [o for o in objects if isinstance(o, ElasticSampler)]
+        if len(samplers) > 1:
+            raise FtcommError("DiLoCo plans its outer steps with one ElasticSampler; two are registered")
+        if samplers:
+            self._sampler = samplers[0]
+            self._sampler.plan_inner_steps(self.sync_every)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global model, the outer optimizer's state and ``sync_every``: identical on every
+        worker after each outer step."""
+        return {"global": {n: g.detach() for n, g in zip(self._names, self._global)},
+                "outer": self.outer_optimizer.state_dict(), "sync_every": self.sync_every}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a global model and outer state (a joiner's, a checkpoint's, the group's after a
+        discarded outer step); the local model starts again from it."""
+        if state.get("sync_every") != self.sync_every:
+            raise ValueError(f"the state is of a DiLoCo with sync_every={state.get('sync_every')!r}, this one has "
+                             f"{self.sync_every}: give every worker the same")
+        received = state.get("global")
+        if not isinstance(received, dict) or list(received) != self._names:
+            raise ValueError("the global model received has other parameters than this model")
+        for name, g in zip(self._names, self._global):
+            t = received[name]
+            mine = sharded.local(g)
+            if not isinstance(t, torch.Tensor) or sharded.local(t).shape != mine.shape or t.dtype != g.dtype:
+                raise ValueError(f"the global model's parameter {name!r} does not fit this model's")
+        with torch.no_grad():
+            for name, g in zip(self._names, self._global):
+                sharded.local(g).copy_(sharded.local(received[name]))
+        self.outer_optimizer.load_state_dict(state["outer"])
+        self._rewind()
+
+    def fingerprint_tensors(self) -> dict[str, Any]:
+        """What the group's state fingerprints (``fingerprint_every``) compare: the global model
+        and the outer optimizer's state."""
+        return {"global": {n: g for n, g in zip(self._names, self._global)},
+                "outer": self.outer_optimizer.state_dict()["state"]}
+
+
+class LocalSGD(DiLoCo):
+    """LocalSGD: each worker trains ``sync_every`` steps alone with ``optimizer``, then the
+    group averages the parameters (DiLoCo whose outer optimizer is SGD with a learning rate
+    of 1). Register it as a DiLoCo: ``ft.register_state(local_sgd=local_sgd, sampler=sampler)``."""
+
+    def __init__(self, group: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 sync_every: int) -> None:
+        super().__init__(group, model, optimizer, outer_optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                         sync_every=sync_every)
+
+
+def _to_host(value: Any) -> Any:
+    """A copy of an optimizer's state dict with its tensors on the host."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(v) for v in value)
+    return value

@@ -1,0 +1,290 @@
+"""DiLoCo and LocalSGD: inner steps alone, outer steps committed as one across the group.
+
+The thread tests run several groups in one process on loopback; the process tests run
+the example's DiLoCo mode and kill, stop and add workers while it trains."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import ftcomm
+from ftcomm.errors import FtcommError
+from ftcomm.training.data import epoch_permutation
+from tests.test_group_threads import in_threads, join_running, start_groups
+from tests.train_cluster import TrainCluster, assert_invariants
+
+pytestmark = pytest.mark.timeout(180)
+
+SAMPLES, BATCH, SEED = 96, 8, 3
+DATA = torch.randn(SAMPLES, 4, generator=torch.Generator().manual_seed(0))
+TARGET = DATA @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(SAMPLES, 1, generator=torch.Generator().manual_seed(1))
+
+
+def model_and_optimizers(outer_lr: float | None):
+    model = torch.nn.Linear(4, 1)
+    with torch.no_grad():  # not torch's global generator: the groups' threads build theirs at once
+        generator = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    outer = None if outer_lr is None else torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=0.9,
+                                                          nesterov=True)
+    return model, inner, outer
+
+
+def make(group, sync_every: int, outer_lr: float | None):
+    """A DiLoCo (LocalSGD when ``outer_lr`` is None) and its sampler, registered with ``group``."""
+    model, inner, outer = model_and_optimizers(outer_lr)
+    sampler = ftcomm.ElasticSampler(SAMPLES, global_batch=BATCH, seed=SEED)
+    if outer is None:
+        algorithm = ftcomm.LocalSGD(group, model, inner, sync_every=sync_every)
+    else:
+        algorithm = ftcomm.DiLoCo(group, model, inner, outer_optimizer=outer, sync_every=sync_every)
+    group.register_state(diloco=algorithm, sampler=sampler)
+    return model, algorithm, sampler
+
+
+def inner_step(model, indices) -> None:
+    torch.nn.functional.mse_loss(model(DATA[indices]), TARGET[indices]).backward()
+
+
+def reference(world: int, sync_every: int, outer_lr: float | None, outer_steps: int) -> list[torch.Tensor]:
+    """The global model after ``outer_steps`` outer steps of ``world`` workers, computed alone:
+    each worker's inner steps on its share of each inner batch, the mean pseudo-gradient, the
+    outer optimizer's step."""
+    model, _, outer = model_and_optimizers(outer_lr)
+    if outer is None:
+        outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    workers = []
+    for rank in range(world):
+        local, inner, _ = model_and_optimizers(None)
+        sampler = ftcomm.ElasticSampler(SAMPLES, global_batch=BATCH, seed=SEED, rank=rank, world_size=world)
+        sampler.plan_inner_steps(sync_every)
+        workers.append((local, inner, sampler, iter(()), [sampler.epoch]))
+    for _ in range(outer_steps):
+        deltas = []
+        for w, (local, inner, sampler, batches, epoch) in enumerate(workers):
+            with torch.no_grad():
+                for p, g in zip(local.parameters(), model.parameters()):
+                    p.copy_(g)
+            for _ in range(sync_every):
+                indices = next(batches, None)
+                if indices is None:
+                    batches = iter(sampler)
+                    indices = next(batches)
+                inner_step(local, indices)
+                inner.step()
+                inner.zero_grad()
+                if sampler.offset == 0 and sampler.epoch != epoch[0]:
+                    epoch[0] = sampler.epoch
+                    break  # the epoch's last outer step ended
+            workers[w] = (local, inner, sampler, batches, epoch)
+            deltas.append([g.detach() - p.detach() for p, g in zip(local.parameters(), model.parameters())])
+        for i, g in enumerate(model.parameters()):
+            g.grad = sum(d[i] for d in deltas) / world
+        outer.step()
+        outer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train(groups, sync_every: int, outer_lr: float | None, outer_steps: int) -> list:
+    """Every group trains ``outer_steps`` committed outer steps; per group: its model's
+    parameters, its digest, and the indices it trained on per committed step."""
+    def run(i: int, g):
+        model, algorithm, sampler = make(g, sync_every, outer_lr)
+        trained: dict[int, list[int]] = {}
+        while g.step < outer_steps:
+            for indices in sampler:
+                inner_step(model, indices)
+                if algorithm.step():
+                    trained[g.step] = [x for part in sampler.committed_parts for x in sampler.indices(part)]
+                if g.step >= outer_steps:
+                    break
+        return [p.detach().clone() for p in model.parameters()], g.state.digest(g.step), trained
+    return in_threads(groups, run)
+
+
+@pytest.mark.parametrize("outer_lr", [0.7, None], ids=["diloco", "local-sgd"])
+def test_outer_steps_match_the_algorithm_computed_alone_and_consume_every_sample_once(outer_lr):
+    """Two workers, three inner steps per outer step, eight outer steps (two epochs of four,
+    the epoch's permutation split per inner batch): every worker ends with the global model
+    that the algorithm computed alone gives (DiLoCo's Nesterov outer step, or LocalSGD's
+    average), the same digest, and every sample of each epoch trained on exactly once."""
+    groups = start_groups(2)
+    try:
+        results = train(groups, 3, outer_lr, 8)
+    finally:
+        for g in groups:
+            g.shutdown()
+    expected = reference(2, 3, outer_lr, 8)
+    for params, _, _ in results:
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)
+    assert len({digest for _, digest, _ in results}) == 1
+    for step in range(1, 9):  # each outer step: 3 inner batches of 8, split over 2 workers
+        indices = [i for _, _, trained in results for i in trained[step]]
+        epoch, start = divmod((step - 1) * 24, SAMPLES)
+        assert sorted(indices) == sorted(epoch_permutation(SAMPLES, SEED, epoch)[start:start + 24].tolist())
+
+
+class OneWorker:
+    """What DiLoCo and the sampler use of a group, for one worker whose outer steps commit
+    or are discarded as scripted (``discards``: True for each sync to discard, in order)."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, discards: list[bool]) -> None:
+        from ftcomm.training.state import TrainingState
+        self.discards, self.step, self.state = list(discards), 0, TrainingState()
+
+    def register_state(self, **objects) -> None:
+        self.state.register(**objects)
+        for obj in self.state.objects.values():
+            if hasattr(obj, "bind_group"):
+                obj.bind_group(self)
+
+    def step_boundary(self) -> None:
+        pass
+
+    def wait_gradients_ready(self, params) -> bool:
+        sampler = self.state.objects["sampler"]
+        sampler.check_step()
+        committed = sampler.batch_valid() and not (self.discards and self.discards.pop(0))
+        self.step += committed
+        sampler.step_ended(committed)
+        return committed
+
+
+def test_a_discarded_outer_step_is_done_again_from_the_global_model_and_the_inner_state_it_started_from():
+    """An outer step discarded (the view changed during it) leaves no trace: the worker goes
+    back to the global model and to its inner optimizer's momentum of the last outer step,
+    and its inner batches are drawn again; the model after three committed outer steps is
+    bit for bit the one of a run where none was discarded."""
+    def run(discards: list[bool]) -> tuple[list[torch.Tensor], list[bool]]:
+        group = OneWorker(discards)
+        model, algorithm, sampler = make(group, 3, 0.7)
+        results = []
+        while group.step < 3:
+            for indices in sampler:
+                inner_step(model, indices)
+                result = algorithm.step()
+                if result is not None:
+                    results.append(result)
+                if group.step >= 3:
+                    break
+        return [p.detach().clone() for p in model.parameters()], results
+
+    plain, plain_results = run([])
+    discarded, results = run([False, True, False])
+    assert plain_results == [True] * 3 and results == [True, False, True, True]
+    assert all(torch.equal(a, b) for a, b in zip(plain, discarded))
+
+
+def test_registering_the_local_model_or_giving_wrong_arguments_is_refused_with_the_reason():
+    groups = start_groups(1)
+    try:
+        g = groups[0]
+        model, inner, outer = model_and_optimizers(0.7)
+        with pytest.raises(ValueError, match="sync_every"):
+            ftcomm.DiLoCo(g, model, inner, outer_optimizer=outer, sync_every=0)
+        with pytest.raises(ValueError, match="another optimizer"):
+            ftcomm.DiLoCo(g, model, inner, outer_optimizer=inner, sync_every=2)
+        other = torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.7)
+        with pytest.raises(ValueError, match="not a parameter of the model"):
+            ftcomm.DiLoCo(g, model, inner, outer_optimizer=other, sync_every=2)
+        diloco = ftcomm.DiLoCo(g, model, inner, outer_optimizer=outer, sync_every=2)
+        with pytest.raises(FtcommError, match="not its model"):
+            g.register_state(model=model, diloco=diloco)
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_a_joiner_receives_the_global_model_and_outer_state_and_enters_at_an_outer_boundary():
+    """Two workers train; a third registers mid-interval. It is admitted only at an outer
+    boundary (the running ones never discard an outer step for it: no view changes between
+    their inner steps), and starts its inner steps from the global model and the outer
+    optimizer's momentum, not from a member's drifted model; at every outer step after,
+    all three hold one digest."""
+    groups = start_groups(2)
+    joiner = None
+    target = [10**9]
+    digests: list[dict] = [{}, {}, {}]
+    discarded: list[str] = []  # the reason of the latest view change when a running member discarded
+
+    def run(i: int, g, setup=None) -> None:
+        model, algorithm, sampler = setup or make(g, 4, 0.7)
+        while g.step < target[0]:
+            for indices in sampler:
+                inner_step(model, indices)
+                committed = algorithm.step()
+                if committed:
+                    digests[i][g.step] = g.state.digest(g.step)
+                elif committed is False and i < 2:
+                    discarded.append(g.events[-1].reason)
+                if g.step >= target[0]:
+                    break
+    try:
+        runner = threading.Thread(target=lambda: in_threads(groups, run), daemon=True)
+        runner.start()
+        deadline = time.monotonic() + 60
+        while min(g.step for g in groups) < 3:
+            assert time.monotonic() < deadline, "the two workers did not train"
+            time.sleep(0.01)
+        joiner = join_running(groups)
+        setup = make(joiner, 4, 0.7)  # admitted here, at the group's next outer boundary
+        model, algorithm, _ = setup
+        assert all(torch.equal(p, g) for p, g in zip(model.parameters(), algorithm._global))
+        assert algorithm.state_dict()["outer"]["state"], "the outer optimizer's momentum came with the state"
+        target[0] = joiner.step + 3
+        run(2, joiner, setup)
+        runner.join(60)
+        assert not runner.is_alive()
+    finally:
+        target[0] = 0
+        for g in [*groups, *([joiner] if joiner else [])]:
+            g.shutdown()
+    assert "join" not in discarded, discarded
+    assert len(digests[2]) >= 3
+    for step, digest in digests[2].items():
+        assert digests[0][step] == digests[1][step] == digest, f"outer step {step}"
+
+
+@pytest.fixture
+def cluster():
+    c = TrainCluster()
+    yield c
+    c.close()
+
+
+def test_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_sample_and_leave_one_global_model(cluster):
+    """Four workers of the example in DiLoCo mode (outer steps of 4 inner steps): kill -9 of
+    one, SIGSTOP of another across outer boundaries (resumed, it rejoins), then a new worker
+    joins. Every view holds one global model, every worker ends with one digest, and every
+    sample of each epoch was trained on exactly once by committed outer steps."""
+    from benchmarks.convergence import check_exactly_once
+
+    args = ["--min-workers", "1", "--sync-every", "4", "--log-indices"]
+    workers = cluster.start(4, args)
+    last = max(v["view_id"] for v in cluster.wait_view(workers, 4, timeout=60))
+    workers[3].signal(signal.SIGKILL)
+    last = max(v["view_id"] for v in cluster.wait_view(workers[:3], 3, timeout=30, after=last))
+    workers[2].signal(signal.SIGSTOP)
+    last = max(v["view_id"] for v in cluster.wait_view(workers[:2], 2, timeout=30, after=last))
+    cluster.status(workers[0])
+    workers[2].signal(signal.SIGCONT)
+    joiner = cluster.start(1, args)
+    live = [*workers[:3], *joiner]
+    cluster.wait_view(live, 4, timeout=60, after=last)
+    done = cluster.finish(live)
+    assert_invariants(live, done)
+    logs = [[e for e in w.snapshot() if e["ev"] == "batch"] for w in [*workers, *joiner]]
+    once = check_exactly_once(logs, done[0]["step"], samples=8192, seed=0)
+    assert once["ok"], once["problems"]
+    reasons = [e["reason"] for e in workers[0].snapshot() if e["ev"] == "view"]
+    assert reasons[:1] == ["init"] and {"crash", "hang"} <= set(reasons) and "join" in reasons, reasons
