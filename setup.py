@@ -20,6 +20,7 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "nvidia-nccl-cu12>=2.18",
                  "kubernetes>=29", "pyyaml>=6", "prometheus-client>=0.17", "ray>=2.9"],
         "ray": ["ray>=2.9"],
+        "bench": ["matplotlib>=3.5"],
         "metrics": ["prometheus-client>=0.17"],
         "kubernetes": ["kubernetes>=29", "pyyaml>=6"],
         "nccl": ["nvidia-nccl-cu12>=2.18"],

@@ -185,6 +185,53 @@ def test_a_discarded_outer_step_is_done_again_from_the_global_model_and_the_inne
     assert all(torch.equal(a, b) for a, b in zip(plain, discarded))
 
 
+def test_a_whole_job_restart_resumes_at_the_last_outer_step_with_the_global_model_and_outer_state(tmp_path):
+    """A flash checkpoint holds the global model, the outer optimizer's momentum and the data
+    position; a new job restoring it (its model built afresh and trained a little, as a
+    restarted worker's would be) resumes at that outer step, its model the global one."""
+    import shutil
+    import uuid
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    try:
+        (first,) = start_groups(1)
+        try:
+            model, algorithm, sampler = make(first, 3, 0.7)
+            while first.step < 2:
+                for indices in sampler:
+                    inner_step(model, indices)
+                    algorithm.step()
+                    if first.step >= 2:
+                        break
+            saved = algorithm.state_dict()
+            saved = {"global": {k: v.clone() for k, v in saved["global"].items()},
+                     "momentum": [s["momentum_buffer"].clone() for s in saved["outer"]["state"].values()],
+                     "offset": sampler.offset}
+            checkpoints = ftcomm.FlashCheckpointer(first, tmp_path, name=name)
+            checkpoints.save()
+            checkpoints.close()
+        finally:
+            first.shutdown()
+        (second,) = start_groups(1)
+        try:
+            model, algorithm, sampler = make(second, 3, 0.7)
+            inner_step(model, [0, 1, 2])  # a restarted worker's own first steps, before the restore
+            algorithm.inner_optimizer.step()
+            checkpoints = ftcomm.FlashCheckpointer(second, tmp_path, name=name)
+            assert checkpoints.restore() == 2 and second.step == 2
+            checkpoints.close()
+            state = algorithm.state_dict()
+            assert all(torch.equal(state["global"][k], v) for k, v in saved["global"].items())
+            assert all(torch.equal(p, g) for p, g in zip(model.parameters(), state["global"].values()))
+            momentum = [s["momentum_buffer"] for s in state["outer"]["state"].values()]
+            assert len(momentum) == 2 and all(torch.equal(a, b) for a, b in zip(momentum, saved["momentum"]))
+            assert sampler.offset == saved["offset"] == 48
+        finally:
+            second.shutdown()
+    finally:
+        shutil.rmtree(f"/dev/shm/ftcomm-{name}", ignore_errors=True)
+
+
 def test_registering_the_local_model_or_giving_wrong_arguments_is_refused_with_the_reason():
     groups = start_groups(1)
     try:

@@ -1,0 +1,173 @@
+"""DiLoCo and LocalSGD against per-step gradient averaging: held-out loss and bytes per sample, same run.
+
+    python benchmarks/diloco.py [--workers 4] [--steps 1000] [--configs per-step,diloco-50,diloco-100,localsgd-50]
+
+Each configuration trains examples/train_diloco.py (a character-level transformer on the
+standard library's sources, the same seed, data and global batch of 64 windows per inner
+step) with ``--workers`` processes for ``--steps`` inner steps, so every configuration
+sees the same samples: ``per-step`` averages gradients every step through ftcomm's
+gradient path (DDP's algorithm and its reducer), ``diloco-H`` takes an outer step
+(Nesterov SGD, learning rate 0.7, momentum 0.9) every H inner steps, ``localsgd-H``
+averages parameters every H steps.
+
+The workers of a configuration run in a network namespace of their own (root needed), so
+the namespace's loopback counters hold their traffic and nothing else's: *bytes per
+sample* is the bytes the namespace's loopback carried during the run (every worker's
+sends, gossip included), divided by the workers and by the samples trained. Reported per
+configuration: the held-out loss after the last step and at every evaluation (rank 0, at
+every outer step; every 50 steps for ``per-step``), its difference from ``per-step``, the
+bytes per sample per worker and their ratio to ``per-step``, the wall time, and whether
+every worker ended with one digest. JSON in benchmarks/results/diloco.json; with
+matplotlib installed, the curves in docs/diloco.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ftcomm.localproc import ChildProcess  # noqa: E402
+
+EXAMPLE = ROOT / "examples" / "train_diloco.py"
+PER_STEP_EVAL = 50  # steps between evaluations of the per-step configuration
+
+
+def _ns(name: str, *command: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", "netns", "exec", name, *command], capture_output=True, text=True, check=check,
+                          timeout=30)
+
+
+def loopback_bytes(ns: str) -> int:
+    """Bytes the namespace's loopback sent."""
+    for line in _ns(ns, "cat", "/proc/net/dev").stdout.splitlines():
+        name, _, fields = line.partition(":")
+        if name.strip() == "lo":
+            return int(fields.split()[8])
+    raise RuntimeError(f"no loopback in namespace {ns}")
+
+
+def wait_listening(ns: str, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while f":{port} " not in _ns(ns, "ss", "-Hltn").stdout:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens on port {port} in namespace {ns}")
+        time.sleep(0.1)
+
+
+def configuration(name: str) -> list[str]:
+    """The example's arguments for ``per-step``, ``diloco-H`` or ``localsgd-H``."""
+    if name == "per-step":
+        return ["--sync-every", "0", "--eval-every", str(PER_STEP_EVAL)]
+    kind, _, every = name.partition("-")
+    if kind not in ("diloco", "localsgd") or not every.isdigit():
+        raise ValueError(f"unknown configuration {name!r}: per-step, diloco-H or localsgd-H")
+    return ["--sync-every", every, *(["--local-sgd"] if kind == "localsgd" else [])]
+
+
+def run(name: str, workers: int, steps: int, deadline: float) -> dict:
+    ns = f"ftdl{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, timeout=30)
+    started: list[ChildProcess] = []
+    try:
+        _ns(ns, "ip", "link", "set", "lo", "up")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env.pop("FTCOMM_SECRET", None)
+        before = loopback_bytes(ns)
+        began = time.monotonic()
+        for i in range(workers):
+            command = ["ip", "netns", "exec", ns, sys.executable, "-u", str(EXAMPLE), "--bind", f"127.0.0.1:{7400 + i}",
+                       "--min-workers", str(workers), "--steps", str(steps), *configuration(name)]
+            if i:
+                command += ["--peers", "127.0.0.1:7400"]
+            started.append(ChildProcess(command, ready_timeout=None, env=env))
+            if not i:  # the others join through it: once it listens
+                wait_listening(ns, 7400, deadline)
+        done = [w.wait_for(lambda e: e["ev"] == "done", deadline, f"{name}: done") for w in started]
+        seconds = time.monotonic() - began
+        for w in started:
+            w.process.wait(timeout=60)
+        sent = loopback_bytes(ns) - before
+    finally:
+        for w in started:
+            w.close(timeout=10)
+        subprocess.run(["ip", "netns", "delete", ns], timeout=30)
+    curve = [(e["samples"], e["loss"], e["seconds"]) for w in started for e in w.snapshot() if e["ev"] == "eval"]
+    samples = max(s for s, _, _ in curve)
+    return {"name": name, "final_loss": done[0]["loss"], "curve": sorted(curve), "samples": samples,
+            "bytes_per_sample": sent / workers / samples, "seconds": round(seconds, 2),
+            "one_digest": len({d["digest"] for d in done}) == 1, "loopback_bytes": sent}
+
+
+def plot(results: list[dict], path: pathlib.Path, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        axis.plot([s for s, _, _ in r["curve"]], [l for _, l, _ in r["curve"]], label=r["name"], marker=".")
+    axis.set_xlabel("samples trained (windows of 65 bytes)")
+    axis.set_ylabel("held-out loss (nats per byte)")
+    axis.set_title(title, fontsize=9)
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=1000, help="inner steps (a multiple of every H)")
+    parser.add_argument("--configs", default="per-step,diloco-50,diloco-100,localsgd-50")
+    parser.add_argument("--deadline", type=float, default=900, help="seconds one configuration may take")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "diloco.json"))
+    parser.add_argument("--plot", default=str(ROOT / "docs" / "diloco.png"))
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("needs root: each configuration runs in a network namespace of its own", file=sys.stderr)
+        return 2
+    results = []
+    for name in args.configs.split(","):
+        result = run(name, args.workers, args.steps, args.deadline)
+        results.append(result)
+        print(f"{name:>12}: held-out loss {result['final_loss']:.4f}, {result['bytes_per_sample']:,.0f} bytes per "
+              f"sample per worker, {result['seconds']:.1f} s, one digest: {result['one_digest']}", flush=True)
+    reference = next((r for r in results if r["name"] == "per-step"), None)
+    if reference is not None:
+        for r in results:
+            r["loss_vs_per_step"] = round(r["final_loss"] / reference["final_loss"] - 1, 4)
+            r["bytes_vs_per_step"] = round(reference["bytes_per_sample"] / r["bytes_per_sample"], 1)
+        print("\n| configuration | held-out loss | vs per-step | bytes/sample/worker | fewer bytes | wall s |")
+        print("|---|---|---|---|---|---|")
+        for r in results:
+            print(f"| {r['name']} | {r['final_loss']:.4f} | {r['loss_vs_per_step']:+.1%} | "
+                  f"{r['bytes_per_sample']:,.0f} | {r['bytes_vs_per_step']}x | {r['seconds']:.1f} |")
+    machine = f"{os.cpu_count()} cores, {platform.machine()}"
+    title = f"{args.workers} workers, {args.steps} inner steps of 64 windows, {machine}"
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine, "workers": args.workers, "steps": args.steps, "results": results}
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    if plot(results, pathlib.Path(args.plot), title):
+        print(f"curves: {args.plot}")
+    else:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    return 0 if all(r["one_digest"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
