@@ -15,6 +15,7 @@ import torch
 import ftcomm
 from ftcomm.errors import FtcommError
 from ftcomm.training.data import epoch_permutation
+from tests.polling import wait_until
 from tests.test_group_threads import in_threads, join_running, start_groups
 from tests.train_cluster import TrainCluster, assert_invariants
 
@@ -309,16 +310,32 @@ def cluster():
     c.close()
 
 
-def test_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_sample_and_leave_one_global_model(cluster):
-    """Four workers of the example in DiLoCo mode (outer steps of 4 inner steps): kill -9 of
-    one, SIGSTOP of another across outer boundaries (resumed, it rejoins), then a new worker
-    joins. Every view holds one global model, every worker ends with one digest, and every
-    sample of each epoch was trained on exactly once by committed outer steps."""
+def test_a_partition_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_sample_and_leave_one_global_model(
+        cluster):
+    """Four workers of the example in DiLoCo mode (outer steps of 4 inner steps): a 2|2
+    partition (only rank 0's side commits outer steps; the other goes on with inner steps
+    alone) healed, kill -9 of one, SIGSTOP of another across outer boundaries (resumed, it
+    rejoins), then a new worker joins. Every view holds one global model, every worker ends
+    with one digest, and every sample of each epoch was trained on exactly once by committed
+    outer steps."""
     from benchmarks.convergence import check_exactly_once
 
     args = ["--min-workers", "1", "--sync-every", "4", "--log-indices"]
     workers = cluster.start(4, args)
-    last = max(v["view_id"] for v in cluster.wait_view(workers, 4, timeout=60))
+    views = cluster.wait_view(workers, 4, timeout=60)
+    last = max(v["view_id"] for v in views)
+    order = {m: i for i, m in enumerate(max(views, key=lambda v: v["view_id"])["members"])}
+    workers.sort(key=lambda w: order[w.id])  # by rank: rank 0's side holds the tie
+    for w in workers:
+        w.send(cmd="partition", a=[w.address for w in workers[:2]], b=[w.address for w in workers[2:]])
+    last = max(v["view_id"] for v in cluster.wait_view(workers[:2], 2, timeout=30, after=last))
+    cut_off = [cluster.status(w) for w in workers[2:]]
+    going = [cluster.status(w) for w in workers[:2]]
+    wait_until(lambda: min(cluster.status(w) for w in workers[:2]) > max(going) + 5, 30, "rank 0's side committing")
+    assert [cluster.status(w) for w in workers[2:]] == cut_off, "the side without rank 0 committed an outer step"
+    for w in workers:
+        w.send(cmd="heal")
+    last = max(v["view_id"] for v in cluster.wait_view(workers, 4, timeout=60, after=last))
     workers[3].signal(signal.SIGKILL)
     last = max(v["view_id"] for v in cluster.wait_view(workers[:3], 3, timeout=30, after=last))
     workers[2].signal(signal.SIGSTOP)
@@ -334,4 +351,4 @@ def test_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_sample_and_le
     once = check_exactly_once(logs, done[0]["step"], samples=8192, seed=0)
     assert once["ok"], once["problems"]
     reasons = [e["reason"] for e in workers[0].snapshot() if e["ev"] == "view"]
-    assert reasons[:1] == ["init"] and {"crash", "hang"} <= set(reasons) and "join" in reasons, reasons
+    assert reasons[:1] == ["init"] and {"partition", "crash", "hang", "join"} <= set(reasons), reasons
