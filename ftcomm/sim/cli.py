@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repair", action="store_true",
                         help="sharded replicas: a lost process is replaced in place, as ftcomm run does (else the "
                              "whole replica starts again, as with --replica-restart)")
+    parser.add_argument("--outer-steps", action="store_true",
+                        help="steps of 0.3-2 s of compute: DiLoCo's and LocalSGD's outer steps")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.seed is None:  # many seeds: the workers' own warnings (waits, stragglers) are noise here
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("ftcomm.runtime.fingerprints").setLevel(logging.CRITICAL)  # drawn corruption
     if args.seed is not None:
         sim = GroupSimulation(args.seed, replica_size=args.replica_size, starve=args.starve, corrupt=args.corrupt,
-                              repair=args.repair)
+                              repair=args.repair, outer_steps=args.outer_steps)
         outcome = sim.run()
         if args.json:
             print(json.dumps(outcome.__dict__))
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if outcome.ok else 1
     outcomes = run_seeds(list(range(args.first, args.first + args.seeds)), args.processes,
                          replica_size=args.replica_size, starve=args.starve, corrupt=args.corrupt,
-                         repair=args.repair)
+                         repair=args.repair, outer_steps=args.outer_steps)
     summary = summarize(outcomes)
     print(json.dumps(summary, indent=None if args.json else 2))
     return 0 if summary["violations"] == 0 else 1

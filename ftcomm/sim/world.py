@@ -53,6 +53,8 @@ CRASH_ERROR_DELAY = 0.005  # a crashed member's connections reset this long afte
 COLLECTIVE_EVERY = 7  # the script averages a metric over the group (execute) after every this many commits
 INFANT_S = 1.5  # an infant fault strikes a worker this soon after its start, at most
 TRANSFER_S = (0.02, 0.3)  # a state transfer's time, for seeds whose model's state takes time to send
+STEP_S = (0.02, 0.05)  # a step's compute
+OUTER_STEP_S = (0.3, 2.0)  # a DiLoCo outer step's compute: tens to a hundred inner steps alone
 SETTLED_RUN_S = 3.0
 """Once every live worker runs one view of all of them and commits, and no worker is on its
 way (a launcher's restart), the run goes on this long, then ends."""
@@ -171,7 +173,10 @@ class GroupSimulation:
     share of hangs that are stops a launcher sees and kills (KILL_STOPPED_S; None: half with
     a launcher, and with sharded replicas, which always have one; none without a launcher
     or in a scripted schedule); ``dense``: many faults
-    close together instead of a few apart (None: drawn)."""
+    close together instead of a few apart (None: drawn); ``outer_steps``: each step computes
+    for 0.3 to 2 s, as a DiLoCo or LocalSGD outer step does (its inner steps, alone), so that
+    faults, joins and stragglers land mostly between a step's boundaries rather than in its
+    reduction."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
                  loss: float | None = None, leave_grace: float = GroupOptions.leave_grace,
@@ -189,8 +194,9 @@ class GroupSimulation:
                  first_step_overlaps: bool = False, metric_read: bool = True,
                  infant: bool | None = None, in_place: bool | None = None,
                  misconfigured: bool | None = None, model_after_init: bool | None = None,
-                 corrupt: bool = False) -> None:
+                 corrupt: bool = False, outer_steps: bool = False) -> None:
         self.seed = seed
+        self.step_s = OUTER_STEP_S if outer_steps else STEP_S
         # Faults strike while more than this many workers (replicas) live: 1 for drawn
         # schedules (down to one of two: the survivor goes on once the other is proven dead,
         # and waits while it may live); 2 for a scripted one, as in the world it was found in.
@@ -439,7 +445,7 @@ class GroupSimulation:
             register_at += self.shard_skew_rng.uniform(0.0, 0.3)
         state = SimState(replica[1] if replica is not None else 0, registered=not register_at)
         engine = self._engine(member, node, now, foreign)
-        w = Worker(node, None, state, step_time=self.rng.uniform(0.02, 0.05), replica=replica, joined=joined,
+        w = Worker(node, None, state, step_time=self.rng.uniform(*self.step_s), replica=replica, joined=joined,
                    register_at=register_at, started_at=now, foreign=foreign)
         comms = SimCommunicators(self, w)
         ports = Ports(self.clock, SimMembership(self, w), SimProposals(self, w), SimProber(self, w), comms,
