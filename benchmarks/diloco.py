@@ -16,19 +16,28 @@ sample* is the bytes the namespace's loopback carried during the run (every work
 sends, gossip included), divided by the workers and by the samples trained. Reported per
 configuration: the held-out loss after the last step and at every evaluation (rank 0, at
 every outer step; every 50 steps for ``per-step``), its difference from ``per-step``, the
-bytes per sample per worker and their ratio to ``per-step``, the wall time, and whether
-every worker ended with one digest. JSON in benchmarks/results/diloco.json; with
-matplotlib installed, the curves in docs/diloco.png.
+bytes per sample per worker and their ratio to ``per-step``, the wall time and the time to
+reach the loss every configuration reaches, and whether every worker ended with one
+digest. JSON in benchmarks/results/diloco.json; with matplotlib installed, the curves in
+docs/diloco.png.
+
+``--region-mbit M`` runs each configuration across two emulated regions instead: every
+worker on a host (network namespace) of its own, half of them behind one bridge and half
+behind another, the bridges joined by a link whose TCP carries ``M`` Mbit/s each way
+(``tc`` htb; gossip's UDP at full speed). The bytes counted are then the region link's
+(both ways, per worker and sample), and the wall times show what the link costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import pathlib
 import platform
+import secrets
 import subprocess
 import sys
 import time
@@ -74,33 +83,44 @@ def configuration(name: str) -> list[str]:
     return ["--sync-every", every, *(["--local-sgd"] if kind == "localsgd" else [])]
 
 
-def run(name: str, workers: int, steps: int, deadline: float) -> dict:
-    ns = f"ftdl{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", ns], check=True, timeout=30)
+def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int = 0) -> dict:
+    """One configuration: on the loopback of a namespace of its own, or (``region_mbit``) on
+    hosts of their own in two regions whose link carries ``region_mbit`` Mbit/s of TCP; the
+    bytes counted are the loopback's, or the region link's."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("FTCOMM_SECRET", None)
     started: list[ChildProcess] = []
-    try:
-        _ns(ns, "ip", "link", "set", "lo", "up")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        env.pop("FTCOMM_SECRET", None)
-        before = loopback_bytes(ns)
+    with contextlib.ExitStack() as stack:
+        if region_mbit:
+            from tests import netns
+            lab = stack.enter_context(netns.Lab(workers, split=workers // 2))
+            lab.limit_bridge_link_tcp(region_mbit)
+            env["FTCOMM_SECRET"] = secrets.token_hex(16)  # hosts apart: the protected mode needs one
+            place = [(lab.command(i, []), f"{lab.address(i)}:7946") for i in range(workers)]
+            counter, namespace = lab.bridge_link_bytes, lab.namespace(0)
+        else:
+            namespace = f"ftdl{os.getpid()}"
+            subprocess.run(["ip", "netns", "add", namespace], check=True, timeout=30)
+            stack.callback(subprocess.run, ["ip", "netns", "delete", namespace], timeout=30)
+            _ns(namespace, "ip", "link", "set", "lo", "up")
+            place = [(["ip", "netns", "exec", namespace], f"127.0.0.1:{7400 + i}") for i in range(workers)]
+            counter = lambda: loopback_bytes(namespace)  # noqa: E731
+        stack.callback(lambda: [w.close(timeout=10) for w in started])
+        before = counter()
         began = time.monotonic()
-        for i in range(workers):
-            command = ["ip", "netns", "exec", ns, sys.executable, "-u", str(EXAMPLE), "--bind", f"127.0.0.1:{7400 + i}",
-                       "--min-workers", str(workers), "--steps", str(steps), *configuration(name)]
+        for i, (prefix, bind) in enumerate(place):
+            command = [*prefix, sys.executable, "-u", str(EXAMPLE), "--bind", bind, "--min-workers", str(workers),
+                       "--steps", str(steps), *configuration(name)]
             if i:
-                command += ["--peers", "127.0.0.1:7400"]
+                command += ["--peers", place[0][1]]
             started.append(ChildProcess(command, ready_timeout=None, env=env))
             if not i:  # the others join through it: once it listens
-                wait_listening(ns, 7400, deadline)
+                wait_listening(namespace, int(bind.rpartition(":")[2]), deadline)
         done = [w.wait_for(lambda e: e["ev"] == "done", deadline, f"{name}: done") for w in started]
         seconds = time.monotonic() - began
         for w in started:
             w.process.wait(timeout=60)
-        sent = loopback_bytes(ns) - before
-    finally:
-        for w in started:
-            w.close(timeout=10)
-        subprocess.run(["ip", "netns", "delete", ns], timeout=30)
+        sent = counter() - before
     curve = [(e["samples"], e["loss"], e["seconds"]) for w in started for e in w.snapshot() if e["ev"] == "eval"]
     samples = max(s for s, _, _ in curve)
     return {"name": name, "final_loss": done[0]["loss"], "curve": sorted(curve), "samples": samples,
@@ -134,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1000, help="inner steps (a multiple of every H)")
     parser.add_argument("--configs", default="per-step,diloco-50,diloco-100,localsgd-50")
     parser.add_argument("--deadline", type=float, default=900, help="seconds one configuration may take")
+    parser.add_argument("--region-mbit", type=int, default=0,
+                        help="run the workers on hosts of their own in two regions joined by a link of this many "
+                             "Mbit/s of TCP (0: every worker on one loopback); bytes are then the region link's")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "diloco.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs" / "diloco.png"))
     args = parser.parse_args(argv)
@@ -142,24 +165,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = []
     for name in args.configs.split(","):
-        result = run(name, args.workers, args.steps, args.deadline)
+        result = run(name, args.workers, args.steps, args.deadline, args.region_mbit)
         results.append(result)
         print(f"{name:>12}: held-out loss {result['final_loss']:.4f}, {result['bytes_per_sample']:,.0f} bytes per "
               f"sample per worker, {result['seconds']:.1f} s, one digest: {result['one_digest']}", flush=True)
+    target = max(r["final_loss"] for r in results)  # a loss every configuration reaches
+    for r in results:
+        r["target_loss"] = target
+        r["seconds_to_target"] = next(t for _, loss, t in r["curve"] if loss <= target)
     reference = next((r for r in results if r["name"] == "per-step"), None)
     if reference is not None:
         for r in results:
             r["loss_vs_per_step"] = round(r["final_loss"] / reference["final_loss"] - 1, 4)
             r["bytes_vs_per_step"] = round(reference["bytes_per_sample"] / r["bytes_per_sample"], 1)
-        print("\n| configuration | held-out loss | vs per-step | bytes/sample/worker | fewer bytes | wall s |")
-        print("|---|---|---|---|---|---|")
+        print(f"\n| configuration | held-out loss | vs per-step | bytes/sample/worker | fewer bytes | wall s | "
+              f"s to loss {target:.4f} |")
+        print("|---|---|---|---|---|---|---|")
         for r in results:
             print(f"| {r['name']} | {r['final_loss']:.4f} | {r['loss_vs_per_step']:+.1%} | "
-                  f"{r['bytes_per_sample']:,.0f} | {r['bytes_vs_per_step']}x | {r['seconds']:.1f} |")
+                  f"{r['bytes_per_sample']:,.0f} | {r['bytes_vs_per_step']}x | {r['seconds']:.1f} | "
+                  f"{r['seconds_to_target']:.1f} |")
     machine = f"{os.cpu_count()} cores, {platform.machine()}"
-    title = f"{args.workers} workers, {args.steps} inner steps of 64 windows, {machine}"
+    where = f"two regions joined by {args.region_mbit} Mbit/s" if args.region_mbit else "one loopback"
+    title = f"{args.workers} workers ({where}), {args.steps} inner steps of 64 windows, {machine}"
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine, "workers": args.workers, "steps": args.steps, "results": results}
+              "machine": machine, "workers": args.workers, "steps": args.steps, "region_mbit": args.region_mbit,
+              "results": results}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if plot(results, pathlib.Path(args.plot), title):

@@ -40,6 +40,17 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return done
 
 
+def _limit_tcp(dev: str, mbit: int) -> None:
+    """TCP leaving through ``dev`` at most ``mbit`` Mbit/s; UDP at full speed."""
+    for args in (["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
+                 ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit"],
+                 ["class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", f"{mbit}mbit",
+                  "ceil", f"{mbit}mbit"],
+                 ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
+                  "ip", "protocol", "17", "0xff", "flowid", "1:10"]):
+        subprocess.run(["tc", *args], check=True, capture_output=True, timeout=30)
+
+
 def unavailable() -> str | None:
     """Why network namespaces cannot be made here, or None when they can."""
     if os.geteuid() != 0:
@@ -188,14 +199,18 @@ class Lab:
         """TCP towards host ``i`` carries at most ``mbit`` Mbit/s, UDP (gossip's probes) goes at
         full speed: a slow data plane whose member gossip still finds alive. Gone with the
         host's link."""
-        dev = f"ft{self.run}v{i}"
-        for args in (["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
-                     ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit"],
-                     ["class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", f"{mbit}mbit",
-                      "ceil", f"{mbit}mbit"],
-                     ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
-                      "ip", "protocol", "17", "0xff", "flowid", "1:10"]):
-            subprocess.run(["tc", *args], check=True, capture_output=True, timeout=30)
+        _limit_tcp(f"ft{self.run}v{i}", mbit)
+
+    def limit_bridge_link_tcp(self, mbit: int) -> None:
+        """With ``split``: TCP between the two bridges carries at most ``mbit`` Mbit/s each way
+        (UDP at full speed): two regions joined by a slow link."""
+        for b in (0, 1):
+            _limit_tcp(f"ft{self.run}x{b}", mbit)
+
+    def bridge_link_bytes(self) -> int:
+        """Bytes the link between the two bridges carried, both ways."""
+        return sum(int(pathlib.Path(f"/sys/class/net/ft{self.run}x{b}/statistics/tx_bytes").read_text())
+                   for b in (0, 1))
 
     def set_bridge_link(self, up: bool) -> None:
         """The link between the two bridges: down, the two sides cannot reach each other."""

@@ -238,21 +238,22 @@ def test_linear_lr_scaling_follows_the_world_with_warmup():
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_with_inner_steps_each_outer_step_takes_h_global_batches_and_the_epoch_is_tiled_once(drop_last):
     """DiLoCo's plan: an outer step of 4 inner batches of 16 samples each split over 3 ranks
-    (the epoch's last outer step shorter, or dropped with drop_last); standalone samplers of
-    every rank together visit each sample once, each inner batch a contiguous slice."""
+    (the epoch's last outer step shorter; drop_last drops its incomplete inner batch only);
+    standalone samplers of every rank together visit each sample once, each inner batch a
+    contiguous slice."""
     size, batch, inner, world = 150, 16, 4, 3
     order = epoch_permutation(size, 7, 0).tolist()
     seen: list[int] = []
     for rank in range(world):
         sampler = ElasticSampler(size, global_batch=batch, seed=7, drop_last=drop_last, rank=rank, world_size=world)
         sampler.plan_inner_steps(inner)
-        assert len(sampler) == (8 if drop_last else 10)  # inner steps: two outer steps of 4 (and 2 short ones)
+        assert len(sampler) == (9 if drop_last else 10)  # inner steps: two outer steps of 4, one of 2 (or 1)
         parts = sampler.plan_parts(0, 0)
         assert [p.part for p in parts] == [0, 1, 2, 3] and {(p.start, p.size, p.parts) for p in parts} == {(0, 64, 4)}
         for indices in sampler:
             seen.extend(indices)
         assert sampler.epoch == 1  # the last part of the last outer step advanced it
-    expected = order[:128] if drop_last else order
+    expected = order[:144] if drop_last else order
     assert sorted(seen) == sorted(expected) and len(seen) == len(set(seen))
     short = ElasticSampler(size, global_batch=batch, seed=7, rank=0, world_size=world)
     short.plan_inner_steps(inner)
@@ -273,9 +274,11 @@ def test_inner_steps_are_weighted_by_the_worker_s_own_share_and_start_no_reducti
     x = torch.arange(10, dtype=torch.float32)
     parts = list(sampler.micro_batches(x))
     assert sum(w * p[0].mean().item() for p, w in parts) == pytest.approx(x.mean().item())  # this worker's mean
+    sampler.inner_step_done()
     assert not sampler.step_drawn()
     for _ in range(4):
         next(it)
+        sampler.inner_step_done()
     assert sampler.step_drawn() and sampler.batch_valid()
     with pytest.raises(FtcommError, match="inner batches were being drawn"):
         next(iter(sampler))  # a second pass in the middle of an outer step
@@ -301,9 +304,10 @@ def test_with_inner_steps_random_churn_consumes_every_index_exactly_once_per_epo
         assert steps < 2000
         drawn = []
         for w in workers:  # each worker's inner steps of the outer step, alone
-            mine = [next(w.stream)]
-            while not w.sampler.step_drawn():
+            mine = []
+            while not mine or not w.sampler.step_drawn():
                 mine.append(next(w.stream))
+                w.sampler.inner_step_done()
             drawn.append(mine)
             w.sampler.check_step()
         event = rng.random()
@@ -328,3 +332,45 @@ def test_with_inner_steps_random_churn_consumes_every_index_exactly_once_per_epo
         assert len(states) == 1
     for epoch in range(epochs):
         assert sorted(consumed[epoch]) == list(range(size)), epoch
+
+
+def test_with_inner_steps_a_loader_running_ahead_or_an_undrawn_inner_step_is_a_clear_error():
+    ahead = ElasticSampler(100, global_batch=10)
+    ahead.bind_group(FakeGroup(0, 1))
+    ahead.plan_inner_steps(4)
+    next(iter(PrefetchingLoader(ahead, depth=2)))  # a loader planning batches before they are trained on
+    with pytest.raises(FtcommError, match="runs ahead"):
+        ahead.inner_step_done()
+    undrawn = ElasticSampler(100, global_batch=10)
+    undrawn.bind_group(FakeGroup(0, 1))
+    undrawn.plan_inner_steps(4)
+    with pytest.raises(FtcommError, match="without an inner batch drawn"):
+        undrawn.inner_step_done()  # trained on batches of a loader of its own
+
+
+def test_a_re_formation_between_inner_steps_that_leaves_the_plan_as_it_was_keeps_the_step_s_batches():
+    """A view formed again with the same world and rank (a reconcile deferred to a user's
+    collective, a backend's re-formation) does not throw away the inner steps taken; one
+    that changed the world does."""
+    group = FakeGroup(1, 2)
+    sampler = ElasticSampler(120, global_batch=12, seed=0)
+    sampler.bind_group(group)
+    sampler.plan_inner_steps(3)
+    stream = sampler.steps(PrefetchingLoader(sampler, depth=1))
+    next(stream)
+    sampler.inner_step_done()
+    sampler.view_changed(1, 2, 0)  # the same place
+    for _ in range(2):
+        next(stream)
+        sampler.inner_step_done()
+    assert sampler.step_drawn() and sampler.batch_valid()
+    sampler.step_ended(True)
+    assert sampler.offset == 36 and [p.part for p in sampler.committed_parts] == [0, 1, 2]
+    next(stream)
+    sampler.inner_step_done()
+    group.world_size = 3
+    sampler.view_changed(1, 3, 1)  # another world: the drawn batch is stale
+    for _ in range(2):
+        next(stream)
+        sampler.inner_step_done()
+    assert not sampler.batch_valid()

@@ -233,6 +233,59 @@ def test_a_whole_job_restart_resumes_at_the_last_outer_step_with_the_global_mode
         shutil.rmtree(f"/dev/shm/ftcomm-{name}", ignore_errors=True)
 
 
+def test_a_rewind_keeps_the_inner_learning_rate_the_new_view_set_and_a_frozen_parameter_unfrozen_trains_on():
+    """The learning rate a policy set for the new view (LinearLRScaling, at the re-formation)
+    survives the discarded step's rewind of the inner optimizer's state; a parameter frozen
+    when DiLoCo was made and unfrozen later is averaged like the others, not reset."""
+    group = OneWorker([False, True])
+    model, inner, _ = model_and_optimizers(None)
+    model.bias.requires_grad_(False)
+    algorithm = ftcomm.DiLoCo(group, model, inner, outer_optimizer=torch.optim.SGD(model.parameters(), lr=0.7),
+                              sync_every=3)
+    sampler = ftcomm.ElasticSampler(SAMPLES, global_batch=BATCH, seed=SEED)
+    group.register_state(diloco=algorithm, sampler=sampler)
+    model.bias.requires_grad_(True)
+    frozen = model.bias.detach().clone()
+    results = []
+    for indices in sampler:
+        inner_step(model, indices)
+        if sampler._drawn == 2 and len(results) == 1:
+            algorithm.inner_optimizer.param_groups[0]["lr"] = 0.1  # a view changed: the policy's new rate
+        result = algorithm.step()
+        if result is not None:
+            results.append(result)
+        if len(results) == 3:
+            break
+    assert results == [True, False, True]
+    assert algorithm.inner_optimizer.param_groups[0]["lr"] == 0.1
+    assert not torch.equal(model.bias.detach(), frozen)  # trained and averaged, not put back
+
+
+def test_a_state_that_does_not_fit_is_refused_with_nothing_loaded_and_the_model_is_the_group_s_signature():
+    group = OneWorker([])
+    model, algorithm, _ = make(group, 3, 0.7)
+    good = algorithm.state_dict()
+    before = [t.clone() for t in good["global"].values()]
+    momentum = {0: {"momentum_buffer": torch.zeros(7)}}
+    for bad in (5, {**good, "outer": 5}, {k: v for k, v in good.items() if k != "outer"},
+                {**good, "global": {"weight": good["global"]["weight"]}},
+                {**good, "global": {**good["global"], "bias": torch.zeros(1, dtype=torch.int64)}},
+                {**good, "outer": {**good["outer"], "state": momentum}}, {**good, "sync_every": 4}):
+        with pytest.raises(ValueError):
+            algorithm.load_state_dict(bad)
+        assert all(torch.equal(a, b) for a, b in zip(algorithm.state_dict()["global"].values(), before))
+        assert not algorithm.outer_optimizer.state
+    # the global model is what the group compares when a worker joins, and bounds a transfer
+    assert [entry[0] for entry in group.state.describe()] == ["diloco.weight", "diloco.bias"]
+    assert group.state.transfer_limit() >= 1 << 30
+    other = OneWorker([])
+    torch_model = torch.nn.Linear(4, 2)
+    other.register_state(diloco=ftcomm.DiLoCo(other, torch_model, torch.optim.SGD(torch_model.parameters(), lr=0.1),
+                                              outer_optimizer=torch.optim.SGD(torch_model.parameters(), lr=0.7),
+                                              sync_every=3))
+    assert other.state.signature() != group.state.signature()
+
+
 def test_registering_the_local_model_or_giving_wrong_arguments_is_refused_with_the_reason():
     groups = start_groups(1)
     try:

@@ -139,6 +139,7 @@ class ElasticSampler:
         self.inner_steps = 1  # inner batches per committed step (plan_inner_steps)
         self._local = False  # inner steps are trained alone (low-communication training)
         self._drawn = 0  # with inner steps: inner batches of the current step drawn by the training loop
+        self._stepped = 0  # ... and inner steps taken on them (DiLoCo.step)
 
     # ------------------------------------------------------------------ plan
     @property
@@ -169,8 +170,11 @@ class ElasticSampler:
     def step_size(self, start: int, world: int) -> int:
         """Samples of the step at position ``start`` for ``world`` workers (all its inner
         batches); 0 when the epoch is over."""
-        full = self.full_step(world) * self.inner_steps
-        remaining = self.size - start
+        full, remaining = self.full_step(world), self.size - start
+        if self._local:  # the epoch's last outer step is shorter; drop_last drops its incomplete inner batch
+            if self.drop_last:
+                remaining -= remaining % full
+            return max(min(full * self.inner_steps, remaining), 0)
         if remaining <= 0 or (self.drop_last and remaining < full):
             return 0
         return min(full, remaining)
@@ -246,11 +250,9 @@ class ElasticSampler:
                     break  # the rest of this step was planned for a world or position now gone
                 if self._group is None:
                     if batch.part == batch.parts - 1:
-                        self._advance(batch)
+                        self._advance(batch, parts)
                 else:
                     self._pending.append(batch)
-                    if self._local and not self._skipping:
-                        self._drawn += 1  # iterated directly: each batch planned is drawn
                 yield self.indices(batch)
 
     def steps(self, loader: Iterable[Any]) -> Iterator[Any]:
@@ -343,8 +345,9 @@ class ElasticSampler:
         ``backward()`` and the averaged gradient is the gradient of the step's global
         mean loss, at any world size. All but the last chunk run inside ``no_sync``.
         """
-        if self._local:
-            batch = self._pending[self._drawn - 1] if self._drawn else None
+        if self._local:  # the inner batch being trained: counted at its draw by steps(), else at its step
+            index = self._drawn - 1 if self._skipping else self._drawn
+            batch = self._pending[index] if 0 <= index < len(self._pending) else None
         else:
             batch = self._pending[0] if self._pending else self.committed
         total = len(tensors[0])
@@ -378,10 +381,32 @@ class ElasticSampler:
         rank, world = self._place()
         return (batch.epoch, batch.start, batch.rank, batch.world) == (self.epoch, self.offset, rank, world)
 
+    def inner_step_done(self) -> None:
+        """With inner steps: the training loop took an inner step (:meth:`ftcomm.DiLoCo.step`
+        says so) on the batch it drew last. FtcommError when no batch of this sampler was
+        drawn for it, or when a loader iterated directly runs ahead of the training loop."""
+        if not self._local:
+            return
+        self._stepped += 1
+        if not self._skipping:  # iterated directly: the batch planned last is the one trained on
+            self._drawn += 1
+            if len(self._pending) > self._drawn:
+                raise FtcommError("the DataLoader runs ahead of the training loop (worker processes prefetch); "
+                                  "iterate `sampler.steps(loader)` so that each inner step trains on the batch "
+                                  "planned for it")
+        if self._stepped > self._drawn or self._drawn > len(self._pending):
+            raise FtcommError("an inner step was taken without an inner batch drawn from the ElasticSampler "
+                              "registered with the group: draw exactly one batch per inner step (iterate "
+                              "sampler.steps(loader))")
+
+    def current_share(self) -> Batch | None:
+        """With inner steps: this worker's share of the inner batch drawn last."""
+        return self._pending[self._drawn - 1] if self._local and 0 < self._drawn <= len(self._pending) else None
+
     def step_drawn(self) -> bool:
-        """With inner steps: the training loop drew the current step's last inner batch (its
-        outer sync is due)."""
-        return bool(self._drawn) and bool(self._pending) and self._drawn >= self._pending[0].parts
+        """With inner steps: the training loop took its inner step on the current step's last
+        inner batch (the outer step is due)."""
+        return bool(self._drawn) and bool(self._pending) and self._stepped >= self._drawn >= self._pending[0].parts
 
     def _fits(self, batch: Batch, part: int) -> bool:
         """``batch`` is inner batch ``part`` of the step at the committed position in this world."""
@@ -391,7 +416,7 @@ class ElasticSampler:
 
     def _drop_drawn(self) -> list[Batch]:
         drawn = [self._pending.popleft() for _ in range(min(self._drawn, len(self._pending)))]
-        self._drawn = 0
+        self._drawn = self._stepped = 0
         return drawn
 
     def step_ended(self, committed: bool) -> None:
@@ -414,7 +439,10 @@ class ElasticSampler:
 
     def view_changed(self, rank: int, world: int, step: int) -> dict:
         """Called after each re-formation once the state is reconciled; what the policy does now."""
-        self._restart = True
+        head = self._pending[0] if self._local and self._drawn and self._pending else None
+        if head is None or (head.epoch, head.start, head.rank, head.world, head.part) != \
+                (self.epoch, self.offset, rank, world, 0):
+            self._restart = True  # (between inner steps, a plan the new view did not change goes on)
         if self._local:
             size = min(self.step_size(self.offset, world), self.full_step(world)) or self.full_step(world)
         else:

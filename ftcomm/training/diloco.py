@@ -106,7 +106,12 @@ class DiLoCo:
         holds the new global model), False when it was discarded (the model is back at the
         global model, to do the outer step's inner steps again in the new view; with a
         sampler their batches are planned again). None between outer steps."""
-        self.inner_optimizer.step()
+        share = None
+        if self._sampler is not None:
+            self._sampler.inner_step_done()  # (FtcommError when no batch of it was drawn for this step)
+            share = self._sampler.current_share()
+        if share is None or share.count:  # an empty share (an epoch's tiny last batch) moves nothing
+            self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self._inner_steps += 1
         due = self._sampler.step_drawn() if self._sampler is not None else self._inner_steps >= self.sync_every
@@ -118,6 +123,8 @@ class DiLoCo:
         return committed
 
     def _outer_step(self) -> bool:
+        for g, p in zip(self._global, self._local):
+            g.requires_grad_(p.requires_grad)  # (a parameter frozen or unfrozen since)
         trainable = [g for g in self._global if g.requires_grad]
         with torch.no_grad():
             for g, p in zip(self._global, self._local):
@@ -143,12 +150,15 @@ class DiLoCo:
     def _to_global(self) -> None:
         with torch.no_grad():
             for g, p in zip(self._global, self._local):
-                p.copy_(g)
+                if p.requires_grad or not g.requires_grad:  # (a frozen parameter keeps its own value)
+                    p.copy_(g)
 
     def _rewind(self) -> None:
-        """Back to the last outer step: the global model, the inner optimizer's state then."""
+        """Back to the last outer step: the global model, the inner optimizer's state then (its
+        hyperparameters as they are now: a learning rate set for the new view stays)."""
         self._to_global()
-        self.inner_optimizer.load_state_dict(self._inner_saved)
+        groups = self.inner_optimizer.state_dict()["param_groups"]
+        self.inner_optimizer.load_state_dict({"state": self._inner_saved["state"], "param_groups": groups})
         self.inner_optimizer.zero_grad(set_to_none=True)
         self._inner_steps = 0
 
@@ -178,23 +188,50 @@ class DiLoCo:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a global model and outer state (a joiner's, a checkpoint's, the group's after a
-        discarded outer step); the local model starts again from it."""
-        if state.get("sync_every") != self.sync_every:
-            raise ValueError(f"the state is of a DiLoCo with sync_every={state.get('sync_every')!r}, this one has "
+        discarded outer step); the local model starts again from it. ValueError, with nothing
+        loaded, for a state that does not fit this object."""
+        self._check(state)
+        self.outer_optimizer.load_state_dict(state["outer"])
+        with torch.no_grad():
+            for name, g in zip(self._names, self._global):
+                sharded.local(g).copy_(sharded.local(state["global"][name]))
+        self._rewind()
+
+    def _check(self, state: Any) -> None:
+        """ValueError unless ``state`` is a state of this DiLoCo: its keys, the global model's
+        names, dtypes and shapes, the outer optimizer's groups and the shape of each of its
+        state's tensors."""
+        if not isinstance(state, dict) or set(state) != {"global", "outer", "sync_every"}:
+            raise ValueError("not a DiLoCo state (global, outer, sync_every)")
+        if state["sync_every"] != self.sync_every:
+            raise ValueError(f"the state is of a DiLoCo with sync_every={state['sync_every']!r}, this one has "
                              f"{self.sync_every}: give every worker the same")
-        received = state.get("global")
+        received = state["global"]
         if not isinstance(received, dict) or list(received) != self._names:
             raise ValueError("the global model received has other parameters than this model")
         for name, g in zip(self._names, self._global):
             t = received[name]
-            mine = sharded.local(g)
-            if not isinstance(t, torch.Tensor) or sharded.local(t).shape != mine.shape or t.dtype != g.dtype:
+            if not isinstance(t, torch.Tensor) or sharded.local(t).shape != sharded.local(g).shape or \
+                    t.dtype != g.dtype:
                 raise ValueError(f"the global model's parameter {name!r} does not fit this model's")
-        with torch.no_grad():
-            for name, g in zip(self._names, self._global):
-                sharded.local(g).copy_(sharded.local(received[name]))
-        self.outer_optimizer.load_state_dict(state["outer"])
-        self._rewind()
+        outer = state["outer"]
+        groups = outer.get("param_groups") if isinstance(outer, dict) else None
+        mine = self.outer_optimizer.param_groups
+        if not isinstance(groups, list) or len(groups) != len(mine) or not isinstance(outer.get("state"), dict) or \
+                any(not isinstance(a, dict) or not isinstance(a.get("params"), list) or
+                    len(a["params"]) != len(b["params"]) for a, b in zip(groups, mine)):
+            raise ValueError("the outer optimizer's state received does not fit this outer optimizer")
+        params = {i: p for a, b in zip(groups, mine) for i, p in zip(a["params"], b["params"])}
+        for index, entry in outer["state"].items():
+            if index not in params or not isinstance(entry, dict) or any(
+                    isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != sharded.local(params[index]).shape
+                    for t in entry.values()):
+                raise ValueError(f"the outer optimizer's state for parameter {index!r} does not fit this model")
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The global model's parameters: their names, dtypes and shapes must be the same on
+        every worker (the group's model signature; a joiner with another model is refused)."""
+        return {n: g.detach() for n, g in zip(self._names, self._global)}
 
     def fingerprint_tensors(self) -> dict[str, Any]:
         """What the group's state fingerprints (``fingerprint_every``) compare: the global model

@@ -95,15 +95,25 @@ class TrainingState:
 
     def describe(self) -> list:
         """What :meth:`signature` digests, to say how two workers' models differ."""
-        return plain.signature({n: sharded.to_local(m.state_dict()) for n, m in self._modules().items()})
+        return plain.signature(self._model_states())
 
     def transfer_limit(self) -> int:
         """The most tensor bytes a state sent by a peer may hold: generous (sixteen times this
         worker's modules, an optimizer's state included, and at least 1 GiB), yet a bound
         on what a peer can make this worker allocate."""
-        modules = sum(t.numel() * t.element_size() for m in self._modules().values()
-                      for t in sharded.to_local(m.state_dict()).values() if isinstance(t, torch.Tensor))
+        modules = sum(t.numel() * t.element_size() for state in self._model_states().values()
+                      for t in state.values() if isinstance(t, torch.Tensor))
         return max(1 << 30, 16 * modules)
+
+    def _model_states(self) -> dict[str, dict]:
+        """The tensors whose names, dtypes and shapes must match between workers: each
+        registered module's state, and the model an object holds for the group (``model_state``:
+        ftcomm.DiLoCo's global model)."""
+        states = {n: sharded.to_local(m.state_dict()) for n, m in self._modules().items()}
+        for name, obj in self.objects.items():
+            if name not in states and hasattr(obj, "model_state"):
+                states[name] = sharded.to_local(obj.model_state())
+        return states
 
     def _modules(self) -> dict[str, torch.nn.Module]:
         """The registered objects that are modules: their shapes must match between workers."""
