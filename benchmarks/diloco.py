@@ -4,8 +4,9 @@
 
 Each configuration trains examples/train_diloco.py (a character-level transformer on the
 standard library's sources, the same seed, data and global batch of 64 windows per inner
-step) with ``--workers`` processes for ``--steps`` inner steps, so every configuration
-sees the same samples: ``per-step`` averages gradients every step through ftcomm's
+step, the first 25,600 windows: an epoch is a whole number of outer steps) with
+``--workers`` processes for ``--steps`` inner steps, so every configuration sees the same
+samples: ``per-step`` averages gradients every step through ftcomm's
 gradient path (DDP's algorithm and its reducer), ``diloco-H`` takes an outer step
 (Nesterov SGD, learning rate 0.7, momentum 0.9) every H inner steps, ``localsgd-H``
 averages parameters every H steps.
@@ -19,7 +20,7 @@ every outer step; every 50 steps for ``per-step``), its difference from ``per-st
 bytes per sample per worker and their ratio to ``per-step``, the wall time and the time to
 reach the loss every configuration reaches, and whether every worker ended with one
 digest. JSON in benchmarks/results/diloco.json; with matplotlib installed, the curves in
-docs/diloco.png.
+docs/diloco.png (loss against samples; across regions, against seconds).
 
 ``--region-mbit M`` runs each configuration across two emulated regions instead: every
 worker on a host (network namespace) of its own, half of them behind one bridge and half
@@ -49,6 +50,7 @@ from ftcomm.localproc import ChildProcess  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "train_diloco.py"
 PER_STEP_EVAL = 50  # steps between evaluations of the per-step configuration
+TRAIN_WINDOWS = 25600  # an epoch of 4 outer steps of 100 inner batches of 64: no outer step is cut short
 
 
 def _ns(name: str, *command: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -110,12 +112,15 @@ def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int =
         began = time.monotonic()
         for i, (prefix, bind) in enumerate(place):
             command = [*prefix, sys.executable, "-u", str(EXAMPLE), "--bind", bind, "--min-workers", str(workers),
-                       "--steps", str(steps), *configuration(name)]
+                       "--steps", str(steps), "--train-windows", str(TRAIN_WINDOWS), *configuration(name)]
             if i:
                 command += ["--peers", place[0][1]]
             started.append(ChildProcess(command, ready_timeout=None, env=env))
-            if not i:  # the others join through it: once it listens
-                wait_listening(namespace, int(bind.rpartition(":")[2]), deadline)
+            if not i or region_mbit:  # the others join through the first: once it listens; across regions
+                # each in turn, so that the view ranks them in their regions' order (Gloo's ring crosses
+                # the region link twice, not four times: ranks do not know the topology)
+                wait_listening(lab.namespace(i) if region_mbit else namespace, int(bind.rpartition(":")[2]),
+                               deadline)
         done = [w.wait_for(lambda e: e["ev"] == "done", deadline, f"{name}: done") for w in started]
         seconds = time.monotonic() - began
         for w in started:
@@ -125,10 +130,13 @@ def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int =
     samples = max(s for s, _, _ in curve)
     return {"name": name, "final_loss": done[0]["loss"], "curve": sorted(curve), "samples": samples,
             "bytes_per_sample": sent / workers / samples, "seconds": round(seconds, 2),
-            "one_digest": len({d["digest"] for d in done}) == 1, "loopback_bytes": sent}
+            "one_digest": len({d["digest"] for d in done}) == 1, "link_bytes": sent,
+            "discarded": max(d["discarded"] for d in done), "views": max((d["views"] for d in done), key=len),
+            "hosts_by_rank": [d["id"].rpartition(":")[0] for d in sorted(done, key=lambda d: d["rank"])]}
 
 
-def plot(results: list[dict], path: pathlib.Path, title: str) -> bool:
+def plot(results: list[dict], path: pathlib.Path, title: str, by_time: bool) -> bool:
+    """Held-out loss against samples trained, or (``by_time``) against seconds of training."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -137,8 +145,9 @@ def plot(results: list[dict], path: pathlib.Path, title: str) -> bool:
         return False
     figure, axis = plt.subplots(figsize=(7, 4.2))
     for r in results:
-        axis.plot([s for s, _, _ in r["curve"]], [l for _, l, _ in r["curve"]], label=r["name"], marker=".")
-    axis.set_xlabel("samples trained (windows of 65 bytes)")
+        axis.plot([t if by_time else s for s, _, t in r["curve"]], [l for _, l, _ in r["curve"]], label=r["name"],
+                  marker=".")
+    axis.set_xlabel("seconds of training" if by_time else "samples trained (windows of 65 bytes)")
     axis.set_ylabel("held-out loss (nats per byte)")
     axis.set_title(title, fontsize=9)
     axis.legend()
@@ -168,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run(name, args.workers, args.steps, args.deadline, args.region_mbit)
         results.append(result)
         print(f"{name:>12}: held-out loss {result['final_loss']:.4f}, {result['bytes_per_sample']:,.0f} bytes per "
-              f"sample per worker, {result['seconds']:.1f} s, one digest: {result['one_digest']}", flush=True)
+              f"sample per worker, {result['seconds']:.1f} s, one digest: {result['one_digest']}, steps discarded: "
+              f"{result['discarded']}, view changes: {result['views']}", flush=True)
     target = max(r["final_loss"] for r in results)  # a loss every configuration reaches
     for r in results:
         r["target_loss"] = target
@@ -193,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
               "results": results}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    if plot(results, pathlib.Path(args.plot), title):
+    if plot(results, pathlib.Path(args.plot), title, by_time=bool(args.region_mbit)):
         print(f"curves: {args.plot}")
     else:
         print("matplotlib is not installed: no plot (pip install matplotlib)")

@@ -21,8 +21,9 @@ step).
 
 Every line on stdout is a JSON object: ``ready``; ``eval`` at every ``--eval-every``
 committed steps (outer steps with DiLoCo): the held-out loss, the samples trained so far by
-the group, the seconds since ``ready``; ``done`` with the final held-out loss and the
-digest of the state every worker holds equal.
+the group, the seconds since ``ready``; ``done`` with the final held-out loss, the
+digest of the state every worker holds equal, the steps this worker saw discarded and
+the reasons of its view changes.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3, help="inner learning rate (AdamW)")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (SGD, Nesterov momentum 0.9)")
     parser.add_argument("--corpus-mb", type=float, default=2.0)
+    parser.add_argument("--train-windows", type=int, default=None,
+                        help="train on the first N windows only (default: all but the held-out ones)")
     parser.add_argument("--eval-every", type=int, default=1, help="committed steps between held-out evaluations")
     parser.add_argument("--eval-windows", type=int, default=256, help="held-out windows per evaluation")
     parser.add_argument("--checkpoint-dir", default=None, help="flash checkpoints persisted here")
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     index = torch.arange(count)[:, None] * args.context + torch.arange(args.context + 1)
     data = windows[index]  # (count, context + 1)
     held_out = data[int(count * 0.95):][:args.eval_windows]
-    train = data[:int(count * 0.95)]
+    train = data[:int(count * 0.95)][:args.train_windows]
 
     model = CharTransformer(args.context, args.width, args.layers)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             return loss_of(model, held_out).item()
 
+    discarded = 0
     while ft.step < target:
         for indices in sampler:
             for (batch,), weight in sampler.micro_batches(train[torch.as_tensor(indices)]):
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 if committed:
                     inner.step()
                 inner.zero_grad()
+            discarded += committed is False
             if committed:
                 if ft.step % args.eval_every == 0 and ft.rank == 0:
                     emit(ev="eval", step=ft.step, samples=sampler.epoch * len(train) + sampler.offset,
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     if checkpoints is not None:
         checkpoints.close()
     emit(ev="done", id=ft.id, rank=ft.rank, step=ft.step, loss=round(loss, 5), perplexity=round(math.exp(loss), 3),
-         digest=ft.state.digest(ft.step), seconds=round(time.time() - started, 3), t=time.time())
+         digest=ft.state.digest(ft.step), seconds=round(time.time() - started, 3), discarded=discarded,
+         views=[e.reason for e in ft.events], t=time.time())
     ft.shutdown()
     return 0
 
