@@ -45,6 +45,14 @@ def test_five_hundred_random_seeds_keep_every_invariant():
     assert {"crash", "hang", "node_loss", "leave"} <= set(summary["recovery_to_next_commit"])
 
 
+def test_outer_steps_of_diloco_keep_every_invariant():
+    """Steps of 0.3-2 s of compute, as DiLoCo's outer steps are: the faults land mostly
+    between a step's boundaries, joiners wait a whole step for theirs."""
+    summary = summarize(run_seeds(list(range(100)), processes=2, outer_steps=True))
+    assert summary["violations"] == 0, summary["first_violation"]
+    assert summary["simulated_commits"] > 1000
+
+
 def test_workers_started_in_turn_the_first_alone_at_min_workers_1_end_in_one_group():
     """As ElasticRayJob starts a job (and a script given one peer's address): the first
     worker starts a gossip cluster alone and, at min_workers=1, founds a group at once; the
