@@ -321,14 +321,10 @@ class ElasticSampler:
 
     def check_step(self) -> None:
         """Called by the group before a step's collective: a batch must have been drawn."""
-        if self._local:
+        if self._local:  # (a loader running ahead was refused at its first inner step: inner_step_done)
             if not self._drawn:
                 raise FtcommError("an outer step began but no inner batch was drawn from the ElasticSampler "
                                   "registered with the group (iterate sampler.steps(loader))")
-            if len(self._pending) > self._drawn and not self._skipping:
-                raise FtcommError("the DataLoader runs ahead of the training loop (worker processes prefetch); "
-                                  "iterate `sampler.steps(loader)` so that batches planned before a view change "
-                                  "are skipped instead of trained on")
             return
         if not self._pending:
             raise FtcommError("a step began but no batch was drawn from the ElasticSampler registered with "

@@ -128,11 +128,8 @@ class DiLoCo:
         trainable = [g for g in self._global if g.requires_grad]
         with torch.no_grad():
             for g, p in zip(self._global, self._local):
-                if not g.requires_grad:
-                    continue
-                if g.grad is None:
-                    g.grad = torch.empty_like(g)
-                torch.sub(g.detach(), p.detach(), out=g.grad)  # the pseudo-gradient
+                if g.requires_grad:
+                    g.grad = g.detach() - p.detach()  # the pseudo-gradient
         committed = self.group.wait_gradients_ready(trainable)
         if committed:
             self.outer_optimizer.step()
@@ -183,8 +180,8 @@ class DiLoCo:
     def state_dict(self) -> dict[str, Any]:
         """The global model, the outer optimizer's state and ``sync_every``: identical on every
         worker after each outer step."""
-        return {"global": {n: g.detach() for n, g in zip(self._names, self._global)},
-                "outer": self.outer_optimizer.state_dict(), "sync_every": self.sync_every}
+        return {"global": self.model_state(), "outer": self.outer_optimizer.state_dict(),
+                "sync_every": self.sync_every}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a global model and outer state (a joiner's, a checkpoint's, the group's after a
@@ -236,8 +233,7 @@ class DiLoCo:
     def fingerprint_tensors(self) -> dict[str, Any]:
         """What the group's state fingerprints (``fingerprint_every``) compare: the global model
         and the outer optimizer's state."""
-        return {"global": {n: g for n, g in zip(self._names, self._global)},
-                "outer": self.outer_optimizer.state_dict()["state"]}
+        return {"global": self.model_state(), "outer": self.outer_optimizer.state_dict()["state"]}
 
 
 class LocalSGD(DiLoCo):
