@@ -10,6 +10,7 @@ import random
 import shutil
 import socket
 import tempfile
+import uuid
 
 import pytest
 
@@ -80,6 +81,24 @@ def status(member: str, phase: str = ACTIVE, cv: int = 0, proposal=None, joined_
 def published(e: Engine, alive: bool = True, step: int = 0) -> Status:
     """The record engine ``e`` publishes, as its peers decode it."""
     return Status.from_metadata(e.id, "alive" if alive else "dead", e.record(step).encode())
+
+
+@pytest.fixture
+def cluster():
+    """A local cluster of training workers (examples/train_elastic.py), every one reaped after
+    the test."""
+    from tests.train_cluster import TrainCluster
+    c = TrainCluster()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def name():
+    """A job name for flash checkpoints; its shared-memory directory is removed after the test."""
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    yield job
+    shutil.rmtree(f"/dev/shm/ftcomm-{job}", ignore_errors=True)
 
 
 @pytest.fixture

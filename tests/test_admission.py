@@ -22,7 +22,7 @@ import pytest
 
 from ftcomm.backends import admission
 
-from .train_cluster import TrainCluster, assert_invariants
+from .train_cluster import assert_invariants
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -122,13 +122,6 @@ def flood(port: int, count: int) -> int:
                              and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0):
                 connected += 1
     return connected
-
-
-@pytest.fixture
-def cluster():
-    c = TrainCluster()
-    yield c
-    c.close()
 
 
 def test_a_flood_of_empty_connections_to_every_port_of_a_worker_neither_kills_nor_stalls_it(cluster):

@@ -59,13 +59,6 @@ def flip(path: pathlib.Path, position: int, mask: int) -> None:
 
 
 @pytest.fixture
-def name():
-    job = f"test-{uuid.uuid4().hex[:8]}"
-    yield job
-    shutil.rmtree(f"/dev/shm/ftcomm-{job}", ignore_errors=True)
-
-
-@pytest.fixture
 def group():
     """A group of one worker, shut down after the test."""
     (solo,) = start_groups(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import random
+from typing import Iterator
 
 import pytest
 import torch
@@ -159,6 +160,15 @@ def churn_worker(sampler: ElasticSampler, depth: int, inner_steps: int | None = 
     return Worker(sampler, group, depth)
 
 
+def churn_rounds(workers: list[Worker], epochs: int) -> Iterator[None]:
+    """The rounds of a churn test, until the group's samplers finished ``epochs`` (at most 2000)."""
+    for _ in range(2000):
+        if workers[0].sampler.epoch >= epochs:
+            return
+        yield
+    raise AssertionError(f"the churn did not finish {epochs} epochs in 2000 rounds")
+
+
 def view_change(workers: list[Worker]) -> None:
     """A view of ``workers`` in order: re-ranked, each loads the first's state (the reconcile)."""
     for rank, w in enumerate(workers):
@@ -184,10 +194,7 @@ def test_random_churn_consumes_every_index_exactly_once_per_epoch(seed, policy):
     workers = [new_worker() for _ in range(4)]
     view_change(workers)
     consumed: dict[int, list[int]] = collections.defaultdict(list)
-    steps = 0
-    while workers[0].sampler.epoch < epochs:
-        steps += 1
-        assert steps < 2000
+    for _ in churn_rounds(workers, epochs):
         batches = [next(w.stream) for w in workers]
         for w in workers:
             w.sampler.check_step()
@@ -298,10 +305,7 @@ def test_with_inner_steps_random_churn_consumes_every_index_exactly_once_per_epo
     workers = [new_worker() for _ in range(4)]
     view_change(workers)
     consumed: dict[int, list[int]] = collections.defaultdict(list)
-    steps = 0
-    while workers[0].sampler.epoch < epochs:
-        steps += 1
-        assert steps < 2000
+    for _ in churn_rounds(workers, epochs):
         drawn = []
         for w in workers:  # each worker's inner steps of the outer step, alone
             mine = []

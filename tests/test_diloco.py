@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from ftcomm.errors import FtcommError
 from ftcomm.training.data import epoch_permutation
 from tests.polling import wait_until
 from tests.test_group_threads import in_threads, join_running, start_groups
-from tests.train_cluster import TrainCluster, assert_invariants
+from tests.train_cluster import assert_invariants
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -186,51 +185,44 @@ def test_a_discarded_outer_step_is_done_again_from_the_global_model_and_the_inne
     assert all(torch.equal(a, b) for a, b in zip(plain, discarded))
 
 
-def test_a_whole_job_restart_resumes_at_the_last_outer_step_with_the_global_model_and_outer_state(tmp_path):
+def test_a_whole_job_restart_resumes_at_the_last_outer_step_with_the_global_model_and_outer_state(tmp_path, name):
     """A flash checkpoint holds the global model, the outer optimizer's momentum and the data
     position; a new job restoring it (its model built afresh and trained a little, as a
     restarted worker's would be) resumes at that outer step, its model the global one."""
-    import shutil
-    import uuid
-
-    name = f"test-{uuid.uuid4().hex[:8]}"
+    (first,) = start_groups(1)
     try:
-        (first,) = start_groups(1)
-        try:
-            model, algorithm, sampler = make(first, 3, 0.7)
-            while first.step < 2:
-                for indices in sampler:
-                    inner_step(model, indices)
-                    algorithm.step()
-                    if first.step >= 2:
-                        break
-            saved = algorithm.state_dict()
-            saved = {"global": {k: v.clone() for k, v in saved["global"].items()},
-                     "momentum": [s["momentum_buffer"].clone() for s in saved["outer"]["state"].values()],
-                     "offset": sampler.offset}
-            checkpoints = ftcomm.FlashCheckpointer(first, tmp_path, name=name)
-            checkpoints.save()
-            checkpoints.close()
-        finally:
-            first.shutdown()
-        (second,) = start_groups(1)
-        try:
-            model, algorithm, sampler = make(second, 3, 0.7)
-            inner_step(model, [0, 1, 2])  # a restarted worker's own first steps, before the restore
-            algorithm.inner_optimizer.step()
-            checkpoints = ftcomm.FlashCheckpointer(second, tmp_path, name=name)
-            assert checkpoints.restore() == 2 and second.step == 2
-            checkpoints.close()
-            state = algorithm.state_dict()
-            assert all(torch.equal(state["global"][k], v) for k, v in saved["global"].items())
-            assert all(torch.equal(p, g) for p, g in zip(model.parameters(), state["global"].values()))
-            momentum = [s["momentum_buffer"] for s in state["outer"]["state"].values()]
-            assert len(momentum) == 2 and all(torch.equal(a, b) for a, b in zip(momentum, saved["momentum"]))
-            assert sampler.offset == saved["offset"] == 48
-        finally:
-            second.shutdown()
+        model, algorithm, sampler = make(first, 3, 0.7)
+        while first.step < 2:
+            for indices in sampler:
+                inner_step(model, indices)
+                algorithm.step()
+                if first.step >= 2:
+                    break
+        saved = algorithm.state_dict()
+        saved = {"global": {k: v.clone() for k, v in saved["global"].items()},
+                 "momentum": [s["momentum_buffer"].clone() for s in saved["outer"]["state"].values()],
+                 "offset": sampler.offset}
+        checkpoints = ftcomm.FlashCheckpointer(first, tmp_path, name=name)
+        checkpoints.save()
+        checkpoints.close()
     finally:
-        shutil.rmtree(f"/dev/shm/ftcomm-{name}", ignore_errors=True)
+        first.shutdown()
+    (second,) = start_groups(1)
+    try:
+        model, algorithm, sampler = make(second, 3, 0.7)
+        inner_step(model, [0, 1, 2])  # a restarted worker's own first steps, before the restore
+        algorithm.inner_optimizer.step()
+        checkpoints = ftcomm.FlashCheckpointer(second, tmp_path, name=name)
+        assert checkpoints.restore() == 2 and second.step == 2
+        checkpoints.close()
+        state = algorithm.state_dict()
+        assert all(torch.equal(state["global"][k], v) for k, v in saved["global"].items())
+        assert all(torch.equal(p, g) for p, g in zip(model.parameters(), state["global"].values()))
+        momentum = [s["momentum_buffer"] for s in state["outer"]["state"].values()]
+        assert len(momentum) == 2 and all(torch.equal(a, b) for a, b in zip(momentum, saved["momentum"]))
+        assert sampler.offset == saved["offset"] == 48
+    finally:
+        second.shutdown()
 
 
 def test_a_rewind_keeps_the_inner_learning_rate_the_new_view_set_and_a_frozen_parameter_unfrozen_trains_on():
@@ -333,10 +325,7 @@ def test_a_joiner_receives_the_global_model_and_outer_state_and_enters_at_an_out
     try:
         runner = threading.Thread(target=lambda: in_threads(groups, run), daemon=True)
         runner.start()
-        deadline = time.monotonic() + 60
-        while min(g.step for g in groups) < 3:
-            assert time.monotonic() < deadline, "the two workers did not train"
-            time.sleep(0.01)
+        wait_until(lambda: min(g.step for g in groups) >= 3, 60, "the two workers training")
         joiner = join_running(groups)
         setup = make(joiner, 4, 0.7)  # admitted here, at the group's next outer boundary
         model, algorithm, _ = setup
@@ -354,13 +343,6 @@ def test_a_joiner_receives_the_global_model_and_outer_state_and_enters_at_an_out
     assert len(digests[2]) >= 3
     for step, digest in digests[2].items():
         assert digests[0][step] == digests[1][step] == digest, f"outer step {step}"
-
-
-@pytest.fixture
-def cluster():
-    c = TrainCluster()
-    yield c
-    c.close()
 
 
 def test_a_partition_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_sample_and_leave_one_global_model(

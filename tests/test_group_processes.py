@@ -24,13 +24,6 @@ from .train_cluster import BASE_ARGS, EXAMPLE, TrainCluster, assert_invariants
 pytestmark = pytest.mark.timeout(150)
 
 
-@pytest.fixture
-def cluster():
-    c = TrainCluster()
-    yield c
-    c.close()
-
-
 def four(cluster: TrainCluster):
     workers = cluster.start(4, ["--min-workers", "1"])
     views = cluster.wait_view(workers, 4, timeout=60)
