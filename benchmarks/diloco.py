@@ -1,6 +1,7 @@
 """DiLoCo and LocalSGD against per-step gradient averaging: held-out loss and bytes per sample, same run.
 
-    python benchmarks/diloco.py [--workers 4] [--steps 1000] [--configs per-step,diloco-50,diloco-100,localsgd-50]
+    python benchmarks/diloco.py [--workers 4] [--steps 1000]
+        [--configs per-step,diloco-50,diloco-100,localsgd-50,streaming-100-4,streaming-100-4-bf16]
 
 Each configuration trains examples/train_diloco.py (a character-level transformer on the
 standard library's sources, the same seed, data and global batch of 64 windows per inner
@@ -9,7 +10,9 @@ step, the first 25,600 windows: an epoch is a whole number of outer steps) with
 samples: ``per-step`` averages gradients every step through ftcomm's
 gradient path (DDP's algorithm and its reducer), ``diloco-H`` takes an outer step
 (Nesterov SGD, learning rate 0.7, momentum 0.9) every H inner steps, ``localsgd-H``
-averages parameters every H steps.
+averages parameters every H steps, ``streaming-H-P`` is Streaming DiLoCo with P fragments
+(one outer step every H/P inner steps, each fragment's every H), ``streaming-H-P-bf16`` its
+pseudo-gradients summed in bfloat16.
 
 The workers of a configuration run in a network namespace of their own (root needed), so
 the namespace's loopback counters hold their traffic and nothing else's: *bytes per
@@ -17,7 +20,9 @@ sample* is the bytes the namespace's loopback carried during the run (every work
 sends, gossip included), divided by the workers and by the samples trained. Reported per
 configuration: the held-out loss after the last step and at every evaluation (rank 0, at
 every outer step; every 50 steps for ``per-step``), its difference from ``per-step``, the
-bytes per sample per worker and their ratio to ``per-step``, the wall time and the time to
+bytes per sample per worker and their ratio to ``per-step``, the bytes per committed step
+(one outer step: of one fragment with Streaming DiLoCo, the burst the link carries at once)
+per worker, the wall time and the time to
 reach the loss every configuration reaches, and whether every worker ended with one
 digest. JSON in benchmarks/results/diloco.json; with matplotlib installed, the curves in
 docs/diloco.png (loss against samples; across regions, against seconds).
@@ -39,6 +44,7 @@ import os
 import pathlib
 import platform
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -76,19 +82,31 @@ def wait_listening(ns: str, port: int, timeout: float) -> None:
 
 
 def configuration(name: str) -> list[str]:
-    """The example's arguments for ``per-step``, ``diloco-H`` or ``localsgd-H``."""
+    """The example's arguments for ``per-step``, ``diloco-H``, ``localsgd-H`` or
+    ``streaming-H-P[-bf16]`` (Streaming DiLoCo: P fragments, pseudo-gradients in bfloat16)."""
     if name == "per-step":
         return ["--sync-every", "0", "--eval-every", str(PER_STEP_EVAL)]
-    kind, _, every = name.partition("-")
-    if kind not in ("diloco", "localsgd") or not every.isdigit():
-        raise ValueError(f"unknown configuration {name!r}: per-step, diloco-H or localsgd-H")
+    kind, _, rest = name.partition("-")
+    every, _, rest = rest.partition("-")
+    fragments, _, quantize = rest.partition("-")
+    if not every.isdigit() or (kind in ("diloco", "localsgd") and rest) or \
+            (kind == "streaming" and (not fragments.isdigit() or quantize not in ("", "bf16", "fp16"))) or \
+            kind not in ("diloco", "localsgd", "streaming"):
+        raise ValueError(f"unknown configuration {name!r}: per-step, diloco-H, localsgd-H or streaming-H-P[-bf16]")
+    if kind == "streaming":
+        eval_every = str(int(fragments))  # one evaluation per sync_every inner steps, as DiLoCo's
+        return ["--sync-every", every, "--fragments", fragments, "--eval-every", eval_every,
+                *(["--quantize", quantize] if quantize else [])]
     return ["--sync-every", every, *(["--local-sgd"] if kind == "localsgd" else [])]
 
 
-def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int = 0) -> dict:
+def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int = 0, kill_after: int = 0) -> dict:
     """One configuration: on the loopback of a namespace of its own, or (``region_mbit``) on
     hosts of their own in two regions whose link carries ``region_mbit`` Mbit/s of TCP; the
-    bytes counted are the loopback's, or the region link's."""
+    bytes counted are the loopback's, or the region link's. ``kill_after``: kill -9 the
+    worker of the highest rank once rank 0 committed that many steps, and measure how long
+    the survivors take to commit again (the fault's whole cost: detection, the new view,
+    and a discarded outer step's inner steps done again)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env.pop("FTCOMM_SECRET", None)
     started: list[ChildProcess] = []
@@ -110,9 +128,12 @@ def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int =
         stack.callback(lambda: [w.close(timeout=10) for w in started])
         before = counter()
         began = time.monotonic()
+        fault: dict = {}
         for i, (prefix, bind) in enumerate(place):
-            command = [*prefix, sys.executable, "-u", str(EXAMPLE), "--bind", bind, "--min-workers", str(workers),
-                       "--steps", str(steps), "--train-windows", str(TRAIN_WINDOWS), *configuration(name)]
+            command = [*prefix, sys.executable, "-u", str(EXAMPLE), "--bind", bind,
+                       "--min-workers", str(workers - 1 if kill_after else workers), "--steps", str(steps),
+                       "--train-windows", str(TRAIN_WINDOWS), *configuration(name),
+                       *(["--report-commits"] if kill_after else [])]
             if i:
                 command += ["--peers", place[0][1]]
             started.append(ChildProcess(command, ready_timeout=None, env=env))
@@ -121,6 +142,9 @@ def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int =
                 # the region link twice, not four times: ranks do not know the topology)
                 wait_listening(lab.namespace(i) if region_mbit else namespace, int(bind.rpartition(":")[2]),
                                deadline)
+        if kill_after:
+            fault = kill_one(started, kill_after, deadline, name)
+            started.remove(fault.pop("worker"))
         done = [w.wait_for(lambda e: e["ev"] == "done", deadline, f"{name}: done") for w in started]
         seconds = time.monotonic() - began
         for w in started:
@@ -130,9 +154,27 @@ def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int =
     samples = max(s for s, _, _ in curve)
     return {"name": name, "final_loss": done[0]["loss"], "curve": sorted(curve), "samples": samples,
             "bytes_per_sample": sent / workers / samples, "seconds": round(seconds, 2),
+            "bytes_per_commit": round(sent / workers / done[0]["step"]),
             "one_digest": len({d["digest"] for d in done}) == 1, "link_bytes": sent,
             "discarded": max(d["discarded"] for d in done), "views": max((d["views"] for d in done), key=len),
-            "hosts_by_rank": [d["id"].rpartition(":")[0] for d in sorted(done, key=lambda d: d["rank"])]}
+            "hosts_by_rank": [d["id"].rpartition(":")[0] for d in sorted(done, key=lambda d: d["rank"])], **fault}
+
+
+def kill_one(started: list[ChildProcess], after: int, deadline: float, name: str) -> dict:
+    """kill -9 of the worker of the highest rank once rank 0 committed ``after`` steps with
+    every worker in the view; the seconds from the kill to the survivors' next commit, and
+    the worker killed (its ``worker``)."""
+    every = len(started)
+    latest = {w: w.wait_for(lambda e: e["ev"] == "commit" and e["world"] == every and e["step"] >= after,
+                            deadline, f"{name}: {after} steps with every worker") for w in started}
+    first = min(started, key=lambda w: latest[w]["rank"])
+    victim = max(started, key=lambda w: latest[w]["rank"])
+    killed_at = time.time()
+    victim.signal(signal.SIGKILL)
+    victim.process.wait(timeout=30)
+    again = first.wait_for(lambda e: e["ev"] == "commit" and e["t"] > killed_at and e["world"] < every,
+                           deadline, f"{name}: a commit after the kill")
+    return {"worker": victim, "killed_at_step": latest[first]["step"], "recovery_s": round(again["t"] - killed_at, 3)}
 
 
 def plot(results: list[dict], path: pathlib.Path, title: str, by_time: bool) -> bool:
@@ -161,24 +203,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=1000, help="inner steps (a multiple of every H)")
-    parser.add_argument("--configs", default="per-step,diloco-50,diloco-100,localsgd-50")
+    parser.add_argument("--configs", default="per-step,diloco-50,diloco-100,localsgd-50,streaming-100-4,"
+                                              "streaming-100-4-bf16")
     parser.add_argument("--deadline", type=float, default=900, help="seconds one configuration may take")
     parser.add_argument("--region-mbit", type=int, default=0,
                         help="run the workers on hosts of their own in two regions joined by a link of this many "
                              "Mbit/s of TCP (0: every worker on one loopback); bytes are then the region link's")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "diloco.json"))
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "diloco.png"))
+    parser.add_argument("--kill-after", type=int, default=0,
+                        help="kill -9 the worker of the highest rank after this many committed steps and measure "
+                             "the survivors' recovery (0: no fault); results then in diloco_kill.json, no plot")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/diloco.json (diloco_kill.json)")
+    parser.add_argument("--plot", default=None, help="default: docs/diloco.png (none with --kill-after)")
     args = parser.parse_args(argv)
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / f"diloco{'_kill' if args.kill_after else ''}.json")
+    if args.plot is None and not args.kill_after:
+        args.plot = str(ROOT / "docs" / "diloco.png")
     if os.geteuid() != 0:
         print("needs root: each configuration runs in a network namespace of its own", file=sys.stderr)
         return 2
     results = []
     for name in args.configs.split(","):
-        result = run(name, args.workers, args.steps, args.deadline, args.region_mbit)
+        result = run(name, args.workers, args.steps, args.deadline, args.region_mbit, args.kill_after)
         results.append(result)
+        fault = (f"kill -9 at step {result['killed_at_step']}: next commit {result['recovery_s']:.2f} s after, "
+                 if args.kill_after else "")
         print(f"{name:>12}: held-out loss {result['final_loss']:.4f}, {result['bytes_per_sample']:,.0f} bytes per "
-              f"sample per worker, {result['seconds']:.1f} s, one digest: {result['one_digest']}, steps discarded: "
-              f"{result['discarded']}, view changes: {result['views']}", flush=True)
+              f"sample per worker, {result['seconds']:.1f} s, {fault}one digest: {result['one_digest']}, steps "
+              f"discarded: {result['discarded']}, view changes: {result['views']}", flush=True)
     target = max(r["final_loss"] for r in results)  # a loss every configuration reaches
     for r in results:
         r["target_loss"] = target
@@ -188,22 +239,24 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             r["loss_vs_per_step"] = round(r["final_loss"] / reference["final_loss"] - 1, 4)
             r["bytes_vs_per_step"] = round(reference["bytes_per_sample"] / r["bytes_per_sample"], 1)
-        print(f"\n| configuration | held-out loss | vs per-step | bytes/sample/worker | fewer bytes | wall s | "
-              f"s to loss {target:.4f} |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"\n| configuration | held-out loss | vs per-step | bytes/sample/worker | fewer bytes | "
+              f"bytes/sync/worker | wall s | s to loss {target:.4f} |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in results:
             print(f"| {r['name']} | {r['final_loss']:.4f} | {r['loss_vs_per_step']:+.1%} | "
-                  f"{r['bytes_per_sample']:,.0f} | {r['bytes_vs_per_step']}x | {r['seconds']:.1f} | "
-                  f"{r['seconds_to_target']:.1f} |")
+                  f"{r['bytes_per_sample']:,.0f} | {r['bytes_vs_per_step']}x | {r['bytes_per_commit']:,} | "
+                  f"{r['seconds']:.1f} | {r['seconds_to_target']:.1f} |")
     machine = f"{os.cpu_count()} cores, {platform.machine()}"
     where = f"two regions joined by {args.region_mbit} Mbit/s" if args.region_mbit else "one loopback"
     title = f"{args.workers} workers ({where}), {args.steps} inner steps of 64 windows, {machine}"
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine, "workers": args.workers, "steps": args.steps, "region_mbit": args.region_mbit,
-              "results": results}
+              "kill_after": args.kill_after, "results": results}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    if plot(results, pathlib.Path(args.plot), title, by_time=bool(args.region_mbit)):
+    if args.plot is None:
+        pass
+    elif plot(results, pathlib.Path(args.plot), title, by_time=bool(args.region_mbit)):
         print(f"curves: {args.plot}")
     else:
         print("matplotlib is not installed: no plot (pip install matplotlib)")

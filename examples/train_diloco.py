@@ -11,7 +11,9 @@ Start several on one machine or many; kill, stop or add any of them while they t
 
 ``--sync-every 0`` averages gradients every step instead (ftcomm's gradient path, DDP's
 algorithm: the reference); ``--local-sgd`` averages parameters at each outer step instead
-of DiLoCo's outer optimizer. The corpus is the ``.py`` files of the standard library of
+of DiLoCo's outer optimizer; ``--fragments P`` is Streaming DiLoCo (the model in P fragments,
+one outer step every ``--sync-every``/P inner steps, each P times smaller) and ``--quantize
+bf16`` sums the pseudo-gradients in bfloat16 (half the bytes). The corpus is the ``.py`` files of the standard library of
 the Python that runs this (sorted by path, the first ``--corpus-mb`` MB), cut into windows
 of ``--context`` + 1 bytes; the last 5% of the windows are held out. An
 :class:`ftcomm.ElasticSampler` hands out the training windows, each exactly once per
@@ -19,7 +21,8 @@ epoch across failures. ``--checkpoint-dir`` keeps flash checkpoints of the globa
 the outer optimizer and the data position (a whole-job restart resumes at the last outer
 step).
 
-Every line on stdout is a JSON object: ``ready``; ``eval`` at every ``--eval-every``
+Every line on stdout is a JSON object: ``ready``; ``commit`` at every committed step with
+``--report-commits``; ``eval`` at every ``--eval-every``
 committed steps (outer steps with DiLoCo): the held-out loss, the samples trained so far by
 the group, the seconds since ``ready``; ``done`` with the final held-out loss, the
 digest of the state every worker holds equal, the steps this worker saw discarded and
@@ -35,6 +38,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +81,7 @@ class CharTransformer(torch.nn.Module):
         return self.head(self.norm(self.blocks(x, mask=self.mask[:n, :n], is_causal=True)))
 
 
-def loss_of(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
+def loss_of(model: Callable[[torch.Tensor], torch.Tensor], windows: torch.Tensor) -> torch.Tensor:
     logits = model(windows[:, :-1])
     return F.cross_entropy(logits.reshape(-1, 256), windows[:, 1:].reshape(-1))
 
@@ -94,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-workers", type=int, default=None, help="default: $FTCOMM_MIN_WORKERS, else 1")
     parser.add_argument("--sync-every", type=int, default=50, help="inner steps per outer step (0: every step)")
     parser.add_argument("--local-sgd", action="store_true", help="average parameters instead of DiLoCo's outer step")
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="Streaming DiLoCo: the model in this many fragments, one outer step every "
+                             "sync-every / fragments inner steps")
+    parser.add_argument("--quantize", choices=["bf16", "fp16"], default=None,
+                        help="DiLoCo: pseudo-gradients summed in this dtype (half the bytes)")
     parser.add_argument("--steps", type=int, default=2000, help="inner steps to train (a multiple of --sync-every)")
     parser.add_argument("--global-batch", type=int, default=64, help="windows per inner step over all workers")
     parser.add_argument("--context", type=int, default=64, help="bytes a window predicts")
@@ -108,10 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=256, help="held-out windows per evaluation")
     parser.add_argument("--checkpoint-dir", default=None, help="flash checkpoints persisted here")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="committed steps between checkpoints")
+    parser.add_argument("--report-commits", action="store_true", help="a commit line at every committed step")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.sync_every and args.steps % args.sync_every:
         parser.error("--steps must be a multiple of --sync-every")
+    if (args.fragments != 1 or args.quantize) and (not args.sync_every or args.local_sgd):
+        parser.error("--fragments and --quantize are DiLoCo's: give --sync-every, not --local-sgd")
 
     torch.manual_seed(args.seed)
     text = corpus(args.corpus_mb)
@@ -131,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             algorithm = ftcomm.LocalSGD(ft, model, inner, sync_every=args.sync_every)
         else:
             outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.9, nesterov=True)
-            algorithm = ftcomm.DiLoCo(ft, model, inner, outer_optimizer=outer, sync_every=args.sync_every)
+            algorithm = ftcomm.DiLoCo(ft, model, inner, outer_optimizer=outer, sync_every=args.sync_every,
+                                      fragments=args.fragments, quantize=args.quantize)
         ft.register_state(diloco=algorithm, sampler=sampler)
         net = model
     else:
@@ -143,12 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints.restore()
     emit(ev="ready", id=ft.id, rank=ft.rank, world=ft.world_size, step=ft.step, pid=os.getpid(), t=time.time())
     started = time.time()
-    per_commit = args.sync_every or 1
+    per_commit = args.sync_every // args.fragments or 1  # inner steps per committed step
     target = args.steps // per_commit  # committed steps to train
 
     def evaluate() -> float:
+        """The held-out loss of the model the group holds: DiLoCo's global model (with
+        fragments, the local model also holds inner steps not yet in it)."""
         with torch.no_grad():
-            return loss_of(model, held_out).item()
+            if algorithm is None:
+                return loss_of(model, held_out).item()
+            return loss_of(lambda x: torch.func.functional_call(model, algorithm.model_state(), (x,)), held_out).item()
 
     discarded = 0
     while ft.step < target:
@@ -163,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                     inner.step()
                 inner.zero_grad()
             discarded += committed is False
+            if committed and args.report_commits:
+                emit(ev="commit", step=ft.step, rank=ft.rank, world=ft.world_size, t=time.time())
             if committed:
                 if ft.step % args.eval_every == 0 and ft.rank == 0:
                     emit(ev="eval", step=ft.step, samples=sampler.epoch * len(train) + sampler.offset,

@@ -16,7 +16,9 @@ adds flash checkpoints every ``--checkpoint-every`` steps, restored when the who
 restarts (a worker restarted into a running group gets the group's state instead).
 ``--sync-every H`` trains with DiLoCo instead (each worker alone for H inner steps, then
 an outer step across the group; ``--local-sgd`` averages parameters instead of DiLoCo's
-outer Nesterov step): a committed step is then an outer step. ``--ddp-rank``/``--ddp-world``/``--ddp-port`` run the same training under
+outer Nesterov step; ``--fragments P`` is Streaming DiLoCo, the model's fragments taking
+turns; ``--quantize bf16`` sums the pseudo-gradients in bfloat16): a committed step is then an
+outer step. ``--ddp-rank``/``--ddp-world``/``--ddp-port`` run the same training under
 ``torch.nn.parallel.DistributedDataParallel`` instead (a fixed world, for comparison).
 
 Every line on stdout is a JSON object: ``started`` (modules imported, model and
@@ -145,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-every", type=int, default=0, help="DiLoCo: inner steps per outer step (0: off)")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate (Nesterov, 0.9)")
     parser.add_argument("--local-sgd", action="store_true", help="with --sync-every: LocalSGD (parameter averaging)")
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="with --sync-every: Streaming DiLoCo, the model in this many fragments taking turns")
+    parser.add_argument("--quantize", choices=["bf16", "fp16"], default=None,
+                        help="with --sync-every: DiLoCo's pseudo-gradients summed in this dtype")
     parser.add_argument("--hidden", type=int, default=128, help="hidden width (3150: about 10M parameters)")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     args = parser.parse_args(argv)
@@ -177,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             diloco = ftcomm.LocalSGD(ft, model, optimizer, sync_every=args.sync_every)
         else:
             outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.9, nesterov=True)
-            diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.sync_every)
+            diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.sync_every,
+                                   fragments=args.fragments, quantize=args.quantize)
         ft.register_state(diloco=diloco, sampler=sampler, **extras)
         net = model
     else:

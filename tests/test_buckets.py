@@ -235,3 +235,37 @@ def test_parameters_unfrozen_before_a_step_reduce_nothing_during_its_backward():
     world.launched.clear()
     world.backward(m, 1)
     assert not world.launched and not buckets.touched
+
+
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+def test_a_half_precision_wire_sums_the_gradients_in_it_and_the_counters_in_float32_exactly(wire):
+    """Gradients summed in bfloat16 or float16 (half the bytes), in the step's order, with
+    overlap; the counters and a 48-bit fingerprint go in a float32 bucket of their own, where
+    they stay exact; each parameter gets its gradient back in its own dtype, rounded as the
+    wire rounds it."""
+    world, m = FakeWorld(), model()
+    params = list(m.parameters())
+    buckets = GradientBuckets(params, 0.0002, True, world.launch, lambda: True, lambda: world.world,
+                              contribution=lambda valid: (valid, True, 1, (1 << 48) - 3, 1), wire=wire)
+    for step in range(2):
+        world.launched.clear()
+        local = world.backward(m, step)
+        tail = reduce(buckets)
+        flats = buckets._buffers()
+        assert [f.dtype for f in flats] == [wire] * (len(flats) - 1) + [torch.float32]
+        assert flats[-1].numel() == 2 + 4 * world.world  # the counters alone
+        assert len(world.launched) == buckets.bucket_count == len(flats)
+        assert all(during for _, during in world.launched[:-1]), "the gradients' buckets went out during backward"
+        assert tail.tolist()[:4] == [2.0, 2.0, 0.0, 2.0]
+        fingerprint = (1 << 48) - 3  # slots of 0xFFFF and 0xFFFD + 1: not exact in 8 or 11 bits of mantissa
+        slots = [2.0 * (((fingerprint >> (16 * i)) & 0xFFFF) + 1) for i in range(3)]
+        assert tail.tolist()[2 + world.world + 3:] == slots  # position 1's, from both (identical) workers
+        buckets.hand_back(float(tail[0]))
+        for n, p in m.named_parameters():
+            assert p.grad.dtype == torch.float32
+            expected = ((local[n] / 2).to(wire) * 2).to(wire).float()
+            assert torch.equal(p.grad, expected)
+            assert not torch.equal(p.grad, local[n])  # rounded: it did travel in half precision
+        m.zero_grad(set_to_none=False)
+    with pytest.raises(ValueError, match="travel in"):
+        GradientBuckets(params, 0.0002, True, world.launch, lambda: True, lambda: world.world, wire=torch.int8)

@@ -37,14 +37,15 @@ def model_and_optimizers(outer_lr: float | None):
     return model, inner, outer
 
 
-def make(group, sync_every: int, outer_lr: float | None):
-    """A DiLoCo (LocalSGD when ``outer_lr`` is None) and its sampler, registered with ``group``."""
+def make(group, sync_every: int, outer_lr: float | None, **streaming):
+    """A DiLoCo (LocalSGD when ``outer_lr`` is None) and its sampler, registered with ``group``;
+    ``streaming``: DiLoCo's ``fragments`` and ``quantize``."""
     model, inner, outer = model_and_optimizers(outer_lr)
     sampler = ftcomm.ElasticSampler(SAMPLES, global_batch=BATCH, seed=SEED)
     if outer is None:
         algorithm = ftcomm.LocalSGD(group, model, inner, sync_every=sync_every)
     else:
-        algorithm = ftcomm.DiLoCo(group, model, inner, outer_optimizer=outer, sync_every=sync_every)
+        algorithm = ftcomm.DiLoCo(group, model, inner, outer_optimizer=outer, sync_every=sync_every, **streaming)
     group.register_state(diloco=algorithm, sampler=sampler)
     return model, algorithm, sampler
 
@@ -53,26 +54,29 @@ def inner_step(model, indices) -> None:
     torch.nn.functional.mse_loss(model(DATA[indices]), TARGET[indices]).backward()
 
 
-def reference(world: int, sync_every: int, outer_lr: float | None, outer_steps: int) -> list[torch.Tensor]:
+def reference(world: int, sync_every: int, outer_lr: float | None, outer_steps: int, fragments: int = 1,
+              quantize: torch.dtype | None = None) -> list[torch.Tensor]:
     """The global model after ``outer_steps`` outer steps of ``world`` workers, computed alone:
-    each worker's inner steps on its share of each inner batch, the mean pseudo-gradient, the
-    outer optimizer's step."""
+    each worker's inner steps on its share of each inner batch (``sync_every / fragments``
+    of them per outer step), the mean pseudo-gradient of the outer step's fragment (the
+    model's parameters taken in turn; each worker's share of the sum rounded to
+    ``quantize``, and the sum too, as the all-reduce does), the outer optimizer's step,
+    and that fragment of every worker's local model set to the global one."""
     model, _, outer = model_and_optimizers(outer_lr)
     if outer is None:
         outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    interval, globals_ = sync_every // fragments, list(model.parameters())
     workers = []
     for rank in range(world):
         local, inner, _ = model_and_optimizers(None)
         sampler = ftcomm.ElasticSampler(SAMPLES, global_batch=BATCH, seed=SEED, rank=rank, world_size=world)
-        sampler.plan_inner_steps(sync_every)
+        sampler.plan_inner_steps(interval)
         workers.append((local, inner, sampler, iter(()), [sampler.epoch]))
-    for _ in range(outer_steps):
+    for step in range(outer_steps):
+        part = [i for i in range(len(globals_)) if i % fragments == step % fragments]  # (one parameter a fragment)
         deltas = []
         for w, (local, inner, sampler, batches, epoch) in enumerate(workers):
-            with torch.no_grad():
-                for p, g in zip(local.parameters(), model.parameters()):
-                    p.copy_(g)
-            for _ in range(sync_every):
+            for _ in range(interval):
                 indices = next(batches, None)
                 if indices is None:
                     batches = iter(sampler)
@@ -84,19 +88,27 @@ def reference(world: int, sync_every: int, outer_lr: float | None, outer_steps: 
                     epoch[0] = sampler.epoch
                     break  # the epoch's last outer step ended
             workers[w] = (local, inner, sampler, batches, epoch)
-            deltas.append([g.detach() - p.detach() for p, g in zip(local.parameters(), model.parameters())])
-        for i, g in enumerate(model.parameters()):
-            g.grad = sum(d[i] for d in deltas) / world
+            deltas.append({i: globals_[i].detach() - list(local.parameters())[i].detach() for i in part})
+        for i in part:
+            if quantize is None:
+                globals_[i].grad = sum(d[i] for d in deltas) / world
+            else:
+                shares = [(d[i] / world).to(quantize) for d in deltas]
+                globals_[i].grad = sum(shares[1:], shares[0]).float()
         outer.step()
-        outer.zero_grad()
+        outer.zero_grad(set_to_none=True)
+        for local, *_ in workers:
+            with torch.no_grad():
+                for i in part:
+                    list(local.parameters())[i].copy_(globals_[i])
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train(groups, sync_every: int, outer_lr: float | None, outer_steps: int) -> list:
-    """Every group trains ``outer_steps`` committed outer steps; per group: its model's
+def train(groups, sync_every: int, outer_lr: float | None, outer_steps: int, **streaming) -> list:
+    """Every group trains ``outer_steps`` committed outer steps; per group: its global model's
     parameters, its digest, and the indices it trained on per committed step."""
     def run(i: int, g):
-        model, algorithm, sampler = make(g, sync_every, outer_lr)
+        model, algorithm, sampler = make(g, sync_every, outer_lr, **streaming)
         trained: dict[int, list[int]] = {}
         while g.step < outer_steps:
             for indices in sampler:
@@ -105,31 +117,42 @@ def train(groups, sync_every: int, outer_lr: float | None, outer_steps: int) -> 
                     trained[g.step] = [x for part in sampler.committed_parts for x in sampler.indices(part)]
                 if g.step >= outer_steps:
                     break
-        return [p.detach().clone() for p in model.parameters()], g.state.digest(g.step), trained
+        return [p.detach().clone() for p in algorithm.model_state().values()], g.state.digest(g.step), trained
     return in_threads(groups, run)
 
 
-@pytest.mark.parametrize("outer_lr", [0.7, None], ids=["diloco", "local-sgd"])
-def test_outer_steps_match_the_algorithm_computed_alone_and_consume_every_sample_once(outer_lr):
-    """Two workers, three inner steps per outer step, eight outer steps (two epochs of four,
-    the epoch's permutation split per inner batch): every worker ends with the global model
-    that the algorithm computed alone gives (DiLoCo's Nesterov outer step, or LocalSGD's
-    average), the same digest, and every sample of each epoch trained on exactly once."""
+@pytest.mark.parametrize("outer_lr,sync_every,streaming", [
+    (0.7, 3, {}), (None, 3, {}), (0.7, 4, {"fragments": 2}), (0.7, 4, {"fragments": 2, "quantize": "bf16"})],
+    ids=["diloco", "local-sgd", "streaming", "streaming-bf16"])
+def test_outer_steps_match_the_algorithm_computed_alone_and_consume_every_sample_once(outer_lr, sync_every,
+                                                                                     streaming):
+    """Two workers, eight outer steps of three inner steps (two epochs of four, the epoch's
+    permutation split per inner batch), or with the model in two fragments taking turns
+    every two inner steps (Streaming DiLoCo, its pseudo-gradients summed in float32 or
+    bfloat16): every worker ends with the global model that the algorithm computed alone
+    gives (DiLoCo's Nesterov outer step, or LocalSGD's average), the same digest, and
+    every sample of each epoch trained on exactly once."""
     groups = start_groups(2)
     try:
-        results = train(groups, 3, outer_lr, 8)
+        results = train(groups, sync_every, outer_lr, 8, **streaming)
     finally:
         for g in groups:
             g.shutdown()
-    expected = reference(2, 3, outer_lr, 8)
+    fragments = streaming.get("fragments", 1)
+    wire = {"bf16": torch.bfloat16}.get(streaming.get("quantize"))
+    expected = reference(2, sync_every, outer_lr, 8, fragments, wire)
     for params, _, _ in results:
         for p, e in zip(params, expected):
             torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)
+    if wire is not None:  # the sum did travel in bfloat16: float32's result is another
+        exact = reference(2, sync_every, outer_lr, 8, fragments)
+        assert any((p - e).abs().max() > 1e-4 for p, e in zip(results[0][0], exact))
     assert len({digest for _, digest, _ in results}) == 1
-    for step in range(1, 9):  # each outer step: 3 inner batches of 8, split over 2 workers
+    per_step = sync_every // fragments * BATCH
+    for step in range(1, 9):  # each outer step: its inner batches of 8, split over 2 workers
         indices = [i for _, _, trained in results for i in trained[step]]
-        epoch, start = divmod((step - 1) * 24, SAMPLES)
-        assert sorted(indices) == sorted(epoch_permutation(SAMPLES, SEED, epoch)[start:start + 24].tolist())
+        epoch, start = divmod((step - 1) * per_step, SAMPLES)
+        assert sorted(indices) == sorted(epoch_permutation(SAMPLES, SEED, epoch)[start:start + per_step].tolist())
 
 
 class OneWorker:
@@ -151,7 +174,7 @@ class OneWorker:
     def step_boundary(self) -> None:
         pass
 
-    def wait_gradients_ready(self, params) -> bool:
+    def wait_gradients_ready(self, params, wire_dtype=torch.float32) -> bool:
         sampler = self.state.objects["sampler"]
         sampler.check_step()
         committed = sampler.batch_valid() and not (self.discards and self.discards.pop(0))
@@ -160,14 +183,16 @@ class OneWorker:
         return committed
 
 
-def test_a_discarded_outer_step_is_done_again_from_the_global_model_and_the_inner_state_it_started_from():
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_discarded_outer_step_is_done_again_from_the_model_and_the_inner_state_it_started_from(fragments):
     """An outer step discarded (the view changed during it) leaves no trace: the worker goes
-    back to the global model and to its inner optimizer's momentum of the last outer step,
-    and its inner batches are drawn again; the model after three committed outer steps is
-    bit for bit the one of a run where none was discarded."""
+    back to the local model of the last outer step (the global model; with two fragments,
+    the other fragment's inner steps since its outer step kept) and to its inner
+    optimizer's momentum then, and its inner batches are drawn again; the model after
+    three committed outer steps is bit for bit the one of a run where none was discarded."""
     def run(discards: list[bool]) -> tuple[list[torch.Tensor], list[bool]]:
         group = OneWorker(discards)
-        model, algorithm, sampler = make(group, 3, 0.7)
+        model, algorithm, sampler = make(group, 2 * fragments, 0.7, fragments=fragments)
         results = []
         while group.step < 3:
             for indices in sampler:
@@ -262,7 +287,9 @@ def test_a_state_that_does_not_fit_is_refused_with_nothing_loaded_and_the_model_
     for bad in (5, {**good, "outer": 5}, {k: v for k, v in good.items() if k != "outer"},
                 {**good, "global": {"weight": good["global"]["weight"]}},
                 {**good, "global": {**good["global"], "bias": torch.zeros(1, dtype=torch.int64)}},
-                {**good, "outer": {**good["outer"], "state": momentum}}, {**good, "sync_every": 4}):
+                {**good, "outer": {**good["outer"], "state": momentum}}, {**good, "sync_every": 4},
+                {**good, "fragments": 2}, {**good, "outer_steps": -1}, {**good, "outer_steps": "3"},
+                {**good, "other": 1}):
         with pytest.raises(ValueError):
             algorithm.load_state_dict(bad)
         assert all(torch.equal(a, b) for a, b in zip(algorithm.state_dict()["global"].values(), before))
@@ -290,6 +317,14 @@ def test_registering_the_local_model_or_giving_wrong_arguments_is_refused_with_t
         other = torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.7)
         with pytest.raises(ValueError, match="not a parameter of the model"):
             ftcomm.DiLoCo(g, model, inner, outer_optimizer=other, sync_every=2)
+        for bad, match in (({"sync_every": 4, "fragments": 3}, "divisor"), ({"sync_every": 4, "fragments": 0}, "divisor"),
+                           ({"sync_every": 4, "fragments": 4}, "2 parameters"),
+                           ({"sync_every": 2, "quantize": "int8"}, "quantize")):
+            with pytest.raises(ValueError, match=match):
+                ftcomm.DiLoCo(g, model, inner, outer_optimizer=outer, **bad)
+        wrapped = g.wrap(torch.nn.Linear(4, 1))
+        with pytest.raises(FtcommError, match="float32"):
+            g.wait_gradients_ready(wrapped, wire_dtype=torch.bfloat16)
         diloco = ftcomm.DiLoCo(g, model, inner, outer_optimizer=outer, sync_every=2)
         with pytest.raises(FtcommError, match="not its model"):
             g.register_state(model=model, diloco=diloco)
@@ -347,7 +382,8 @@ def test_a_joiner_receives_the_global_model_and_outer_state_and_enters_at_an_out
 
 def test_a_partition_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_sample_and_leave_one_global_model(
         cluster):
-    """Four workers of the example in DiLoCo mode (outer steps of 4 inner steps): a 2|2
+    """Four workers of the example in Streaming DiLoCo mode (two fragments taking turns every
+    2 inner steps, pseudo-gradients in bfloat16; one fragment runs the same code): a 2|2
     partition (only rank 0's side commits outer steps; the other goes on with inner steps
     alone) healed, kill -9 of one, SIGSTOP of another across outer boundaries (resumed, it
     rejoins), then a new worker joins. Every view holds one global model, every worker ends
@@ -355,7 +391,7 @@ def test_a_partition_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_s
     outer steps."""
     from benchmarks.convergence import check_exactly_once
 
-    args = ["--min-workers", "1", "--sync-every", "4", "--log-indices"]
+    args = ["--min-workers", "1", "--sync-every", "4", "--fragments", "2", "--quantize", "bf16", "--log-indices"]
     workers = cluster.start(4, args)
     views = cluster.wait_view(workers, 4, timeout=60)
     last = max(v["view_id"] for v in views)

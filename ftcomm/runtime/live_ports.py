@@ -371,15 +371,18 @@ class BackendCollective:
         this shard index's (the same shard of every replica)."""
         return self.comms.comm if self.replica is None else self.comms.shard_comm
 
-    def use(self, params: list[torch.Tensor], module: torch.nn.Module | None = None) -> None:
+    def use(self, params: list[torch.Tensor], module: torch.nn.Module | None = None,
+            wire: torch.dtype = torch.float32) -> None:
         """The parameters of the coming gradient step, frozen ones included (``module``'s when
         given; new buckets when the trainable ones changed; those of a wrapped model go on
         through its reducer). A model sharded with FSDP2 is reduced per parameter group
         (:mod:`~ftcomm.training.shard_groups`) when its groups hold exactly these parameters.
-        The buckets watch every parameter's ``requires_grad`` (see GradientBuckets)."""
+        The buckets watch every parameter's ``requires_grad`` (see GradientBuckets); ``wire``
+        is the dtype the gradients are summed in (see GradientBuckets)."""
         watch, params = params, [p for p in params if p.requires_grad]
         buckets = self.buckets
-        if buckets is not None and len(buckets.params) == len(params) and all(
+        if buckets is not None and getattr(buckets, "wire", torch.float32) == wire and \
+                len(buckets.params) == len(params) and all(
                 a is b for a, b in zip(buckets.params, params)):
             return
         if buckets is not None:
@@ -391,6 +394,9 @@ class BackendCollective:
             buckets.remove()
         may_overlap = lambda: self.gradient_comm is not None and self._may_overlap()  # noqa: E731
         groups = shard_groups(module, params) if module is not None else None
+        if groups is not None and wire != torch.float32:
+            raise FtcommError("a model sharded with FSDP2 has its gradients summed in float32: pass its "
+                              "parameters, not the module, to send them in another dtype")
         if groups is not None:
             self.buckets = ShardGroupBuckets(
                 groups, params, launch=self._launch,
@@ -399,7 +405,8 @@ class BackendCollective:
             return
         self.buckets = GradientBuckets(
             params, self.options.bucket_mb, self.options.overlap, launch=self._launch,
-            may_overlap=may_overlap, world_size=self._world_size, contribution=self._contribution, watch=watch)
+            may_overlap=may_overlap, world_size=self._world_size, contribution=self._contribution, watch=watch,
+            wire=wire)
 
     def use_wrapped(self, net: DistributedDataParallel) -> None:
         """The coming gradient steps run through ``net``'s reducer."""

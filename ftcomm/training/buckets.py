@@ -1,7 +1,8 @@
 """Gradient buckets: flat buffers reduced as soon as their gradients are ready.
 
 Parameters are packed, in reverse registration order (the order backward produces
-their gradients), into flat float32 buffers of about ``bucket_mb`` each; the first
+their gradients), into flat float32 buffers (or bfloat16 / float16 ones: ``wire``) of about
+``bucket_mb`` each; the first
 bucket is kept small so communication starts early. With overlap on, a hook after
 each gradient is accumulated copies it into its bucket, pre-scaled by ``1/world``, and
 launches a bucket's allreduce the moment it is complete and every earlier bucket has
@@ -38,6 +39,7 @@ from . import sharded
 FIRST_BUCKET_MB = 1.0  # as DDP: the gradients of the last layers go out without waiting for 25 MB
 _COUNTERS = 2  # [valid, join], then a flag per rank, then FINGERPRINT_SLOTS per rank
 FINGERPRINT_SLOTS = 3  # 16 bits each: a 48-bit fingerprint
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def tail_size(world: int) -> int:
@@ -74,6 +76,9 @@ class GradientBuckets(Suspendable):
     gradient, with what the buckets were made for (default ``params``; a module's every
     parameter, frozen ones included): when it changed, backward reduces nothing (new buckets
     take the step: see ``BackendCollective.use``).
+    ``wire``: the dtype the gradients are summed in (float32, or bfloat16 / float16 for half
+    the bytes: the counters then travel in a float32 bucket of their own, where they are
+    exact).
     ``contribution(valid)``: this worker's counters, asked when the last bucket launches
     with whether its gradients were computed on valid state: ``(valid, join, aside)`` —
     its gradients count (False also when its batch does not match the data plan), it sees
@@ -85,7 +90,9 @@ class GradientBuckets(Suspendable):
                  launch: Callable[[torch.Tensor], Handle], may_overlap: Callable[[], bool],
                  world_size: Callable[[], int],
                  contribution: Callable[[bool], tuple[bool, bool, int | None]] = lambda valid: (valid, False, None),
-                 watch: list[torch.Tensor] | None = None) -> None:
+                 watch: list[torch.Tensor] | None = None, wire: torch.dtype = torch.float32) -> None:
+        if wire not in WIRE_DTYPES:
+            raise ValueError(f"gradients travel in one of {', '.join(map(str, WIRE_DTYPES))}, not {wire}")
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise FtcommError("wait_gradients_ready needs every parameter on one device, got "
@@ -96,7 +103,10 @@ class GradientBuckets(Suspendable):
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self._launch, self._may_overlap, self._world_size = launch, may_overlap, world_size
         self._contribution = contribution
+        self.wire = wire
         self._groups = _group(list(reversed(params)), bucket_mb)
+        if wire != torch.float32:
+            self._groups.append([])  # the counters alone, in float32
         self._slot: dict[int, tuple[int, int, int]] = {}
         for b, group in enumerate(self._groups):
             offset = 0
@@ -229,7 +239,7 @@ class GradientBuckets(Suspendable):
                 _hand_back_shard(p, self._flats[b][offset:offset + n])
                 continue
             view = self._flats[b][offset:offset + n].view_as(p)
-            if p.dtype == torch.float32:
+            if p.dtype == view.dtype:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
             elif p.grad is None:
@@ -280,7 +290,9 @@ class GradientBuckets(Suspendable):
     def _buffers(self) -> list[torch.Tensor]:
         if not self._flats:
             sizes = self._sizes[:-1] + [self._sizes[-1] + tail_size(self._world) - tail_size(0)]
-            self._flats = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in sizes]
+            last = len(sizes) - 1
+            self._flats = [torch.zeros(n, dtype=torch.float32 if b == last else self.wire, device=self.device)
+                           for b, n in enumerate(sizes)]
         return self._flats
 
     def _copy(self, param: torch.Tensor, view: torch.Tensor) -> None:

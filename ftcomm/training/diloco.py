@@ -64,28 +64,56 @@ class DiLoCo:
     The inner optimizer's state is saved (on the host) at each outer step and restored
     when an outer step is discarded. The model's buffers (batch-norm statistics) are each
     worker's own, as with ``DistributedDataParallel(broadcast_buffers=False)``.
+
+    ``fragments`` > 1 is Streaming DiLoCo: the parameters are cut, in the model's order,
+    into that many consecutive fragments of about equal size, and the outer steps take
+    them in turn, one every ``sync_every / fragments`` inner steps, so that each fragment
+    still has its outer step every ``sync_every`` inner steps while the bytes of one outer
+    step (and the peak on the link) are ``fragments`` times smaller. Each outer step is a
+    committed step of the group, between two inner steps (not overlapped with them). A
+    discarded one goes back to the local model of the last outer step (one more copy of
+    the parameters, kept on their device) and does its ``sync_every / fragments`` inner
+    steps again. A worker that is lost takes with it what its inner steps since their
+    fragments' last outer steps would have given the other fragments: their samples count
+    in the fragments that had their outer steps since, not in those.
+
+    ``quantize``: the dtype the pseudo-gradients are summed in across the group: None
+    (float32), ``"bf16"`` or ``"fp16"`` (half the bytes; the sum in 8 or 11 bits of
+    mantissa; the outer optimizer steps in the parameters' dtype).
     """
 
     def __init__(self, group: Any, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
-                 outer_optimizer: torch.optim.Optimizer, sync_every: int) -> None:
+                 outer_optimizer: torch.optim.Optimizer, sync_every: int, fragments: int = 1,
+                 quantize: str | None = None) -> None:
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive number of inner steps, got {sync_every!r}")
+        if not isinstance(fragments, int) or fragments < 1 or sync_every % fragments:
+            raise ValueError(f"fragments must be a positive divisor of sync_every ({sync_every}), got {fragments!r}: "
+                             f"each fragment's outer step comes every sync_every inner steps, one fragment every "
+                             f"sync_every / fragments")
+        if quantize not in QUANTIZE:
+            raise ValueError(f"quantize is one of {', '.join(map(repr, QUANTIZE))}, got {quantize!r} (an 8-bit sum "
+                             f"would overflow in the all-reduce the outer step runs)")
         if outer_optimizer is inner_optimizer:
             raise ValueError("the outer optimizer must be another optimizer than the inner one")
         self.group, self.model = group, model
         self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
-        self.sync_every = sync_every
+        self.sync_every, self.fragments, self.quantize = sync_every, fragments, quantize
         self.syncs = 0  # outer steps committed since this object was made (not registered state)
         self._names = [name for name, _ in model.named_parameters()]
         self._local = [p for _, p in model.named_parameters()]
         if not self._local:
             raise ValueError("the model has no parameters")
+        self._parts = _split(self._local, fragments)
         with torch.no_grad():
             self._global = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in self._local]
         self._move_outer_optimizer()
+        self._interval = sync_every // fragments  # inner steps between two outer steps (of two fragments)
+        self._outer_steps = 0  # committed outer steps (registered: which fragment is next)
         self._inner_steps = 0  # inner steps since the last outer step (without a sampler)
         self._sampler: Any = None
         self._inner_saved = _to_host(self.inner_optimizer.state_dict())
+        self._local_saved = self._snapshot()
 
     def _move_outer_optimizer(self) -> None:
         """Point the outer optimizer's parameter groups at the global model."""
@@ -114,7 +142,7 @@ class DiLoCo:
             self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self._inner_steps += 1
-        due = self._sampler.step_drawn() if self._sampler is not None else self._inner_steps >= self.sync_every
+        due = self._sampler.step_drawn() if self._sampler is not None else self._inner_steps >= self._interval
         if not due:
             return None
         self._inner_steps = 0
@@ -122,38 +150,64 @@ class DiLoCo:
         self.group.step_boundary()  # a joiner agreed by this outer step is admitted before the next inner step
         return committed
 
+    @property
+    def next_fragment(self) -> int:
+        """The fragment whose outer step comes next (0 when the model is one fragment)."""
+        return self._outer_steps % self.fragments
+
     def _outer_step(self) -> bool:
-        for g, p in zip(self._global, self._local):
-            g.requires_grad_(p.requires_grad)  # (a parameter frozen or unfrozen since)
-        trainable = [g for g in self._global if g.requires_grad]
+        part = self._parts[self.next_fragment]
+        for i in part:
+            self._global[i].requires_grad_(self._local[i].requires_grad)  # (a parameter frozen or unfrozen since)
+        trainable = [self._global[i] for i in part if self._global[i].requires_grad]
         with torch.no_grad():
-            for g, p in zip(self._global, self._local):
+            for i in part:
+                g = self._global[i]
                 if g.requires_grad:
-                    g.grad = g.detach() - p.detach()  # the pseudo-gradient
-        committed = self.group.wait_gradients_ready(trainable)
+                    g.grad = g.detach() - self._local[i].detach()  # the pseudo-gradient
+        committed = self.group.wait_gradients_ready(trainable, wire_dtype=QUANTIZE[self.quantize])
         if committed:
-            self.outer_optimizer.step()
+            self.outer_optimizer.step()  # (the other fragments' parameters have no gradient: untouched)
             self.syncs += 1
+            self._outer_steps += 1
         self.outer_optimizer.zero_grad(set_to_none=True)
         if committed:
             self._inner_saved = _to_host(self.inner_optimizer.state_dict())
-            self._to_global()
+            self._to_global(part)
+            self._local_saved = self._snapshot()
         else:
-            log.info("outer step discarded: the view changed during it; its inner steps run again from the global "
-                     "model of step %d", self.group.step)
+            log.info("outer step discarded: the view changed during it; its inner steps run again from the model "
+                     "of step %d", self.group.step)
             self._rewind()
         return committed
 
-    def _to_global(self) -> None:
+    def _to_global(self, part: list[int] | None = None) -> None:
+        """The local model's parameters of ``part`` (default all) set to the global model's."""
         with torch.no_grad():
-            for g, p in zip(self._global, self._local):
+            for i in range(len(self._local)) if part is None else part:
+                g, p = self._global[i], self._local[i]
                 if p.requires_grad or not g.requires_grad:  # (a frozen parameter keeps its own value)
                     p.copy_(g)
 
+    def _snapshot(self) -> list[torch.Tensor] | None:
+        """The local model as it is (the model one fragment at a time holds the other fragments'
+        inner steps since their outer steps: a discarded outer step goes back to it); None for
+        one fragment, whose local model is the global one after every outer step."""
+        if self.fragments == 1:
+            return None
+        with torch.no_grad():
+            return [p.detach().clone() for p in self._local]
+
     def _rewind(self) -> None:
-        """Back to the last outer step: the global model, the inner optimizer's state then (its
-        hyperparameters as they are now: a learning rate set for the new view stays)."""
-        self._to_global()
+        """Back to the last outer step: the local model then (the global model, with one
+        fragment), the inner optimizer's state then (its hyperparameters as they are now: a
+        learning rate set for the new view stays)."""
+        if self._local_saved is None:
+            self._to_global()
+        else:
+            with torch.no_grad():
+                for p, saved in zip(self._local, self._local_saved):
+                    p.copy_(saved)
         groups = self.inner_optimizer.state_dict()["param_groups"]
         self.inner_optimizer.load_state_dict({"state": self._inner_saved["state"], "param_groups": groups})
         self.inner_optimizer.zero_grad(set_to_none=True)
@@ -175,34 +229,43 @@ class DiLoCo:
             raise FtcommError("DiLoCo plans its outer steps with one ElasticSampler; two are registered")
         if samplers:
             self._sampler = samplers[0]
-            self._sampler.plan_inner_steps(self.sync_every)
+            self._sampler.plan_inner_steps(self._interval)
 
     def state_dict(self) -> dict[str, Any]:
-        """The global model, the outer optimizer's state and ``sync_every``: identical on every
-        worker after each outer step."""
+        """The global model, the outer optimizer's state, ``sync_every``, ``fragments`` and the
+        number of outer steps committed (which fragment is next): identical on every worker
+        after each outer step."""
         return {"global": self.model_state(), "outer": self.outer_optimizer.state_dict(),
-                "sync_every": self.sync_every}
+                "sync_every": self.sync_every, "fragments": self.fragments, "outer_steps": self._outer_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a global model and outer state (a joiner's, a checkpoint's, the group's after a
-        discarded outer step); the local model starts again from it. ValueError, with nothing
-        loaded, for a state that does not fit this object."""
+        """Load a global model and outer state (a joiner's, a checkpoint's, the group's sent to
+        a member whose state fell behind); the local model starts again from it, every
+        fragment. ValueError, with nothing loaded, for a state that does not fit this object."""
         self._check(state)
         self.outer_optimizer.load_state_dict(state["outer"])
         with torch.no_grad():
             for name, g in zip(self._names, self._global):
                 sharded.local(g).copy_(sharded.local(state["global"][name]))
+        self._outer_steps = state.get("outer_steps", 0)
+        self._to_global()
+        self._local_saved = self._snapshot()
         self._rewind()
 
     def _check(self, state: Any) -> None:
         """ValueError unless ``state`` is a state of this DiLoCo: its keys, the global model's
         names, dtypes and shapes, the outer optimizer's groups and the shape of each of its
         state's tensors."""
-        if not isinstance(state, dict) or set(state) != {"global", "outer", "sync_every"}:
-            raise ValueError("not a DiLoCo state (global, outer, sync_every)")
-        if state["sync_every"] != self.sync_every:
-            raise ValueError(f"the state is of a DiLoCo with sync_every={state['sync_every']!r}, this one has "
-                             f"{self.sync_every}: give every worker the same")
+        keys = {"global", "outer", "sync_every"}
+        if not isinstance(state, dict) or not keys <= set(state) <= keys | {"fragments", "outer_steps"}:
+            raise ValueError("not a DiLoCo state (global, outer, sync_every, fragments, outer_steps)")
+        for name, value in (("sync_every", state["sync_every"]), ("fragments", state.get("fragments", 1))):
+            if value != getattr(self, name):
+                raise ValueError(f"the state is of a DiLoCo with {name}={value!r}, this one has "
+                                 f"{getattr(self, name)}: give every worker the same")
+        steps = state.get("outer_steps", 0)
+        if type(steps) is not int or steps < 0:
+            raise ValueError(f"the state's count of outer steps is not a count: {steps!r:.50}")
         received = state["global"]
         if not isinstance(received, dict) or list(received) != self._names:
             raise ValueError("the global model received has other parameters than this model")
@@ -234,6 +297,27 @@ class DiLoCo:
         """What the group's state fingerprints (``fingerprint_every``) compare: the global model
         and the outer optimizer's state."""
         return {"global": self.model_state(), "outer": self.outer_optimizer.state_dict()["state"]}
+
+
+QUANTIZE = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # what the pseudo-gradients travel in
+
+
+def _split(params: list[torch.Tensor], count: int) -> list[list[int]]:
+    """The indices of ``params`` in ``count`` consecutive fragments of about equal size (a
+    fragment holds whole parameters: ValueError when there are fewer than ``count``)."""
+    if count > len(params):
+        raise ValueError(f"the model has {len(params)} parameters: it cannot be cut into {count} fragments")
+    sizes = [max(1, sharded.local(p).numel()) for p in params]
+    total, parts, done = sum(sizes), [[] for _ in range(count)], 0
+    fragment = 0
+    for i, size in enumerate(sizes):
+        left = len(params) - i  # parameters still to place, this one included (one at least per fragment)
+        if parts[fragment] and (done >= total * (fragment + 1) / count or left == count - 1 - fragment) \
+                and fragment < count - 1:
+            fragment += 1
+        parts[fragment].append(i)
+        done += size
+    return parts
 
 
 class LocalSGD(DiLoCo):
