@@ -1,6 +1,6 @@
 """Side by side with torchft: recovery and steady-state speed of ftcomm and torchft 0.2.0, same run.
 
-    python benchmarks/peer_torchft.py [--runs 3] [--window 10] [--step-time 0.005]
+    python benchmarks/peer_torchft.py [--runs 3] [--window 10] [--step-time 0.005] [--diloco H] [--own-netns]
 
 The same workload under three systems, interleaved in every run (ftcomm, then torchft with
 its defaults, then torchft tuned: 1 s timeouts, 2 s for its quorum), each on a fresh group: 4 single-process
@@ -19,7 +19,17 @@ its wall-clock time and world size. In each run, for each system:
 4. *SIGSTOP* of one of the 4: as 2; the stopped worker is then killed and a worker joins
    again (a second join sample).
 
-Ratios are torchft / ftcomm for times and ftcomm / torchft for steps per second; medians
+``--diloco H`` runs both systems' DiLoCo instead (``ftcomm.DiLoCo``,
+``torchft.local_sgd.DiLoCo``; the same inner SGD step and an outer step every H inner steps,
+outer SGD 0.7 with Nesterov momentum 0.9): a committed step is then an outer step, so the
+rates are outer steps per second (times H: inner steps), and a recovery ends at the
+survivors' first committed outer step (up to H inner steps after the fault by design).
+
+The steady window also counts the bytes the loopback sent, per worker and committed step;
+``--own-netns`` (root) runs the benchmark in a network namespace of its own, so that they
+are the systems' bytes alone (the systems run one after the other).
+
+Ratios are torchft / ftcomm for times and bytes, ftcomm / torchft for steps per second; medians
 over the runs. The torchft settings are ``peer_worker.TORCHFT_SETTINGS``. Every wait has a
 deadline (``--deadline``); every process started here is killed at the end, whatever
 happens. torchft is optional for the project: without it this prints how to install it
@@ -86,16 +96,17 @@ def close_all(children: list[ChildProcess], grace: float = 5.0) -> None:
 class Cluster:
     """One system's group of workers (and, for torchft, its lighthouse)."""
 
-    def __init__(self, system: str, step_time: float, deadline: float, torchft_ddp: bool = False) -> None:
+    def __init__(self, system: str, step_time: float, deadline: float, torchft_ddp: bool = False,
+                 diloco: int = 0) -> None:
         self.system, self.step_time, self.deadline = system, step_time, deadline
-        self.torchft_ddp = torchft_ddp
+        self.torchft_ddp, self.diloco = torchft_ddp, diloco
         self.workers: list[ChildProcess] = []
         self.lighthouse: ChildProcess | None = None
         self.seed: str | None = None
         self.started = 0
 
     def spawn(self) -> ChildProcess:
-        common = ["--step-time", str(self.step_time)]
+        common = ["--step-time", str(self.step_time), "--diloco", str(self.diloco)]
         if self.system == "ftcomm":
             worker = start("ftcomm", *common, *(["--peers", self.seed] if self.seed else []))
         else:
@@ -144,19 +155,35 @@ def mark(worker: ChildProcess) -> int:
     return len(worker.events)
 
 
+def loopback_bytes() -> int:
+    """Bytes this network namespace's loopback has sent (with ``--own-netns``: every byte
+    the system under test sends, gossip, store and lighthouse included)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, fields = line.partition(":")
+            if name.strip() == "lo":
+                return int(fields.split()[8])
+    raise RuntimeError("no loopback interface")
+
+
 def steady_state(cluster: Cluster, window: float) -> dict:
-    """Committed steps per second of each worker over ``window`` seconds, all in a world of SIZE."""
+    """Committed steps per second of each worker over ``window`` seconds, all in a world of
+    SIZE; and the loopback's bytes per committed step per worker over the window."""
     cluster.wait_world(cluster.workers, SIZE, time.time())
     time.sleep(1.0)
     marks = [mark(w) for w in cluster.workers]
+    sent = loopback_bytes()
     time.sleep(window)
-    rates = []
+    sent = loopback_bytes() - sent
+    rates, commits = [], []
     for worker, m in zip(cluster.workers, marks):
         times = [e["t"] for e in worker.snapshot()[m:] if e["ev"] == "commit" and e["world"] == SIZE]
         if len(times) < 2:
             raise RuntimeError(f"{len(times)} commits in a world of {SIZE} within {window:g} s")
         rates.append((len(times) - 1) / (times[-1] - times[0]))
-    return {"steps_per_s": round(statistics.median(rates), 2), "per_worker": [round(r, 2) for r in rates]}
+        commits.append(len(times))
+    return {"steps_per_s": round(statistics.median(rates), 2), "per_worker": [round(r, 2) for r in rates],
+            "bytes_per_step": round(sent / SIZE / statistics.median(commits))}
 
 
 def fault(cluster: Cluster, sig: int, victim_index: int = 1) -> dict:
@@ -194,7 +221,7 @@ def join(cluster: Cluster) -> dict:
 def one_run(system: str, args) -> dict:
     """Steady state, kill -9, join, SIGSTOP, join on a fresh group. A measurement that fails is
     recorded with its error and ends the run for this system (the group's state is unknown)."""
-    cluster = Cluster(system, args.step_time, args.deadline, args.torchft_ddp)
+    cluster = Cluster(system, args.step_time, args.deadline, args.torchft_ddp, args.diloco)
     result: dict = {"system": system}
     steps = [("steady", lambda: steady_state(cluster, args.window)),
              ("kill9", lambda: fault(cluster, signal.SIGKILL)),
@@ -228,6 +255,8 @@ def summarize(runs: list[dict]) -> dict:
         joins = [r[k]["join_s"] for r in mine for k in ("join_after_kill9", "join_after_sigstop") if k in r]
         summary[system] = {
             "steady_steps_per_s": median_of(mine, "steady", "steps_per_s"),
+            "bytes_per_step": median_of(mine, "steady", "bytes_per_step"),
+            "runs_bytes_per_step": [r["steady"]["bytes_per_step"] for r in mine if "steady" in r],
             "kill9_recovery_s": median_of(mine, "kill9", "recovery_s"),
             "sigstop_recovery_s": median_of(mine, "sigstop", "recovery_s"),
             "join_s": round(statistics.median(joins), 4) if joins else None,
@@ -249,6 +278,7 @@ def summarize(runs: list[dict]) -> dict:
             "sigstop_recovery_torchft_over_ftcomm": ratio(theirs["sigstop_recovery_s"], ours["sigstop_recovery_s"]),
             "join_torchft_over_ftcomm": ratio(theirs["join_s"], ours["join_s"]),
             "steady_ftcomm_over_torchft": ratio(ours["steady_steps_per_s"], theirs["steady_steps_per_s"]),
+            "bytes_torchft_over_ftcomm": ratio(theirs["bytes_per_step"], ours["bytes_per_step"]),
         }
     return {"medians": summary, "ratios": ratios}
 
@@ -263,7 +293,9 @@ def print_table(summary: dict) -> None:
             ("SIGSTOP of 1 of 4: recovery (s)", "sigstop_recovery_s", "sigstop_recovery_torchft_over_ftcomm",
              "runs_sigstop_s"),
             ("join: init to first commit (s)", "join_s", "join_torchft_over_ftcomm", "runs_join_s"),
-            ("steady state, 4 workers (steps/s)", "steady_steps_per_s", "steady_ftcomm_over_torchft", "runs_steady")]
+            ("steady state, 4 workers (steps/s)", "steady_steps_per_s", "steady_ftcomm_over_torchft", "runs_steady"),
+            ("bytes per step per worker (steady)", "bytes_per_step", "bytes_torchft_over_ftcomm",
+             "runs_bytes_per_step")]
     header = ["measure (median)", "ftcomm", "torchft default", "ratio", "torchft tuned", "ratio"]
     lines = [header]
     for title, key, ratio_key, _ in rows:
@@ -296,6 +328,19 @@ def save(report: dict, path: str) -> None:
         json.dump(report, f, indent=1)
 
 
+def in_own_namespace() -> int:
+    """Run this benchmark again, with the same arguments, in a new network namespace whose
+    loopback is up; the namespace is deleted afterwards."""
+    name = f"ftpeer{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True, timeout=30)
+        return subprocess.run(["ip", "netns", "exec", name, sys.executable, *sys.argv],
+                              env={**os.environ, "PEER_TORCHFT_NETNS": name}).returncode
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], timeout=30)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -306,8 +351,20 @@ def main() -> int:
     parser.add_argument("--torchft-ddp", action="store_true",
                         help="torchft workers average through torchft.DistributedDataParallel (see peer_worker.py)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ", ".join(SYSTEMS))
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "peer_torchft.json"))
+    parser.add_argument("--diloco", type=int, default=0,
+                        help="train with DiLoCo, an outer step every this many inner steps, in both systems (a "
+                             "commit is an outer step); results in peer_torchft_diloco.json")
+    parser.add_argument("--own-netns", action="store_true",
+                        help="run in a network namespace of its own (root), so that the loopback's bytes are the "
+                             "systems' alone (without it, the bytes per step count the host's loopback traffic too)")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/peer_torchft[_diloco].json")
     args = parser.parse_args()
+    args.out = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                        f"peer_torchft{'_diloco' if args.diloco else ''}.json")
+    if args.diloco and args.torchft_ddp:
+        parser.error("--diloco trains through each system's DiLoCo: not with --torchft-ddp")
+    if args.own_netns and os.environ.get("PEER_TORCHFT_NETNS") is None:
+        return in_own_namespace()
     compile_package()  # as an installed package: each worker reads the compiled modules
     systems = [s for s in args.systems.split(",") if s]
     if not systems or set(systems) - set(SYSTEMS):
@@ -326,12 +383,14 @@ def main() -> int:
 
     report: dict = {
         "benchmark": "peer_torchft",
+        "own_netns": os.environ.get("PEER_TORCHFT_NETNS") is not None,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_at_start": os.getloadavg()},
         "versions": {"torch": importlib.metadata.version("torch"), "torchft": version,
                      "ftcomm": importlib.metadata.version("ftcomm")},
         "workload": {"workers": SIZE, "backend": "gloo (CPU, 127.0.0.1)", "torch_threads": 1,
                      "model": "MLP 32-128-128-4, batch 64, SGD", "step_time_s": args.step_time,
+                     "diloco_sync_every": args.diloco or None,
                      "window_s": args.window},
         "settings": {"ftcomm": "defaults (ftcomm.init(backend='gloo', bind='127.0.0.1:0', min_workers=1))",
                      "torchft": TORCHFT_SETTINGS,
@@ -346,6 +405,8 @@ def main() -> int:
                       "world of the others (first_commit_world)",
             "all_committed_s": "from the joiner's init until all 4 have committed a step in a world of 4",
             "steps_per_s": "committed steps per second of each worker over the window, median over the 4",
+            "bytes_per_step": "bytes the loopback sent during the steady window, per worker and committed step "
+                              "(every byte of the system: with --own-netns nothing else's)",
         },
         "runs": [],
     }

@@ -19,6 +19,11 @@ Only the gradient average and the commit decision differ:
   returns False before the future chain is set, and the hook asserts on it), so a crashed
   or stopped peer ends every survivor's training loop with that error.
 
+``--diloco H`` trains with DiLoCo instead, the same inner step (the SGD step on each
+worker's own gradient) and an outer step every H inner steps: ``ftcomm.DiLoCo`` or
+``torchft.local_sgd.DiLoCo`` (one fragment, outer SGD at 0.7 with Nesterov momentum 0.9);
+a commit is then an outer step.
+
 Every line on stdout is a JSON object: ``started`` (model built; ``init_t`` is the wall
 clock just before ``ftcomm.init`` or the torchft store, process group and Manager are
 created), ``ready``, one ``commit`` per committed step with its wall-clock time ``t``, the
@@ -118,9 +123,22 @@ def run_ftcomm(args, closed: threading.Event) -> None:
     init_t = time.time()
     emit(ev="started", pid=os.getpid(), init_t=init_t, t=init_t)
     ft = ftcomm.init(backend="gloo", peers=args.peers, bind="127.0.0.1:0", min_workers=1)
-    ft.register_state(model=model, optimizer=optimizer)
+    if args.diloco:
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.diloco)
+        ft.register_state(diloco=diloco)
+    else:
+        ft.register_state(model=model, optimizer=optimizer)
     emit(ev="ready", id=ft.id, address=ft.gossip.address, pid=os.getpid(), t=time.time())
     try:
+        inner = 0
+        while args.diloco and not closed.is_set():
+            time.sleep(args.step_time)
+            x, y = batch(inputs, labels, inner)
+            F.cross_entropy(model(x), y).backward()
+            inner += 1
+            if diloco.step():  # the inner step; every --diloco of them the outer step
+                emit(ev="commit", step=ft.step, world=ft.world_size, view=ft.view.id, t=time.time())
         while not closed.is_set():
             optimizer.zero_grad()
             time.sleep(args.step_time)
@@ -161,14 +179,21 @@ def run_torchft(args, closed: threading.Event) -> None:
 
     manager = torchft.Manager(
         pg=process_group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+        use_async_quorum=not args.diloco,  # (its DiLoCo needs the synchronous quorum)
         timeout=timedelta(seconds=settings["manager"]["timeout_s"]),
         quorum_timeout=timedelta(seconds=settings["manager"]["quorum_timeout_s"]),
         connect_timeout=timedelta(seconds=settings["manager"]["connect_timeout_s"]),
         rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=args.lighthouse,
         replica_id=args.replica_id, hostname="127.0.0.1")
+    emit(ev="ready", id=args.replica_id, address=args.lighthouse, pid=os.getpid(), t=time.time())
+    if args.diloco:
+        try:
+            train_torchft_diloco(args, closed, manager, model, inner_optimizer, inputs, labels)
+        finally:
+            manager.shutdown(wait=False)
+        return
     forward = torchft.DistributedDataParallel(manager, model) if args.ddp else model
     optimizer = torchft.Optimizer(manager, inner_optimizer)
-    emit(ev="ready", id=args.replica_id, address=args.lighthouse, pid=os.getpid(), t=time.time())
     try:
         while not closed.is_set():
             optimizer.zero_grad()  # starts this step's quorum (asynchronous)
@@ -184,6 +209,29 @@ def run_torchft(args, closed: threading.Event) -> None:
                 emit(ev="commit", step=manager.current_step(), world=manager.num_participants(), t=time.time())
     finally:
         manager.shutdown(wait=False)
+
+
+def train_torchft_diloco(args, closed: threading.Event, manager, model, inner_optimizer, inputs, labels) -> None:
+    """torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, one fragment): the inner optimizer's
+    step hook runs the outer step every ``--diloco`` inner steps (its quorum, the
+    pseudo-gradients' allreduce, ``should_commit``); a commit is a step of the Manager."""
+    import torch
+    import torch.nn.functional as F
+    from torchft.local_sgd import DiLoCo
+
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    inner = 0
+    with DiLoCo(manager, [model], inner_optimizer, outer, sync_every=args.diloco):
+        while not closed.is_set():
+            inner_optimizer.zero_grad()
+            time.sleep(args.step_time)
+            x, y = batch(inputs, labels, inner)
+            F.cross_entropy(model(x), y).backward()
+            inner += 1
+            before = manager.current_step()
+            inner_optimizer.step()  # every --diloco steps its hook runs the outer step
+            if manager.current_step() > before:
+                emit(ev="commit", step=manager.current_step(), world=manager.num_participants(), t=time.time())
 
 
 def average_gradients(manager, model) -> None:
@@ -211,6 +259,9 @@ def main() -> int:
     parser.add_argument("--ddp", action="store_true",
                         help="torchft: average through torchft.DistributedDataParallel instead of Manager.allreduce")
     parser.add_argument("--step-time", type=float, default=0.005, help="extra seconds of work per step (sleep)")
+    parser.add_argument("--diloco", type=int, default=0,
+                        help="train with DiLoCo, an outer step every this many inner steps (ftcomm.DiLoCo, "
+                             "torchft.local_sgd.DiLoCo; outer SGD 0.7, Nesterov 0.9): a commit is an outer step")
     args = parser.parse_args()
     if args.role == "lighthouse":
         return run_lighthouse(args.tuned)

@@ -401,3 +401,94 @@ def test_the_replica_store_listens_on_the_replica_address_only():
         assert _listening_on(port) == {"0100007F"}  # 127.0.0.1, and no wildcard
     finally:
         del store
+
+
+DILOCO_OUTER, DILOCO_EVERY, DILOCO_FRAGMENTS = 4, 4, 2
+
+
+def _diloco_inner(model, step: int, replica: int, shards: tuple[int, ...]) -> None:
+    """One inner step's backward: the replica's gradient is the mean of its shard processes'
+    (FSDP2's reduce-scatter averages them), so alone it is the mean of their losses."""
+    sum(model(_batch(step, replica, shard)).pow(2).mean() for shard in shards).div(len(shards)).backward()
+
+
+def _ftcomm_diloco(rank: int, ports: list[int], out: str) -> None:
+    import ftcomm
+    replica, shard = divmod(rank, SHARDS)
+    gossip = ports[REPLICAS:]
+    group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[rank]}",
+                        peers=[f"127.0.0.1:{gossip[0]}"] if rank else [],
+                        min_workers=REPLICAS, cluster="sharded-diloco", handle_signals=False,
+                        settle_interval=0.3, init_timeout=60,
+                        replica_size=SHARDS, shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
+    model = _model()
+    _shard(model, group.shard_mesh)
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    diloco = ftcomm.DiLoCo(group, model, inner, outer_optimizer=outer, sync_every=DILOCO_EVERY,
+                           fragments=DILOCO_FRAGMENTS)
+    group.register_state(diloco=diloco)
+    group.step_boundary()
+    committed, step = [], 0
+    while group.step < DILOCO_OUTER:
+        _diloco_inner(model, step, replica, (shard,))
+        step += 1
+        result = diloco.step()
+        if result is not None:
+            committed.append(result)
+    torch.save({"global": {n: p.to_local().clone() for n, p in diloco.model_state().items()},
+                "committed": committed, "digest": group.state.digest(group.step)},
+               os.path.join(out, f"diloco_{replica}_{shard}.pt"))
+    group.shutdown()
+    dist.destroy_process_group()
+
+
+def _diloco_alone() -> dict[str, torch.Tensor]:
+    """The global model of Streaming DiLoCo over REPLICAS unsharded workers, computed alone."""
+    from ftcomm.training.diloco import _split
+    global_model = _model()
+    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    workers = [_model() for _ in range(REPLICAS)]
+    inners = [torch.optim.Adam(w.parameters(), lr=0.01) for w in workers]
+    params = list(global_model.parameters())
+    parts = _split(params, DILOCO_FRAGMENTS)
+    steps = [0] * REPLICAS
+    for k in range(DILOCO_OUTER):
+        part = parts[k % DILOCO_FRAGMENTS]
+        deltas = []
+        for replica, (worker, inner) in enumerate(zip(workers, inners)):
+            for _ in range(DILOCO_EVERY // DILOCO_FRAGMENTS):
+                _diloco_inner(worker, steps[replica], replica, tuple(range(SHARDS)))
+                steps[replica] += 1
+                inner.step()
+                inner.zero_grad()
+            local = list(worker.parameters())
+            deltas.append({i: params[i].detach() - local[i].detach() for i in part})
+        for i in part:
+            params[i].grad = sum(d[i] for d in deltas) / REPLICAS
+        outer.step()
+        outer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for worker in workers:
+                for i in part:
+                    list(worker.parameters())[i].copy_(params[i])
+    return {n: p.detach() for n, p in global_model.named_parameters()}
+
+
+def test_streaming_diloco_over_sharded_replicas_averages_each_shard_across_replicas_as_computed_alone(tmp_path):
+    """2 replicas x 2 shards (FSDP2 inside each replica, its inner steps on Adam) train
+    Streaming DiLoCo, two fragments taking turns: every outer step commits, the global
+    model's shards are those of DiLoCo over two unsharded workers computed alone (each
+    shard's pseudo-gradient averaged across the replicas over its own communicator), and
+    every process of a shard index holds one digest."""
+    ports = [free_port() for _ in range(REPLICAS + REPLICAS * SHARDS)]
+    torch.multiprocessing.spawn(_ftcomm_diloco, args=(ports, str(tmp_path)), nprocs=REPLICAS * SHARDS)
+    expected = _diloco_alone()
+    for shard in range(SHARDS):
+        results = [torch.load(tmp_path / f"diloco_{replica}_{shard}.pt") for replica in range(REPLICAS)]
+        assert len({r["digest"] for r in results}) == 1
+        for r in results:
+            assert r["committed"] == [True] * DILOCO_OUTER
+            for name, whole in expected.items():
+                torch.testing.assert_close(r["global"][name], whole.chunk(SHARDS, dim=0)[shard], rtol=1e-5,
+                                           atol=1e-6, msg=name)

@@ -307,7 +307,7 @@ def _split(params: list[torch.Tensor], count: int) -> list[list[int]]:
     fragment holds whole parameters: ValueError when there are fewer than ``count``)."""
     if count > len(params):
         raise ValueError(f"the model has {len(params)} parameters: it cannot be cut into {count} fragments")
-    sizes = [max(1, sharded.local(p).numel()) for p in params]
+    sizes = [max(1, p.numel()) for p in params]  # (a sharded parameter: its whole size, equal on every shard)
     total, parts, done = sum(sizes), [[] for _ in range(count)], 0
     fragment = 0
     for i, size in enumerate(sizes):
