@@ -64,15 +64,22 @@ def _plain_hsdp(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _with_ftcomm(rank: int, ports: list[int], out: str, apart: bool) -> None:
+def _replica_group(rank: int, ports: list[int], cluster: str):
+    """Process ``rank`` of REPLICAS x SHARDS in the group ``cluster``: its replica's store on
+    ``ports[replica]``, gossip on ``ports[REPLICAS + rank]``."""
     import ftcomm
     replica, shard = divmod(rank, SHARDS)
     gossip = ports[REPLICAS:]
-    group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[rank]}",
-                        peers=[f"127.0.0.1:{gossip[0]}"] if rank else [],
-                        min_workers=REPLICAS, cluster="sharded-test", handle_signals=False,
-                        settle_interval=0.3, init_timeout=60,
-                        replica_size=SHARDS, shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
+    return ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[rank]}",
+                       peers=[f"127.0.0.1:{gossip[0]}"] if rank else [], min_workers=REPLICAS, cluster=cluster,
+                       handle_signals=False, settle_interval=0.3, init_timeout=60, replica_size=SHARDS,
+                       shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
+
+
+def _with_ftcomm(rank: int, ports: list[int], out: str, apart: bool) -> None:
+    import ftcomm
+    replica, shard = divmod(rank, SHARDS)
+    group = _replica_group(rank, ports, "sharded-test")
     assert (group.replica_size, group.shard_rank, group.num_replicas) == (SHARDS, shard, REPLICAS)
     assert group.world_size == REPLICAS * SHARDS and group.rank % SHARDS == shard  # whole replicas, in shard order
     assert group.shard_mesh.size() == SHARDS and dist.get_world_size() == SHARDS  # torch's group: the replica's
@@ -150,15 +157,9 @@ def _plain_hsdp_mixed(rank: int, port: int, out: str) -> None:
 
 
 def _ftcomm_mixed(rank: int, ports: list[int], out: str) -> None:
-    import ftcomm
     from ftcomm.training.shard_groups import ShardGroupBuckets
     replica, shard = divmod(rank, SHARDS)
-    gossip = ports[REPLICAS:]
-    group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[rank]}",
-                        peers=[f"127.0.0.1:{gossip[0]}"] if rank else [],
-                        min_workers=REPLICAS, cluster="sharded-mixed", handle_signals=False,
-                        settle_interval=0.3, init_timeout=60,
-                        replica_size=SHARDS, shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
+    group = _replica_group(rank, ports, "sharded-mixed")
     model = _model(hidden=15)
     _shard(model, group.shard_mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -223,11 +224,7 @@ def test_replicas_started_apart_hold_equal_shards_once_reconciled(tmp_path):
 def _other_widths(rank: int, ports: list[int], out: str) -> None:
     import ftcomm
     replica, shard = divmod(rank, SHARDS)
-    gossip = ports[REPLICAS:]
-    group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[rank]}",
-                        peers=[f"127.0.0.1:{gossip[0]}"] if rank else [], min_workers=REPLICAS,
-                        cluster="sharded-mismatch", handle_signals=False, settle_interval=0.3, init_timeout=60,
-                        replica_size=SHARDS, shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
+    group = _replica_group(rank, ports, "sharded-mismatch")
     model = _model(hidden=16 if replica == 0 else 24)  # replica 1 runs a wider model
     _shard(model, group.shard_mesh)
     try:
@@ -415,12 +412,7 @@ def _diloco_inner(model, step: int, replica: int, shards: tuple[int, ...]) -> No
 def _ftcomm_diloco(rank: int, ports: list[int], out: str) -> None:
     import ftcomm
     replica, shard = divmod(rank, SHARDS)
-    gossip = ports[REPLICAS:]
-    group = ftcomm.init(backend="gloo", bind=f"127.0.0.1:{gossip[rank]}",
-                        peers=[f"127.0.0.1:{gossip[0]}"] if rank else [],
-                        min_workers=REPLICAS, cluster="sharded-diloco", handle_signals=False,
-                        settle_interval=0.3, init_timeout=60,
-                        replica_size=SHARDS, shard_rank=shard, replica_addr=f"127.0.0.1:{ports[replica]}")
+    group = _replica_group(rank, ports, "sharded-diloco")
     model = _model()
     _shard(model, group.shard_mesh)
     inner = torch.optim.Adam(model.parameters(), lr=0.01)
