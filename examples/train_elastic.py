@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128, help="hidden width (3150: about 10M parameters)")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     args = parser.parse_args(argv)
+    if (args.fragments != 1 or args.quantize) and (not args.sync_every or args.local_sgd):
+        parser.error("--fragments and --quantize are DiLoCo's: give --sync-every, not --local-sgd")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack
 

@@ -45,6 +45,7 @@ from .runtime.ports import Ports
 from .runtime.rendezvous import Rendezvous
 from .runtime.worker import WorkerLoop
 from .runtime.stragglers import StragglerReport, Stragglers
+from .training.buckets import WIRE_DTYPES
 from .training.reducer import DistributedDataParallel
 from .training.replica import Replica
 from .training.replica_repair import RepairChannel
@@ -621,6 +622,8 @@ class FaultTolerantGroup:
         with FSDP2 (FtcommError); ValueError for another dtype.
         """
         self._owner = threading.get_ident()
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype is one of {', '.join(map(str, WIRE_DTYPES))}, not {wire_dtype}")
         if self._check_open("step"):
             return False  # (repaired: the step is discarded, and the replica is in the group again)
         if isinstance(model_or_params, DistributedDataParallel):

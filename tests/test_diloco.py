@@ -5,6 +5,7 @@ the example's DiLoCo mode and kill, stop and add workers while it trains."""
 
 from __future__ import annotations
 
+import copy
 import signal
 import threading
 
@@ -208,6 +209,61 @@ def test_a_discarded_outer_step_is_done_again_from_the_model_and_the_inner_state
     discarded, results = run([False, True, False])
     assert plain_results == [True] * 3 and results == [True, False, True, True]
     assert all(torch.equal(a, b) for a, b in zip(plain, discarded))
+    twice, results = run([False, True, True, False])  # two in a row: the saved inner state is not the live one
+    assert results == [True, False, False, True, True]
+    assert all(torch.equal(a, b) for a, b in zip(plain, twice))
+
+
+class Alone:
+    """A group of one without a sampler whose outer steps commit; ``during(params)`` runs
+    inside each, as a reconcile would."""
+
+    rank, world_size, step = 0, 1, 0
+
+    def __init__(self, during=lambda params: None) -> None:
+        self.during = during
+
+    def wait_gradients_ready(self, params, wire_dtype=torch.float32) -> bool:
+        self.during(params)
+        self.step += 1
+        return True
+
+    def step_boundary(self) -> None:
+        pass
+
+
+def test_a_member_whose_state_is_replaced_during_an_outer_step_takes_the_group_s_fragment_turn():
+    """Streaming DiLoCo: a member one outer step behind (its turn is fragment 0, the group's
+    fragment 1) has its state replaced inside the step, as a reconcile does, and contributes
+    nothing; it reduces the same layout as the others and applies what they sent to the
+    group's fragment, ending with their global model and turn."""
+    def build(group):
+        model, inner, outer = model_and_optimizers(0.7)
+        return model, ftcomm.DiLoCo(group, model, inner, outer_optimizer=outer, sync_every=4, fragments=2)
+
+    sent = []
+    ahead = Alone(lambda params: sent.append(params[0].grad.clone()))
+    model, leader = build(ahead)
+    for step in range(4):  # two outer steps: fragments 0 and 1
+        inner_step(model, [step, step + 1])
+        if step == 2:  # after the first outer step
+            behind_state = leader.state_dict()
+            behind_state = {**behind_state, "global": {n: t.clone() for n, t in behind_state["global"].items()},
+                            "outer": copy.deepcopy(behind_state["outer"])}
+        leader.step()
+    assert leader.state_dict()["outer_steps"] == 2 and leader.next_fragment == 0
+
+    def replaced(params):
+        follower.load_state_dict(behind_state)  # the group's state of outer step 1: fragment 1's turn
+        params[0].grad.copy_(sent[1])  # its own share counts as none: the others' sum
+    model, follower = build(Alone(replaced))
+    inner_step(model, [7, 8])
+    follower.step()
+    inner_step(model, [9, 10])
+    assert follower.step() is True
+    assert follower.state_dict()["outer_steps"] == 2
+    for name, value in leader.state_dict()["global"].items():
+        assert torch.equal(follower.state_dict()["global"][name], value), name
 
 
 def test_a_whole_job_restart_resumes_at_the_last_outer_step_with_the_global_model_and_outer_state(tmp_path, name):

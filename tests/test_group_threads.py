@@ -300,6 +300,48 @@ def test_wait_gradients_ready_averages_exactly_with_and_without_overlap(overlap,
             g.shutdown()
 
 
+def test_gradients_summed_in_bfloat16_are_the_rounded_mean_and_a_change_of_wire_dtype_takes_the_next_step():
+    """Two workers, overlap on. A dtype that is not a wire's is refused before anything
+    starts. Then float32, bfloat16, bfloat16, float32, float32: a call whose backward
+    already began its reductions in the other dtype (the hooks of the buckets it had) is
+    summed in that dtype and commits; the next is summed in the dtype asked for. Summed in
+    bfloat16, every gradient is the bfloat16 sum of the bfloat16 halves, on both workers."""
+    groups = start_groups(2)
+    wires = (torch.float32, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32)
+    summed_in = (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32)
+    try:
+        def train(i: int, g: ftcomm.FaultTolerantGroup) -> list:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(8, 4)
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i))
+            with pytest.raises(ValueError, match="wire_dtype"):
+                g.wait_gradients_ready(model, wire_dtype=torch.float64)
+            results = []
+            for wire in wires:
+                model(x).pow(2).mean().backward()
+                local = [p.grad.clone() for p in model.parameters()]
+                committed = g.wait_gradients_ready(model, wire_dtype=wire)
+                results.append((committed, local, [p.grad.clone() for p in model.parameters()]))
+                model.zero_grad()
+            return results
+
+        results = in_threads(groups, train)
+    finally:
+        for g in groups:
+            g.shutdown()
+    assert [r[0] for r in results[0]] == [True] * len(wires) == [r[0] for r in results[1]]
+    for step, dtype in enumerate(summed_in):
+        a, b = results[0][step], results[1][step]
+        for local_a, local_b, mean_a, mean_b in zip(a[1], b[1], a[2], b[2]):
+            assert torch.equal(mean_a, mean_b)
+            if dtype == torch.bfloat16:
+                halves = (local_a / 2).bfloat16(), (local_b / 2).bfloat16()
+                assert torch.equal(mean_a, (halves[0] + halves[1]).float())
+            else:
+                torch.testing.assert_close(mean_a, (local_a + local_b) / 2, rtol=1e-6, atol=1e-7)
+                assert not torch.equal(mean_a, mean_a.bfloat16().float())
+
+
 def _observe_completions_late(group: ftcomm.FaultTolerantGroup, delay: float,
                               operations: tuple[str, ...] = ("allreduce",)) -> None:
     """This member's training thread learns that its ``operations`` completed ``delay`` seconds

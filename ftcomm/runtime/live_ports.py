@@ -381,10 +381,16 @@ class BackendCollective:
         is the dtype the gradients are summed in (see GradientBuckets)."""
         watch, params = params, [p for p in params if p.requires_grad]
         buckets = self.buckets
-        if buckets is not None and getattr(buckets, "wire", torch.float32) == wire and \
-                len(buckets.params) == len(params) and all(
+        if buckets is not None and len(buckets.params) == len(params) and all(
                 a is b for a, b in zip(buckets.params, params)):
-            return
+            if getattr(buckets, "wire", torch.float32) == wire:
+                return
+            if buckets.touched:  # backward began this step's reductions in the other dtype: the step ends in
+                # it; without the hooks the next backward starts none, and the next call builds new buckets
+                log.warning("wire_dtype changed to %s after backward began reducing the step in %s: this step is "
+                            "summed in %s, the next ones in %s", wire, buckets.wire, buckets.wire, wire)
+                buckets.remove()
+                return
         if buckets is not None:
             if buckets.touched:  # its hooks already started this step's reductions for the old list
                 buckets.drop()

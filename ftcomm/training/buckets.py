@@ -104,7 +104,7 @@ class GradientBuckets(Suspendable):
         self._launch, self._may_overlap, self._world_size = launch, may_overlap, world_size
         self._contribution = contribution
         self.wire = wire
-        self._groups = _group(list(reversed(params)), bucket_mb)
+        self._groups = _group(list(reversed(params)), bucket_mb, torch.tensor([], dtype=wire).element_size())
         if wire != torch.float32:
             self._groups.append([])  # the counters alone, in float32
         self._slot: dict[int, tuple[int, int, int]] = {}
@@ -341,14 +341,15 @@ def read_counters(values: list[float]) -> tuple[float, float, tuple[int, ...], t
     return values[0], values[1], asking, tuple(fingerprints)
 
 
-def _group(params: list[torch.Tensor], bucket_mb: float) -> list[list[torch.Tensor]]:
-    """Consecutive parameters in buckets: the first up to FIRST_BUCKET_MB, the rest ``bucket_mb``."""
+def _group(params: list[torch.Tensor], bucket_mb: float, itemsize: int = 4) -> list[list[torch.Tensor]]:
+    """Consecutive parameters in buckets of ``itemsize`` bytes an element: the first up to
+    FIRST_BUCKET_MB, the rest ``bucket_mb``."""
     groups: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
     size = 0
     for p in params:
         current.append(p)
-        size += sharded.local(p).numel() * 4
+        size += sharded.local(p).numel() * itemsize
         cap = min(FIRST_BUCKET_MB, bucket_mb) if not groups else bucket_mb
         if size >= cap * (1 << 20):
             groups.append(current)

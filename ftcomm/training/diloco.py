@@ -114,6 +114,21 @@ class DiLoCo:
         self._sampler: Any = None
         self._inner_saved = _to_host(self.inner_optimizer.state_dict())
         self._local_saved = self._snapshot()
+        self._carrier = self._make_carrier()
+
+    def _make_carrier(self) -> torch.Tensor | None:
+        """With fragments, the one flat float32 tensor whose gradient carries any fragment's
+        pseudo-gradients (the largest fragment's size, frozen parameters' places included):
+        every outer step reduces the same layout, whichever fragment a member takes, so that a
+        member whose state is replaced inside the step (its turn was another; it contributes
+        nothing then) still meets the others' reduction. None for one fragment."""
+        if self.fragments == 1:
+            return None
+        size = max(sum(sharded.local(self._local[i]).numel() for i in part) for part in self._parts)
+        device = sharded.local(self._local[0]).device
+        carrier = torch.zeros(size, dtype=torch.float32, device=device, requires_grad=True)
+        carrier.grad = torch.zeros_like(carrier)
+        return carrier
 
     def _move_outer_optimizer(self) -> None:
         """Point the outer optimizer's parameter groups at the global model."""
@@ -159,13 +174,20 @@ class DiLoCo:
         part = self._parts[self.next_fragment]
         for i in part:
             self._global[i].requires_grad_(self._local[i].requires_grad)  # (a parameter frozen or unfrozen since)
-        trainable = [self._global[i] for i in part if self._global[i].requires_grad]
         with torch.no_grad():
             for i in part:
                 g = self._global[i]
                 if g.requires_grad:
                     g.grad = g.detach() - self._local[i].detach()  # the pseudo-gradient
-        committed = self.group.wait_gradients_ready(trainable, wire_dtype=QUANTIZE[self.quantize])
+        wire = QUANTIZE[self.quantize]
+        if self._carrier is None:
+            committed = self.group.wait_gradients_ready([self._global[i] for i in part if self._global[i].requires_grad],
+                                                        wire_dtype=wire)
+        else:
+            self._pack(part)
+            committed = self.group.wait_gradients_ready([self._carrier], wire_dtype=wire)
+            if committed:  # the turn of the state as it is now: another if it was replaced during the step
+                part = self._unpack(part, self._parts[self.next_fragment])
         if committed:
             self.outer_optimizer.step()  # (the other fragments' parameters have no gradient: untouched)
             self.syncs += 1
@@ -180,6 +202,37 @@ class DiLoCo:
                      "of step %d", self.group.step)
             self._rewind()
         return committed
+
+    def _pack(self, part: list[int]) -> None:
+        """The fragment's pseudo-gradients into the carrier's gradient, in order (zeros for a
+        frozen parameter and after the fragment)."""
+        flat, offset = self._carrier.grad, 0
+        flat.zero_()
+        with torch.no_grad():
+            for i in part:
+                g = self._global[i]
+                n = sharded.local(g).numel()
+                if g.grad is not None:
+                    flat[offset:offset + n].copy_(sharded.local(g.grad).reshape(-1))
+                offset += n
+
+    def _unpack(self, sent: list[int], part: list[int]) -> list[int]:
+        """The averaged carrier into the gradients of ``part``'s trainable parameters (none
+        for the rest); returns ``part``."""
+        for i in sent:
+            self._global[i].grad = None
+        flat, offset = self._carrier.grad, 0
+        with torch.no_grad():
+            for i in part:
+                g = self._global[i]
+                g.requires_grad_(self._local[i].requires_grad)
+                n = sharded.local(g).numel()
+                if g.requires_grad:
+                    g.grad = torch.zeros_like(g)
+                    local = sharded.local(g.grad)
+                    local.copy_(flat[offset:offset + n].view_as(local))
+                offset += n
+        return part
 
     def _to_global(self, part: list[int] | None = None) -> None:
         """The local model's parameters of ``part`` (default all) set to the global model's."""
@@ -209,7 +262,9 @@ class DiLoCo:
                 for p, saved in zip(self._local, self._local_saved):
                     p.copy_(saved)
         groups = self.inner_optimizer.state_dict()["param_groups"]
-        self.inner_optimizer.load_state_dict({"state": self._inner_saved["state"], "param_groups": groups})
+        # a copy: load_state_dict keeps a tensor already of the parameter's device and dtype as
+        # it is, and the next inner steps would write into the saved state
+        self.inner_optimizer.load_state_dict({"state": _to_host(self._inner_saved["state"]), "param_groups": groups})
         self.inner_optimizer.zero_grad(set_to_none=True)
         self._inner_steps = 0
 
@@ -260,7 +315,7 @@ class DiLoCo:
         if not isinstance(state, dict) or not keys <= set(state) <= keys | {"fragments", "outer_steps"}:
             raise ValueError("not a DiLoCo state (global, outer, sync_every, fragments, outer_steps)")
         for name, value in (("sync_every", state["sync_every"]), ("fragments", state.get("fragments", 1))):
-            if value != getattr(self, name):
+            if type(value) is not int or value != getattr(self, name):
                 raise ValueError(f"the state is of a DiLoCo with {name}={value!r}, this one has "
                                  f"{getattr(self, name)}: give every worker the same")
         steps = state.get("outer_steps", 0)
