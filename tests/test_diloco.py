@@ -478,4 +478,7 @@ def test_a_partition_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_s
     once = check_exactly_once(logs, done[0]["step"], samples=8192, seed=0)
     assert once["ok"], once["problems"]
     reasons = [e["reason"] for e in workers[0].snapshot() if e["ev"] == "view"]
-    assert reasons[:1] == ["init"] and {"partition", "crash", "hang", "join"} <= set(reasons), reasons
+    # (a kill -9 between outer steps, while no collective is open to the worker, is found by
+    # gossip's probes, which cannot tell it from a hang: the reason is then "hang")
+    faults = [r for r in reasons if r in ("crash", "hang")]
+    assert reasons[:1] == ["init"] and {"partition", "hang", "join"} <= set(reasons) and len(faults) >= 2, reasons
