@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be a multiple of --sync-every")
     if (args.fragments != 1 or args.quantize) and (not args.sync_every or args.local_sgd):
         parser.error("--fragments and --quantize are DiLoCo's: give --sync-every, not --local-sgd")
+    if args.fragments < 1 or (args.sync_every and args.sync_every % args.fragments):
+        parser.error("--fragments must be a positive divisor of --sync-every")
 
     torch.manual_seed(args.seed)
     text = corpus(args.corpus_mb)

@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.fragments != 1 or args.quantize) and (not args.sync_every or args.local_sgd):
         parser.error("--fragments and --quantize are DiLoCo's: give --sync-every, not --local-sgd")
+    if args.fragments < 1 or (args.sync_every and args.sync_every % args.fragments):
+        parser.error("--fragments must be a positive divisor of --sync-every")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack
 
