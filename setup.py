@@ -17,7 +17,7 @@ setup(
         "xxhash>=3.0",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "nvidia-nccl-cu12>=2.18",
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", "nvidia-nccl-cu12>=2.18",
                  "kubernetes>=29", "pyyaml>=6", "prometheus-client>=0.17", "ray>=2.9"],
         "ray": ["ray>=2.9"],
         "bench": ["matplotlib>=3.5"],

@@ -114,14 +114,37 @@ def one_process_mesh():
         dist.destroy_process_group()
 
 
+KEPT_STATES = "/dev/shm/ftcomm-*.left*"
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST_WORKER.startswith("gw"):
+    # pytest-xdist runs the tests in several processes at once: the process tests of each
+    # form their groups under a default cluster name of its own, so that a state one kept
+    # when it lost the quorum is never another's starting point
+    os.environ["FTCOMM_CLUSTER"] = f"ftcomm-{_XDIST_WORKER}"
+
+
 @pytest.fixture(autouse=True)
 def _no_kept_state_outlives_its_test():
     """A worker that loses the quorum keeps its state in ``/dev/shm/ftcomm-<cluster>.left``
     for its job's restart, and a job of that cluster started later resumes from it: one
     test's must not become another's starting point (the process tests share the default
-    cluster name)."""
-    pattern = "/dev/shm/ftcomm-*.left*"
+    cluster name). With several test processes, only the default cluster's of this one:
+    another's test may be using its own (the session's end removes the rest)."""
+    pattern = f"/dev/shm/ftcomm-{os.environ['FTCOMM_CLUSTER']}.left*" if _XDIST_WORKER else KEPT_STATES
     before = set(glob.glob(pattern))
     yield
     for path in set(glob.glob(pattern)) - before:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_sessionstart(session) -> None:
+    session.config.kept_states_before = set(glob.glob(KEPT_STATES))
+
+
+def pytest_sessionfinish(session) -> None:
+    """Kept states the tests left behind, once every test process is done (in the process
+    that started them, or the only one)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    for path in set(glob.glob(KEPT_STATES)) - session.config.kept_states_before:
         shutil.rmtree(path, ignore_errors=True)
