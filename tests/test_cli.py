@@ -12,6 +12,14 @@ from ftcomm.gossip import GossipConfig, GossipNode
 from ftcomm.ops.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _default_cluster(monkeypatch):
+    """The commands here take their cluster from ``$FTCOMM_CLUSTER`` (the test processes
+    each set their own) and the nodes they query have GossipConfig's default: the same
+    name, ``ftcomm``, as for a user who sets neither."""
+    monkeypatch.delenv("FTCOMM_CLUSTER", raising=False)
+
+
 @pytest.fixture
 def member():
     node = GossipNode(config=GossipConfig(), secret="topsecret", metadata={"step": 7, "status": "active"}).start()
