@@ -138,7 +138,10 @@ def test_a_partition_three_to_two_stops_the_minority_and_heals_to_one_group():
         wait_until(lambda: min(cluster.status(w) for w in majority) > majority_at + 30, 60,
                    "the majority to go on")
         assert [cluster.status(w) for w in minority] == minority_steps, "the minority committed while cut off"
-        assert not any(e["ev"] == "view" and e["view_id"] > view_id for w in minority for e in w.snapshot())
+        # cut off, the minority forms no view of its own (its log may hold a view of all five that
+        # formed just before the cut, when a re-formation was under way: that one had a quorum)
+        assert not any(e["ev"] == "view" and e["view_id"] > view_id and len(e["members"]) < 3
+                       for w in minority for e in w.snapshot())
         lab.set_bridge_link(True)
         healed = cluster.wait_view(workers, 5, timeout=120, after=cut_view)
         assert {v["reason"] for v in healed[3:]} <= {"rejoin", "join"}  # back in, state reconciled below
