@@ -64,13 +64,18 @@ def _ns(name: str, *command: str, check: bool = True) -> subprocess.CompletedPro
                           timeout=30)
 
 
-def loopback_bytes(ns: str) -> int:
-    """Bytes the namespace's loopback sent."""
-    for line in _ns(ns, "cat", "/proc/net/dev").stdout.splitlines():
+def loopback_sent(proc_net_dev: str) -> int:
+    """The bytes the loopback sent, from the text of a namespace's ``/proc/net/dev``."""
+    for line in proc_net_dev.splitlines():
         name, _, fields = line.partition(":")
         if name.strip() == "lo":
             return int(fields.split()[8])
-    raise RuntimeError(f"no loopback in namespace {ns}")
+    raise RuntimeError("no loopback interface")
+
+
+def loopback_bytes(ns: str) -> int:
+    """Bytes the namespace's loopback sent."""
+    return loopback_sent(_ns(ns, "cat", "/proc/net/dev").stdout)
 
 
 def wait_listening(ns: str, port: int, timeout: float) -> None:

@@ -53,6 +53,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.bytecode import compile_package  # noqa: E402
+from benchmarks.diloco import loopback_sent  # noqa: E402
 from ftcomm.localproc import ChildProcess  # noqa: E402
 from peer_worker import TORCHFT_SETTINGS  # noqa: E402
 
@@ -159,11 +160,7 @@ def loopback_bytes() -> int:
     """Bytes this network namespace's loopback has sent (with ``--own-netns``: every byte
     the system under test sends, gossip, store and lighthouse included)."""
     with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, fields = line.partition(":")
-            if name.strip() == "lo":
-                return int(fields.split()[8])
-    raise RuntimeError("no loopback interface")
+        return loopback_sent(f.read())
 
 
 def steady_state(cluster: Cluster, window: float) -> dict:
