@@ -1,7 +1,8 @@
 """DiLoCo and LocalSGD against per-step gradient averaging: held-out loss and bytes per sample, same run.
 
     python benchmarks/diloco.py [--workers 4] [--steps 1000]
-        [--configs per-step,diloco-50,diloco-100,localsgd-50,streaming-100-4,streaming-100-4-bf16]
+        [--configs per-step,diloco-50,diloco-100,localsgd-50,streaming-100-4,streaming-100-4-bf16,
+                   streaming-100-4-int8]
 
 Each configuration trains examples/train_diloco.py (a character-level transformer on the
 standard library's sources, the same seed, data and global batch of 64 windows per inner
@@ -12,7 +13,7 @@ gradient path (DDP's algorithm and its reducer), ``diloco-H`` takes an outer ste
 (Nesterov SGD, learning rate 0.7, momentum 0.9) every H inner steps, ``localsgd-H``
 averages parameters every H steps, ``streaming-H-P`` is Streaming DiLoCo with P fragments
 (one outer step every H/P inner steps, each fragment's every H), ``streaming-H-P-bf16`` its
-pseudo-gradients summed in bfloat16.
+pseudo-gradients summed in bfloat16, ``streaming-H-P-int8`` in 8-bit integers.
 
 The workers of a configuration run in a network namespace of their own (root needed), so
 the namespace's loopback counters hold their traffic and nothing else's: *bytes per
@@ -88,16 +89,17 @@ def wait_listening(ns: str, port: int, timeout: float) -> None:
 
 def configuration(name: str) -> list[str]:
     """The example's arguments for ``per-step``, ``diloco-H``, ``localsgd-H`` or
-    ``streaming-H-P[-bf16]`` (Streaming DiLoCo: P fragments, pseudo-gradients in bfloat16)."""
+    ``streaming-H-P[-bf16|-fp16|-int8]`` (Streaming DiLoCo: P fragments, pseudo-gradients in that dtype)."""
     if name == "per-step":
         return ["--sync-every", "0", "--eval-every", str(PER_STEP_EVAL)]
     kind, _, rest = name.partition("-")
     every, _, rest = rest.partition("-")
     fragments, _, quantize = rest.partition("-")
     if not every.isdigit() or (kind in ("diloco", "localsgd") and rest) or \
-            (kind == "streaming" and (not fragments.isdigit() or quantize not in ("", "bf16", "fp16"))) or \
+            (kind == "streaming" and (not fragments.isdigit() or quantize not in ("", "bf16", "fp16", "int8"))) or \
             kind not in ("diloco", "localsgd", "streaming"):
-        raise ValueError(f"unknown configuration {name!r}: per-step, diloco-H, localsgd-H or streaming-H-P[-bf16]")
+        raise ValueError(f"unknown configuration {name!r}: per-step, diloco-H, localsgd-H or "
+                         f"streaming-H-P[-bf16|-fp16|-int8]")
     if kind == "streaming":
         eval_every = str(int(fragments))  # one evaluation per sync_every inner steps, as DiLoCo's
         return ["--sync-every", every, "--fragments", fragments, "--eval-every", eval_every,
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=1000, help="inner steps (a multiple of every H)")
     parser.add_argument("--configs", default="per-step,diloco-50,diloco-100,localsgd-50,streaming-100-4,"
-                                              "streaming-100-4-bf16")
+                                              "streaming-100-4-bf16,streaming-100-4-int8")
     parser.add_argument("--deadline", type=float, default=900, help="seconds one configuration may take")
     parser.add_argument("--region-mbit", type=int, default=0,
                         help="run the workers on hosts of their own in two regions joined by a link of this many "

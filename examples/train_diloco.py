@@ -13,7 +13,8 @@ Start several on one machine or many; kill, stop or add any of them while they t
 algorithm: the reference); ``--local-sgd`` averages parameters at each outer step instead
 of DiLoCo's outer optimizer; ``--fragments P`` is Streaming DiLoCo (the model in P fragments,
 one outer step every ``--sync-every``/P inner steps, each P times smaller) and ``--quantize
-bf16`` sums the pseudo-gradients in bfloat16 (half the bytes). The corpus is the ``.py`` files of the standard library of
+bf16`` sums the pseudo-gradients in bfloat16 (half the bytes), ``--quantize int8`` in 8-bit
+integers with a scale per 256 (a quarter). The corpus is the ``.py`` files of the standard library of
 the Python that runs this (sorted by path, the first ``--corpus-mb`` MB), cut into windows
 of ``--context`` + 1 bytes; the last 5% of the windows are held out. An
 :class:`ftcomm.ElasticSampler` hands out the training windows, each exactly once per
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fragments", type=int, default=1,
                         help="Streaming DiLoCo: the model in this many fragments, one outer step every "
                              "sync-every / fragments inner steps")
-    parser.add_argument("--quantize", choices=["bf16", "fp16"], default=None,
-                        help="DiLoCo: pseudo-gradients summed in this dtype (half the bytes)")
+    parser.add_argument("--quantize", choices=["bf16", "fp16", "int8"], default=None,
+                        help="DiLoCo: pseudo-gradients summed in this dtype (bf16, fp16: half the bytes; int8: a quarter)")
     parser.add_argument("--steps", type=int, default=2000, help="inner steps to train (a multiple of --sync-every)")
     parser.add_argument("--global-batch", type=int, default=64, help="windows per inner step over all workers")
     parser.add_argument("--context", type=int, default=64, help="bytes a window predicts")

@@ -17,7 +17,7 @@ restarts (a worker restarted into a running group gets the group's state instead
 ``--sync-every H`` trains with DiLoCo instead (each worker alone for H inner steps, then
 an outer step across the group; ``--local-sgd`` averages parameters instead of DiLoCo's
 outer Nesterov step; ``--fragments P`` is Streaming DiLoCo, the model's fragments taking
-turns; ``--quantize bf16`` sums the pseudo-gradients in bfloat16): a committed step is then an
+turns; ``--quantize bf16`` or ``int8`` sums the pseudo-gradients in bfloat16 or 8-bit integers): a committed step is then an
 outer step. ``--ddp-rank``/``--ddp-world``/``--ddp-port`` run the same training under
 ``torch.nn.parallel.DistributedDataParallel`` instead (a fixed world, for comparison).
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-sgd", action="store_true", help="with --sync-every: LocalSGD (parameter averaging)")
     parser.add_argument("--fragments", type=int, default=1,
                         help="with --sync-every: Streaming DiLoCo, the model in this many fragments taking turns")
-    parser.add_argument("--quantize", choices=["bf16", "fp16"], default=None,
+    parser.add_argument("--quantize", choices=["bf16", "fp16", "int8"], default=None,
                         help="with --sync-every: DiLoCo's pseudo-gradients summed in this dtype")
     parser.add_argument("--hidden", type=int, default=128, help="hidden width (3150: about 10M parameters)")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")

@@ -618,7 +618,12 @@ class FaultTolerantGroup:
         ``wire_dtype``: the dtype the gradients are summed in. ``torch.bfloat16`` or
         ``torch.float16`` sends half the bytes of float32 (the default) for 8 or 11 bits of
         mantissa in the sum (as DDP's bf16 / fp16 compression hooks); each gradient is
-        handed back in its parameter's dtype. Not for a wrapped model or a module sharded
+        handed back in its parameter's dtype. ``torch.int8`` sends a quarter: each block of
+        256 elements quantized with a scale of its own, summed in float32 by one member
+        per chunk and quantized again (an alltoall and an allgather instead of an
+        all-reduce; bit-equal on every member; see ``ftcomm.training.quantized``): for
+        pseudo-gradients that cross a slow link, too coarse for most gradients of a
+        per-step all-reduce. Not for a wrapped model or a module sharded
         with FSDP2 (FtcommError); ValueError for another dtype.
         """
         self._owner = threading.get_ident()

@@ -18,11 +18,16 @@ pytestmark = pytest.mark.timeout(60)
 
 def pair() -> list[GlooCommunicator]:
     """A two-rank Gloo group, both ranks in this process."""
-    store, comms = dist.HashStore(), [None, None]
+    return gloo_group(2)
+
+
+def gloo_group(size: int) -> list[GlooCommunicator]:
+    """A Gloo group of ``size`` ranks, all in this process."""
+    store, comms = dist.HashStore(), [None] * size
 
     def form(rank: int) -> None:
-        comms[rank] = GlooCommunicator.form(store, rank, 2, 1, AbortSignal(), 30.0, host="127.0.0.1")
-    threads = [threading.Thread(target=form, args=(r,)) for r in range(2)]
+        comms[rank] = GlooCommunicator.form(store, rank, size, 1, AbortSignal(), 30.0, host="127.0.0.1")
+    threads = [threading.Thread(target=form, args=(r,)) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:

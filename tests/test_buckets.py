@@ -268,4 +268,6 @@ def test_a_half_precision_wire_sums_the_gradients_in_it_and_the_counters_in_floa
             assert not torch.equal(p.grad, local[n])  # rounded: it did travel in half precision
         m.zero_grad(set_to_none=False)
     with pytest.raises(ValueError, match="travel in"):
+        GradientBuckets(params, 0.0002, True, world.launch, lambda: True, lambda: world.world, wire=torch.float64)
+    with pytest.raises(ValueError, match="launch_int8"):
         GradientBuckets(params, 0.0002, True, world.launch, lambda: True, lambda: world.world, wire=torch.int8)

@@ -15,6 +15,7 @@ import torch
 import ftcomm
 from ftcomm.errors import FtcommError
 from ftcomm.training.data import epoch_permutation
+from ftcomm.training.quantized import reference_sum
 from tests.polling import wait_until
 from tests.test_group_threads import in_threads, join_running, start_groups
 from tests.train_cluster import assert_invariants
@@ -90,7 +91,20 @@ def reference(world: int, sync_every: int, outer_lr: float | None, outer_steps: 
                     break  # the epoch's last outer step ended
             workers[w] = (local, inner, sampler, batches, epoch)
             deltas.append({i: globals_[i].detach() - list(local.parameters())[i].detach() for i in part})
-        for i in part:
+        if quantize == torch.int8:  # each worker's share in its bucket (the carrier's layout with fragments)
+            order = part if fragments > 1 else part[::-1]
+            size = max(sum(globals_[j].numel() for j in range(len(globals_)) if j % fragments == f)
+                       for f in range(fragments)) if fragments > 1 else sum(globals_[i].numel() for i in part)
+            flats = []
+            for d in deltas:
+                flat = torch.zeros(size)
+                flat[:sum(globals_[i].numel() for i in part)] = torch.cat([d[i].reshape(-1) / world for i in order])
+                flats.append(flat)
+            summed, offset = reference_sum(flats), 0
+            for i in order:
+                globals_[i].grad = summed[offset:offset + globals_[i].numel()].view_as(globals_[i]).clone()
+                offset += globals_[i].numel()
+        for i in part if quantize != torch.int8 else ():
             if quantize is None:
                 globals_[i].grad = sum(d[i] for d in deltas) / world
             else:
@@ -123,14 +137,15 @@ def train(groups, sync_every: int, outer_lr: float | None, outer_steps: int, **s
 
 
 @pytest.mark.parametrize("outer_lr,sync_every,streaming", [
-    (0.7, 3, {}), (None, 3, {}), (0.7, 4, {"fragments": 2}), (0.7, 4, {"fragments": 2, "quantize": "bf16"})],
-    ids=["diloco", "local-sgd", "streaming", "streaming-bf16"])
+    (0.7, 3, {}), (None, 3, {}), (0.7, 4, {"fragments": 2}), (0.7, 4, {"fragments": 2, "quantize": "bf16"}),
+    (0.7, 4, {"fragments": 2, "quantize": "int8"}), (0.7, 3, {"quantize": "int8"})],
+    ids=["diloco", "local-sgd", "streaming", "streaming-bf16", "streaming-int8", "diloco-int8"])
 def test_outer_steps_match_the_algorithm_computed_alone_and_consume_every_sample_once(outer_lr, sync_every,
                                                                                      streaming):
     """Two workers, eight outer steps of three inner steps (two epochs of four, the epoch's
     permutation split per inner batch), or with the model in two fragments taking turns
-    every two inner steps (Streaming DiLoCo, its pseudo-gradients summed in float32 or
-    bfloat16): every worker ends with the global model that the algorithm computed alone
+    every two inner steps (Streaming DiLoCo, its pseudo-gradients summed in float32,
+    bfloat16 or int8; DiLoCo in int8): every worker ends with the global model that the algorithm computed alone
     gives (DiLoCo's Nesterov outer step, or LocalSGD's average), the same digest, and
     every sample of each epoch trained on exactly once."""
     groups = start_groups(2)
@@ -140,7 +155,7 @@ def test_outer_steps_match_the_algorithm_computed_alone_and_consume_every_sample
         for g in groups:
             g.shutdown()
     fragments = streaming.get("fragments", 1)
-    wire = {"bf16": torch.bfloat16}.get(streaming.get("quantize"))
+    wire = {"bf16": torch.bfloat16, "int8": torch.int8}.get(streaming.get("quantize"))
     expected = reference(2, sync_every, outer_lr, 8, fragments, wire)
     for params, _, _ in results:
         for p, e in zip(params, expected):
@@ -375,7 +390,7 @@ def test_registering_the_local_model_or_giving_wrong_arguments_is_refused_with_t
             ftcomm.DiLoCo(g, model, inner, outer_optimizer=other, sync_every=2)
         for bad, match in (({"sync_every": 4, "fragments": 3}, "divisor"), ({"sync_every": 4, "fragments": 0}, "divisor"),
                            ({"sync_every": 4, "fragments": 4}, "2 parameters"),
-                           ({"sync_every": 2, "quantize": "int8"}, "quantize")):
+                           ({"sync_every": 2, "quantize": "int4"}, "quantize")):
             with pytest.raises(ValueError, match=match):
                 ftcomm.DiLoCo(g, model, inner, outer_optimizer=outer, **bad)
         wrapped = g.wrap(torch.nn.Linear(4, 1))

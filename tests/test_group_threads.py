@@ -342,6 +342,52 @@ def test_gradients_summed_in_bfloat16_are_the_rounded_mean_and_a_change_of_wire_
                 assert not torch.equal(mean_a, mean_a.bfloat16().float())
 
 
+def test_gradients_summed_in_int8_are_the_quantized_mean_bit_equal_on_both_workers():
+    """Two workers, a model of several quantization blocks in two buckets, overlap on: summed
+    in 8-bit integers, every gradient is what the int8 sum computed alone gives for the
+    workers' halves laid out in their buckets, on both workers bit for bit; the counters
+    still count (the step commits, twice)."""
+    from ftcomm.training.quantized import reference_sum
+    groups = start_groups(2, bucket_mb=0.0001)  # 104 bytes: as many int8 elements a bucket
+    try:
+        def train(i: int, g: ftcomm.FaultTolerantGroup) -> list:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 40), torch.nn.Linear(40, 3))
+            x = torch.randn(16, 64, generator=torch.Generator().manual_seed(i))
+            results = []
+            for _ in range(2):
+                model(x).pow(2).mean().backward()
+                local = [p.grad.clone() for p in model.parameters()]
+                committed = g.wait_gradients_ready(model, wire_dtype=torch.int8)
+                results.append((committed, local, [p.grad.clone() for p in model.parameters()]))
+                model.zero_grad()
+            return results, [[len(b) for b in g._collective.buckets._groups]]
+
+        results = in_threads(groups, train)
+    finally:
+        for g in groups:
+            g.shutdown()
+    (steps_a, layout), (steps_b, _) = results
+    assert len(layout[0]) >= 3 and layout[0][-1] == 0  # the gradients' buckets, then the counters alone
+    for (committed_a, local_a, mean_a), (committed_b, local_b, mean_b) in zip(steps_a, steps_b):
+        assert committed_a and committed_b
+        for a, b in zip(mean_a, mean_b):
+            assert torch.equal(a, b)
+        order = list(range(4))[::-1]  # the buckets hold the parameters in reverse
+        per_bucket, start = [], 0
+        for n in layout[0][:-1]:
+            per_bucket.append(order[start:start + n])
+            start += n
+        for members in per_bucket:
+            flats = [torch.cat([local[j].reshape(-1) / 2 for j in members]) for local in (local_a, local_b)]
+            summed, offset = reference_sum(flats), 0
+            for j in members:
+                n = mean_a[j].numel()
+                assert torch.equal(mean_a[j], summed[offset:offset + n].view_as(mean_a[j]))
+                offset += n
+            assert not torch.equal(summed, flats[0] + flats[1])  # rounded: it did travel in int8
+
+
 def _observe_completions_late(group: ftcomm.FaultTolerantGroup, delay: float,
                               operations: tuple[str, ...] = ("allreduce",)) -> None:
     """This member's training thread learns that its ``operations`` completed ``delay`` seconds

@@ -156,6 +156,12 @@ def check_root(src: int, size: int) -> None:
         raise ValueError(f"broadcast root {src} is not a rank of this view (ranks 0..{size - 1})")
 
 
+def check_rows(tensor: Any, size: int) -> None:
+    if tensor.dim() < 1 or tensor.shape[0] != size:
+        raise ValueError(f"alltoall needs a tensor whose first dimension is the view's size ({size}), got shape "
+                         f"{tuple(tensor.shape)}")
+
+
 class Completion:
     """How the collectives of one communicator are seen to finish: polled by the thread that
     waits for them, never signalled by the backend calling into Python.
@@ -213,6 +219,22 @@ class Handle:
         return self._finish()
 
 
+def then(first: Handle, second: Callable[[Any], Handle], what: str) -> Handle:
+    """One handle for two collectives in a row: ``second(result of first)`` is started by
+    whoever polls the handle once ``first`` is done (nothing runs in the background);
+    its result is the handle's. A failure of either shows in ``wait`` as theirs do."""
+    started: list[Handle] = []
+
+    def done() -> bool:
+        if not started:
+            if not first.completed:
+                return False
+            started.append(second(first._finish()))
+        return started[0].completed
+
+    return Handle(what, done, lambda: started[0]._finish())  # (finish is asked only once done)
+
+
 class Communicator(Protocol):
     """What a backend provides for one view (:class:`~ftcomm.backends.gloo.GlooCommunicator`,
     :class:`~ftcomm.backends.nccl.NcclCommunicator`). Every collective returns a
@@ -258,6 +280,11 @@ class Communicator(Protocol):
     def allgather(self, tensor: Any) -> Handle:
         """Start gathering every member's tensor; the handle's result is the list in rank
         order. Failures as :meth:`allreduce`."""
+
+    def alltoall(self, tensor: Any) -> Handle:
+        """Start sending row ``j`` of ``tensor`` (its first dimension is the view's size) to
+        rank ``j``; the handle's result is a tensor of the same shape whose row ``i`` came
+        from rank ``i``. Failures as :meth:`allreduce`."""
 
     def barrier(self) -> Handle:
         """Start a barrier; its handle completes once every member reached it. Failures as

@@ -28,7 +28,7 @@ import torch._C._distributed_c10d as c10d
 from .. import netif
 from . import admission
 from ..errors import CommunicatorError
-from .base import AbortSignal, Completion, Handle, check_root, start_lingering
+from .base import AbortSignal, Completion, Handle, check_root, check_rows, start_lingering
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,13 @@ class GlooCommunicator:
         work = self.group.allgather([outputs], [tensor], self._options(c10d.AllgatherOptions))
         what = f"allgather in view {self.view_id}"
         return self._track(work, what, outputs)
+
+    def alltoall(self, tensor: torch.Tensor) -> Handle:
+        check_rows(tensor, self.size)
+        output = torch.empty_like(tensor)
+        work = self.group.alltoall_base(output, tensor, [], [], self._options(c10d.AllToAllOptions))
+        what = f"alltoall in view {self.view_id}"
+        return self._track(work, what, output)
 
     def barrier(self) -> Handle:
         work = self.group.barrier(self._options(dist.BarrierOptions))

@@ -42,7 +42,7 @@ import torch
 
 from .. import netif
 from ..errors import CollectiveAborted, CommunicatorError, FtcommTimeout, NcclUnavailable
-from .base import AbortSignal, Completion, Handle, check_root, start_lingering
+from .base import AbortSignal, Completion, Handle, check_root, check_rows, start_lingering
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,8 @@ class Library:
         self._bind("ncclBroadcast", [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, stream])
         self._bind("ncclAllGather", [c_void_p, c_void_p, c_size_t, c_int, c_void_p, stream])
         self._bind("ncclReduceScatter", [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, stream])
+        self._bind("ncclSend", [c_void_p, c_size_t, c_int, c_int, c_void_p, stream])
+        self._bind("ncclRecv", [c_void_p, c_size_t, c_int, c_int, c_void_p, stream])
         # Fault-tolerance calls of newer libraries, bound where present (see features()).
         if hasattr(lib, "ncclCommShrink"):  # 2.27
             self._bind("ncclCommShrink", [c_void_p, ctypes.POINTER(c_int), c_int, ctypes.POINTER(c_void_p),
@@ -368,6 +370,23 @@ class NcclCommunicator:
                                                         self._comm, stream), "ncclReduceScatter", self._comm)
         return self._launch(f"reduce_scatter({op}) in view {self.view_id}", enqueue, lambda: output,
                             tensors=(output, source))
+
+    def alltoall(self, tensor: torch.Tensor) -> Handle:
+        """Row ``j`` to rank ``j``, row ``i`` of the result from rank ``i`` (one NCCL group of
+        sends and receives)."""
+        check_rows(tensor, self.size)
+        self._check_tensor(tensor)
+        out = torch.empty_like(tensor)
+        count, dtype = tensor[0].numel(), DATATYPES[tensor.dtype]
+
+        def enqueue(stream: int) -> None:
+            for peer in range(self.size):
+                self._lib.check(self._lib.ncclSend(tensor[peer].data_ptr(), count, dtype, peer, self._comm, stream),
+                                "ncclSend", self._comm)
+                self._lib.check(self._lib.ncclRecv(out[peer].data_ptr(), count, dtype, peer, self._comm, stream),
+                                "ncclRecv", self._comm)
+        return self._launch(f"alltoall in view {self.view_id}", enqueue, lambda: out, grouped=True,
+                            tensors=(tensor, out))
 
     def barrier(self) -> Handle:
         token = torch.zeros(1, dtype=torch.float32, device=self.device)

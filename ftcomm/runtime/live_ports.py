@@ -25,6 +25,7 @@ from ..errors import FtcommError, FtcommTimeout, MembershipChanged, ReplicaLost
 from ..gossip import GossipNode
 from ..options import GroupOptions
 from ..training.buckets import GradientBuckets, read_counters
+from ..training.quantized import quantized_sum
 from ..training.shard_groups import ShardGroupBuckets, shard_groups
 from ..training.reducer import DistributedDataParallel, ReducerBuckets
 from ..training.state import TrainingState
@@ -412,7 +413,7 @@ class BackendCollective:
         self.buckets = GradientBuckets(
             params, self.options.bucket_mb, self.options.overlap, launch=self._launch,
             may_overlap=may_overlap, world_size=self._world_size, contribution=self._contribution, watch=watch,
-            wire=wire)
+            wire=wire, launch_int8=self._launch_int8)
 
     def use_wrapped(self, net: DistributedDataParallel) -> None:
         """The coming gradient steps run through ``net``'s reducer."""
@@ -428,6 +429,10 @@ class BackendCollective:
     def _launch(self, flat: torch.Tensor) -> Handle:
         """A bucket's sum over the gradient communicator."""
         return self.gradient_comm.allreduce([flat], "sum")
+
+    def _launch_int8(self, flat: torch.Tensor) -> Handle:
+        """A bucket's sum in 8-bit integers over the gradient communicator."""
+        return quantized_sum(self.gradient_comm, flat)
 
     def _world_size(self) -> int:
         return self.gradient_comm.size

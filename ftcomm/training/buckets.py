@@ -1,7 +1,8 @@
 """Gradient buckets: flat buffers reduced as soon as their gradients are ready.
 
 Parameters are packed, in reverse registration order (the order backward produces
-their gradients), into flat float32 buffers (or bfloat16 / float16 ones: ``wire``) of about
+their gradients), into flat float32 buffers (or bfloat16 / float16 ones: ``wire``; int8 is summed from
+float32 buffers by :mod:`ftcomm.training.quantized`) of about
 ``bucket_mb`` each; the first
 bucket is kept small so communication starts early. With overlap on, a hook after
 each gradient is accumulated copies it into its bucket, pre-scaled by ``1/world``, and
@@ -39,7 +40,7 @@ from . import sharded
 FIRST_BUCKET_MB = 1.0  # as DDP: the gradients of the last layers go out without waiting for 25 MB
 _COUNTERS = 2  # [valid, join], then a flag per rank, then FINGERPRINT_SLOTS per rank
 FINGERPRINT_SLOTS = 3  # 16 bits each: a 48-bit fingerprint
-WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 
 
 def tail_size(world: int) -> int:
@@ -78,7 +79,8 @@ class GradientBuckets(Suspendable):
     take the step: see ``BackendCollective.use``).
     ``wire``: the dtype the gradients are summed in (float32, or bfloat16 / float16 for half
     the bytes: the counters then travel in a float32 bucket of their own, where they are
-    exact).
+    exact; or int8, for a quarter: the buckets stay float32 here and ``launch_int8(flat)``
+    starts their sum in 8-bit integers, see :mod:`~ftcomm.training.quantized`).
     ``contribution(valid)``: this worker's counters, asked when the last bucket launches
     with whether its gradients were computed on valid state: ``(valid, join, aside)`` —
     its gradients count (False also when its batch does not match the data plan), it sees
@@ -90,9 +92,12 @@ class GradientBuckets(Suspendable):
                  launch: Callable[[torch.Tensor], Handle], may_overlap: Callable[[], bool],
                  world_size: Callable[[], int],
                  contribution: Callable[[bool], tuple[bool, bool, int | None]] = lambda valid: (valid, False, None),
-                 watch: list[torch.Tensor] | None = None, wire: torch.dtype = torch.float32) -> None:
+                 watch: list[torch.Tensor] | None = None, wire: torch.dtype = torch.float32,
+                 launch_int8: Callable[[torch.Tensor], Handle] | None = None) -> None:
         if wire not in WIRE_DTYPES:
             raise ValueError(f"gradients travel in one of {', '.join(map(str, WIRE_DTYPES))}, not {wire}")
+        if wire == torch.int8 and launch_int8 is None:
+            raise ValueError("int8 gradients need launch_int8, the sum that adds them across the group")
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise FtcommError("wait_gradients_ready needs every parameter on one device, got "
@@ -103,6 +108,7 @@ class GradientBuckets(Suspendable):
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self._launch, self._may_overlap, self._world_size = launch, may_overlap, world_size
         self._contribution = contribution
+        self._launch_int8 = launch_int8
         self.wire = wire
         self._groups = _group(list(reversed(params)), bucket_mb, torch.tensor([], dtype=wire).element_size())
         if wire != torch.float32:
@@ -188,7 +194,8 @@ class GradientBuckets(Suspendable):
             flat = self._buffers()[b]
             if b == last:
                 flat[-tail_size(self._world):] = torch.tensor(counter_values(self._contribution(valid), self._world))
-            self._handles.append(self._launch(flat))
+            quantized = self.wire == torch.int8 and b != last
+            self._handles.append(self._launch_int8(flat) if quantized else self._launch(flat))
 
     def finish(self, valid: bool) -> tuple[list[Handle], torch.Tensor]:
         """Fill and launch what backward did not; the handles of every bucket, and the tail.
@@ -291,7 +298,8 @@ class GradientBuckets(Suspendable):
         if not self._flats:
             sizes = self._sizes[:-1] + [self._sizes[-1] + tail_size(self._world) - tail_size(0)]
             last = len(sizes) - 1
-            self._flats = [torch.zeros(n, dtype=torch.float32 if b == last else self.wire, device=self.device)
+            dtype = torch.float32 if self.wire == torch.int8 else self.wire  # (int8: quantized in the sum)
+            self._flats = [torch.zeros(n, dtype=torch.float32 if b == last else dtype, device=self.device)
                            for b, n in enumerate(sizes)]
         return self._flats
 

@@ -79,7 +79,10 @@ class DiLoCo:
 
     ``quantize``: the dtype the pseudo-gradients are summed in across the group: None
     (float32), ``"bf16"`` or ``"fp16"`` (half the bytes; the sum in 8 or 11 bits of
-    mantissa; the outer optimizer steps in the parameters' dtype).
+    mantissa), ``"int8"`` (a quarter: 8-bit integers with a float32 scale per 256
+    elements, summed in float32 by one member per chunk and exchanged again in int8; the
+    same on every member; see ``wait_gradients_ready``'s ``wire_dtype``). The outer
+    optimizer steps in the parameters' dtype.
     """
 
     def __init__(self, group: Any, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
@@ -92,8 +95,7 @@ class DiLoCo:
                              f"each fragment's outer step comes every sync_every inner steps, one fragment every "
                              f"sync_every / fragments")
         if quantize not in QUANTIZE:
-            raise ValueError(f"quantize is one of {', '.join(map(repr, QUANTIZE))}, got {quantize!r} (an 8-bit sum "
-                             f"would overflow in the all-reduce the outer step runs)")
+            raise ValueError(f"quantize is one of {', '.join(map(repr, QUANTIZE))}, got {quantize!r}")
         if outer_optimizer is inner_optimizer:
             raise ValueError("the outer optimizer must be another optimizer than the inner one")
         self.group, self.model = group, model
@@ -354,7 +356,7 @@ class DiLoCo:
         return {"global": self.model_state(), "outer": self.outer_optimizer.state_dict()["state"]}
 
 
-QUANTIZE = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # what the pseudo-gradients travel in
+QUANTIZE = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}  # what the pseudo-gradients travel in
 
 
 def _split(params: list[torch.Tensor], count: int) -> list[list[int]]:
