@@ -1,8 +1,10 @@
-"""One worker of ``benchmarks/peer_torchft.py``: the same training loop under ftcomm or torchft.
+"""One worker of ``benchmarks/peer_torchft.py`` and ``peer_hivemind.py``: the same training loop
+under ftcomm, torchft or hivemind.
 
-    python benchmarks/peer_worker.py ftcomm [--peers HOST:PORT]
+    python benchmarks/peer_worker.py ftcomm [--peers HOST:PORT] [--diloco H [--local-sgd]]
     python benchmarks/peer_worker.py torchft --lighthouse http://127.0.0.1:PORT --replica-id replica_3 [--tuned]
     python benchmarks/peer_worker.py lighthouse [--tuned]
+    python benchmarks/peer_worker.py hivemind [--peers MULTIADDR] [--diloco H]
 
 Both systems run the identical step on one torch thread: ``--step-time`` seconds of sleep
 (standing in for a heavier model's compute), the forward and backward pass of a small MLP
@@ -23,6 +25,26 @@ Only the gradient average and the commit decision differ:
 worker's own gradient) and an outer step every H inner steps: ``ftcomm.DiLoCo`` or
 ``torchft.local_sgd.DiLoCo`` (one fragment, outer SGD at 0.7 with Nesterov momentum 0.9);
 a commit is then an outer step.
+``--local-sgd`` (ftcomm) averages the parameters at each outer step instead
+(``ftcomm.LocalSGD``).
+
+hivemind 1.1.12 (``--peers``: the multiaddr of a running worker's DHT; every peer on
+127.0.0.1), with the settings its own documents give:
+
+- per step, ``hivemind.averaging.DecentralizedAverager`` over the gradients with the
+  settings of hivemind's averaging benchmark (``target_group_size=4``,
+  ``min_matchmaking_time=5``, ``request_timeout=1``, ``step(timeout=15)``); a step whose
+  averaging fails (``None`` or an error) applies the worker's own gradient (a commit in
+  a world of 1); the world of a commit is the size of the group that averaged;
+- ``--diloco H``: ``hivemind.Optimizer`` with the quickstart's settings
+  (``use_local_updates=True``, ``matchmaking_time=3.0``, ``averaging_timeout=10.0``) and
+  ``target_batch_size`` = 4 workers x 64 x H (an epoch when the swarm has trained H
+  steps each: parameter averaging every H steps, as ``--local-sgd``); a commit is a new
+  epoch, its world the size of the last averaging round that finished (1 when it
+  failed), read from hivemind's own log record of the round.
+
+Each commit also carries ``digest``, the first 16 hex digits of a SHA-1 of the
+parameters' bytes after the step, to tell whether the replicas are bit-equal.
 
 Every line on stdout is a JSON object: ``started`` (model built; ``init_t`` is the wall
 clock just before ``ftcomm.init`` or the torchft store, process group and Manager are
@@ -69,11 +91,13 @@ def emit(**fields) -> None:
 
 
 def watch_stdin() -> threading.Event:
-    """An event set when stdin closes (the benchmark is done with this process)."""
+    """An event set when stdin closes (the benchmark is done with this process). Read from the
+    descriptor, not ``sys.stdin``: a process forked while a thread holds ``sys.stdin``'s lock
+    (hivemind forks its DHT and averagers) would deadlock closing it in the child."""
     closed = threading.Event()
 
     def read() -> None:
-        for _ in sys.stdin:
+        while os.read(0, 4096):
             pass
         closed.set()
 
@@ -124,8 +148,11 @@ def run_ftcomm(args, closed: threading.Event) -> None:
     emit(ev="started", pid=os.getpid(), init_t=init_t, t=init_t)
     ft = ftcomm.init(backend="gloo", peers=args.peers, bind="127.0.0.1:0", min_workers=1)
     if args.diloco:
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.diloco)
+        if args.local_sgd:
+            diloco = ftcomm.LocalSGD(ft, model, optimizer, sync_every=args.diloco)
+        else:
+            outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+            diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.diloco)
         ft.register_state(diloco=diloco)
     else:
         ft.register_state(model=model, optimizer=optimizer)
@@ -138,7 +165,8 @@ def run_ftcomm(args, closed: threading.Event) -> None:
             F.cross_entropy(model(x), y).backward()
             inner += 1
             if diloco.step():  # the inner step; every --diloco of them the outer step
-                emit(ev="commit", step=ft.step, world=ft.world_size, view=ft.view.id, t=time.time())
+                emit(ev="commit", step=ft.step, world=ft.world_size, view=ft.view.id, t=time.time(),
+                     digest=digest(model))
         while not closed.is_set():
             optimizer.zero_grad()
             time.sleep(args.step_time)
@@ -146,7 +174,8 @@ def run_ftcomm(args, closed: threading.Event) -> None:
             F.cross_entropy(model(x), y).backward()
             if ft.wait_gradients_ready(model):
                 optimizer.step()
-                emit(ev="commit", step=ft.step, world=ft.world_size, view=ft.view.id, t=time.time())
+                emit(ev="commit", step=ft.step, world=ft.world_size, view=ft.view.id, t=time.time(),
+                     digest=digest(model))
     finally:
         ft.shutdown()
 
@@ -234,6 +263,109 @@ def train_torchft_diloco(args, closed: threading.Event, manager, model, inner_op
                 emit(ev="commit", step=manager.current_step(), world=manager.num_participants(), t=time.time())
 
 
+def digest(model) -> str:
+    """The first 16 hex digits of a SHA-1 of the parameters' bytes."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def run_hivemind(args, closed: threading.Event) -> None:
+    import torch
+    import torch.nn.functional as F
+    import hivemind
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")  # (its records are read below, not printed)
+    inputs, labels, model = make_workload()
+    init_t = time.time()
+    emit(ev="started", pid=os.getpid(), init_t=init_t, t=init_t)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                       initial_peers=[args.peers] if args.peers else [])
+    address = str(next(a for a in dht.get_visible_maddrs() if "127.0.0.1" in str(a)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    try:
+        if args.diloco:
+            train_hivemind_optimizer(args, closed, dht, address, model, optimizer, inputs, labels)
+            return
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        averager = hivemind.averaging.DecentralizedAverager(
+            grads, dht, prefix="peer_bench_grads", target_group_size=4, min_matchmaking_time=5.0,
+            request_timeout=1.0, start=True)
+        emit(ev="ready", id=str(dht.peer_id), address=address, pid=os.getpid(), t=time.time())
+        step = 0
+        while not closed.is_set():
+            optimizer.zero_grad()
+            time.sleep(args.step_time)
+            x, y = batch(inputs, labels, step)
+            F.cross_entropy(model(x), y).backward()
+            with averager.get_tensors() as tensors:
+                for buffer, p in zip(tensors, model.parameters()):
+                    buffer.copy_(p.grad)
+            try:
+                gathered = averager.step(timeout=15.0)
+            except Exception:  # noqa: BLE001 - a failed round, as hivemind's own benchmark counts it
+                gathered = None
+            world = 1
+            if gathered is not None:
+                world = len(gathered)
+                with averager.get_tensors() as tensors:
+                    for buffer, p in zip(tensors, model.parameters()):
+                        p.grad.copy_(buffer)
+            optimizer.step()
+            step += 1
+            emit(ev="commit", step=step, world=world, t=time.time(), digest=digest(model))
+        averager.shutdown()
+    finally:
+        dht.shutdown()
+
+
+def train_hivemind_optimizer(args, closed: threading.Event, dht, address: str, model, optimizer, inputs,
+                             labels) -> None:
+    """``hivemind.Optimizer`` with its quickstart's settings (see the module)."""
+    import logging
+    import re
+
+    import torch.nn.functional as F
+    import hivemind
+
+    rounds: list[int] = [1]  # the size of the last parameter-averaging round that finished
+
+    class Rounds(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            found = re.match(r"Averaged parameters with (\d+) peers", message)
+            if found:
+                rounds[0] = int(found.group(1))
+            elif message.startswith("Averaging failed"):
+                rounds[0] = 1
+
+    watched = logging.getLogger("hivemind.optim.state_averager")
+    watched.setLevel(logging.INFO)
+    watched.addHandler(Rounds())
+    opt = hivemind.Optimizer(dht=dht, run_id="peer_bench", batch_size_per_step=64,
+                             target_batch_size=4 * 64 * args.diloco, optimizer=optimizer, use_local_updates=True,
+                             matchmaking_time=3.0, averaging_timeout=10.0, verbose=True)
+    emit(ev="ready", id=str(dht.peer_id), address=address, pid=os.getpid(), t=time.time())
+    step, epoch = 0, opt.local_epoch
+    try:
+        while not closed.is_set():
+            opt.zero_grad()
+            time.sleep(args.step_time)
+            x, y = batch(inputs, labels, step)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            step += 1
+            if opt.local_epoch != epoch:
+                epoch = opt.local_epoch
+                emit(ev="commit", step=epoch, world=rounds[0], t=time.time(), digest=digest(model))
+    finally:
+        opt.shutdown()
+
+
 def average_gradients(manager, model) -> None:
     """One ``Manager.allreduce`` (average over the quorum's participants) of all gradients in a
     flat buffer. ``wait()`` returns False on a failed collective and the Manager records the
@@ -251,8 +383,9 @@ def average_gradients(manager, model) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("role", choices=["ftcomm", "torchft", "lighthouse"])
-    parser.add_argument("--peers", default=None, help="ftcomm: gossip address of a running worker")
+    parser.add_argument("role", choices=["ftcomm", "torchft", "lighthouse", "hivemind"])
+    parser.add_argument("--peers", default=None,
+                        help="ftcomm: gossip address of a running worker; hivemind: its DHT's multiaddr")
     parser.add_argument("--lighthouse", default=None, help="torchft: the lighthouse's address")
     parser.add_argument("--replica-id", default="replica_0", help="torchft: this replica group's name")
     parser.add_argument("--tuned", action="store_true", help="torchft: the 1 s timeouts of TORCHFT_SETTINGS")
@@ -261,13 +394,16 @@ def main() -> int:
     parser.add_argument("--step-time", type=float, default=0.005, help="extra seconds of work per step (sleep)")
     parser.add_argument("--diloco", type=int, default=0,
                         help="train with DiLoCo, an outer step every this many inner steps (ftcomm.DiLoCo, "
-                             "torchft.local_sgd.DiLoCo; outer SGD 0.7, Nesterov 0.9): a commit is an outer step")
+                             "torchft.local_sgd.DiLoCo; outer SGD 0.7, Nesterov 0.9; hivemind.Optimizer): a commit "
+                             "is an outer step")
+    parser.add_argument("--local-sgd", action="store_true",
+                        help="ftcomm, with --diloco: ftcomm.LocalSGD (parameter averaging) instead of DiLoCo")
     args = parser.parse_args()
     if args.role == "lighthouse":
         return run_lighthouse(args.tuned)
     closed = watch_stdin()
     try:
-        (run_ftcomm if args.role == "ftcomm" else run_torchft)(args, closed)
+        {"ftcomm": run_ftcomm, "torchft": run_torchft, "hivemind": run_hivemind}[args.role](args, closed)
     except Exception as exc:  # reported to the benchmark, which records the run as failed
         emit(ev="error", message=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-2000:], t=time.time())
         sys.stdout.flush()

@@ -102,6 +102,50 @@ def test_an_int8_sum_whose_peer_never_takes_part_ends_by_the_abort_signal():
             c.abandon()
 
 
+def test_an_int8_sum_whose_first_exchange_is_done_starts_nothing_more_once_the_signal_fired():
+    """Both ranks' alltoalls are done, nobody has polled: a wait whose signal already fired
+    raises CollectiveAborted and issues no allgather on the communicator (about to be
+    abandoned, where a collective could hold a Gloo thread until its op timeout)."""
+    from tests.polling import wait_until
+
+    comms = gloo_group(2)
+    try:
+        handles = [quantized_sum(c, torch.ones(10)) for c in comms]
+        wait_until(lambda: all(h.completed for c in comms for h in c._pending), 10.0, "the alltoalls")
+        abort = AbortSignal()
+        abort.fire("the view broke")
+        with pytest.raises(CollectiveAborted, match="the view broke"):
+            handles[0].wait(abort)
+        assert [h.what for h in comms[0]._pending] == ["alltoall in view 1"]
+    finally:
+        for c in comms:
+            c.abandon()
+
+
+def test_values_beyond_float32_s_range_saturate_instead_of_spoiling_their_block():
+    """A block whose largest value is float32's largest (what ``nan_to_num`` makes of an
+    infinity), and two ranks whose halves of it sum past it: their neighbours in the block
+    keep their values, the sum saturates at float32's largest, nothing becomes NaN."""
+    biggest = torch.finfo(torch.float32).max
+    alone = torch.full((BLOCK,), 0.5)
+    alone[3] = biggest
+    back = unpack(pack(alone.view(1, -1)), BLOCK)[0]
+    assert torch.isfinite(back).all() and back[3] == biggest
+    comms = gloo_group(2)
+    tensors = [torch.full((2 * BLOCK,), 0.25) for _ in range(2)]
+    for t in tensors:
+        t[7] = biggest / 1.5  # each finite; their sum is not
+    originals = [t.clone() for t in tensors]
+    try:
+        results = _sum_in_threads(comms, tensors)
+    finally:
+        for c in comms:
+            c.close()
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], reference_sum(originals))
+    assert torch.isfinite(results[0]).all() and results[0][7] == biggest
+    torch.testing.assert_close(results[0][BLOCK:], torch.full((BLOCK,), 0.5))
+
+
 def test_alltoall_needs_a_row_per_rank():
     comms = gloo_group(2)
     try:

@@ -206,6 +206,7 @@ class Handle:
         self._done = done
         self._completed = False
         self._finish = finish
+        self.waiting: AbortSignal | None = None  # the signal of the last wait
 
     @property
     def completed(self) -> bool:
@@ -215,24 +216,29 @@ class Handle:
 
     def wait(self, abort: AbortSignal, timeout: float | None = None) -> Any:
         """The result; raises CollectiveAborted, CommunicatorError or FtcommTimeout (see module)."""
+        self.waiting = abort
         abort.wait(threading.Event(), lambda: self.completed, timeout, self.what, poll=True)
         return self._finish()
 
 
-def then(first: Handle, second: Callable[[Any], Handle], what: str) -> Handle:
+def then(first: Handle, second: Callable[[Any], Handle], what: str,
+         result: Callable[[Any], Any] = lambda value: value) -> Handle:
     """One handle for two collectives in a row: ``second(result of first)`` is started by
-    whoever polls the handle once ``first`` is done (nothing runs in the background);
-    its result is the handle's. A failure of either shows in ``wait`` as theirs do."""
+    whoever polls the handle once ``first`` is done (nothing runs in the background),
+    unless the signal of its wait has fired (nothing more is started on a communicator
+    about to be abandoned); the handle's result is ``result(the second's result)``. A
+    failure of either shows in ``wait`` as theirs do."""
     started: list[Handle] = []
 
     def done() -> bool:
         if not started:
-            if not first.completed:
+            if not first.completed or (handle.waiting is not None and handle.waiting.reason is not None):
                 return False
             started.append(second(first._finish()))
         return started[0].completed
 
-    return Handle(what, done, lambda: started[0]._finish())  # (finish is asked only once done)
+    handle = Handle(what, done, lambda: result(started[0]._finish()))  # (finish is asked only once done)
+    return handle
 
 
 class Communicator(Protocol):

@@ -15,7 +15,9 @@ so the result is bit-equal on every member. Each member sends and receives
 2 (W - 1) / W bytes per element (plus 4 bytes of scale per ``BLOCK``), a quarter of a
 float32 ring all-reduce's. The error of one element is at most half a quantization step
 of its block on the way out plus half a step of the summed block on the way back. A
-block holding a NaN or an infinity comes back as NaNs.
+block holding a NaN or an infinity comes back as NaNs; finite values and sums beyond
+float32's range saturate at its largest value (as they would not in a float32 sum,
+which overflows to an infinity).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from ..backends.base import Handle, then
 
 BLOCK = 256  # elements per scale: 1.6 % more bytes, and an outlier spoils 255 neighbours at most
+_MAX = torch.finfo(torch.float32).max
 
 
 def chunk_size(numel: int, world: int) -> int:
@@ -56,13 +59,14 @@ def unpack(packed: torch.Tensor, size: int) -> torch.Tensor:
     rows = packed.shape[0]
     scale = packed[:, size:].contiguous().view(torch.float32)
     q = packed[:, :size].to(torch.float32).reshape(rows, size // BLOCK, BLOCK)
-    return (q * scale.unsqueeze(-1)).reshape(rows, size)
+    # (127 x a scale rounded up may pass float32's largest value: saturate, NaN stays NaN)
+    return (q * scale.unsqueeze(-1)).clamp_(-_MAX, _MAX).reshape(rows, size)
 
 
 def reduce_chunks(received: torch.Tensor, size: int) -> torch.Tensor:
     """Step 2 at one rank: the chunks every rank sent it (row ``i`` from rank ``i``), summed
     in float32 in rank order and packed again (one row)."""
-    return pack(unpack(received, size).sum(dim=0, keepdim=True))[0]
+    return pack(unpack(received, size).sum(dim=0, keepdim=True).clamp_(-_MAX, _MAX))[0]
 
 
 def quantized_sum(comm: Any, flat: torch.Tensor) -> Handle:
@@ -73,15 +77,13 @@ def quantized_sum(comm: Any, flat: torch.Tensor) -> Handle:
     size = chunk_size(numel, world)
     padded = torch.zeros(world * size, dtype=torch.float32, device=flat.device)
     padded[:numel] = flat
-    what = f"int8 sum in view {comm.view_id}"
-    handle = then(comm.alltoall(pack(padded.view(world, size))),
-                  lambda received: comm.allgather(reduce_chunks(received, size)), what)
 
-    def finish() -> list[torch.Tensor]:
-        summed = unpack(torch.stack(list(handle._finish())), size).reshape(-1)
-        flat.copy_(summed[:numel])
+    def finish(gathered: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat.copy_(unpack(torch.stack(list(gathered)), size).reshape(-1)[:numel])
         return [flat]
-    return Handle(what, lambda: handle.completed, finish)
+    return then(comm.alltoall(pack(padded.view(world, size))),
+                lambda received: comm.allgather(reduce_chunks(received, size)), f"int8 sum in view {comm.view_id}",
+                finish)
 
 
 def reference_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
