@@ -70,8 +70,8 @@ def child_env() -> dict:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RUST_LOG": "warn"}
 
 
-def start(role: str, *args: str) -> ChildProcess:
-    child = ChildProcess([sys.executable, "-u", WORKER, role, *args], ready_timeout=None, env=child_env())
+def start(role: str, *args: str, python: str = sys.executable) -> ChildProcess:
+    child = ChildProcess([python, "-u", WORKER, role, *args], ready_timeout=None, env=child_env())
     LIVE.append(child)
     return child
 
@@ -183,21 +183,21 @@ def steady_state(cluster: Cluster, window: float) -> dict:
             "bytes_per_step": round(sent / SIZE / statistics.median(commits))}
 
 
-def fault(cluster: Cluster, sig: int, victim_index: int = 1) -> dict:
-    """Signal one worker; the time until every survivor committed a step in a world of SIZE - 1.
-    A stopped worker is killed afterwards."""
+def fault(cluster: Cluster, sig: int, victim_index: int = 1, whole_group: bool = False) -> dict:
+    """Signal one worker (``whole_group``: with the processes it forked); the time until every
+    survivor committed a step in a world of SIZE - 1. A stopped worker is killed afterwards."""
     cluster.wait_world(cluster.workers, SIZE, time.time())
     time.sleep(0.5)
     victim = cluster.workers[victim_index]
     survivors = [w for w in cluster.workers if w is not victim]
     marks = [mark(w) for w in survivors]
     t0 = time.time()
-    victim.signal(sig)
+    victim.signal(sig, whole_group)
     try:
         firsts = cluster.wait_world(survivors, SIZE - 1, t0, marks)
     finally:
         if sig == signal.SIGSTOP:
-            victim.signal(signal.SIGKILL)
+            victim.signal(signal.SIGKILL, whole_group)
         close_all([victim], grace=0)
         cluster.workers.remove(victim)
     return {"recovery_s": round(max(f["t"] for f in firsts) - t0, 4),
@@ -407,17 +407,23 @@ def main() -> int:
         },
         "runs": [],
     }
+    return interleave(report, systems, args, one_run, summarize, print_table)
+
+
+def interleave(report: dict, systems: list[str], args, run_one, summarize_runs, print_summary) -> int:
+    """``args.runs`` runs, each of every system in turn (``run_one(system, args)``); the report
+    saved to ``args.out`` after each, summarized, printed at the end; 1 if a run failed."""
     try:
         for run in range(args.runs):
             for system in systems:
                 print(f"run {run + 1}/{args.runs}: {system}", flush=True)
-                report["runs"].append({"run": run + 1, **one_run(system, args)})
-                report.update(summarize(report["runs"]))
+                report["runs"].append({"run": run + 1, **run_one(system, args)})
+                report.update(summarize_runs(report["runs"]))
                 save(report, args.out)
     finally:
         close_all(list(LIVE))
     if report["runs"]:
-        print_table(report)
+        print_summary(report)
     print(f"written to {args.out}")
     return 0 if not any("failed" in r for r in report["runs"]) else 1
 

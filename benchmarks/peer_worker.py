@@ -33,7 +33,8 @@ hivemind 1.1.12 (``--peers``: the multiaddr of a running worker's DHT; every pee
 
 - per step, ``hivemind.averaging.DecentralizedAverager`` over the gradients with the
   settings of hivemind's averaging benchmark (``target_group_size=4``,
-  ``min_matchmaking_time=5``, ``request_timeout=1``, ``step(timeout=15)``); a step whose
+  ``min_matchmaking_time=5``, ``request_timeout=1``, ``step(timeout=15)``), or with
+  ``--tuned`` 1 s, 0.5 s and 5 s (:data:`HIVEMIND_AVERAGER_SETTINGS`); a step whose
   averaging fails (``None`` or an error) applies the worker's own gradient (a commit in
   a world of 1); the world of a commit is the size of the group that averaged;
 - ``--diloco H``: ``hivemind.Optimizer`` with the quickstart's settings
@@ -82,6 +83,14 @@ TORCHFT_SETTINGS = {
         "process_group_gloo": {"timeout_s": 1},
         "lighthouse": {"join_timeout_ms": 1000, "quorum_tick_ms": 10, "heartbeat_timeout_ms": 1000},
     },
+}
+
+
+# hivemind 1.1.12's DecentralizedAverager: the settings of hivemind's own averaging benchmark
+# (benchmarks/benchmark_averaging.py), and every wait at 1 s or less ("tuned").
+HIVEMIND_AVERAGER_SETTINGS = {
+    "default": {"target_group_size": 4, "min_matchmaking_time": 5.0, "request_timeout": 1.0, "step_timeout": 15.0},
+    "tuned": {"target_group_size": 4, "min_matchmaking_time": 1.0, "request_timeout": 0.5, "step_timeout": 5.0},
 }
 
 
@@ -292,9 +301,10 @@ def run_hivemind(args, closed: threading.Event) -> None:
             train_hivemind_optimizer(args, closed, dht, address, model, optimizer, inputs, labels)
             return
         grads = [torch.zeros_like(p) for p in model.parameters()]
-        averager = hivemind.averaging.DecentralizedAverager(
-            grads, dht, prefix="peer_bench_grads", target_group_size=4, min_matchmaking_time=5.0,
-            request_timeout=1.0, start=True)
+        settings = dict(HIVEMIND_AVERAGER_SETTINGS["tuned" if args.tuned else "default"])
+        step_timeout = settings.pop("step_timeout")
+        averager = hivemind.averaging.DecentralizedAverager(grads, dht, prefix="peer_bench_grads", start=True,
+                                                            **settings)
         emit(ev="ready", id=str(dht.peer_id), address=address, pid=os.getpid(), t=time.time())
         step = 0
         while not closed.is_set():
@@ -306,7 +316,7 @@ def run_hivemind(args, closed: threading.Event) -> None:
                 for buffer, p in zip(tensors, model.parameters()):
                     buffer.copy_(p.grad)
             try:
-                gathered = averager.step(timeout=15.0)
+                gathered = averager.step(timeout=step_timeout)
             except Exception:  # noqa: BLE001 - a failed round, as hivemind's own benchmark counts it
                 gathered = None
             world = 1
@@ -388,7 +398,8 @@ def main() -> int:
                         help="ftcomm: gossip address of a running worker; hivemind: its DHT's multiaddr")
     parser.add_argument("--lighthouse", default=None, help="torchft: the lighthouse's address")
     parser.add_argument("--replica-id", default="replica_0", help="torchft: this replica group's name")
-    parser.add_argument("--tuned", action="store_true", help="torchft: the 1 s timeouts of TORCHFT_SETTINGS")
+    parser.add_argument("--tuned", action="store_true",
+                        help="torchft: the 1 s timeouts of TORCHFT_SETTINGS; hivemind: HIVEMIND_AVERAGER_SETTINGS's tuned")
     parser.add_argument("--ddp", action="store_true",
                         help="torchft: average through torchft.DistributedDataParallel instead of Manager.allreduce")
     parser.add_argument("--step-time", type=float, default=0.005, help="extra seconds of work per step (sleep)")

@@ -91,8 +91,13 @@ class ChildProcess:
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
 
-    def signal(self, sig: int) -> None:
-        os.kill(self.process.pid, sig)
+    def signal(self, sig: int, whole_group: bool = False) -> None:
+        """Send ``sig`` to the process, or (``whole_group``) to every process of its group: the
+        processes it forked too, as a machine that fails takes them all."""
+        if whole_group:
+            os.killpg(self.process.pid, sig)
+        else:
+            os.kill(self.process.pid, sig)
 
     def descendants(self) -> list[int]:
         """Pids of live processes it started (its process group, itself excluded; Linux)."""
