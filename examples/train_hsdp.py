@@ -22,6 +22,11 @@ whose state fingerprints differed (``flipped`` where ``--flip-bit-at`` flipped a
 ``done`` with this process's shard digest. ``--plain-rank``/
 ``--plain-world``/``--plain-port`` run the same training as plain FSDP2 HSDP on a fixed
 ``("replicate", "shard")`` mesh instead (the baseline of benchmarks/hsdp.py).
+
+``--sync-every H`` trains with ``ftcomm.DiLoCo`` instead (each replica alone for H inner
+steps, then an outer step that averages each shard's pseudo-gradient across the replicas;
+``--fragments``, ``--quantize`` as its arguments): a committed step is then an outer step,
+and its ``batch`` event lists this process's share of every inner batch of it.
 """
 
 from __future__ import annotations
@@ -86,12 +91,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="testing: at committed STEP, the process of rank --flip-rank flips one bit of its "
                              "shard of the first parameter (silent data corruption; see fingerprint_every)")
     parser.add_argument("--flip-rank", type=int, default=1)
+    parser.add_argument("--sync-every", type=int, default=0,
+                        help="train with DiLoCo: an outer step across the replicas every this many inner steps")
+    parser.add_argument("--fragments", type=int, default=1, help="with --sync-every: Streaming DiLoCo's fragments")
+    parser.add_argument("--quantize", choices=["bf16", "fp16", "int8"], default=None,
+                        help="with --sync-every: the dtype the pseudo-gradients are summed in")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     parser.add_argument("--plain-rank", type=int, default=None, help="run as plain FSDP2 HSDP, this rank")
     parser.add_argument("--plain-world", type=int, default=None)
     parser.add_argument("--plain-shards", type=int, default=2, help="plain HSDP: processes per replica")
     parser.add_argument("--plain-port", type=int, default=None, help="plain HSDP: TCP port of the rendezvous")
     args = parser.parse_args(argv)
+    if (args.fragments != 1 or args.quantize) and not args.sync_every:
+        parser.error("--fragments and --quantize are DiLoCo's: give --sync-every")
+    if args.sync_every and args.plain_rank is not None:
+        parser.error("--sync-every trains through ftcomm: not with --plain-rank")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     x, y = make_task(args.seed)
     if args.plain_rank is not None:
@@ -107,7 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(ft.shard_mesh, args.seed, args.hidden)  # (replicas of one process: not sharded)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     sampler = ftcomm.ElasticSampler(len(x), global_batch=args.global_batch, seed=args.seed)
-    ft.register_state(model=model, optimizer=optimizer, sampler=sampler)
+    diloco = None
+    if args.sync_every:
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.sync_every,
+                               fragments=args.fragments, quantize=args.quantize)
+        ft.register_state(diloco=diloco, sampler=sampler)
+    else:
+        ft.register_state(model=model, optimizer=optimizer, sampler=sampler)
     checkpoints = None
     if args.checkpoint_dir:  # a whole-job restart restores the newest step some process of every shard index can load
         checkpoints = ftcomm.FlashCheckpointer(ft, args.checkpoint_dir, name=args.checkpoint_name)
@@ -132,12 +153,19 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             if args.step_time:
                 time.sleep(args.step_time)  # stands in for a heavier model's compute
-            if ft.wait_gradients_ready(model):
+            if diloco is not None:
+                committed = diloco.step()  # the inner step; every --sync-every of them the outer step
+            elif ft.wait_gradients_ready(model):
                 optimizer.step()
+                committed = True
+            else:
+                committed = False
+            if committed:
                 if args.log_indices:
                     share = sampler.committed
+                    idx = [i for part in sampler.committed_parts if part.count for i in sampler.indices(part)]
                     emit(ev="batch", step=ft.step, epoch=share.epoch, start=share.start, size=share.size,
-                         world=share.world, rank=ft.rank, idx=sampler.indices(share) if share.count else [])
+                         world=share.world, rank=ft.rank, idx=idx)
                 if checkpoints is not None and args.checkpoint_every and ft.step % args.checkpoint_every == 0:
                     checkpoints.save()
             optimizer.zero_grad()
@@ -147,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             while reported < len(ft.events):
                 emit(ev="view", shard=ft.shard_rank, t=time.time(), **dataclasses.asdict(ft.events[reported]))
                 reported += 1
-            if ft.step % args.report_every == 0:
+            if ft.step % args.report_every == 0 and (diloco is None or committed):
                 emit(ev="step", step=ft.step, rank=ft.rank, world=ft.world_size, loss=round(loss.item(), 4),
                      t=time.time())
             if ft.step >= args.steps:

@@ -257,6 +257,35 @@ def test_a_process_lost_to_kill_9_is_replaced_in_place_by_a_standby_and_its_part
     assert_per_shard_invariants(job, steps, stopped=frozenset({victim["rank"]}))
 
 
+def test_streaming_diloco_over_sharded_replicas_keeps_one_global_model_per_shard_through_a_kill_9():
+    """Streaming DiLoCo (an outer step every 2 inner steps, 2 fragments, pseudo-gradients in
+    int8) over 3 replicas of 2 with a warm standby: kill -9 of one process. Its replica is
+    repaired in place, the outer steps go on across the replicas, and at the end every shard
+    index holds one global model and outer state on every replica, each outer step's inner
+    batches trained on exactly once (the committed outer step in which the process died
+    included)."""
+    steps = 150
+    job = Job(steps, "--sync-every", "4", "--fragments", "2", "--quantize", "int8", launcher=("--standby", "1"))
+    try:
+        ready = started(job)
+        wait_until(lambda: any("standby ready" in line for line in job.log), 120,
+                   lambda: f"no standby: {''.join(job.log[-40:])}")
+        victim = next(e for e in ready if e["rank"] == 3)
+        before = max(e["view_id"] for e in job.of("view"))
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert job.finish() == 0, "".join(job.log[-60:])
+    finally:
+        job.finish(30)
+    log = "".join(job.log)
+    assert "exited with signal SIGKILL" in log and "its replica is repaired in place" in log
+    views = sorted((e for e in job.of("view") if e["view_id"] > before), key=lambda e: e["view_id"])
+    assert views and all(victim["id"] not in e["members"] for e in views)
+    assert any(len(e["members"]) == REPLICAS * SHARDS for e in views), "the replica never came back"
+    sizes = {b["size"] for b in job.of("batch")}
+    assert sizes <= {512} and sizes, sizes  # an outer step: 2 inner batches of 256
+    assert_per_shard_invariants(job, steps, stopped=frozenset({victim["rank"]}))
+
+
 def test_sigterm_to_a_whole_replica_is_a_graceful_leave():
     # Long enough for the launcher's restart of the replica (Python, torch, the replica's own
     # group) to rejoin before the others end, on a loaded machine too: with 120 steps the

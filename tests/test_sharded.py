@@ -428,8 +428,21 @@ def _ftcomm_diloco(rank: int, ports: list[int], out: str) -> None:
         result = diloco.step()
         if result is not None:
             committed.append(result)
+    # The state as a joiner receives it (local shards, rebuilt on the joiner's own objects),
+    # loaded into a fresh DiLoCo whose outer optimizer has not stepped: its next outer step runs.
+    from ftcomm.training import sharded
+    fresh_model = _model(seed=1)
+    _shard(fresh_model, group.shard_mesh)
+    fresh_outer = torch.optim.SGD(fresh_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    fresh = ftcomm.DiLoCo(group, fresh_model, torch.optim.Adam(fresh_model.parameters(), lr=0.01),
+                          outer_optimizer=fresh_outer, sync_every=DILOCO_EVERY, fragments=DILOCO_FRAGMENTS)
+    fresh.load_state_dict(sharded.like(sharded.template(fresh), sharded.to_local(diloco.state_dict())))
+    for g in fresh._global:
+        g.grad = torch.zeros_like(g)
+    fresh.outer_optimizer.step()
     torch.save({"global": {n: p.to_local().clone() for n, p in diloco.model_state().items()},
-                "committed": committed, "digest": group.state.digest(group.step)},
+                "committed": committed, "digest": group.state.digest(group.step),
+                "reloaded": {n: p.to_local().clone() for n, p in fresh.model_state().items()}},
                os.path.join(out, f"diloco_{replica}_{shard}.pt"))
     group.shutdown()
     dist.destroy_process_group()
@@ -472,7 +485,8 @@ def test_streaming_diloco_over_sharded_replicas_averages_each_shard_across_repli
     Streaming DiLoCo, two fragments taking turns: every outer step commits, the global
     model's shards are those of DiLoCo over two unsharded workers computed alone (each
     shard's pseudo-gradient averaged across the replicas over its own communicator), and
-    every process of a shard index holds one digest."""
+    every process of a shard index holds one digest. The state, as a joiner receives it,
+    loads into a fresh DiLoCo whose outer optimizer has no state yet, which then steps."""
     ports = [free_port() for _ in range(REPLICAS + REPLICAS * SHARDS)]
     torch.multiprocessing.spawn(_ftcomm_diloco, args=(ports, str(tmp_path)), nprocs=REPLICAS * SHARDS)
     expected = _diloco_alone()
@@ -481,6 +495,8 @@ def test_streaming_diloco_over_sharded_replicas_averages_each_shard_across_repli
         assert len({r["digest"] for r in results}) == 1
         for r in results:
             assert r["committed"] == [True] * DILOCO_OUTER
+            for name, value in r["global"].items():  # a zero pseudo-gradient: momentum moves it alone
+                assert r["reloaded"][name].shape == value.shape and torch.isfinite(r["reloaded"][name]).all()
             for name, whole in expected.items():
                 torch.testing.assert_close(r["global"][name], whole.chunk(SHARDS, dim=0)[shard], rtol=1e-5,
                                            atol=1e-6, msg=name)

@@ -300,7 +300,9 @@ class DiLoCo:
         a member whose state fell behind); the local model starts again from it, every
         fragment. ValueError, with nothing loaded, for a state that does not fit this object."""
         self._check(state)
-        self.outer_optimizer.load_state_dict(state["outer"])
+        # Received as local shards (a joiner's outer optimizer has no state yet to rebuild them
+        # on): each becomes a DTensor like its sharded parameter, as the optimizer needs.
+        self.outer_optimizer.load_state_dict(sharded.like(sharded.template(self.outer_optimizer), state["outer"]))
         with torch.no_grad():
             for name, g in zip(self._names, self._global):
                 sharded.local(g).copy_(sharded.local(state["global"][name]))
