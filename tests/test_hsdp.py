@@ -278,6 +278,8 @@ def test_streaming_diloco_over_sharded_replicas_keeps_one_global_model_per_shard
         job.finish(30)
     log = "".join(job.log)
     assert "exited with signal SIGKILL" in log and "its replica is repaired in place" in log
+    assert "with the rest of its replica" not in log and "left with its replica" not in log  # repaired, not restarted
+    assert [e["restarts"] for e in job.of("ready") if e["restarts"]] == [1]  # the lost process's shard alone
     views = sorted((e for e in job.of("view") if e["view_id"] > before), key=lambda e: e["view_id"])
     assert views and all(victim["id"] not in e["members"] for e in views)
     assert any(len(e["members"]) == REPLICAS * SHARDS for e in views), "the replica never came back"

@@ -413,6 +413,11 @@ def _ftcomm_diloco(rank: int, ports: list[int], out: str) -> None:
     import ftcomm
     replica, shard = divmod(rank, SHARDS)
     group = _replica_group(rank, ports, "sharded-diloco")
+    plain = _model()
+    with pytest.raises(ftcomm.StateError, match=r"diloco\.0\.weight is not sharded over ft.shard_mesh"):
+        group.register_state(diloco=ftcomm.DiLoCo(group, plain, torch.optim.SGD(plain.parameters(), lr=0.1),
+                                                  outer_optimizer=torch.optim.SGD(plain.parameters(), lr=0.7),
+                                                  sync_every=DILOCO_EVERY))
     model = _model()
     _shard(model, group.shard_mesh)
     inner = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -436,7 +441,11 @@ def _ftcomm_diloco(rank: int, ports: list[int], out: str) -> None:
     fresh_outer = torch.optim.SGD(fresh_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     fresh = ftcomm.DiLoCo(group, fresh_model, torch.optim.Adam(fresh_model.parameters(), lr=0.01),
                           outer_optimizer=fresh_outer, sync_every=DILOCO_EVERY, fragments=DILOCO_FRAGMENTS)
-    fresh.load_state_dict(sharded.like(sharded.template(fresh), sharded.to_local(diloco.state_dict())))
+    sent = sharded.to_local(diloco.state_dict())
+    fresh.load_state_dict(sharded.like(sharded.template(fresh), sent))
+    digest = group.state.digest(group.step)
+    diloco.load_state_dict(sharded.like(sharded.template(diloco), sent))  # (into one whose outer state exists)
+    assert group.state.digest(group.step) == digest
     for g in fresh._global:
         g.grad = torch.zeros_like(g)
     fresh.outer_optimizer.step()

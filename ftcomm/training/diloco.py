@@ -343,7 +343,8 @@ class DiLoCo:
         params = {i: p for a, b in zip(groups, mine) for i, p in zip(a["params"], b["params"])}
         for index, entry in outer["state"].items():
             if index not in params or not isinstance(entry, dict) or any(
-                    isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != sharded.local(params[index]).shape
+                    isinstance(t, torch.Tensor) and t.dim() > 0 and
+                    sharded.local(t).shape != sharded.local(params[index]).shape
                     for t in entry.values()):
                 raise ValueError(f"the outer optimizer's state for parameter {index!r} does not fit this model")
 

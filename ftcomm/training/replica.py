@@ -293,7 +293,10 @@ class Replica:
 
     def check_sharded(self, entries: dict[str, Any]) -> None:
         """StateError naming the first parameter of a module in ``entries`` that is not a
-        DTensor on this replica's mesh (sharded with ``fully_shard(..., mesh=ft.shard_mesh)``)."""
+        DTensor on this replica's mesh (sharded with ``fully_shard(..., mesh=ft.shard_mesh)``).
+        A registered object that trains a module of its own (``DiLoCo``, ``LocalSGD``: its
+        ``model``) counts as that module."""
+        entries = {name: _module_of(entry) for name, entry in entries.items()}
         for name, entry in entries.items():
             if not isinstance(entry, torch.nn.Module):
                 continue
@@ -414,6 +417,12 @@ class Replica:
         if self._owned and dist.is_initialized() and self.lost is None and self.formations == 1:
             dist.destroy_process_group()
             self._owned = False
+
+
+def _module_of(entry: Any) -> Any:
+    """``entry``, or the module it trains (a registered DiLoCo or LocalSGD's ``model``)."""
+    model = getattr(entry, "model", None)
+    return model if not isinstance(entry, torch.nn.Module) and isinstance(model, torch.nn.Module) else entry
 
 
 def _fsdp_api() -> tuple[type, type]:
