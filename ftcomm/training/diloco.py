@@ -359,7 +359,8 @@ class DiLoCo:
         return {"global": self.model_state(), "outer": self.outer_optimizer.state_dict()["state"]}
 
 
-QUANTIZE = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}  # what the pseudo-gradients travel in
+# what the pseudo-gradients travel in
+QUANTIZE = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 
 
 def _split(params: list[torch.Tensor], count: int) -> list[list[int]]:

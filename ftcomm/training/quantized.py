@@ -6,8 +6,8 @@ two exchanges of one byte per element, as a reduce-scatter and an all-gather wou
 1. each member cuts its float32 tensor into one chunk per rank, quantizes each block of
    ``BLOCK`` elements to int8 with a float32 scale of its own (the block's largest
    magnitude / 127, rounded to nearest), and sends chunk ``j`` to rank ``j`` (alltoall);
-2. rank ``j`` dequantizes the chunks it received, adds them in float32 in rank order,
-   quantizes that sum the same way, and every rank gathers every rank's summed chunk
+2. rank ``j`` dequantizes the chunks it received, adds them in float32, quantizes that
+   sum the same way, and every rank gathers every rank's summed chunk
    (allgather) and dequantizes it.
 
 Each chunk's sum is computed by one rank and every member dequantizes the same bytes,
@@ -65,7 +65,7 @@ def unpack(packed: torch.Tensor, size: int) -> torch.Tensor:
 
 def reduce_chunks(received: torch.Tensor, size: int) -> torch.Tensor:
     """Step 2 at one rank: the chunks every rank sent it (row ``i`` from rank ``i``), summed
-    in float32 in rank order and packed again (one row)."""
+    in float32 and packed again (one row)."""
     return pack(unpack(received, size).sum(dim=0, keepdim=True).clamp_(-_MAX, _MAX))[0]
 
 
