@@ -63,11 +63,30 @@ def test_a_publisher_is_called_back_once_its_own_record_reads_back(nodes):
     assert called.wait(2) and read_back == [8]
 
 
+def _udp_and_tcp_on_one_port() -> tuple[socket.socket, socket.socket]:
+    """A UDP and a TCP socket bound to one port of 127.0.0.1 (the two a node binds): held,
+    the port's TCP side cannot be taken meanwhile by another process's connection."""
+    for _ in range(100):
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.bind(("127.0.0.1", 0))
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            tcp.bind(("127.0.0.1", udp.getsockname()[1]))
+            return udp, tcp
+        except OSError:
+            udp.close()
+            tcp.close()
+    raise AssertionError("no port free for both UDP and TCP")
+
+
 def test_an_explicit_port_still_held_by_an_exiting_predecessor_is_bound_once_free():
-    held = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    held.bind(("127.0.0.1", 0))
-    port = held.getsockname()[1]
-    threading.Timer(0.3, held.close).start()  # the killed process this one replaces, exiting
+    udp, tcp = _udp_and_tcp_on_one_port()
+    port = udp.getsockname()[1]
+
+    def exit_predecessor() -> None:  # the killed process this one replaces, exiting
+        udp.close()
+        tcp.close()
+    threading.Timer(0.3, exit_predecessor).start()
     node = GossipNode(("127.0.0.1", port), config=FAST).start()
     try:
         assert node.port == port
