@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.bytecode import compile_package  # noqa: E402
 from benchmarks.peer_torchft import (LIVE, SIZE, Cluster, close_all, fault, interleave, join, mark,  # noqa: E402
-                                     start, steady_state)
+                                     measure_in_turn, start, steady_state)
 
 SYSTEMS = ("ftcomm", "hivemind_averager", "hivemind_averager_tuned", "ftcomm_localsgd", "hivemind_optimizer")
 PAIRS = (("ftcomm", "hivemind_averager"), ("ftcomm", "hivemind_averager_tuned"),
@@ -110,25 +110,13 @@ def steady_and_equal(group: Group, window: float) -> dict:
 
 def one_run(system: str, args) -> dict:
     group = Group(system, args)
-    result: dict = {"system": system}
     steps = [("steady", lambda: steady_and_equal(group, args.window)),
              ("kill9", lambda: fault(group, signal.SIGKILL, whole_group=True)),
              ("join_after_kill9", lambda: join(group)),
              ("sigstop", lambda: fault(group, signal.SIGSTOP, whole_group=True)),
              ("join_after_sigstop", lambda: join(group)),
              ("final", lambda: steady_and_equal(group, args.window))]
-    try:
-        group.start()
-        for name, measure in steps:
-            result[name] = measure()
-            print(json.dumps({"system": system, name: result[name]}), flush=True)
-    except (TimeoutError, RuntimeError) as exc:  # recorded, not hidden: a failure is a result
-        result["failed"] = str(exc)[-3000:]
-        result["worker_errors"] = group.errors()
-        print(json.dumps({"system": system, "failed": str(exc).splitlines()[0]}), flush=True)
-    finally:
-        group.close()
-    return result
+    return measure_in_turn(system, group, steps)
 
 
 def summarize(runs: list[dict]) -> dict:

@@ -216,15 +216,20 @@ def join(cluster: Cluster) -> dict:
 
 
 def one_run(system: str, args) -> dict:
-    """Steady state, kill -9, join, SIGSTOP, join on a fresh group. A measurement that fails is
-    recorded with its error and ends the run for this system (the group's state is unknown)."""
+    """Steady state, kill -9, join, SIGSTOP, join on a fresh group (see :func:`measure_in_turn`)."""
     cluster = Cluster(system, args.step_time, args.deadline, args.torchft_ddp, args.diloco)
-    result: dict = {"system": system}
     steps = [("steady", lambda: steady_state(cluster, args.window)),
              ("kill9", lambda: fault(cluster, signal.SIGKILL)),
              ("join_after_kill9", lambda: join(cluster)),
              ("sigstop", lambda: fault(cluster, signal.SIGSTOP)),
              ("join_after_sigstop", lambda: join(cluster))]
+    return measure_in_turn(system, cluster, steps)
+
+
+def measure_in_turn(system: str, cluster: Cluster, steps: list) -> dict:
+    """Start ``cluster`` and take each ``(name, measure)`` of ``steps`` in turn; a measurement
+    that fails is recorded with its error and ends the run (the group's state is unknown)."""
+    result: dict = {"system": system}
     try:
         cluster.start()
         for name, measure in steps:

@@ -42,18 +42,24 @@ def test_each_block_is_quantized_with_its_own_scale_and_a_non_finite_block_comes
     assert not torch.equal(back[0, :BLOCK], values[0, :BLOCK])  # it was rounded
 
 
-def _sum_in_threads(comms, tensors) -> list[torch.Tensor]:
-    """Each rank's quantized_sum, each waited for on a thread of its own (as each member's
-    training thread does: the second exchange starts when its first is seen done)."""
+def _sum_over_gloo(tensors) -> list[torch.Tensor]:
+    """``tensors`` summed by quantized_sum over a Gloo group of one rank each, each rank
+    waited for on a thread of its own (as each member's training thread does: the second
+    exchange starts when its first is seen done); the group closed afterwards."""
+    comms = gloo_group(len(tensors))
     results: list = [None] * len(comms)
 
     def run(rank: int) -> None:
         results[rank] = quantized_sum(comms[rank], tensors[rank]).wait(AbortSignal(), 30.0)[0]
     threads = [threading.Thread(target=run, args=(r,)) for r in range(len(comms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(40)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+    finally:
+        for c in comms:
+            c.close()
     return results
 
 
@@ -62,15 +68,10 @@ def test_an_int8_sum_over_three_gloo_ranks_is_bit_equal_on_each_and_within_two_h
     """Three ranks, a tensor that fills the three chunks unevenly (or exactly): every rank
     ends with the same bits, those of the sum computed alone by the same algorithm, within
     half a step of each block going out and half a step of the summed block coming back."""
-    comms = gloo_group(3)
     generator = torch.Generator().manual_seed(numel)
     tensors = [torch.randn(numel, generator=generator) * (r + 1) for r in range(3)]
     originals = [t.clone() for t in tensors]
-    try:
-        results = _sum_in_threads(comms, tensors)
-    finally:
-        for c in comms:
-            c.close()
+    results = _sum_over_gloo(tensors)
     expected = reference_sum(originals)
     for r in range(3):
         assert results[r] is tensors[r]  # summed in place
@@ -131,16 +132,11 @@ def test_values_beyond_float32_s_range_saturate_instead_of_spoiling_their_block(
     alone[3] = biggest
     back = unpack(pack(alone.view(1, -1)), BLOCK)[0]
     assert torch.isfinite(back).all() and back[3] == biggest
-    comms = gloo_group(2)
     tensors = [torch.full((2 * BLOCK,), 0.25) for _ in range(2)]
     for t in tensors:
         t[7] = biggest / 1.5  # each finite; their sum is not
     originals = [t.clone() for t in tensors]
-    try:
-        results = _sum_in_threads(comms, tensors)
-    finally:
-        for c in comms:
-            c.close()
+    results = _sum_over_gloo(tensors)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], reference_sum(originals))
     assert torch.isfinite(results[0]).all() and results[0][7] == biggest
     torch.testing.assert_close(results[0][BLOCK:], torch.full((BLOCK,), 0.5))
