@@ -13,7 +13,9 @@ gradient path (DDP's algorithm and its reducer), ``diloco-H`` takes an outer ste
 (Nesterov SGD, learning rate 0.7, momentum 0.9) every H inner steps, ``localsgd-H``
 averages parameters every H steps, ``streaming-H-P`` is Streaming DiLoCo with P fragments
 (one outer step every H/P inner steps, each fragment's every H), ``streaming-H-P-bf16`` its
-pseudo-gradients summed in bfloat16, ``streaming-H-P-int8`` in 8-bit integers.
+pseudo-gradients summed in bfloat16, ``streaming-H-P-int8`` in 8-bit integers, and a suffix
+``-dD`` (``streaming-100-4-int8-d10``) overlaps each outer step's reduction with the D inner
+steps before it (``delay``).
 
 The workers of a configuration run in a network namespace of their own (root needed), so
 the namespace's loopback counters hold their traffic and nothing else's: *bytes per
@@ -89,9 +91,13 @@ def wait_listening(ns: str, port: int, timeout: float) -> None:
 
 def configuration(name: str) -> list[str]:
     """The example's arguments for ``per-step``, ``diloco-H``, ``localsgd-H`` or
-    ``streaming-H-P[-bf16|-fp16|-int8]`` (Streaming DiLoCo: P fragments, pseudo-gradients in that dtype)."""
+    ``streaming-H-P[-bf16|-fp16|-int8][-dD]`` (Streaming DiLoCo: P fragments, pseudo-gradients in
+    that dtype, each outer step's reduction overlapping the D inner steps before it)."""
     if name == "per-step":
         return ["--sync-every", "0", "--eval-every", str(PER_STEP_EVAL)]
+    base, _, delay = name.rpartition("-d")
+    if name.startswith("streaming-") and delay.isdigit():
+        return [*configuration(base), "--delay", delay]
     kind, _, rest = name.partition("-")
     every, _, rest = rest.partition("-")
     fragments, _, quantize = rest.partition("-")
@@ -99,7 +105,7 @@ def configuration(name: str) -> list[str]:
             (kind == "streaming" and (not fragments.isdigit() or quantize not in ("", "bf16", "fp16", "int8"))) or \
             kind not in ("diloco", "localsgd", "streaming"):
         raise ValueError(f"unknown configuration {name!r}: per-step, diloco-H, localsgd-H or "
-                         f"streaming-H-P[-bf16|-fp16|-int8]")
+                         f"streaming-H-P[-bf16|-fp16|-int8][-dD]")
     if kind == "streaming":
         eval_every = str(int(fragments))  # one evaluation per sync_every inner steps, as DiLoCo's
         return ["--sync-every", every, "--fragments", fragments, "--eval-every", eval_every,
@@ -246,13 +252,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             r["loss_vs_per_step"] = round(r["final_loss"] / reference["final_loss"] - 1, 4)
             r["bytes_vs_per_step"] = round(reference["bytes_per_sample"] / r["bytes_per_sample"], 1)
-        print(f"\n| configuration | held-out loss | vs per-step | bytes/sample/worker | fewer bytes | "
-              f"bytes/sync/worker | wall s | s to loss {target:.4f} |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in results:
-            print(f"| {r['name']} | {r['final_loss']:.4f} | {r['loss_vs_per_step']:+.1%} | "
-                  f"{r['bytes_per_sample']:,.0f} | {r['bytes_vs_per_step']}x | {r['bytes_per_commit']:,} | "
-                  f"{r['seconds']:.1f} | {r['seconds_to_target']:.1f} |")
+    print(f"\n| configuration | held-out loss | vs per-step | bytes/sample/worker | fewer bytes | "
+          f"bytes/sync/worker | wall s | s to loss {target:.4f} |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        versus = (f"{r['loss_vs_per_step']:+.1%} | {r['bytes_per_sample']:,.0f} | {r['bytes_vs_per_step']}x"
+                  if reference is not None else f"- | {r['bytes_per_sample']:,.0f} | -")
+        print(f"| {r['name']} | {r['final_loss']:.4f} | {versus} | {r['bytes_per_commit']:,} | "
+              f"{r['seconds']:.1f} | {r['seconds_to_target']:.1f} |")
     machine = f"{os.cpu_count()} cores, {platform.machine()}"
     where = f"two regions joined by {args.region_mbit} Mbit/s" if args.region_mbit else "one loopback"
     title = f"{args.workers} workers ({where}), {args.steps} inner steps of 64 windows, {machine}"

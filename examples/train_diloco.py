@@ -14,7 +14,8 @@ algorithm: the reference); ``--local-sgd`` averages parameters at each outer ste
 of DiLoCo's outer optimizer; ``--fragments P`` is Streaming DiLoCo (the model in P fragments,
 one outer step every ``--sync-every``/P inner steps, each P times smaller) and ``--quantize
 bf16`` sums the pseudo-gradients in bfloat16 (half the bytes), ``--quantize int8`` in 8-bit
-integers with a scale per 256 (a quarter). The corpus is the ``.py`` files of the standard library of
+integers with a scale per 256 (a quarter); ``--delay D`` sends each outer step's
+pseudo-gradients D inner steps early and trains on while they travel. The corpus is the ``.py`` files of the standard library of
 the Python that runs this (sorted by path, the first ``--corpus-mb`` MB), cut into windows
 of ``--context`` + 1 bytes; the last 5% of the windows are held out. An
 :class:`ftcomm.ElasticSampler` hands out the training windows, each exactly once per
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                              "sync-every / fragments inner steps")
     parser.add_argument("--quantize", choices=["bf16", "fp16", "int8"], default=None,
                         help="DiLoCo: pseudo-gradients summed in this dtype (bf16, fp16: half the bytes; int8: a quarter)")
+    parser.add_argument("--delay", type=int, default=0,
+                        help="DiLoCo: each outer step's reduction overlaps this many inner steps before it")
     parser.add_argument("--steps", type=int, default=2000, help="inner steps to train (a multiple of --sync-every)")
     parser.add_argument("--global-batch", type=int, default=64, help="windows per inner step over all workers")
     parser.add_argument("--context", type=int, default=64, help="bytes a window predicts")
@@ -123,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sync_every and args.steps % args.sync_every:
         parser.error("--steps must be a multiple of --sync-every")
-    if (args.fragments != 1 or args.quantize) and (not args.sync_every or args.local_sgd):
-        parser.error("--fragments and --quantize are DiLoCo's: give --sync-every, not --local-sgd")
+    if (args.fragments != 1 or args.quantize or args.delay) and (not args.sync_every or args.local_sgd):
+        parser.error("--fragments, --quantize and --delay are DiLoCo's: give --sync-every, not --local-sgd")
     if args.fragments < 1 or (args.sync_every and args.sync_every % args.fragments):
         parser.error("--fragments must be a positive divisor of --sync-every")
+    if args.sync_every and not 0 <= args.delay < args.sync_every // args.fragments:
+        parser.error("--delay must be from 0 to --sync-every / --fragments - 1")
 
     torch.manual_seed(args.seed)
     text = corpus(args.corpus_mb)
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.9, nesterov=True)
             algorithm = ftcomm.DiLoCo(ft, model, inner, outer_optimizer=outer, sync_every=args.sync_every,
-                                      fragments=args.fragments, quantize=args.quantize)
+                                      fragments=args.fragments, quantize=args.quantize, delay=args.delay)
         ft.register_state(diloco=algorithm, sampler=sampler)
         net = model
     else:

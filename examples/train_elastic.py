@@ -17,7 +17,8 @@ restarts (a worker restarted into a running group gets the group's state instead
 ``--sync-every H`` trains with DiLoCo instead (each worker alone for H inner steps, then
 an outer step across the group; ``--local-sgd`` averages parameters instead of DiLoCo's
 outer Nesterov step; ``--fragments P`` is Streaming DiLoCo, the model's fragments taking
-turns; ``--quantize bf16`` or ``int8`` sums the pseudo-gradients in bfloat16 or 8-bit integers): a committed step is then an
+turns; ``--quantize bf16`` or ``int8`` sums the pseudo-gradients in bfloat16 or 8-bit integers;
+``--delay D`` overlaps each outer step's reduction with the D inner steps before it): a committed step is then an
 outer step. ``--ddp-rank``/``--ddp-world``/``--ddp-port`` run the same training under
 ``torch.nn.parallel.DistributedDataParallel`` instead (a fixed world, for comparison).
 
@@ -76,13 +77,16 @@ def emit(**fields) -> None:
 
 
 class Control:
-    """Commands on stdin (with --control): partition, heal, stop_at, status, fail."""
+    """Commands on stdin (with --control): partition, heal, stop_at, status, fail, and
+    in_flight (``signal`` KILL or STOP: this process sends it to itself right after an
+    inner step during which a DiLoCo outer step's reduction is under way, see --delay)."""
 
     def __init__(self, faults: FaultFilter) -> None:
         self.faults = faults
         self.stop_at: int | None = None
         self.fail = False
         self.step_time: float | None = None  # overrides --step-time once set
+        self.in_flight: signal.Signals | None = None
         self.closed = threading.Event()
 
     def loop(self, ft) -> None:
@@ -100,6 +104,8 @@ class Control:
                 self.step_time = float(command["seconds"])
             elif name == "fail":
                 self.fail = True
+            elif name == "in_flight":
+                self.in_flight = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[command["signal"]]
             elif name == "stop_at":
                 self.stop_at = int(command["step"])
             elif name == "status":
@@ -151,13 +157,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --sync-every: Streaming DiLoCo, the model in this many fragments taking turns")
     parser.add_argument("--quantize", choices=["bf16", "fp16", "int8"], default=None,
                         help="with --sync-every: DiLoCo's pseudo-gradients summed in this dtype")
+    parser.add_argument("--delay", type=int, default=0,
+                        help="with --sync-every: each outer step's reduction overlaps this many inner steps")
     parser.add_argument("--hidden", type=int, default=128, help="hidden width (3150: about 10M parameters)")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     args = parser.parse_args(argv)
-    if (args.fragments != 1 or args.quantize) and (not args.sync_every or args.local_sgd):
-        parser.error("--fragments and --quantize are DiLoCo's: give --sync-every, not --local-sgd")
+    if (args.fragments != 1 or args.quantize or args.delay) and (not args.sync_every or args.local_sgd):
+        parser.error("--fragments, --quantize and --delay are DiLoCo's: give --sync-every, not --local-sgd")
     if args.fragments < 1 or (args.sync_every and args.sync_every % args.fragments):
         parser.error("--fragments must be a positive divisor of --sync-every")
+    if args.sync_every and not 0 <= args.delay < args.sync_every // args.fragments:
+        parser.error("--delay must be from 0 to --sync-every / --fragments - 1")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid> prints every thread's stack
 
@@ -188,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.9, nesterov=True)
             diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.sync_every,
-                                   fragments=args.fragments, quantize=args.quantize)
+                                   fragments=args.fragments, quantize=args.quantize, delay=args.delay)
         ft.register_state(diloco=diloco, sampler=sampler, **extras)
         net = model
     else:
@@ -221,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(step_time)  # stands in for a heavier model's compute
             if diloco is not None:
                 committed = diloco.step()  # an inner step; at the end of the outer step, True or False
+                if control is not None and control.in_flight is not None and diloco.in_flight:
+                    emit(ev="in_flight", signal=control.in_flight.name, step=ft.step, t=time.time())
+                    sig, control.in_flight = control.in_flight, None
+                    os.kill(os.getpid(), sig)
             else:
                 committed = ft.wait_gradients_ready(net)
                 if committed:

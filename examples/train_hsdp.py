@@ -25,7 +25,7 @@ whose state fingerprints differed (``flipped`` where ``--flip-bit-at`` flipped a
 
 ``--sync-every H`` trains with ``ftcomm.DiLoCo`` instead (each replica alone for H inner
 steps, then an outer step that averages each shard's pseudo-gradient across the replicas;
-``--fragments``, ``--quantize`` as its arguments): a committed step is then an outer step,
+``--fragments``, ``--quantize``, ``--delay`` as its arguments): a committed step is then an outer step,
 and its ``batch`` event lists this process's share of every inner batch of it.
 """
 
@@ -96,14 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fragments", type=int, default=1, help="with --sync-every: Streaming DiLoCo's fragments")
     parser.add_argument("--quantize", choices=["bf16", "fp16", "int8"], default=None,
                         help="with --sync-every: the dtype the pseudo-gradients are summed in")
+    parser.add_argument("--delay", type=int, default=0,
+                        help="with --sync-every: each outer step's reduction overlaps this many inner steps")
     parser.add_argument("--log-level", default="WARNING", help="library log level, on stderr")
     parser.add_argument("--plain-rank", type=int, default=None, help="run as plain FSDP2 HSDP, this rank")
     parser.add_argument("--plain-world", type=int, default=None)
     parser.add_argument("--plain-shards", type=int, default=2, help="plain HSDP: processes per replica")
     parser.add_argument("--plain-port", type=int, default=None, help="plain HSDP: TCP port of the rendezvous")
     args = parser.parse_args(argv)
-    if (args.fragments != 1 or args.quantize) and not args.sync_every:
-        parser.error("--fragments and --quantize are DiLoCo's: give --sync-every")
+    if (args.fragments != 1 or args.quantize or args.delay) and not args.sync_every:
+        parser.error("--fragments, --quantize and --delay are DiLoCo's: give --sync-every")
     if args.sync_every and args.plain_rank is not None:
         parser.error("--sync-every trains through ftcomm: not with --plain-rank")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sync_every:
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.sync_every,
-                               fragments=args.fragments, quantize=args.quantize)
+                               fragments=args.fragments, quantize=args.quantize, delay=args.delay)
         ft.register_state(diloco=diloco, sampler=sampler)
     else:
         ft.register_state(model=model, optimizer=optimizer, sampler=sampler)

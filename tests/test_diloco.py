@@ -41,7 +41,7 @@ def model_and_optimizers(outer_lr: float | None):
 
 def make(group, sync_every: int, outer_lr: float | None, **streaming):
     """A DiLoCo (LocalSGD when ``outer_lr`` is None) and its sampler, registered with ``group``;
-    ``streaming``: DiLoCo's ``fragments`` and ``quantize``."""
+    ``streaming``: DiLoCo's ``fragments``, ``quantize`` and ``delay``."""
     model, inner, outer = model_and_optimizers(outer_lr)
     sampler = ftcomm.ElasticSampler(SAMPLES, global_batch=BATCH, seed=SEED)
     if outer is None:
@@ -57,13 +57,14 @@ def inner_step(model, indices) -> None:
 
 
 def reference(world: int, sync_every: int, outer_lr: float | None, outer_steps: int, fragments: int = 1,
-              quantize: torch.dtype | None = None) -> list[torch.Tensor]:
+              quantize: torch.dtype | None = None, delay: int = 0) -> list[torch.Tensor]:
     """The global model after ``outer_steps`` outer steps of ``world`` workers, computed alone:
     each worker's inner steps on its share of each inner batch (``sync_every / fragments``
     of them per outer step), the mean pseudo-gradient of the outer step's fragment (the
     model's parameters taken in turn; each worker's share of the sum rounded to
-    ``quantize``, and the sum too, as the all-reduce does), the outer optimizer's step,
-    and that fragment of every worker's local model set to the global one."""
+    ``quantize``, and the sum too, as the all-reduce does) taken ``delay`` inner steps
+    before the last, the outer optimizer's step, and that fragment of every worker's local
+    model set to the global one plus what its last ``delay`` inner steps changed in it."""
     model, _, outer = model_and_optimizers(outer_lr)
     if outer is None:
         outer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -76,9 +77,10 @@ def reference(world: int, sync_every: int, outer_lr: float | None, outer_steps: 
         workers.append((local, inner, sampler, iter(()), [sampler.epoch]))
     for step in range(outer_steps):
         part = [i for i in range(len(globals_)) if i % fragments == step % fragments]  # (one parameter a fragment)
-        deltas = []
+        deltas, kept = [], []
         for w, (local, inner, sampler, batches, epoch) in enumerate(workers):
-            for _ in range(interval):
+            params = list(local.parameters())
+            for k in range(interval):
                 indices = next(batches, None)
                 if indices is None:
                     batches = iter(sampler)
@@ -86,11 +88,14 @@ def reference(world: int, sync_every: int, outer_lr: float | None, outer_steps: 
                 inner_step(local, indices)
                 inner.step()
                 inner.zero_grad()
+                if k == interval - 1 - delay:  # the pseudo-gradient taken (and sent)
+                    deltas.append({i: globals_[i].detach() - params[i].detach() for i in part})
+                    kept.append({i: params[i].detach().clone() for i in part})
                 if sampler.offset == 0 and sampler.epoch != epoch[0]:
                     epoch[0] = sampler.epoch
+                    assert k == interval - 1, "a short outer step at an epoch's end: not modelled here"
                     break  # the epoch's last outer step ended
             workers[w] = (local, inner, sampler, batches, epoch)
-            deltas.append({i: globals_[i].detach() - list(local.parameters())[i].detach() for i in part})
         if quantize == torch.int8:  # each worker's share in its bucket (the carrier's layout with fragments)
             order = part if fragments > 1 else part[::-1]
             size = max(sum(globals_[j].numel() for j in range(len(globals_)) if j % fragments == f)
@@ -112,61 +117,77 @@ def reference(world: int, sync_every: int, outer_lr: float | None, outer_steps: 
                 globals_[i].grad = sum(shares[1:], shares[0]).float()
         outer.step()
         outer.zero_grad(set_to_none=True)
-        for local, *_ in workers:
+        for w, (local, *_) in enumerate(workers):
             with torch.no_grad():
                 for i in part:
-                    list(local.parameters())[i].copy_(globals_[i])
+                    p = list(local.parameters())[i]
+                    p.copy_(globals_[i] if not delay else globals_[i] + (p - kept[w][i]))
     return [p.detach().clone() for p in model.parameters()]
 
 
 def train(groups, sync_every: int, outer_lr: float | None, outer_steps: int, **streaming) -> list:
     """Every group trains ``outer_steps`` committed outer steps; per group: its global model's
-    parameters, its digest, and the indices it trained on per committed step."""
+    parameters, its digest, the indices it trained on per committed step, and the inner
+    steps taken while an outer step's reduction was under way (``delay``)."""
     def run(i: int, g):
         model, algorithm, sampler = make(g, sync_every, outer_lr, **streaming)
         trained: dict[int, list[int]] = {}
+        overlapped = 0
         while g.step < outer_steps:
             for indices in sampler:
+                buckets = g._loop.ports.collective.buckets
+                if algorithm._sent is not None and buckets is not None:  # sent early: the buckets hold it, in flight
+                    overlapped += buckets.touched
                 inner_step(model, indices)
                 if algorithm.step():
                     trained[g.step] = [x for part in sampler.committed_parts for x in sampler.indices(part)]
                 if g.step >= outer_steps:
                     break
-        return [p.detach().clone() for p in algorithm.model_state().values()], g.state.digest(g.step), trained
+        return [p.detach().clone() for p in algorithm.model_state().values()], g.state.digest(g.step), trained, \
+            overlapped
     return in_threads(groups, run)
 
 
 @pytest.mark.parametrize("outer_lr,sync_every,streaming", [
     (0.7, 3, {}), (None, 3, {}), (0.7, 4, {"fragments": 2}), (0.7, 4, {"fragments": 2, "quantize": "bf16"}),
-    (0.7, 4, {"fragments": 2, "quantize": "int8"}), (0.7, 3, {"quantize": "int8"})],
-    ids=["diloco", "local-sgd", "streaming", "streaming-bf16", "streaming-int8", "diloco-int8"])
+    (0.7, 4, {"fragments": 2, "quantize": "int8"}), (0.7, 3, {"quantize": "int8"}), (0.7, 3, {"delay": 2}),
+    (0.7, 4, {"fragments": 2, "delay": 1}), (0.7, 4, {"fragments": 2, "quantize": "int8", "delay": 1})],
+    ids=["diloco", "local-sgd", "streaming", "streaming-bf16", "streaming-int8", "diloco-int8", "diloco-delay",
+         "streaming-delay", "streaming-int8-delay"])
 def test_outer_steps_match_the_algorithm_computed_alone_and_consume_every_sample_once(outer_lr, sync_every,
                                                                                      streaming):
     """Two workers, eight outer steps of three inner steps (two epochs of four, the epoch's
     permutation split per inner batch), or with the model in two fragments taking turns
     every two inner steps (Streaming DiLoCo, its pseudo-gradients summed in float32,
-    bfloat16 or int8; DiLoCo in int8): every worker ends with the global model that the algorithm computed alone
-    gives (DiLoCo's Nesterov outer step, or LocalSGD's average), the same digest, and
-    every sample of each epoch trained on exactly once."""
+    bfloat16 or int8; DiLoCo in int8), or with the outer step's reduction overlapping the
+    last inner steps before it (``delay``: sent early, and under way while they train):
+    every worker ends with the global model that the algorithm computed alone gives
+    (DiLoCo's Nesterov outer step, or LocalSGD's average), the same digest, and every
+    sample of each epoch trained on exactly once."""
     groups = start_groups(2)
     try:
         results = train(groups, sync_every, outer_lr, 8, **streaming)
     finally:
         for g in groups:
             g.shutdown()
-    fragments = streaming.get("fragments", 1)
+    fragments, delay = streaming.get("fragments", 1), streaming.get("delay", 0)
     wire = {"bf16": torch.bfloat16, "int8": torch.int8}.get(streaming.get("quantize"))
-    expected = reference(2, sync_every, outer_lr, 8, fragments, wire)
-    for params, _, _ in results:
+    expected = reference(2, sync_every, outer_lr, 8, fragments, wire, delay)
+    for params, _, _, overlapped in results:
+        # every outer step but the first (which builds the buckets and their hooks) sent early
+        assert overlapped == (7 * delay if delay else 0)
         for p, e in zip(params, expected):
             torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)
     if wire is not None:  # the sum did travel in bfloat16: float32's result is another
-        exact = reference(2, sync_every, outer_lr, 8, fragments)
+        exact = reference(2, sync_every, outer_lr, 8, fragments, delay=delay)
         assert any((p - e).abs().max() > 1e-4 for p, e in zip(results[0][0], exact))
-    assert len({digest for _, digest, _ in results}) == 1
+    if delay:  # the pseudo-gradients were taken early: waiting for the due step gives another model
+        assert any((p - e).abs().max() > 1e-4 for p, e in zip(results[0][0], reference(2, sync_every, outer_lr, 8,
+                                                                                           fragments, wire)))
+    assert len({digest for _, digest, _, _ in results}) == 1
     per_step = sync_every // fragments * BATCH
     for step in range(1, 9):  # each outer step: its inner batches of 8, split over 2 workers
-        indices = [i for _, _, trained in results for i in trained[step]]
+        indices = [i for _, _, trained, _ in results for i in trained[step]]
         epoch, start = divmod((step - 1) * per_step, SAMPLES)
         assert sorted(indices) == sorted(epoch_permutation(SAMPLES, SEED, epoch)[start:start + per_step].tolist())
 
@@ -199,16 +220,18 @@ class OneWorker:
         return committed
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_a_discarded_outer_step_is_done_again_from_the_model_and_the_inner_state_it_started_from(fragments):
+@pytest.mark.parametrize("fragments,delay", [(1, 0), (2, 0), (1, 1), (2, 1)],
+                         ids=["diloco", "streaming", "diloco-delay", "streaming-delay"])
+def test_a_discarded_outer_step_is_done_again_from_the_model_and_the_inner_state_it_started_from(fragments, delay):
     """An outer step discarded (the view changed during it) leaves no trace: the worker goes
     back to the local model of the last outer step (the global model; with two fragments,
-    the other fragment's inner steps since its outer step kept) and to its inner
-    optimizer's momentum then, and its inner batches are drawn again; the model after
-    three committed outer steps is bit for bit the one of a run where none was discarded."""
+    the other fragment's inner steps since its outer step kept; with ``delay``, the inner
+    steps the outer step overlapped kept) and to its inner optimizer's momentum then, and
+    its inner batches are drawn again; the model after three committed outer steps is bit
+    for bit the one of a run where none was discarded."""
     def run(discards: list[bool]) -> tuple[list[torch.Tensor], list[bool]]:
         group = OneWorker(discards)
-        model, algorithm, sampler = make(group, 2 * fragments, 0.7, fragments=fragments)
+        model, algorithm, sampler = make(group, 2 * fragments, 0.7, fragments=fragments, delay=delay)
         results = []
         while group.step < 3:
             for indices in sampler:
@@ -390,7 +413,9 @@ def test_registering_the_local_model_or_giving_wrong_arguments_is_refused_with_t
             ftcomm.DiLoCo(g, model, inner, outer_optimizer=other, sync_every=2)
         for bad, match in (({"sync_every": 4, "fragments": 3}, "divisor"), ({"sync_every": 4, "fragments": 0}, "divisor"),
                            ({"sync_every": 4, "fragments": 4}, "2 parameters"),
-                           ({"sync_every": 2, "quantize": "int4"}, "quantize")):
+                           ({"sync_every": 2, "quantize": "int4"}, "quantize"),
+                           ({"sync_every": 4, "fragments": 2, "delay": 2}, "delay"),
+                           ({"sync_every": 4, "delay": -1}, "delay"), ({"sync_every": 4, "delay": True}, "delay")):
             with pytest.raises(ValueError, match=match):
                 ftcomm.DiLoCo(g, model, inner, outer_optimizer=outer, **bad)
         wrapped = g.wrap(torch.nn.Linear(4, 1))
@@ -460,8 +485,6 @@ def test_a_partition_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_s
     rejoins), then a new worker joins. Every view holds one global model, every worker ends
     with one digest, and every sample of each epoch was trained on exactly once by committed
     outer steps."""
-    from benchmarks.convergence import check_exactly_once
-
     args = ["--min-workers", "1", "--sync-every", "4", "--fragments", "2", "--quantize", "bf16", "--log-indices"]
     workers = cluster.start(4, args)
     views = cluster.wait_view(workers, 4, timeout=60)
@@ -484,16 +507,54 @@ def test_a_partition_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_s
     last = max(v["view_id"] for v in cluster.wait_view(workers[:2], 2, timeout=30, after=last))
     cluster.status(workers[0])
     workers[2].signal(signal.SIGCONT)
+    reasons = _join_finish_and_check(cluster, args, workers, workers[:3], last)
+    # (a kill -9 between outer steps, while no collective is open to the worker, is found by
+    # gossip's probes, which cannot tell it from a hang: the reason is then "hang")
+    faults = [r for r in reasons if r in ("crash", "hang")]
+    assert reasons[:1] == ["init"] and {"partition", "hang", "join"} <= set(reasons) and len(faults) >= 2, reasons
+
+
+def test_a_kill_9_and_a_hang_while_an_outer_step_travels_during_inner_steps_lose_no_sample_and_leave_one_model(
+        cluster):
+    """Streaming DiLoCo whose outer steps overlap inner steps (two fragments taking turns
+    every 4 inner steps, each outer step's int8 reduction sent 3 inner steps before it is
+    due): three workers; one kills itself (SIGKILL) right after an inner step during which
+    its outer step's reduction was under way, another stops itself (SIGSTOP) there and is
+    resumed later (it rejoins), then a worker joins. Every worker ends with one digest,
+    and every sample of each epoch was trained on exactly once by committed outer steps."""
+    args = ["--min-workers", "1", "--sync-every", "8", "--fragments", "2", "--delay", "3", "--quantize", "int8",
+            "--log-indices"]
+    workers = cluster.start(3, args)
+    last = max(v["view_id"] for v in cluster.wait_view(workers, 3, timeout=60))
+    going = [cluster.status(w) for w in workers]
+    wait_until(lambda: min(cluster.status(w) for w in workers) > max(going) + 3, 30, "outer steps committing")
+    workers[2].send(cmd="in_flight", signal="KILL")
+    workers[2].wait_for(lambda e: e["ev"] == "in_flight", 30, "the kill while a reduction travels")
+    last = max(v["view_id"] for v in cluster.wait_view(workers[:2], 2, timeout=30, after=last))
+    going = cluster.status(workers[0])
+    wait_until(lambda: cluster.status(workers[0]) > going + 3, 30, "the survivors committing")
+    workers[1].send(cmd="in_flight", signal="STOP")
+    workers[1].wait_for(lambda e: e["ev"] == "in_flight", 30, "the stop while a reduction travels")
+    last = max(v["view_id"] for v in cluster.wait_view(workers[:1], 1, timeout=30, after=last))
+    cluster.status(workers[0])
+    workers[1].signal(signal.SIGCONT)
+    reasons = _join_finish_and_check(cluster, args, workers, workers[:2], last)
+    assert reasons[:1] == ["init"] and "join" in reasons and \
+        len([r for r in reasons if r in ("crash", "hang")]) >= 2, reasons
+
+
+def _join_finish_and_check(cluster, args: list[str], workers: list, alive: list, last_view: int) -> list[str]:
+    """A worker joins ``alive``; all of them stop at one step: one digest, every sample of each
+    epoch trained on exactly once by committed outer steps (``workers``' logs, the dead
+    ones' included). The view reasons rank 0 saw."""
+    from benchmarks.convergence import check_exactly_once
+
     joiner = cluster.start(1, args)
-    live = [*workers[:3], *joiner]
-    cluster.wait_view(live, 4, timeout=60, after=last)
+    live = [*alive, *joiner]
+    cluster.wait_view(live, len(live), timeout=60, after=last_view)
     done = cluster.finish(live)
     assert_invariants(live, done)
     logs = [[e for e in w.snapshot() if e["ev"] == "batch"] for w in [*workers, *joiner]]
     once = check_exactly_once(logs, done[0]["step"], samples=8192, seed=0)
     assert once["ok"], once["problems"]
-    reasons = [e["reason"] for e in workers[0].snapshot() if e["ev"] == "view"]
-    # (a kill -9 between outer steps, while no collective is open to the worker, is found by
-    # gossip's probes, which cannot tell it from a hang: the reason is then "hang")
-    faults = [r for r in reasons if r in ("crash", "hang")]
-    assert reasons[:1] == ["init"] and {"partition", "hang", "join"} <= set(reasons) and len(faults) >= 2, reasons
+    return [e["reason"] for e in workers[0].snapshot() if e["ev"] == "view"]

@@ -259,13 +259,15 @@ def test_a_process_lost_to_kill_9_is_replaced_in_place_by_a_standby_and_its_part
 
 def test_streaming_diloco_over_sharded_replicas_keeps_one_global_model_per_shard_through_a_kill_9():
     """Streaming DiLoCo (an outer step every 2 inner steps, 2 fragments, pseudo-gradients in
-    int8) over 3 replicas of 2 with a warm standby: kill -9 of one process. Its replica is
+    int8, each outer step sent one inner step early) over 3 replicas of 2 with a warm
+    standby: kill -9 of one process. Its replica is
     repaired in place, the outer steps go on across the replicas, and at the end every shard
     index holds one global model and outer state on every replica, each outer step's inner
     batches trained on exactly once (the committed outer step in which the process died
     included)."""
     steps = 150
-    job = Job(steps, "--sync-every", "4", "--fragments", "2", "--quantize", "int8", launcher=("--standby", "1"))
+    job = Job(steps, "--sync-every", "4", "--fragments", "2", "--quantize", "int8", "--delay", "1",
+              launcher=("--standby", "1"))
     try:
         ready = started(job)
         wait_until(lambda: any("standby ready" in line for line in job.log), 120,

@@ -13,7 +13,6 @@ every commit (:mod:`ftcomm.sim.checks`).
 
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, NamedTuple
@@ -176,7 +175,8 @@ class GroupSimulation:
     close together instead of a few apart (None: drawn); ``outer_steps``: each step computes
     for 0.3 to 2 s, as a DiLoCo or LocalSGD outer step does (its inner steps, alone), so that
     faults, joins and stragglers land mostly between a step's boundaries rather than in its
-    reduction."""
+    reduction, and the reduction starts (with overlap) anywhere in that compute, as DiLoCo's
+    ``delay`` sends it while the last inner steps train."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
                  loss: float | None = None, leave_grace: float = GroupOptions.leave_grace,
@@ -242,6 +242,10 @@ class GroupSimulation:
         # (``first_step_overlaps``, ``metric_read``: the worlds that seeds found before the
         # first call installed the hooks and before the script read the metric's value)
         self.first_step_overlaps, self.metric_read = first_step_overlaps, metric_read
+        # Where in the step's compute backward's first gradient may start the reduction: half
+        # way, or with outer steps anywhere (DiLoCo's ``delay`` sends an outer step's
+        # pseudo-gradients that many inner steps before the step is due, and trains on).
+        self.reduce_from = random.Random(f"{seed}/delay").uniform(0.05, 0.95) if outer_steps else 0.5
         # How long sending the state to a member that lacks it takes (the model's size): none
         # worth counting, or up to TRANSFER_S (a model of a few million parameters on loopback).
         state = random.Random(f"{seed}/state")
@@ -527,9 +531,10 @@ class GroupSimulation:
             checks.view_changed(self, w)
             checks.step_started(self, w)
             compute = w.step_time * w.slow
-            # Backward begins halfway through the compute: its first gradient may start reducing.
+            # Backward begins halfway through the compute (with outer steps, where the seed drew):
+            # its first gradient may start reducing.
             if self.overlap and (w.hooked or self.first_step_overlaps):
-                self.sim.at(self.sim.now + compute / 2, lambda: self._backward(w))
+                self.sim.at(self.sim.now + compute * self.reduce_from, lambda: self._backward(w))
             yield Sleep(self.sim.now + compute)
             collective.backward_ended()
             if self.log_in_step and (loop.step + 1) % COLLECTIVE_EVERY == 0:

@@ -83,24 +83,42 @@ class DiLoCo:
     elements, summed in float32 by one member per chunk and exchanged again in int8; the
     same on every member; see ``wait_gradients_ready``'s ``wire_dtype``). The outer
     optimizer steps in the parameters' dtype.
+
+    ``delay`` > 0 overlaps each outer step's reduction with the last ``delay`` inner steps
+    of its interval (Streaming DiLoCo's overlapping communication; fewer than
+    ``sync_every / fragments``): the fragment's pseudo-gradient is taken ``delay`` inner
+    steps before the outer step is due and sent at once (with the group's ``overlap`` on,
+    from the second outer step: the first builds the buckets), the inner steps go on
+    while it travels, and the outer step waits for it and commits where it was due. The
+    fragment's local parameters then become the new global ones *plus* what those
+    ``delay`` inner steps changed in them since the pseudo-gradient was taken, so that
+    their samples count in the fragment's next outer step (none is lost to the overlap).
+    A failure while it travels discards the outer step as any other: every member goes
+    back to its local model of the last outer step (kept, one more copy of the
+    parameters, on their device) and does the step's inner steps again. With ``"int8"``
+    only the first of its two exchanges overlaps (the second starts at the wait).
     """
 
     def __init__(self, group: Any, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
                  outer_optimizer: torch.optim.Optimizer, sync_every: int, fragments: int = 1,
-                 quantize: str | None = None) -> None:
+                 quantize: str | None = None, delay: int = 0) -> None:
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive number of inner steps, got {sync_every!r}")
         if not isinstance(fragments, int) or fragments < 1 or sync_every % fragments:
             raise ValueError(f"fragments must be a positive divisor of sync_every ({sync_every}), got {fragments!r}: "
                              f"each fragment's outer step comes every sync_every inner steps, one fragment every "
                              f"sync_every / fragments")
+        if not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay < sync_every // fragments:
+            raise ValueError(f"delay must be a number of inner steps from 0 to sync_every / fragments - 1 "
+                             f"({sync_every // fragments - 1}), got {delay!r}: the outer step's reduction overlaps "
+                             f"that many of the inner steps before it is due")
         if quantize not in QUANTIZE:
             raise ValueError(f"quantize is one of {', '.join(map(repr, QUANTIZE))}, got {quantize!r}")
         if outer_optimizer is inner_optimizer:
             raise ValueError("the outer optimizer must be another optimizer than the inner one")
         self.group, self.model = group, model
         self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
-        self.sync_every, self.fragments, self.quantize = sync_every, fragments, quantize
+        self.sync_every, self.fragments, self.quantize, self.delay = sync_every, fragments, quantize, delay
         self.syncs = 0  # outer steps committed since this object was made (not registered state)
         self._names = [name for name, _ in model.named_parameters()]
         self._local = [p for _, p in model.named_parameters()]
@@ -114,6 +132,7 @@ class DiLoCo:
         self._outer_steps = 0  # committed outer steps (registered: which fragment is next)
         self._inner_steps = 0  # inner steps since the last outer step (without a sampler)
         self._sampler: Any = None
+        self._sent: tuple[list[int], list[torch.Tensor]] | None = None  # (fragment, its local values) sent early
         self._inner_saved = _to_host(self.inner_optimizer.state_dict())
         self._local_saved = self._snapshot()
         self._carrier = self._make_carrier()
@@ -124,7 +143,7 @@ class DiLoCo:
         every outer step reduces the same layout, whichever fragment a member takes, so that a
         member whose state is replaced inside the step (its turn was another; it contributes
         nothing then) still meets the others' reduction. None for one fragment."""
-        if self.fragments == 1:
+        if self.fragments == 1 and not self.delay:
             return None
         size = max(sum(sharded.local(self._local[i]).numel() for i in part) for part in self._parts)
         device = sharded.local(self._local[0]).device
@@ -159,6 +178,11 @@ class DiLoCo:
             self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self._inner_steps += 1
+        if self.delay and self._sent is None:
+            left = self._sampler.inner_steps_left() if self._sampler is not None \
+                else self._interval - self._inner_steps
+            if 0 < left <= self.delay:
+                self._send()
         due = self._sampler.step_drawn() if self._sampler is not None else self._inner_steps >= self._interval
         if not due:
             return None
@@ -168,28 +192,29 @@ class DiLoCo:
         return committed
 
     @property
+    def in_flight(self) -> bool:
+        """An outer step's pseudo-gradients were sent ahead of it (``delay``) and its inner
+        steps go on while they travel: True until the outer step is due."""
+        return self._sent is not None
+
+    @property
     def next_fragment(self) -> int:
         """The fragment whose outer step comes next (0 when the model is one fragment)."""
         return self._outer_steps % self.fragments
 
     def _outer_step(self) -> bool:
-        part = self._parts[self.next_fragment]
-        for i in part:
-            self._global[i].requires_grad_(self._local[i].requires_grad)  # (a parameter frozen or unfrozen since)
-        with torch.no_grad():
-            for i in part:
-                g = self._global[i]
-                if g.requires_grad:
-                    g.grad = g.detach() - self._local[i].detach()  # the pseudo-gradient
-        wire = QUANTIZE[self.quantize]
-        if self._carrier is None:
-            committed = self.group.wait_gradients_ready([self._global[i] for i in part if self._global[i].requires_grad],
-                                                        wire_dtype=wire)
+        if self._sent is not None:  # taken and sent delay inner steps ago
+            (part, kept), self._sent = self._sent, None
+            reduced = self._reduced(part)
         else:
-            self._pack(part)
-            committed = self.group.wait_gradients_ready([self._carrier], wire_dtype=wire)
-            if committed:  # the turn of the state as it is now: another if it was replaced during the step
-                part = self._unpack(part, self._parts[self.next_fragment])
+            part, kept = self._parts[self.next_fragment], None
+            reduced = self._pseudo_gradients(part)
+        committed = self.group.wait_gradients_ready(reduced, wire_dtype=QUANTIZE[self.quantize])
+        if committed and self._carrier is not None:  # the turn of the state as it is now: another if it was
+            turn = self._parts[self.next_fragment]  # replaced during the step
+            if turn is not part:
+                kept = None
+            part = self._unpack(part, turn)
         if committed:
             self.outer_optimizer.step()  # (the other fragments' parameters have no gradient: untouched)
             self.syncs += 1
@@ -197,13 +222,49 @@ class DiLoCo:
         self.outer_optimizer.zero_grad(set_to_none=True)
         if committed:
             self._inner_saved = _to_host(self.inner_optimizer.state_dict())
-            self._to_global(part)
+            self._to_global(part, kept)
             self._local_saved = self._snapshot()
         else:
             log.info("outer step discarded: the view changed during it; its inner steps run again from the model "
                      "of step %d", self.group.step)
             self._rewind()
         return committed
+
+    def _pseudo_gradients(self, part: list[int]) -> list[torch.Tensor]:
+        """The fragment's pseudo-gradients (the global model minus the local one) set as the
+        gradients of what the outer step reduces (see :meth:`_reduced`)."""
+        for i in part:
+            self._global[i].requires_grad_(self._local[i].requires_grad)  # (a parameter frozen or unfrozen since)
+        with torch.no_grad():
+            for i in part:
+                g = self._global[i]
+                if g.requires_grad:
+                    g.grad = g.detach() - self._local[i].detach()
+        if self._carrier is not None:
+            self._pack(part)
+        return self._reduced(part)
+
+    def _reduced(self, part: list[int]) -> list[torch.Tensor]:
+        """What the outer step of ``part`` reduces: the fragment's trainable global parameters,
+        or the carrier (with fragments)."""
+        if self._carrier is not None:
+            return [self._carrier]
+        return [self._global[i] for i in part if self._global[i].requires_grad]
+
+    def _send(self) -> None:
+        """Take the next fragment's pseudo-gradients now and hand them to the group's gradient
+        hooks, which start their reduction at once (see ``delay``); keep the fragment's local
+        values, to add what the inner steps until the outer step change in them."""
+        part = self._parts[self.next_fragment]
+        reduced = self._pseudo_gradients(part)
+        with torch.no_grad():
+            kept = [self._local[i].detach().clone() for i in part]
+        grads = [t.grad for t in reduced]
+        for t in reduced:
+            t.grad = None
+        if reduced:
+            torch.autograd.backward(reduced, grads)  # accumulated into .grad, and the hooks run
+        self._sent = (part, kept)
 
     def _pack(self, part: list[int]) -> None:
         """The fragment's pseudo-gradients into the carrier's gradient, in order (zeros for a
@@ -236,19 +297,22 @@ class DiLoCo:
                 offset += n
         return part
 
-    def _to_global(self, part: list[int] | None = None) -> None:
-        """The local model's parameters of ``part`` (default all) set to the global model's."""
+    def _to_global(self, part: list[int] | None = None, kept: list[torch.Tensor] | None = None) -> None:
+        """The local model's parameters of ``part`` (default all) set to the global model's;
+        with ``kept`` (their values when the pseudo-gradients were taken, ``delay`` inner
+        steps ago), to the global model's plus what the inner steps changed since."""
         with torch.no_grad():
-            for i in range(len(self._local)) if part is None else part:
+            for n, i in enumerate(range(len(self._local)) if part is None else part):
                 g, p = self._global[i], self._local[i]
                 if p.requires_grad or not g.requires_grad:  # (a frozen parameter keeps its own value)
-                    p.copy_(g)
+                    p.copy_(g if kept is None else g + (p - kept[n]))
 
     def _snapshot(self) -> list[torch.Tensor] | None:
         """The local model as it is (the model one fragment at a time holds the other fragments'
-        inner steps since their outer steps: a discarded outer step goes back to it); None for
-        one fragment, whose local model is the global one after every outer step."""
-        if self.fragments == 1:
+        inner steps since their outer steps, and with ``delay`` the inner steps the outer step
+        overlapped: a discarded outer step goes back to it); None for one fragment without
+        ``delay``, whose local model is the global one after every outer step."""
+        if self.fragments == 1 and not self.delay:
             return None
         with torch.no_grad():
             return [p.detach().clone() for p in self._local]
@@ -269,6 +333,7 @@ class DiLoCo:
         self.inner_optimizer.load_state_dict({"state": _to_host(self._inner_saved["state"]), "param_groups": groups})
         self.inner_optimizer.zero_grad(set_to_none=True)
         self._inner_steps = 0
+        self._sent = None
 
     # ------------------------------------------------------------------ group protocol
     def bind_group(self, group: Any) -> None:
@@ -286,7 +351,7 @@ class DiLoCo:
             raise FtcommError("DiLoCo plans its outer steps with one ElasticSampler; two are registered")
         if samplers:
             self._sampler = samplers[0]
-            self._sampler.plan_inner_steps(self._interval)
+            self._sampler.plan_inner_steps(self._interval, self.delay)
 
     def state_dict(self) -> dict[str, Any]:
         """The global model, the outer optimizer's state, ``sync_every``, ``fragments`` and the
