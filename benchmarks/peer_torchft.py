@@ -98,16 +98,18 @@ class Cluster:
     """One system's group of workers (and, for torchft, its lighthouse)."""
 
     def __init__(self, system: str, step_time: float, deadline: float, torchft_ddp: bool = False,
-                 diloco: int = 0) -> None:
+                 diloco: int = 0, streaming: tuple[int, int] = (1, 0)) -> None:
         self.system, self.step_time, self.deadline = system, step_time, deadline
         self.torchft_ddp, self.diloco = torchft_ddp, diloco
+        self.fragments, self.delay = streaming
         self.workers: list[ChildProcess] = []
         self.lighthouse: ChildProcess | None = None
         self.seed: str | None = None
         self.started = 0
 
     def spawn(self) -> ChildProcess:
-        common = ["--step-time", str(self.step_time), "--diloco", str(self.diloco)]
+        common = ["--step-time", str(self.step_time), "--diloco", str(self.diloco),
+                  "--fragments", str(self.fragments), "--delay", str(self.delay)]
         if self.system == "ftcomm":
             worker = start("ftcomm", *common, *(["--peers", self.seed] if self.seed else []))
         else:
@@ -217,7 +219,8 @@ def join(cluster: Cluster) -> dict:
 
 def one_run(system: str, args) -> dict:
     """Steady state, kill -9, join, SIGSTOP, join on a fresh group (see :func:`measure_in_turn`)."""
-    cluster = Cluster(system, args.step_time, args.deadline, args.torchft_ddp, args.diloco)
+    cluster = Cluster(system, args.step_time, args.deadline, args.torchft_ddp, args.diloco,
+                      (args.fragments, args.delay))
     steps = [("steady", lambda: steady_state(cluster, args.window)),
              ("kill9", lambda: fault(cluster, signal.SIGKILL)),
              ("join_after_kill9", lambda: join(cluster)),
@@ -356,15 +359,24 @@ def main() -> int:
     parser.add_argument("--diloco", type=int, default=0,
                         help="train with DiLoCo, an outer step every this many inner steps, in both systems (a "
                              "commit is an outer step); results in peer_torchft_diloco.json")
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="with --diloco: Streaming DiLoCo, the model in this many fragments (both systems)")
+    parser.add_argument("--delay", type=int, default=0,
+                        help="with --diloco: each outer step's reduction overlaps this many inner steps (ftcomm "
+                             "delay, torchft fragment_sync_delay); results in peer_torchft_streaming.json")
     parser.add_argument("--own-netns", action="store_true",
                         help="run in a network namespace of its own (root), so that the loopback's bytes are the "
                              "systems' alone (without it, the bytes per step count the host's loopback traffic too)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/peer_torchft[_diloco].json")
     args = parser.parse_args()
     args.out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                        f"peer_torchft{'_diloco' if args.diloco else ''}.json")
+                                        f"peer_torchft{'_streaming' if args.fragments > 1 or args.delay else ''}"
+                                        f"{'_diloco' if args.diloco and args.fragments == 1 and not args.delay else ''}"
+                                        f".json")
     if args.diloco and args.torchft_ddp:
         parser.error("--diloco trains through each system's DiLoCo: not with --torchft-ddp")
+    if (args.fragments != 1 or args.delay) and not args.diloco:
+        parser.error("--fragments and --delay are DiLoCo's: give --diloco")
     if args.own_netns and os.environ.get("PEER_TORCHFT_NETNS") is None:
         return in_own_namespace()
     compile_package()  # as an installed package: each worker reads the compiled modules
@@ -393,6 +405,7 @@ def main() -> int:
         "workload": {"workers": SIZE, "backend": "gloo (CPU, 127.0.0.1)", "torch_threads": 1,
                      "model": "MLP 32-128-128-4, batch 64, SGD", "step_time_s": args.step_time,
                      "diloco_sync_every": args.diloco or None,
+                     "diloco_fragments": args.fragments, "diloco_delay": args.delay,
                      "window_s": args.window},
         "settings": {"ftcomm": "defaults (ftcomm.init(backend='gloo', bind='127.0.0.1:0', min_workers=1))",
                      "torchft": TORCHFT_SETTINGS,

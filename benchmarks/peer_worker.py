@@ -24,7 +24,12 @@ Only the gradient average and the commit decision differ:
 ``--diloco H`` trains with DiLoCo instead, the same inner step (the SGD step on each
 worker's own gradient) and an outer step every H inner steps: ``ftcomm.DiLoCo`` or
 ``torchft.local_sgd.DiLoCo`` (one fragment, outer SGD at 0.7 with Nesterov momentum 0.9);
-a commit is then an outer step.
+a commit is then an outer step. ``--fragments P`` is Streaming DiLoCo (ftcomm: the model
+cut in P fragments of about equal size; torchft: the Sequential's layers cut into P
+consecutive modules), an outer step every H/P inner steps; ``--delay D`` overlaps each
+outer step's reduction with D inner steps (ftcomm ``delay``, torchft
+``fragment_sync_delay``; torchft replaces the fragment with the new global values, ftcomm
+keeps the D steps' change on top).
 ``--local-sgd`` (ftcomm) averages the parameters at each outer step instead
 (``ftcomm.LocalSGD``).
 
@@ -161,7 +166,8 @@ def run_ftcomm(args, closed: threading.Event) -> None:
             diloco = ftcomm.LocalSGD(ft, model, optimizer, sync_every=args.diloco)
         else:
             outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-            diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.diloco)
+            diloco = ftcomm.DiLoCo(ft, model, optimizer, outer_optimizer=outer, sync_every=args.diloco,
+                                   fragments=args.fragments, delay=args.delay)
         ft.register_state(diloco=diloco)
     else:
         ft.register_state(model=model, optimizer=optimizer)
@@ -257,9 +263,11 @@ def train_torchft_diloco(args, closed: threading.Event, manager, model, inner_op
     import torch.nn.functional as F
     from torchft.local_sgd import DiLoCo
 
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    fragments = [torch.nn.Sequential(*part) for part in layer_fragments(model, args.fragments)]
+    outer = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in fragments]
     inner = 0
-    with DiLoCo(manager, [model], inner_optimizer, outer, sync_every=args.diloco):
+    with DiLoCo(manager, fragments, inner_optimizer, outer if len(outer) > 1 else outer[0], sync_every=args.diloco,
+                fragment_sync_delay=args.delay):
         while not closed.is_set():
             inner_optimizer.zero_grad()
             time.sleep(args.step_time)
@@ -270,6 +278,24 @@ def train_torchft_diloco(args, closed: threading.Event, manager, model, inner_op
             inner_optimizer.step()  # every --diloco steps its hook runs the outer step
             if manager.current_step() > before:
                 emit(ev="commit", step=manager.current_step(), world=manager.num_participants(), t=time.time())
+
+
+def layer_fragments(model, count: int) -> list[list]:
+    """The Sequential's layers in ``count`` consecutive runs of about equal parameter counts
+    (each with a parameter)."""
+    layers = list(model)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    total, parts, done = sum(sizes), [[] for _ in range(count)], 0
+    fragment = 0
+    for layer, size in zip(layers, sizes):
+        if size and parts[fragment] and any(p.numel() for l in parts[fragment] for p in l.parameters()) and \
+                done >= total * (fragment + 1) / count and fragment < count - 1:
+            fragment += 1
+        parts[fragment].append(layer)
+        done += size
+    if not all(any(True for l in part for _ in l.parameters()) for part in parts):
+        raise ValueError(f"the model's {len(layers)} layers cannot be cut into {count} fragments with parameters")
+    return parts
 
 
 def digest(model) -> str:
@@ -409,6 +435,9 @@ def main() -> int:
                              "is an outer step")
     parser.add_argument("--local-sgd", action="store_true",
                         help="ftcomm, with --diloco: ftcomm.LocalSGD (parameter averaging) instead of DiLoCo")
+    parser.add_argument("--fragments", type=int, default=1, help="with --diloco: Streaming DiLoCo's fragments")
+    parser.add_argument("--delay", type=int, default=0,
+                        help="with --diloco: inner steps each outer step's reduction overlaps")
     args = parser.parse_args()
     if args.role == "lighthouse":
         return run_lighthouse(args.tuned)
