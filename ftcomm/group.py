@@ -593,7 +593,8 @@ class FaultTolerantGroup:
             self._loop.engine.restored()
 
     # ------------------------------------------------------------------ training API
-    def wait_gradients_ready(self, model_or_params: Any, *, wire_dtype: torch.dtype = torch.float32) -> bool:
+    def wait_gradients_ready(self, model_or_params: Any, *, wire_dtype: torch.dtype = torch.float32,
+                             sent_early: bool = False) -> bool:
         """Average gradients across the view in flat buckets.
 
         True: the gradients are averaged and the optimizer may step (the step is counted
@@ -625,6 +626,12 @@ class FaultTolerantGroup:
         pseudo-gradients that cross a slow link, too coarse for most gradients of a
         per-step all-reduce. Not for a wrapped model or a module sharded
         with FSDP2 (FtcommError); ValueError for another dtype.
+
+        ``sent_early``: the gradients may reach the overlap hooks before the step's work is
+        done (:class:`ftcomm.DiLoCo`'s ``delay`` hands its pseudo-gradients to them ahead of
+        the outer step and trains on): the step's counters, which say whether this worker's
+        contribution counts, then go out only at this call, so that a worker lost before it
+        is never counted in the step. Give the same value at every call with the same tensors.
         """
         self._owner = threading.get_ident()
         if wire_dtype not in WIRE_DTYPES:
@@ -637,7 +644,7 @@ class FaultTolerantGroup:
             self._collective.use_wrapped(model_or_params)
         else:
             module = model_or_params if isinstance(model_or_params, torch.nn.Module) else None
-            self._collective.use(_parameters(model_or_params), module, wire_dtype)
+            self._collective.use(_parameters(model_or_params), module, wire_dtype, sent_early)
         committed = self._at_boundary(self._loop.gradient_step(), "step")
         if committed and self._left_keeper is not None:
             self._discard_left_state()

@@ -271,3 +271,33 @@ def test_a_half_precision_wire_sums_the_gradients_in_it_and_the_counters_in_floa
         GradientBuckets(params, 0.0002, True, world.launch, lambda: True, lambda: world.world, wire=torch.float64)
     with pytest.raises(ValueError, match="launch_int8"):
         GradientBuckets(params, 0.0002, True, world.launch, lambda: True, lambda: world.world, wire=torch.int8)
+
+
+def test_held_counters_go_out_only_at_the_call_and_the_gradients_during_backward():
+    """``hold_counters`` (gradients handed over before the step's work is done): every
+    gradient bucket goes out during backward, the counters in a float32 bucket of their own
+    only at ``finish``, asked then (a worker whose work turned out invalid after backward
+    counts as none); the sums are unchanged."""
+    world, m = FakeWorld(), model()
+    params = list(m.parameters())
+    done = [True]
+    held = GradientBuckets(params, 0.0002, True, world.launch, lambda: True, lambda: world.world,
+                           contribution=lambda valid: (valid and done[0], False, None), hold_counters=True)
+    plain = world.buckets(list(model().parameters()))
+    assert held.bucket_count == plain.bucket_count + 1
+    for step, valid in enumerate([True, False]):
+        world.launched.clear()
+        done[0] = True
+        local = world.backward(m, step)
+        assert len(world.launched) == held.bucket_count - 1 and all(during for _, during in world.launched)
+        done[0] = valid  # known only after backward, before the call
+        tail = reduce(held)
+        assert len(world.launched) == held.bucket_count and world.launched[-1] == (2 + 4 * world.world, False)
+        assert tail[0].item() == (2.0 if valid else 0.0)
+        if valid:
+            held.hand_back(float(tail[0]))
+            for n, p in m.named_parameters():
+                torch.testing.assert_close(p.grad, local[n])
+        else:
+            held.discard()
+        m.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -192,6 +193,44 @@ def test_outer_steps_match_the_algorithm_computed_alone_and_consume_every_sample
         assert sorted(indices) == sorted(epoch_permutation(SAMPLES, SEED, epoch)[start:start + per_step].tolist())
 
 
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_worker_that_leaves_while_its_outer_step_travels_is_not_counted_in_it(fragments):
+    """Three workers, each outer step sent two inner steps early (``delay=2``, three inner
+    steps per outer step); one leaves after sending one, its last two inner batches
+    untrained, once the others reached that outer step. Its contribution must not count: the others discard that outer step and do
+    it again over the two of them, so every sample of each epoch is trained on exactly once
+    by committed outer steps, and the two end with one digest."""
+    groups = start_groups(3)
+
+    def run(i: int, g):
+        model, algorithm, sampler = make(g, 3 * fragments, 0.7, fragments=fragments, delay=2)
+        trained: dict[int, list[int]] = {}
+        while g.step < 8:
+            for indices in sampler:
+                inner_step(model, indices)
+                if algorithm.step():
+                    trained[g.step] = [x for part in sampler.committed_parts for x in sampler.indices(part)]
+                if i == 2 and g.step == 3 and algorithm.in_flight:
+                    time.sleep(0.5)  # sent, two inner batches of it untrained; the others reach the due step
+                    g.shutdown()
+                    return None, trained
+                if g.step >= 8:
+                    break
+        return g.state.digest(g.step), trained
+    try:
+        results = in_threads(groups, run)
+    finally:
+        for g in groups:
+            g.shutdown()
+    assert results[0][0] == results[1][0] and sorted(results[2][1]) == [1, 2, 3]
+    per_step = 3 * BATCH
+    for step in range(1, 9):
+        indices = [i for _, trained in results for i in trained.get(step, [])]
+        epoch, start = divmod((step - 1) * per_step, SAMPLES)
+        assert sorted(indices) == sorted(epoch_permutation(SAMPLES, SEED, epoch)[start:start + per_step].tolist()), \
+            f"outer step {step}"
+
+
 class OneWorker:
     """What DiLoCo and the sampler use of a group, for one worker whose outer steps commit
     or are discarded as scripted (``discards``: True for each sync to discard, in order)."""
@@ -211,7 +250,7 @@ class OneWorker:
     def step_boundary(self) -> None:
         pass
 
-    def wait_gradients_ready(self, params, wire_dtype=torch.float32) -> bool:
+    def wait_gradients_ready(self, params, wire_dtype=torch.float32, sent_early=False) -> bool:
         sampler = self.state.objects["sampler"]
         sampler.check_step()
         committed = sampler.batch_valid() and not (self.discards and self.discards.pop(0))
@@ -261,7 +300,7 @@ class Alone:
     def __init__(self, during=lambda params: None) -> None:
         self.during = during
 
-    def wait_gradients_ready(self, params, wire_dtype=torch.float32) -> bool:
+    def wait_gradients_ready(self, params, wire_dtype=torch.float32, sent_early=False) -> bool:
         self.during(params)
         self.step += 1
         return True
@@ -517,13 +556,13 @@ def test_a_partition_kill_9_a_hang_and_a_joiner_during_diloco_training_lose_no_s
 def test_a_kill_9_and_a_hang_while_an_outer_step_travels_during_inner_steps_lose_no_sample_and_leave_one_model(
         cluster):
     """Streaming DiLoCo whose outer steps overlap inner steps (two fragments taking turns
-    every 4 inner steps, each outer step's int8 reduction sent 3 inner steps before it is
-    due): three workers; one kills itself (SIGKILL) right after an inner step during which
+    every 4 inner steps, each outer step's float32 reduction sent 3 inner steps before it
+    is due, so it is most often complete before then; its counters wait for the due step):
+    three workers; one kills itself (SIGKILL) right after an inner step during which
     its outer step's reduction was under way, another stops itself (SIGSTOP) there and is
     resumed later (it rejoins), then a worker joins. Every worker ends with one digest,
     and every sample of each epoch was trained on exactly once by committed outer steps."""
-    args = ["--min-workers", "1", "--sync-every", "8", "--fragments", "2", "--delay", "3", "--quantize", "int8",
-            "--log-indices"]
+    args = ["--min-workers", "1", "--sync-every", "8", "--fragments", "2", "--delay", "3", "--log-indices"]
     workers = cluster.start(3, args)
     last = max(v["view_id"] for v in cluster.wait_view(workers, 3, timeout=60))
     going = [cluster.status(w) for w in workers]

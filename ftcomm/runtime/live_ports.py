@@ -373,23 +373,25 @@ class BackendCollective:
         return self.comms.comm if self.replica is None else self.comms.shard_comm
 
     def use(self, params: list[torch.Tensor], module: torch.nn.Module | None = None,
-            wire: torch.dtype = torch.float32) -> None:
+            wire: torch.dtype = torch.float32, sent_early: bool = False) -> None:
         """The parameters of the coming gradient step, frozen ones included (``module``'s when
         given; new buckets when the trainable ones changed; those of a wrapped model go on
         through its reducer). A model sharded with FSDP2 is reduced per parameter group
         (:mod:`~ftcomm.training.shard_groups`) when its groups hold exactly these parameters.
         The buckets watch every parameter's ``requires_grad`` (see GradientBuckets); ``wire``
-        is the dtype the gradients are summed in (see GradientBuckets)."""
+        is the dtype the gradients are summed in; ``sent_early``: the counters wait for the
+        step's call (GradientBuckets' ``hold_counters``)."""
         watch, params = params, [p for p in params if p.requires_grad]
         buckets = self.buckets
         if buckets is not None and len(buckets.params) == len(params) and all(
                 a is b for a, b in zip(buckets.params, params)):
-            if getattr(buckets, "wire", torch.float32) == wire:
+            if getattr(buckets, "wire", torch.float32) == wire and \
+                    getattr(buckets, "hold_counters", False) == sent_early:
                 return
             if buckets.touched:  # backward began this step's reductions in the other dtype: the step ends in
                 # it; without the hooks the next backward starts none, and the next call builds new buckets
-                log.warning("wire_dtype changed to %s after backward began reducing the step in %s: this step is "
-                            "summed in %s, the next ones in %s", wire, buckets.wire, buckets.wire, wire)
+                log.warning("wire_dtype (or sent_early) changed to %s after backward began reducing the step in %s: "
+                            "this step is summed as it began, the next ones in %s", wire, buckets.wire, wire)
                 buckets.remove()
                 return
         if buckets is not None:
@@ -413,7 +415,7 @@ class BackendCollective:
         self.buckets = GradientBuckets(
             params, self.options.bucket_mb, self.options.overlap, launch=self._launch,
             may_overlap=may_overlap, world_size=self._world_size, contribution=self._contribution, watch=watch,
-            wire=wire, launch_int8=self._launch_int8)
+            wire=wire, launch_int8=self._launch_int8, hold_counters=sent_early)
 
     def use_wrapped(self, net: DistributedDataParallel) -> None:
         """The coming gradient steps run through ``net``'s reducer."""

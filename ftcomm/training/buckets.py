@@ -81,6 +81,10 @@ class GradientBuckets(Suspendable):
     the bytes: the counters then travel in a float32 bucket of their own, where they are
     exact; or int8, for a quarter: the buckets stay float32 here and ``launch_int8(flat)``
     starts their sum in 8-bit integers, see :mod:`~ftcomm.training.quantized`).
+    ``hold_counters``: the gradients may reach the hooks before the step's work is done
+    (DiLoCo's ``delay`` sends them early and trains on): the counters then travel in a
+    float32 bucket of their own, launched only by :meth:`finish`, so that a worker lost
+    before its call never counts as having contributed.
     ``contribution(valid)``: this worker's counters, asked when the last bucket launches
     with whether its gradients were computed on valid state: ``(valid, join, aside)`` —
     its gradients count (False also when its batch does not match the data plan), it sees
@@ -93,7 +97,7 @@ class GradientBuckets(Suspendable):
                  world_size: Callable[[], int],
                  contribution: Callable[[bool], tuple[bool, bool, int | None]] = lambda valid: (valid, False, None),
                  watch: list[torch.Tensor] | None = None, wire: torch.dtype = torch.float32,
-                 launch_int8: Callable[[torch.Tensor], Handle] | None = None) -> None:
+                 launch_int8: Callable[[torch.Tensor], Handle] | None = None, hold_counters: bool = False) -> None:
         if wire not in WIRE_DTYPES:
             raise ValueError(f"gradients travel in one of {', '.join(map(str, WIRE_DTYPES))}, not {wire}")
         if wire == torch.int8 and launch_int8 is None:
@@ -111,7 +115,8 @@ class GradientBuckets(Suspendable):
         self._launch_int8 = launch_int8
         self.wire = wire
         self._groups = _group(list(reversed(params)), bucket_mb, torch.tensor([], dtype=wire).element_size())
-        if wire != torch.float32:
+        self.hold_counters = hold_counters
+        if wire != torch.float32 or hold_counters:
             self._groups.append([])  # the counters alone, in float32
         self._slot: dict[int, tuple[int, int, int]] = {}
         for b, group in enumerate(self._groups):
@@ -184,12 +189,13 @@ class GradientBuckets(Suspendable):
             except Exception as exc:  # noqa: BLE001 - never raise into autograd; finish reports it
                 self._error, self._overlapping = exc, False
 
-    def _launch_ready(self, valid: bool) -> None:
-        """Launch, in bucket order, every complete bucket after the ones already launched."""
+    def _launch_ready(self, valid: bool, final: bool = False) -> None:
+        """Launch, in bucket order, every complete bucket after the ones already launched (the
+        counters' with ``hold_counters`` only at the ``final`` call, :meth:`finish`)."""
         last = len(self._groups) - 1
         while len(self._handles) <= last:
             b = len(self._handles)
-            if self._ready[b] < len(self._groups[b]):
+            if self._ready[b] < len(self._groups[b]) or (b == last and self.hold_counters and not final):
                 return
             flat = self._buffers()[b]
             if b == last:
@@ -231,7 +237,7 @@ class GradientBuckets(Suspendable):
                 else:
                     view.zero_()
                 self._ready[b] += 1
-            self._launch_ready(valid)
+            self._launch_ready(valid, final=True)
             return list(self._handles), flats[-1][-tail_size(self._world):]
 
     def hand_back(self, contributors: float) -> None:

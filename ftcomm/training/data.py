@@ -140,7 +140,6 @@ class ElasticSampler:
         self._local = False  # inner steps are trained alone (low-communication training)
         self._drawn = 0  # with inner steps: inner batches of the current step drawn by the training loop
         self._stepped = 0  # ... and inner steps taken on them (DiLoCo.step)
-        self._early = 0  # inner batches a step's outer sync may be sent ahead of (DiLoCo's delay)
 
     # ------------------------------------------------------------------ plan
     @property
@@ -153,18 +152,16 @@ class ElasticSampler:
             return self._standalone
         return group.rank, group.world_size
 
-    def plan_inner_steps(self, inner_steps: int, early: int = 0) -> None:
+    def plan_inner_steps(self, inner_steps: int) -> None:
         """Each committed step from now on is an outer step of ``inner_steps`` inner steps
         that every worker trains alone (:class:`ftcomm.DiLoCo` calls this when registered):
         the step takes ``inner_steps`` global batches (the last step of an epoch may take
-        fewer) and yields them one inner step at a time, each split over the world by rank.
-        ``early``: the outer step's reduction may begin that many inner batches before the
-        step's last is drawn (DiLoCo's ``delay``)."""
-        if inner_steps < 1 or not 0 <= early < inner_steps:
-            raise ValueError(f"inner_steps must be at least 1 and early below it, got {inner_steps} and {early}")
+        fewer) and yields them one inner step at a time, each split over the world by rank."""
+        if inner_steps < 1:
+            raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
         if self._drawn:
             raise FtcommError("plan_inner_steps between steps, not while a step's batches are drawn")
-        self.inner_steps, self._early, self._local, self._restart = inner_steps, early, True, True
+        self.inner_steps, self._local, self._restart = inner_steps, True, True
 
     def full_step(self, world: int) -> int:
         """Samples of a full (inner) batch for ``world`` workers under this sampler's policy."""
@@ -369,12 +366,10 @@ class ElasticSampler:
 
     def batch_valid(self) -> bool:
         """The batch this worker is training on was planned at the committed position for the
-        current world (with inner steps: every inner batch of the step drawn so far, each
-        once; all of them, unless the outer step's reduction is sent before the last
-        ``delay`` are trained, see :class:`ftcomm.DiLoCo`)."""
+        current world (with inner steps: every inner batch of the step, each drawn once)."""
         if self._local:
             drawn = [self._pending[i] for i in range(min(self._drawn, len(self._pending)))]
-            return bool(drawn) and len(drawn) >= drawn[0].parts - self._early and all(
+            return bool(drawn) and len(drawn) == drawn[0].parts and all(
                 self._fits(b, i) for i, b in enumerate(drawn))
         if not self._pending:
             return self._group is None

@@ -93,10 +93,12 @@ class DiLoCo:
     fragment's local parameters then become the new global ones *plus* what those
     ``delay`` inner steps changed in them since the pseudo-gradient was taken, so that
     their samples count in the fragment's next outer step (none is lost to the overlap).
-    A failure while it travels discards the outer step as any other: every member goes
-    back to its local model of the last outer step (kept, one more copy of the
-    parameters, on their device) and does the step's inner steps again. With ``"int8"``
-    only the first of its two exchanges overlaps (the second starts at the wait).
+    The step's counters go out only at the due step (``wait_gradients_ready``'s
+    ``sent_early``): a worker lost before it never counts, and the outer step is then
+    discarded as any other: every member goes back to its local model of the last outer
+    step (kept, one more copy of the parameters, on their device) and does the step's
+    inner steps again. With ``"int8"`` only the first of its two exchanges overlaps (the
+    second starts at the wait). Every worker may use its own ``delay``.
     """
 
     def __init__(self, group: Any, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
@@ -143,7 +145,7 @@ class DiLoCo:
         every outer step reduces the same layout, whichever fragment a member takes, so that a
         member whose state is replaced inside the step (its turn was another; it contributes
         nothing then) still meets the others' reduction. None for one fragment."""
-        if self.fragments == 1 and not self.delay:
+        if self.fragments == 1:
             return None
         size = max(sum(sharded.local(self._local[i]).numel() for i in part) for part in self._parts)
         device = sharded.local(self._local[0]).device
@@ -209,7 +211,8 @@ class DiLoCo:
         else:
             part, kept = self._parts[self.next_fragment], None
             reduced = self._pseudo_gradients(part)
-        committed = self.group.wait_gradients_ready(reduced, wire_dtype=QUANTIZE[self.quantize])
+        committed = self.group.wait_gradients_ready(reduced, wire_dtype=QUANTIZE[self.quantize],
+                                                    sent_early=bool(self.delay))
         if committed and self._carrier is not None:  # the turn of the state as it is now: another if it was
             turn = self._parts[self.next_fragment]  # replaced during the step
             if turn is not part:
@@ -351,7 +354,7 @@ class DiLoCo:
             raise FtcommError("DiLoCo plans its outer steps with one ElasticSampler; two are registered")
         if samplers:
             self._sampler = samplers[0]
-            self._sampler.plan_inner_steps(self._interval, self.delay)
+            self._sampler.plan_inner_steps(self._interval)
 
     def state_dict(self) -> dict[str, Any]:
         """The global model, the outer optimizer's state, ``sync_every``, ``fragments`` and the
