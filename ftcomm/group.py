@@ -631,7 +631,7 @@ class FaultTolerantGroup:
         done (:class:`ftcomm.DiLoCo`'s ``delay`` hands its pseudo-gradients to them ahead of
         the outer step and trains on): the step's counters, which say whether this worker's
         contribution counts, then go out only at this call, so that a worker lost before it
-        is never counted in the step. Give the same value at every call with the same tensors.
+        is never counted in the step. It adds a bucket: give the same value on every member.
         """
         self._owner = threading.get_ident()
         if wire_dtype not in WIRE_DTYPES:

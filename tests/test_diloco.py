@@ -231,6 +231,29 @@ def test_a_worker_that_leaves_while_its_outer_step_travels_is_not_counted_in_it(
             f"outer step {step}"
 
 
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_workers_with_different_delays_keep_one_global_model(fragments):
+    """Each worker may choose its own ``delay`` (one sends its outer steps early, the other
+    at the due step): they reduce one layout and end with one global model."""
+    groups = start_groups(2)
+
+    def run(i: int, g):
+        model, algorithm, sampler = make(g, 3 * fragments, 0.7, fragments=fragments, delay=i)
+        while g.step < 4:
+            for indices in sampler:
+                inner_step(model, indices)
+                algorithm.step()
+                if g.step >= 4:
+                    break
+        return g.state.digest(g.step)
+    try:
+        digests = in_threads(groups, run)
+    finally:
+        for g in groups:
+            g.shutdown()
+    assert digests[0] == digests[1]
+
+
 class OneWorker:
     """What DiLoCo and the sampler use of a group, for one worker whose outer steps commit
     or are discarded as scripted (``discards``: True for each sync to discard, in order)."""

@@ -211,8 +211,9 @@ class DiLoCo:
         else:
             part, kept = self._parts[self.next_fragment], None
             reduced = self._pseudo_gradients(part)
-        committed = self.group.wait_gradients_ready(reduced, wire_dtype=QUANTIZE[self.quantize],
-                                                    sent_early=bool(self.delay))
+        # (counters apart whatever the delay: every member reduces the same buckets, and a
+        # worker may choose its own delay)
+        committed = self.group.wait_gradients_ready(reduced, wire_dtype=QUANTIZE[self.quantize], sent_early=True)
         if committed and self._carrier is not None:  # the turn of the state as it is now: another if it was
             turn = self._parts[self.next_fragment]  # replaced during the step
             if turn is not part:
