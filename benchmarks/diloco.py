@@ -35,6 +35,12 @@ worker on a host (network namespace) of its own, half of them behind one bridge 
 behind another, the bridges joined by a link whose TCP carries ``M`` Mbit/s each way
 (``tc`` htb; gossip's UDP at full speed). The bytes counted are then the region link's
 (both ways, per worker and sample), and the wall times show what the link costs.
+``--partition-after N`` (with ``--region-mbit``) cuts that link for ``--partition-s``
+seconds once rank 0 committed N steps: a 2|2 partition. Reported: the seconds to rank 0's
+side's next commit, from the heal to a commit of all the workers again, the commits of
+the side without rank 0 while cut off (none under the quorum rule), and one digest at the
+end. ``--kill-after N`` kills the worker of the highest rank instead (both in JSON of
+their own, no plot).
 """
 
 from __future__ import annotations
@@ -113,13 +119,16 @@ def configuration(name: str) -> list[str]:
     return ["--sync-every", every, *(["--local-sgd"] if kind == "localsgd" else [])]
 
 
-def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int = 0, kill_after: int = 0) -> dict:
+def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int = 0, kill_after: int = 0,
+        cut: tuple[int, float] = (0, 0.0)) -> dict:
     """One configuration: on the loopback of a namespace of its own, or (``region_mbit``) on
     hosts of their own in two regions whose link carries ``region_mbit`` Mbit/s of TCP; the
     bytes counted are the loopback's, or the region link's. ``kill_after``: kill -9 the
     worker of the highest rank once rank 0 committed that many steps, and measure how long
     the survivors take to commit again (the fault's whole cost: detection, the new view,
-    and a discarded outer step's inner steps done again)."""
+    and a discarded outer step's inner steps done again). ``cut`` (with ``region_mbit``):
+    ``(after, seconds)``, the link between the regions down for that long once rank 0
+    committed ``after`` steps (see :func:`partition`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env.pop("FTCOMM_SECRET", None)
     started: list[ChildProcess] = []
@@ -144,9 +153,9 @@ def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int =
         fault: dict = {}
         for i, (prefix, bind) in enumerate(place):
             command = [*prefix, sys.executable, "-u", str(EXAMPLE), "--bind", bind,
-                       "--min-workers", str(workers - 1 if kill_after else workers), "--steps", str(steps),
-                       "--train-windows", str(TRAIN_WINDOWS), *configuration(name),
-                       *(["--report-commits"] if kill_after else [])]
+                       "--min-workers", str(workers // 2 if cut[0] else workers - 1 if kill_after else workers),
+                       "--steps", str(steps), "--train-windows", str(TRAIN_WINDOWS), *configuration(name),
+                       *(["--report-commits"] if kill_after or cut[0] else [])]
             if i:
                 command += ["--peers", place[0][1]]
             started.append(ChildProcess(command, ready_timeout=None, env=env))
@@ -158,6 +167,8 @@ def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int =
         if kill_after:
             fault = kill_one(started, kill_after, deadline, name)
             started.remove(fault.pop("worker"))
+        if cut[0]:
+            fault = partition(lab, started, *cut, deadline, name)
         done = [w.wait_for(lambda e: e["ev"] == "done", deadline, f"{name}: done") for w in started]
         seconds = time.monotonic() - began
         for w in started:
@@ -188,6 +199,36 @@ def kill_one(started: list[ChildProcess], after: int, deadline: float, name: str
     again = first.wait_for(lambda e: e["ev"] == "commit" and e["t"] > killed_at and e["world"] < every,
                            deadline, f"{name}: a commit after the kill")
     return {"worker": victim, "killed_at_step": latest[first]["step"], "recovery_s": round(again["t"] - killed_at, 3)}
+
+
+def partition(lab, started: list[ChildProcess], after: int, seconds: float, deadline: float, name: str) -> dict:
+    """The link between the two regions down for ``seconds`` once rank 0 committed ``after``
+    steps with every worker, then up: a 2|2 cut, whose side with rank 0 goes on (ties go to
+    rank 0) and whose other side commits nothing until it is back. The seconds from the cut
+    to rank 0's next commit, from the heal to a commit with every worker again, and the
+    commits the other side made while cut off (none, if the quorum holds)."""
+    every = len(started)
+    latest = {w: w.wait_for(lambda e: e["ev"] == "commit" and e["world"] == every and e["step"] >= after,
+                            deadline, f"{name}: {after} steps with every worker") for w in started}
+    first = min(started, key=lambda w: latest[w]["rank"])
+    region = {w: started.index(w) < every // 2 for w in started}  # the first half: region 0
+    cut_at = time.time()
+    lab.set_bridge_link(False)
+    try:
+        going = first.wait_for(lambda e: e["ev"] == "commit" and e["t"] > cut_at and e["world"] < every,
+                               deadline, f"{name}: rank 0's side committing after the cut")
+        time.sleep(max(0.0, cut_at + seconds - time.time()))
+    finally:
+        lab.set_bridge_link(True)
+    healed_at = time.time()
+    back = first.wait_for(lambda e: e["ev"] == "commit" and e["t"] > healed_at and e["world"] == every,
+                          deadline, f"{name}: every worker committing after the heal")
+    other_side = [w for w in started if region[w] != region[first]]
+    cut_off_commits = sum(1 for w in other_side for e in w.snapshot()
+                          if e["ev"] == "commit" and cut_at < e["t"] < healed_at)
+    return {"cut_at_step": latest[first]["step"], "cut_s": round(healed_at - cut_at, 2),
+            "majority_next_commit_s": round(going["t"] - cut_at, 3), "whole_again_s": round(back["t"] - healed_at, 3),
+            "cut_off_side_commits": cut_off_commits}
 
 
 def plot(results: list[dict], path: pathlib.Path, title: str, by_time: bool) -> bool:
@@ -225,21 +266,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-after", type=int, default=0,
                         help="kill -9 the worker of the highest rank after this many committed steps and measure "
                              "the survivors' recovery (0: no fault); results then in diloco_kill.json, no plot")
+    parser.add_argument("--partition-after", type=int, default=0,
+                        help="with --region-mbit: cut the link between the regions (a 2|2 partition) once rank 0 "
+                             "committed this many steps, for --partition-s seconds; results in diloco_partition.json")
+    parser.add_argument("--partition-s", type=float, default=10.0)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/diloco.json (diloco_kill.json)")
     parser.add_argument("--plot", default=None, help="default: docs/diloco.png (none with --kill-after)")
     args = parser.parse_args(argv)
-    args.out = args.out or str(ROOT / "benchmarks" / "results" / f"diloco{'_kill' if args.kill_after else ''}.json")
-    if args.plot is None and not args.kill_after:
+    if args.partition_after and (not args.region_mbit or args.kill_after):
+        parser.error("--partition-after cuts the link between two regions: give --region-mbit, not --kill-after")
+    fault_run = "_kill" if args.kill_after else "_partition" if args.partition_after else ""
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / f"diloco{fault_run}.json")
+    if args.plot is None and not fault_run:
         args.plot = str(ROOT / "docs" / "diloco.png")
     if os.geteuid() != 0:
         print("needs root: each configuration runs in a network namespace of its own", file=sys.stderr)
         return 2
     results = []
     for name in args.configs.split(","):
-        result = run(name, args.workers, args.steps, args.deadline, args.region_mbit, args.kill_after)
+        result = run(name, args.workers, args.steps, args.deadline, args.region_mbit, args.kill_after,
+                     (args.partition_after, args.partition_s))
         results.append(result)
         fault = (f"kill -9 at step {result['killed_at_step']}: next commit {result['recovery_s']:.2f} s after, "
                  if args.kill_after else "")
+        if args.partition_after:
+            fault = (f"2|2 cut at step {result['cut_at_step']} for {result['cut_s']} s: rank 0's side committed "
+                     f"{result['majority_next_commit_s']:.2f} s after the cut, all {args.workers} "
+                     f"{result['whole_again_s']:.2f} s after the heal, the other side {result['cut_off_side_commits']} "
+                     f"commits while cut off, ")
         print(f"{name:>12}: held-out loss {result['final_loss']:.4f}, {result['bytes_per_sample']:,.0f} bytes per "
               f"sample per worker, {result['seconds']:.1f} s, {fault}one digest: {result['one_digest']}, steps "
               f"discarded: {result['discarded']}, view changes: {result['views']}", flush=True)
@@ -265,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     title = f"{args.workers} workers ({where}), {args.steps} inner steps of 64 windows, {machine}"
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine, "workers": args.workers, "steps": args.steps, "region_mbit": args.region_mbit,
-              "kill_after": args.kill_after, "results": results}
+              "kill_after": args.kill_after, "partition": [args.partition_after, args.partition_s] if fault_run ==
+              "_partition" else None, "results": results}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if args.plot is None:
