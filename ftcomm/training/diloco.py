@@ -195,8 +195,10 @@ class DiLoCo:
 
     @property
     def in_flight(self) -> bool:
-        """An outer step's pseudo-gradients were sent ahead of it (``delay``) and its inner
-        steps go on while they travel: True until the outer step is due."""
+        """An outer step's pseudo-gradients were handed to the group ahead of it (``delay``)
+        and its inner steps go on: True until the outer step is due. They travel meanwhile
+        when the group's ``overlap`` is on and its buckets exist (from the second outer
+        step), else they go at the due step."""
         return self._sent is not None
 
     @property
