@@ -346,7 +346,7 @@ def test_a_flash_checkpoint_of_sharded_state_restores_into_a_new_group(tmp_path,
     group.step = 2
     checkpointer = ftcomm.FlashCheckpointer(group, tmp_path / "ckpt", keep=1)
     checkpointer.save()
-    checkpointer.wait()
+    checkpointer.close()
     saved = _local_state(model, optimizer)
     model(_batch(7, 0, 0)).pow(2).mean().backward()  # the step after the checkpoint, for reference
     optimizer.step()
@@ -356,7 +356,9 @@ def test_a_flash_checkpoint_of_sharded_state_restores_into_a_new_group(tmp_path,
     group = ftcomm.init(bind=f"127.0.0.1:{free_port()}", handle_signals=False, cluster="sharded-ckpt")
     model, optimizer = _trained(one_process_mesh, 1, 1)  # other weights, and Adam state of another step
     group.register_state(model=model, optimizer=optimizer)
-    assert ftcomm.FlashCheckpointer(group, tmp_path / "ckpt", keep=1).restore() == 2
+    restorer = ftcomm.FlashCheckpointer(group, tmp_path / "ckpt", keep=1)
+    assert restorer.restore() == 2
+    restorer.close(discard=True)  # (this host's shared-memory copies removed: the test's job is over)
     restored = _local_state(model, optimizer)
     assert set(restored) == set(saved)
     for name, value in saved.items():
