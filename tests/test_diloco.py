@@ -57,6 +57,21 @@ def inner_step(model, indices) -> None:
     torch.nn.functional.mse_loss(model(DATA[indices]), TARGET[indices]).backward()
 
 
+def outer_steps(group, model, algorithm, sampler, until: int) -> list[bool]:
+    """Inner steps on the sampler's batches until ``group`` committed ``until`` outer steps;
+    what each outer step returned (True committed, False discarded), in order."""
+    results = []
+    while group.step < until:
+        for indices in sampler:
+            inner_step(model, indices)
+            result = algorithm.step()
+            if result is not None:
+                results.append(result)
+            if group.step >= until:
+                break
+    return results
+
+
 def reference(world: int, sync_every: int, outer_lr: float | None, outer_steps: int, fragments: int = 1,
               quantize: torch.dtype | None = None, delay: int = 0) -> list[torch.Tensor]:
     """The global model after ``outer_steps`` outer steps of ``world`` workers, computed alone:
@@ -238,13 +253,7 @@ def test_workers_with_different_delays_keep_one_global_model(fragments):
     groups = start_groups(2)
 
     def run(i: int, g):
-        model, algorithm, sampler = make(g, 3 * fragments, 0.7, fragments=fragments, delay=i)
-        while g.step < 4:
-            for indices in sampler:
-                inner_step(model, indices)
-                algorithm.step()
-                if g.step >= 4:
-                    break
+        outer_steps(g, *make(g, 3 * fragments, 0.7, fragments=fragments, delay=i), 4)
         return g.state.digest(g.step)
     try:
         digests = in_threads(groups, run)
@@ -294,15 +303,7 @@ def test_a_discarded_outer_step_is_done_again_from_the_model_and_the_inner_state
     def run(discards: list[bool]) -> tuple[list[torch.Tensor], list[bool]]:
         group = OneWorker(discards)
         model, algorithm, sampler = make(group, 2 * fragments, 0.7, fragments=fragments, delay=delay)
-        results = []
-        while group.step < 3:
-            for indices in sampler:
-                inner_step(model, indices)
-                result = algorithm.step()
-                if result is not None:
-                    results.append(result)
-                if group.step >= 3:
-                    break
+        results = outer_steps(group, model, algorithm, sampler, 3)
         return [p.detach().clone() for p in model.parameters()], results
 
     plain, plain_results = run([])
@@ -373,12 +374,7 @@ def test_a_whole_job_restart_resumes_at_the_last_outer_step_with_the_global_mode
     (first,) = start_groups(1)
     try:
         model, algorithm, sampler = make(first, 3, 0.7)
-        while first.step < 2:
-            for indices in sampler:
-                inner_step(model, indices)
-                algorithm.step()
-                if first.step >= 2:
-                    break
+        outer_steps(first, model, algorithm, sampler, 2)
         saved = algorithm.state_dict()
         saved = {"global": {k: v.clone() for k, v in saved["global"].items()},
                  "momentum": [s["momentum_buffer"].clone() for s in saved["outer"]["state"].values()],
