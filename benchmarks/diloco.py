@@ -184,13 +184,19 @@ def run(name: str, workers: int, steps: int, deadline: float, region_mbit: int =
             "hosts_by_rank": [d["id"].rpartition(":")[0] for d in sorted(done, key=lambda d: d["rank"])], **fault}
 
 
+def all_committed(started: list[ChildProcess], after: int, deadline: float, name: str) -> dict:
+    """Each worker's first commit of step ``after`` or later with every worker in the view."""
+    every = len(started)
+    return {w: w.wait_for(lambda e: e["ev"] == "commit" and e["world"] == every and e["step"] >= after,
+                          deadline, f"{name}: {after} steps with every worker") for w in started}
+
+
 def kill_one(started: list[ChildProcess], after: int, deadline: float, name: str) -> dict:
     """kill -9 of the worker of the highest rank once rank 0 committed ``after`` steps with
     every worker in the view; the seconds from the kill to the survivors' next commit, and
     the worker killed (its ``worker``)."""
     every = len(started)
-    latest = {w: w.wait_for(lambda e: e["ev"] == "commit" and e["world"] == every and e["step"] >= after,
-                            deadline, f"{name}: {after} steps with every worker") for w in started}
+    latest = all_committed(started, after, deadline, name)
     first = min(started, key=lambda w: latest[w]["rank"])
     victim = max(started, key=lambda w: latest[w]["rank"])
     killed_at = time.time()
@@ -208,8 +214,7 @@ def partition(lab, started: list[ChildProcess], after: int, seconds: float, dead
     to rank 0's next commit, from the heal to a commit with every worker again, and the
     commits the other side made while cut off (none, if the quorum holds)."""
     every = len(started)
-    latest = {w: w.wait_for(lambda e: e["ev"] == "commit" and e["world"] == every and e["step"] >= after,
-                            deadline, f"{name}: {after} steps with every worker") for w in started}
+    latest = all_committed(started, after, deadline, name)
     first = min(started, key=lambda w: latest[w]["rank"])
     region = {w: started.index(w) < every // 2 for w in started}  # the first half: region 0
     cut_at = time.time()
