@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -212,10 +211,12 @@ def test_outer_steps_match_the_algorithm_computed_alone_and_consume_every_sample
 def test_a_worker_that_leaves_while_its_outer_step_travels_is_not_counted_in_it(fragments):
     """Three workers, each outer step sent two inner steps early (``delay=2``, three inner
     steps per outer step); one leaves after sending one, its last two inner batches
-    untrained, once the others reached that outer step. Its contribution must not count: the others discard that outer step and do
-    it again over the two of them, so every sample of each epoch is trained on exactly once
-    by committed outer steps, and the two end with one digest."""
+    untrained, once the others took that outer step's last inner step. Its contribution
+    must not count: the others discard that outer step and do it again over the two of
+    them, so every sample of each epoch is trained on exactly once by committed outer
+    steps, and the two end with one digest."""
     groups = start_groups(3)
+    at_due = [threading.Event(), threading.Event()]  # the others, at the fourth outer step's wait
 
     def run(i: int, g):
         model, algorithm, sampler = make(g, 3 * fragments, 0.7, fragments=fragments, delay=2)
@@ -223,10 +224,12 @@ def test_a_worker_that_leaves_while_its_outer_step_travels_is_not_counted_in_it(
         while g.step < 8:
             for indices in sampler:
                 inner_step(model, indices)
+                if i < 2 and g.step == 3 and sampler.inner_steps_left() == 1:
+                    at_due[i].set()  # (the step below is this outer step's last inner step: its wait)
                 if algorithm.step():
                     trained[g.step] = [x for part in sampler.committed_parts for x in sampler.indices(part)]
-                if i == 2 and g.step == 3 and algorithm.in_flight:
-                    time.sleep(0.5)  # sent, two inner batches of it untrained; the others reach the due step
+                if i == 2 and g.step == 3 and algorithm.in_flight:  # sent, two inner batches of it untrained
+                    wait_until(lambda: all(e.is_set() for e in at_due), 30, "the others at the outer step")
                     g.shutdown()
                     return None, trained
                 if g.step >= 8:
