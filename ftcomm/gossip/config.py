@@ -100,10 +100,20 @@ class GossipConfig:
     gossip thread runs, which it does while the member computes (awareness stretches it
     on a member that finds itself slow, and to four times the member's slowest recent
     direct answer, which halves every 5 s, up to ``probe_timeout``, on a loaded host).
-    The gossip thread needs the GIL: a training thread that holds it in one C call (a long numpy operation, pickling a large object)
+    The gossip thread needs the GIL: a full garbage collection announces itself
+    (``pause_grace``), but a training thread that holds it in one C call (a long numpy operation, pickling a large object)
     for longer than about ``stall_probe_after`` plus this (0.15 s) while the others wait
     on it is taken for hung and the view re-forms (it stays a member and loses a step);
     raise this (0.2: hangs found in about 0.4 s instead of 0.25 s) for such scripts."""
+
+    pause_grace: float = 1.0
+    """A member announces each full collection of Python's garbage collector to the members
+    it knows, as it starts (one signed datagram each): a full collection holds the GIL, so
+    its gossip thread answers no probe until it ends (0.07-0.23 s measured in a worker that
+    imports torch, on a host with two busy processes per core; seconds with a large heap).
+    Probes it leaves unanswered are judged only this many seconds after the notice, when
+    an answer is still missing. Bounds how much longer a process stopped or lost right
+    after such a notice goes undetected; 0 neither sends nor honours notices."""
 
     indirect_checks: int = 5
     """Members asked to ping the target on our behalf (SWIM's k) when the direct ping

@@ -61,6 +61,9 @@ class MemberState:
     """How late this member said it runs (its own timers fired up to this many seconds
     late: its CPU is starved), in its answers to our pings, as of ``answered_at``; it
     halves like ``slowest_answer``."""
+    paused_until: float = 0.0
+    """Until when a pause this member announced (a full garbage collection: see
+    ``GossipConfig.pause_grace``) holds the verdicts of probes it leaves unanswered."""
 
     @property
     def address(self) -> tuple[str, int]:

@@ -42,7 +42,7 @@ from .members import (
     MemberTable,
     halved,
 )
-from .wire import ACK, ALIVE, DEAD, NACK, PING, PING_REQ, SUSPECT
+from .wire import ACK, ALIVE, DEAD, NACK, PAUSE, PING, PING_REQ, SUSPECT
 
 _INF = math.inf
 
@@ -407,6 +407,8 @@ class Protocol:
             elif kind == DEAD:
                 self._correct_stale(message, sender, now)
                 self._on_dead(message[1], message[2], message[3], now, message[4] if len(message) > 4 else None)
+            elif kind == PAUSE:
+                self._on_pause(sender, message[1], now)
 
     def handle_stream(self, data: bytes, now: float) -> bytes:
         """Answer one TCP request (push/pull or a members query); never raises."""
@@ -458,6 +460,11 @@ class Protocol:
         if self._relays:
             self._expire_relays(now)
         for seq in [seq for seq, p in self._urgent.items() if now >= p.ack_deadline]:
+            held = self._paused_until(self._urgent[seq].target, now)
+            if held:  # its answer is due once the pause it announced ends
+                self._urgent[seq].ack_deadline = held
+                self.stats["pause_holds"] += 1
+                continue
             urgent = self._urgent.pop(seq)
             if now - urgent.ack_deadline <= self.config.probe_interval:  # else this member was paused
                 self._judge_probe(urgent, now, urgent=True)
@@ -654,6 +661,9 @@ class Protocol:
         timeout of a healthy member whose peers died."""
         if probe.acked:
             return
+        if self._paused_until(probe.target, now):
+            self.stats["pause_holds"] += 1
+            return  # a pause it announced explains the silence; the next probe judges it
         if urgent:
             pass
         elif probe.expected_nacks:
@@ -664,6 +674,34 @@ class Protocol:
         if m is not None and m.state in (ALIVE_STATE, SUSPECT_STATE):
             self.stats["probes_failed"] += 1
             self._on_suspect(m.id, m.incarnation, self.id, now)
+
+    def pause_notice(self, wall: float) -> bytes:
+        """The sealed datagram by which this member announces a pause of its own that starts
+        now (a full garbage collection, which holds the GIL: the gossip thread cannot answer
+        until it ends). Reads only the incarnation and the sealer, so that a garbage
+        collector's callback may build it on any thread, even while this one is stopped in
+        the middle of a method (see GossipNode). ``wall``: the wall-clock time it is sealed
+        with."""
+        return self._dgram.seal([wire.encode([PAUSE, self._self.incarnation])], now=wall)
+
+    def _on_pause(self, sender: str, incarnation: int, now: float) -> None:
+        """``sender`` announced a pause: probes it leaves unanswered are judged only once
+        ``pause_grace`` has passed since its latest notice (each notice is another
+        collection; between two it runs and answers). Its incarnation may be newer than the
+        one known here (its refutation may not have come round yet), not older."""
+        m = self._table.get(sender)
+        grace = self.config.pause_grace
+        if m is None or sender == self.id or grace <= 0 or incarnation < m.incarnation \
+                or m.state not in (ALIVE_STATE, SUSPECT_STATE):
+            self.stats["pause_notices_ignored"] += 1
+            return
+        self.stats["pause_notices"] += 1
+        m.paused_until = max(m.paused_until, now + grace)
+
+    def _paused_until(self, member_id: str, now: float) -> float:
+        """When the pause ``member_id`` announced ends, if one is under way; else 0."""
+        m = self._table.get(member_id)
+        return m.paused_until if m is not None and m.paused_until > now else 0.0
 
     def _on_ping(self, message: list, source: tuple[str, int], sender: str) -> None:
         if message[2] != self.id:

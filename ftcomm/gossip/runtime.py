@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import gc
 import logging
 import random as _random
 import secrets as _secrets
@@ -156,6 +157,7 @@ class GossipNode:
         self._monitor = None  # the TCP port's connection events (see _watch_connections)
         self.connections: connections.ConnectionCap | None = None
         self._snapshot: tuple[Member, ...] = ()
+        self.pause_notices = 0  # full garbage collections announced to the other members
         self._member_hosts: tuple[tuple[Member, ...] | None, frozenset[str]] = (None, frozenset())
         self._snapshot_stale = True
         self._subscribers: list[Callable[[GossipEvent], None]] = []
@@ -194,6 +196,8 @@ class GossipNode:
         if failure:
             self._thread.join()
             raise failure[0]
+        if self.config.pause_grace > 0:
+            gc.callbacks.append(self._on_collection)
         if dns or [a for a in resolve(seeds) if a != (self.host, self.port)]:
             future = asyncio.run_coroutine_threadsafe(self._join(), self._loop)
             try:
@@ -476,6 +480,10 @@ class GossipNode:
 
     async def _shutdown(self) -> None:
         self._stopping = True
+        try:
+            gc.callbacks.remove(self._on_collection)
+        except ValueError:  # pause notices off
+            pass
         if self._timer is not None:
             self._timer.cancel()
         self._loop.remove_reader(self._udp.fileno())
@@ -495,6 +503,27 @@ class GossipNode:
         task = self._loop.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        """Python's garbage collector starts or ends a collection, on whichever thread made
+        it. A full one holds the GIL long enough to look like a stopped process to the
+        members probing this one (see ``GossipConfig.pause_grace``): before it starts, they
+        are told, by one sealed datagram each, sent from here since the gossip thread cannot
+        run meanwhile. Only the socket, the sealer and the published snapshot are read, never
+        the protocol's tables: this thread may have been stopped in the middle of changing
+        them. Nothing may escape into the collector."""
+        if phase != "start" or info.get("generation") != 2 or self._stopping:
+            return
+        try:
+            packet = self._protocol.pause_notice(time.time())
+            local, faults = (self.host, self.port), self.faults
+            for m in self._snapshot:
+                if m.id != self.id and m.state in ("alive", "suspect") and (
+                        faults is None or faults.allows(local, (m.host, m.port))):
+                    self._udp.sendto(packet, (m.host, m.port))
+            self.pause_notices += 1
+        except Exception:  # a closed socket at shutdown, a full buffer: the probes judge as before
+            pass
 
     # ------------------------------------------------------------------ driving the protocol
     def _on_readable(self) -> None:

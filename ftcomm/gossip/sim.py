@@ -163,6 +163,18 @@ class Simulation:
         """Whether the partition cuts member ``a`` off from member ``b``."""
         return self._blocked(a, b)
 
+    def announce_pause(self, index: int) -> None:
+        """Member ``index`` announces a pause of its own (a full garbage collection) to every
+        member it knows, as its runtime's collector callback does (see GossipNode)."""
+        node = self.nodes[index]
+        packet = node.protocol.pause_notice(self.now)
+        for other in node.protocol.members():
+            dst = self._by_address.get((other.host, other.port))
+            if dst is None or dst == index or other.state not in ("alive", "suspect") or self._blocked(index, dst):
+                continue
+            self._push(self.now + self._rng.uniform(*self.delay), _DELIVER,
+                       (dst, packet, (node.protocol.id.split(":")[0], PORT)))
+
     def resume(self, index: int) -> None:
         """A stalled member runs again: it takes what arrived meanwhile and catches up."""
         self._resume(self.nodes[index])

@@ -64,6 +64,7 @@ NACK = 3  # [NACK, seq]
 ALIVE = 4  # [ALIVE, member_id, incarnation, host, port, metadata]
 SUSPECT = 5  # [SUSPECT, member_id, incarnation, from_id]
 DEAD = 6  # [DEAD, member_id, incarnation, from_id(, metadata)]; from_id == member_id means "left" (+ final metadata)
+PAUSE = 7  # [PAUSE, incarnation]: the sender starts a pause of its own (a full garbage collection) now
 
 # Stream (TCP request/response) message types.
 PUSH_PULL = 10  # [PUSH_PULL, join, [member_record, ...]]
@@ -109,6 +110,7 @@ _SCHEMAS: dict[int, tuple[_Field, ...]] = {
     ALIVE: (_ID, _INCARNATION, _HOST, _PORT, _METADATA),
     SUSPECT: (_ID, _INCARNATION, _ID),
     DEAD: (_ID, _INCARNATION, _ID),
+    PAUSE: (_INCARNATION,),
     PUSH_PULL: (_BOOL, _RECORDS),
     MEMBERS_QUERY: (),
     MEMBERS_REPLY: (_RECORDS, _FLAGS),
@@ -117,7 +119,7 @@ _SCHEMAS: dict[int, tuple[_Field, ...]] = {
 _DEAD_LEFT = (_ID, _INCARNATION, _ID, _METADATA)
 _ACK_LATE = (_SEQ, _LATENESS)
 _RECORD_SCHEMA = (_ID, _HOST, _PORT, _INCARNATION, _STATE, _METADATA)
-DATAGRAM_TYPES = frozenset({PING, ACK, PING_REQ, NACK, ALIVE, SUSPECT, DEAD})
+DATAGRAM_TYPES = frozenset({PING, ACK, PING_REQ, NACK, ALIVE, SUSPECT, DEAD, PAUSE})
 STREAM_TYPES = frozenset({PUSH_PULL, MEMBERS_QUERY, MEMBERS_REPLY, ERROR})
 
 

@@ -439,3 +439,71 @@ def test_a_member_declared_dead_that_answers_a_ping_is_told_and_refutes():
         if d.target == b.id:
             b.receive(d.data, address(0), t)
     assert b.incarnation > 0  # it learned it was declared dead, and refuted
+
+
+def _pause_then_probe(net: MiniNet, announce: bool = True):
+    """Member 1 starts a pause (a full garbage collection: its gossip thread cannot answer)
+    and, with ``announce``, says so first; member 0 probes it on demand meanwhile. The ping
+    waits unread, as in a socket buffer. Returns the prober, the held ping and when it started."""
+    prober, paused = net.nodes[0], net.nodes[1]
+    if announce:  # to every member it knows
+        for i, node in enumerate(net.nodes):
+            if node is not paused:
+                node.receive(paused.pause_notice(0.0), address(1), net.now)
+    started = net.now
+    assert prober.probe_now([member_id(1)], net.now) == 1
+    held = [d for d in prober.take_datagrams() if d.address == address(1)]
+    net.down.add(1)
+    return prober, held, started
+
+
+def test_a_member_that_announced_a_pause_is_not_suspected_while_its_ping_waits_unread():
+    net = MiniNet(3)
+    net.run(1.0)
+    prober, held, _ = _pause_then_probe(net)
+    net.run(0.6)  # six times the urgent probe's window; the announced pause (1 s) still runs
+    assert "suspect" not in net.kinds(0, 1)
+    net.down.discard(1)  # the collection ends: the ping is read and answered
+    for d in held:
+        net.nodes[1].receive(d.data, address(0), net.now)
+    net._deliver()
+    net.run(2.0)
+    assert "suspect" not in net.kinds(0, 1) and prober.stats["pause_notices"] == 1
+    # Without the notice the same silence is a hang (the probe's window is 0.1 s).
+    net2 = MiniNet(3)
+    net2.run(1.0)
+    _, _, started = _pause_then_probe(net2, announce=False)
+    net2.run(0.6)
+    suspected = net2.first(0, 1, "suspect")
+    assert suspected is not None and suspected.time - started <= CFG.urgent_probe_timeout + 0.02
+
+
+def test_a_member_that_stays_silent_after_its_pause_notice_is_suspected_once_the_grace_ends():
+    net = MiniNet(3)
+    net.run(1.0)
+    _, _, started = _pause_then_probe(net)  # and then stopped for good (SIGSTOP, a lost node)
+    net.run(CFG.pause_grace + 0.5)
+    suspected = net.first(0, 1, "suspect")
+    assert suspected is not None
+    assert CFG.pause_grace - 0.01 <= suspected.time - started <= CFG.pause_grace + 0.02
+
+
+def test_a_pause_notice_is_honoured_only_from_a_live_member_at_its_incarnation_or_newer():
+    net = MiniNet(3)
+    net.run(1.0)
+    prober = net.nodes[0]
+    prober.receive(packet([wire.PAUSE, 0], sender=member_id(7)), address(7), net.now)  # not a member
+    net.nodes[1].receive(packet([SUSPECT, member_id(1), 0, member_id(2)], sender=member_id(2)), address(2), net.now)
+    net.run(0.5)  # member 1 refuted: incarnation 1, known everywhere
+    assert prober._table.get(member_id(1)).incarnation == 1
+    stale = packet([wire.PAUSE, 0], sender=member_id(1))  # older than its incarnation
+    prober.receive(stale, address(1), net.now)
+    assert prober.stats["pause_notices_ignored"] == 2 and prober._table.get(member_id(1)).paused_until == 0.0
+    prober.receive(packet([wire.PAUSE, 2], sender=member_id(1)), address(1), net.now)  # its refutation still on the way
+    assert prober._table.get(member_id(1)).paused_until == net.now + CFG.pause_grace
+    prober.receive(net.nodes[1].pause_notice(0.0), address(1), net.now + 0.5)  # another collection
+    assert prober._table.get(member_id(1)).paused_until == net.now + 0.5 + CFG.pause_grace
+    off = MiniNet(2, config=GossipConfig(pause_grace=0))
+    off.run(1.0)
+    off.nodes[0].receive(off.nodes[1].pause_notice(0.0), address(1), off.now)
+    assert off.nodes[0]._table.get(member_id(1)).paused_until == 0.0

@@ -311,3 +311,29 @@ def test_a_member_whose_loop_runs_late_measures_it_even_when_packets_wait_for_it
         a.probe_now([b.id])  # its ping waits in b's socket while b's loop is held
         time.sleep(0.25)
     assert b._protocol.lateness(time.monotonic()) > 0.05
+
+
+def test_a_full_garbage_collection_is_announced_to_the_other_members_signed(nodes):
+    import gc
+    a, b = nodes(2, secret="k")
+    wait_until(lambda: all(len(n.live_members()) == 2 for n in (a, b)), 5, "convergence")
+    gc.collect(1)  # not a full collection: nothing said
+    time.sleep(0.2)
+    assert a.stats().get("pause_notices", 0) == b.stats().get("pause_notices", 0) == 0
+    gc.collect()  # each node says so to the other, from this thread
+    wait_until(lambda: a.stats().get("pause_notices", 0) >= 1 and b.stats().get("pause_notices", 0) >= 1, 5, "the notices")
+    assert a.pause_notices >= 1 and b.stats().get("dropped", 0) == 0
+    a.stop()
+    assert a._on_collection not in gc.callbacks and b._on_collection in gc.callbacks
+    gc.collect()  # a stopped node says nothing, and nothing fails
+
+
+def test_pause_notices_are_off_with_no_grace():
+    import gc
+    node = GossipNode(config=GossipConfig(pause_grace=0)).start()
+    try:
+        assert node._on_collection not in gc.callbacks
+        gc.collect()
+        assert node.pause_notices == 0
+    finally:
+        node.stop()
