@@ -284,8 +284,10 @@ def _line_of(world: "GroupSimulation", ancestor: tuple) -> set[tuple]:
 def view_changed(world: "GroupSimulation", w: "Worker") -> None:
     """Invariants 10 and 11 for the views ``w``'s loop formed since the last look: none left
     out a member whose CPU was merely starved (no fault struck it) by less than the detector
-    tolerates (STARVED_TOLERATED: it kept answering, late, and must not be named hung), and
-    none holds workers started with different settings."""
+    tolerates (STARVED_TOLERATED: it kept answering, late, and must not be named hung) or
+    paused for a garbage collection it announced (``collect``: it answers once the
+    collection ends, within ``pause_grace``), and none holds workers started with different
+    settings."""
     events = w.loop.events
     for change in events[w.views_seen:]:
         foreign = [m for m in change.members if (x := world.by_id.get(m)) is not None and x.foreign != w.foreign]
@@ -294,6 +296,10 @@ def view_changed(world: "GroupSimulation", w: "Worker") -> None:
         for member in change.removed:
             x = world.by_id.get(member)
             lag = _merely_starved(world, x) if x is not None else None
+            paused = _merely_collecting(world, x, change.members) if x is not None else None
+            if paused is not None and (lag is None or lag <= STARVED_TOLERATED):
+                world.violation(10, f"view {change.view_id} ({change.reason}) left out {member}, whose process "
+                                    f"only paused for a garbage collection of {paused:g} s it announced")
             if lag is None:
                 continue
             world.starved_excluded.append((member, lag, change.reason))
@@ -307,16 +313,31 @@ def _merely_starved(world: "GroupSimulation", x: "Worker") -> float | None:
     """The lag of ``x``'s recent starvations (the worst) when nothing else struck it (a sharded replica
     leaves as a whole: nothing else struck any of its processes, and the lag is the
     largest of theirs); None when it was not starved lately or something else struck."""
+    processes = _struck_by_nothing(world, x)
+    lags = [lag for p in processes or () for lag, until in p.starved_windows if world.sim.now <= until + STARVED_GRACE_S]
+    return max(lags) if lags else None
+
+
+def _merely_collecting(world: "GroupSimulation", x: "Worker", members: tuple[str, ...]) -> float | None:
+    """The longest of ``x``'s recent garbage collections (its replica's, for a sharded
+    replica) that it announced to every one of ``members`` (the view that left it out: a
+    worker that joined during the pause was not told), when nothing else struck it; None
+    when it collected none such lately or something else struck (see :func:`_merely_starved`)."""
+    processes = _struck_by_nothing(world, x)
+    lengths = [length for p in processes or () for length, until, told in p.collections
+               if world.sim.now <= until + STARVED_GRACE_S and set(members) - {p.id} <= told]
+    return max(lengths) if lengths else None
+
+
+def _struck_by_nothing(world: "GroupSimulation", x: "Worker") -> list | None:
+    """``x``'s processes (its replica's, for a sharded replica: it leaves as a whole) when no
+    fault struck any of them and no cut may explain a view that left them out; else None."""
     processes = ([p for p in world.workers.values() if p.replica is not None and p.replica[0] == x.replica[0]]
                  if x.replica is not None else [x])
-    if _cut_lately(world):
+    if _cut_lately(world) or any(p.crashed or p.hung or p.gone or p.exited or p.slow > 1.0 or p.aside
+                                 for p in processes):
         return None
-    lags = []
-    for p in processes:
-        if p.crashed or p.hung or p.gone or p.exited or p.slow > 1.0 or p.aside:
-            return None
-        lags += [lag for lag, until in p.starved_windows if world.sim.now <= until + STARVED_GRACE_S]
-    return max(lags) if lags else None
+    return processes
 
 
 def _cut_lately(world: "GroupSimulation") -> bool:

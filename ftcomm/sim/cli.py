@@ -69,6 +69,9 @@ def summarize(outcomes: list[Outcome]) -> dict:
             **({"corruption": {"struck": sum(o.corruptions for o in outcomes),
                                "commits_on_a_wrong_state": sum(o.wrong_commits for o in outcomes)}}
                if any(o.corruptions for o in outcomes) else {}),
+            **({"collections": {"struck": sum(o.collections[0] for o in outcomes),
+                                "probe_verdicts_held": sum(o.collections[1] for o in outcomes)}}
+               if any(o.collections[0] for o in outcomes) else {}),
             **({"replica_repairs": {"started": sum(o.repairs[0] for o in outcomes),
                                     "formed_again": sum(o.repairs[1] for o in outcomes)}}
                if any(o.repairs[0] for o in outcomes) else {}),
@@ -95,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replica-size", type=int, default=1, help="sharded replicas of this many processes")
     parser.add_argument("--starve", action="store_true",
                         help="draw CPU starvation too: members whose loop, timers and packets run late (invariant 10)")
+    parser.add_argument("--collect", action="store_true",
+                        help="draw full garbage collections too: a worker paused up to 0.7 s after announcing it "
+                             "(invariant 10)")
     parser.add_argument("--corrupt", action="store_true",
                         help="draw silent data corruption too: a member's state goes wrong without a commit "
                              "(invariant 12)")
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("ftcomm.runtime.fingerprints").setLevel(logging.CRITICAL)  # drawn corruption
     if args.seed is not None:
         sim = GroupSimulation(args.seed, replica_size=args.replica_size, starve=args.starve, corrupt=args.corrupt,
-                              repair=args.repair, outer_steps=args.outer_steps)
+                              repair=args.repair, outer_steps=args.outer_steps, collect=args.collect)
         outcome = sim.run()
         if args.json:
             print(json.dumps(outcome.__dict__))
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if outcome.ok else 1
     outcomes = run_seeds(list(range(args.first, args.first + args.seeds)), args.processes,
                          replica_size=args.replica_size, starve=args.starve, corrupt=args.corrupt,
-                         repair=args.repair, outer_steps=args.outer_steps)
+                         repair=args.repair, outer_steps=args.outer_steps, collect=args.collect)
     summary = summarize(outcomes)
     print(json.dumps(summary, indent=None if args.json else 2))
     return 0 if summary["violations"] == 0 else 1

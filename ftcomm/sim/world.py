@@ -53,6 +53,9 @@ COLLECTIVE_EVERY = 7  # the script averages a metric over the group (execute) af
 INFANT_S = 1.5  # an infant fault strikes a worker this soon after its start, at most
 TRANSFER_S = (0.02, 0.3)  # a state transfer's time, for seeds whose model's state takes time to send
 STEP_S = (0.02, 0.05)  # a step's compute
+COLLECTION_S = (0.05, 0.1, 0.2, 0.4, 0.7)
+"""How long a worker's full garbage collections last (``collect``): all within the pause an
+announcement covers (``GossipConfig.pause_grace``, 1 s), with room for the notice's way."""
 OUTER_STEP_S = (0.3, 2.0)  # a DiLoCo outer step's compute: tens to a hundred inner steps alone
 SETTLED_RUN_S = 3.0
 """Once every live worker runs one view of all of them and commits, and no worker is on its
@@ -116,6 +119,8 @@ class Worker:
     starved: float = 0.0  # while its CPU is starved: how late (up to) its loop and its gossip run
     starved_windows: list = field(default_factory=list)  # (lag, until) of each of its CPU starvations
     late_until: float = 0.0  # starved: its loop runs again from then
+    collecting_until: float = 0.0  # a full garbage collection pauses its loop and its gossip until then
+    collections: list = field(default_factory=list)  # (length, until, members told) of its announced collections
     views_seen: int = 0  # its loop's view changes checked so far (checks.view_changed)
     hooked: bool = False  # its first wait_gradients_ready installed the buckets' hooks (overlap from then on)
 
@@ -153,6 +158,7 @@ class Outcome:
     corruptions: int = 0  # states that went wrong (``corrupt``)
     wrong_commits: int = 0  # steps committed on a state that went wrong (invariant 12 bounds them)
     repairs: tuple[int, int] = (0, 0)  # sharded replicas repaired in place: started, formed again
+    collections: tuple[int, int] = (0, 0)  # announced garbage collections struck; probe verdicts they held
 
 
 class GroupSimulation:
@@ -176,7 +182,10 @@ class GroupSimulation:
     for 0.3 to 2 s, as a DiLoCo or LocalSGD outer step does (its inner steps, alone), so that
     faults, joins and stragglers land mostly between a step's boundaries rather than in its
     reduction, and the reduction starts (with overlap) anywhere in that compute, as DiLoCo's
-    ``delay`` sends it while the last inner steps train."""
+    ``delay`` sends it while the last inner steps train; ``collect``: now and then a
+    worker runs a full garbage collection (its loop and its gossip paused for up to 0.7 s,
+    announced to the others as it starts: see ``GossipConfig.pause_grace``), and no view may
+    leave it out for that (checks.view_changed)."""
 
     def __init__(self, seed: int, n: int | None = None, faults: list | None = None, duration: float = 25.0,
                  loss: float | None = None, leave_grace: float = GroupOptions.leave_grace,
@@ -194,7 +203,7 @@ class GroupSimulation:
                  first_step_overlaps: bool = False, metric_read: bool = True,
                  infant: bool | None = None, in_place: bool | None = None,
                  misconfigured: bool | None = None, model_after_init: bool | None = None,
-                 corrupt: bool = False, outer_steps: bool = False) -> None:
+                 corrupt: bool = False, outer_steps: bool = False, collect: bool = False) -> None:
         self.seed = seed
         self.step_s = OUTER_STEP_S if outer_steps else STEP_S
         # Faults strike while more than this many workers (replicas) live: 1 for drawn
@@ -289,6 +298,11 @@ class GroupSimulation:
         self.starve_rng = random.Random(f"{seed}/starve/lag")
         self.starvations: list[tuple[float, float, float, float]] = []  # (start, length, lag, pick)
         self.starved_excluded: list[tuple[str, float, str]] = []  # (member, lag, reason): see checks.view_changed
+        self.collect_draws: list[tuple[float, float, float]] = []  # (start, length, pick)
+        if collect:
+            when = random.Random(f"{seed}/collect")
+            self.collect_draws = [(when.uniform(0.0, duration * 0.8), when.choice(COLLECTION_S), when.random())
+                                  for _ in range(when.randint(1, 4))]
         if starve:
             when = random.Random(f"{seed}/starve/when")
             self.starvations = [(when.uniform(0.0, duration * 0.8), when.uniform(1.0, 6.0),
@@ -401,6 +415,9 @@ class GroupSimulation:
         for t, length, lag, pick in self.starvations:
             self.sim.at(t, lambda length=length, lag=lag, pick=pick: self._starve(length, lag, pick))
             self.end_faults = max(self.end_faults, t + length)
+        for t, length, pick in self.collect_draws:
+            self.sim.at(t, lambda length=length, pick=pick: self._collect(length, pick))
+            self.end_faults = max(self.end_faults, t + length)
         self.history: dict[tuple[int, int], tuple] = {}  # (step, shard) -> (first contents, by which view's members, its key)
         self.whole: dict[int, dict] = {}  # step -> replica -> the shards that committed it (see checks.state_lost)
         self._healthy_cache: tuple = (None, float("inf"), False)
@@ -495,6 +512,27 @@ class GroupSimulation:
             w.starved = 0.0
             self.sim.starved.pop(w.node, None)
         self.sim.at(now + length, fed)
+
+    def _collect(self, length: float, pick: float) -> None:
+        """A live worker runs a full garbage collection of ``length`` seconds: it announces
+        it to the members it knows, then neither its loop nor its gossip runs until it ends
+        (datagrams wait for it, as in a socket buffer). Not a fault: the others must not
+        take it for hung (checks.view_changed)."""
+        w = self._pick(pick, exclude_last=False)
+        if w is None or w.hung or self.sim.nodes[w.node].stalled or w.collecting_until > self.sim.now:
+            return
+        now = self.sim.now
+        self.fault_log.append((now, "collect", f"{w.id} for {length:g} s"))
+        self.sim.announce_pause(w.node)
+        told = frozenset(m.id for m in self.sim.nodes[w.node].protocol.members() if m.state in ("alive", "suspect"))
+        w.collecting_until = now + length
+        w.collections.append((length, now + length, told))
+        self.sim.nodes[w.node].stalled = True
+
+        def ended() -> None:
+            if not (w.crashed or w.hung):  # (a hang that struck meanwhile keeps it stopped)
+                self.sim.resume(w.node)
+        self.sim.at(now + length, ended)
 
     def _start_in_turn(self, node: int) -> None:
         """A job that starts its workers in turn (:attr:`first_alone`): the worker on ``node``
@@ -595,7 +633,7 @@ class GroupSimulation:
         now = self.sim.now
         self.sim.at(round(now + TICK, 6), self._tick)
         for w in list(self.workers.values()):
-            if w.crashed or w.exited or w.hung or now < w.busy_until:
+            if w.crashed or w.exited or w.hung or now < w.busy_until or now < w.collecting_until:
                 continue
             if w.starved:  # its loop runs late: once per drawn lag at most
                 if now < w.late_until:
@@ -874,7 +912,8 @@ class GroupSimulation:
         how = (f"GroupSimulation({self.seed}, n={self.n}, replica_size={self.k}, faults=<this run's scripted "
                f"schedule>).run()" if self.scripted
                else f"python -m ftcomm.groupsim --seed {self.seed}" + (f" --replica-size {self.k}" if self.k > 1 else "")
-               + (" --starve" if self.starvations else "") + (" --repair" if self.repair else ""))
+               + (" --starve" if self.starvations else "") + (" --collect" if self.collect_draws else "")
+               + (" --repair" if self.repair else ""))
         raise InvariantViolation(f"invariant {number} violated at t={self.sim.now:.3f} (seed {self.seed}): {text}; "
                                  f"reproduce: {how}")
 
@@ -1520,4 +1559,6 @@ class GroupSimulation:
                        round(time.perf_counter() - started, 3), self.min_workers, dict(self.exits), self.recoveries,
                        self.started_over, self.first_alone, [w[:3] for w in self.starvations],
                        self.starved_excluded, len(self.corruptions), self.wrong_commits,
-                       (len(self.repairs), sum(job["formed"] for job in self.repairs.values())))
+                       (len(self.repairs), sum(job["formed"] for job in self.repairs.values())),
+                       (sum(len(w.collections) for w in self.workers.values()),
+                        sum(node.protocol.stats.get("pause_holds", 0) for node in self.sim.nodes)))
