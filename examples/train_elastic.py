@@ -29,8 +29,9 @@ with ``--log-indices`` (this worker's sample indices), ``restored`` after a chec
 restore, ``straggler`` when a member becomes or stops being a straggler, and ``done`` with the final loss, accuracy and state digest. With ``--control``, JSON commands on stdin drive the fault
 filter of the gossip layer (``partition``, ``heal``), stop training at a given step
 (``stop_at``), change the extra seconds per step (``step_time``), report progress
-(``status``) or make the training loop raise an uncaught exception (``fail``), for tests
-and demos; the worker then also stops when stdin closes.
+(``status``), make the training loop raise an uncaught exception (``fail``) or run a full
+garbage collection over a heap grown by ``objects``, ``after`` seconds (``collect``, reported
+by a ``collected`` line), for tests and demos; the worker then also stops when stdin closes.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -77,7 +79,9 @@ def emit(**fields) -> None:
 
 
 class Control:
-    """Commands on stdin (with --control): partition, heal, stop_at, status, fail, and
+    """Commands on stdin (with --control): partition, heal, stop_at, status, fail, collect
+    (the heap grown by ``objects`` now, a full garbage collection at the first step ``after``
+    seconds later), and
     in_flight (``signal`` KILL or STOP: this process sends it to itself right after an
     inner step during which a DiLoCo outer step's reduction is under way, see --delay)."""
 
@@ -87,6 +91,8 @@ class Control:
         self.fail = False
         self.step_time: float | None = None  # overrides --step-time once set
         self.in_flight: signal.Signals | None = None
+        self.collect = False  # a full garbage collection at the start of the next step
+        self.heap: list = []  # what makes it long (see grow)
         self.closed = threading.Event()
 
     def loop(self, ft) -> None:
@@ -104,6 +110,10 @@ class Control:
                 self.step_time = float(command["seconds"])
             elif name == "fail":
                 self.fail = True
+            elif name == "collect":
+                self.grow(int(command["objects"]))
+                time.sleep(float(command.get("after", 3.0)))  # the group's waits back to usual
+                self.collect = True
             elif name == "in_flight":
                 self.in_flight = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[command["signal"]]
             elif name == "stop_at":
@@ -113,6 +123,29 @@ class Control:
                 continue
             emit(ev="ok", cmd=name, step=ft.step, t=time.time())
         self.closed.set()
+
+    def grow(self, objects: int) -> None:
+        """A large heap: ``objects`` more objects, kept alive (freeing them would add a pause
+        of its own), built while no automatic collection runs."""
+        gc.disable()
+        try:
+            self.heap += [[] for _ in range(objects)]
+        finally:
+            gc.enable()
+
+    def full_collection(self, step: int) -> None:
+        """What a script with a large heap does now and then: a full garbage collection,
+        which holds the GIL throughout. Made here, with automatic ones off meanwhile: one
+        started on another thread would make this call return at once."""
+        self.collect = False
+        gc.disable()
+        try:
+            started = time.perf_counter()
+            gc.collect()
+            took = time.perf_counter() - started
+        finally:
+            gc.enable()
+        emit(ev="collected", seconds=took, step=step, t=time.time())
 
     def should_stop(self, step: int) -> bool:
         return self.closed.is_set() or (self.stop_at is not None and step >= self.stop_at)
@@ -221,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     loss = torch.zeros(())
     while ft.step < args.steps and not (control and control.should_stop(ft.step)):
         for inputs, targets in sampler.steps(loader):
+            if control is not None and control.collect:
+                control.full_collection(ft.step)
             for (xb, yb), weight in sampler.micro_batches(inputs, targets):
                 loss = F.cross_entropy(net(xb), yb)
                 (loss * weight).backward()
