@@ -19,6 +19,7 @@ import concurrent.futures
 import errno
 import gc
 import logging
+import os
 import random as _random
 import secrets as _secrets
 import socket
@@ -158,6 +159,7 @@ class GossipNode:
         self.connections: connections.ConnectionCap | None = None
         self._snapshot: tuple[Member, ...] = ()
         self.pause_notices = 0  # full garbage collections announced to the other members
+        self._pid = 0  # the process whose collections it announces (not a forked child)
         self._member_hosts: tuple[tuple[Member, ...] | None, frozenset[str]] = (None, frozenset())
         self._snapshot_stale = True
         self._subscribers: list[Callable[[GossipEvent], None]] = []
@@ -197,6 +199,7 @@ class GossipNode:
             self._thread.join()
             raise failure[0]
         if self.config.pause_grace > 0:
+            self._pid = os.getpid()
             gc.callbacks.append(self._on_collection)
         if dns or [a for a in resolve(seeds) if a != (self.host, self.port)]:
             future = asyncio.run_coroutine_threadsafe(self._join(), self._loop)
@@ -511,8 +514,9 @@ class GossipNode:
         are told, by one sealed datagram each, sent from here since the gossip thread cannot
         run meanwhile. Only the socket, the sealer and the published snapshot are read, never
         the protocol's tables: this thread may have been stopped in the middle of changing
-        them. Nothing may escape into the collector."""
-        if phase != "start" or info.get("generation") != 2 or self._stopping:
+        them. Nothing may escape into the collector. A process forked from this one (a data
+        loader's worker) inherits the callback and says nothing: it does not pause this one."""
+        if phase != "start" or info.get("generation") != 2 or self._stopping or os.getpid() != self._pid:
             return
         try:
             packet = self._protocol.pause_notice(time.time())

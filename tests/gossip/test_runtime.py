@@ -337,3 +337,25 @@ def test_pause_notices_are_off_with_no_grace():
         assert node.pause_notices == 0
     finally:
         node.stop()
+
+
+def test_a_forked_child_announces_no_collection_of_its_parents():
+    import gc
+    import os
+    a, b = GossipNode(config=FAST).start(), None
+    try:
+        b = GossipNode(config=FAST).start([a.address])
+        wait_until(lambda: len(a.live_members()) == 2, 5, "convergence")
+        before = a.stats().get("pause_notices", 0)
+        child = os.fork()
+        if child == 0:  # a data loader's worker, say: the callback came with the fork
+            gc.collect()
+            os._exit(0 if b.pause_notices == 0 else 1)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        time.sleep(0.3)
+        assert a.stats().get("pause_notices", 0) == before
+    finally:
+        for node in (a, b):
+            if node is not None:
+                node.stop()
