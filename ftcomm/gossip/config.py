@@ -79,6 +79,10 @@ def parse_assignments(items: list[str]) -> dict[str, float | int]:
     return overrides
 
 
+MAX_PAUSE_GRACE_S = 10.0
+"""The longest ``GossipConfig.pause_grace`` accepted (1000 would be milliseconds meant)."""
+
+
 @dataclass(frozen=True)
 class GossipConfig:
     """All parameters of the membership protocol. Times are in seconds."""
@@ -113,7 +117,9 @@ class GossipConfig:
     imports torch, on a host with two busy processes per core; seconds with a large heap).
     Probes it leaves unanswered are judged only this many seconds after the notice, when
     an answer is still missing. Bounds how much longer a process stopped or lost right
-    after such a notice goes undetected; 0 neither sends nor honours notices."""
+    after such a notice goes undetected (0 to 10 s); 0 neither sends nor honours notices.
+    Only full collections are announced; young ones are short, but a script that raises the
+    collector's thresholds or allocates millions of objects at once may make them long too."""
 
     indirect_checks: int = 5
     """Members asked to ping the target on our behalf (SWIM's k) when the direct ping
@@ -253,6 +259,9 @@ class GossipConfig:
         if not 0 < self.urgent_probe_timeout < self.probe_interval:
             raise ValueError(f"GossipConfig.urgent_probe_timeout ({self.urgent_probe_timeout}) must be positive "
                              f"and shorter than probe_interval ({self.probe_interval})")
+        if not 0 <= self.pause_grace <= MAX_PAUSE_GRACE_S:
+            raise ValueError(f"GossipConfig.pause_grace must be between 0 and {MAX_PAUSE_GRACE_S:g} seconds, got "
+                             f"{self.pause_grace}: it delays finding a member stopped right after a collection")
         if self.max_datagram_bytes < 512:
             raise ValueError("GossipConfig.max_datagram_bytes must be at least 512")
         for name in ("freshness_window", "replay_cache_entries", "max_members"):

@@ -64,6 +64,8 @@ class MemberState:
     paused_until: float = 0.0
     """Until when a pause this member announced (a full garbage collection: see
     ``GossipConfig.pause_grace``) holds the verdicts of probes it leaves unanswered."""
+    pause_number: int = -1
+    """The number of the latest of its pause notices honoured here."""
 
     @property
     def address(self) -> tuple[str, int]:

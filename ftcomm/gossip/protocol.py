@@ -408,7 +408,7 @@ class Protocol:
                 self._correct_stale(message, sender, now)
                 self._on_dead(message[1], message[2], message[3], now, message[4] if len(message) > 4 else None)
             elif kind == PAUSE:
-                self._on_pause(sender, message[1], now)
+                self._on_pause(sender, message[1], message[2], now)
 
     def handle_stream(self, data: bytes, now: float) -> bytes:
         """Answer one TCP request (push/pull or a members query); never raises."""
@@ -675,27 +675,34 @@ class Protocol:
             self.stats["probes_failed"] += 1
             self._on_suspect(m.id, m.incarnation, self.id, now)
 
-    def pause_notice(self, wall: float) -> bytes:
+    def pause_notice(self, wall: float, number: int) -> bytes:
         """The sealed datagram by which this member announces a pause of its own that starts
         now (a full garbage collection, which holds the GIL: the gossip thread cannot answer
         until it ends). Reads only the incarnation and the sealer, so that a garbage
         collector's callback may build it on any thread, even while this one is stopped in
         the middle of a method (see GossipNode). ``wall``: the wall-clock time it is sealed
-        with."""
-        return self._dgram.seal([wire.encode([PAUSE, self._self.incarnation])], now=wall)
+        with; ``number``: larger than any this member sent before (copies are numbered
+        apart, so that a secret's replay guard takes each once)."""
+        return self._dgram.seal([wire.encode([PAUSE, self._self.incarnation, number % (wire.MAX_SEQ + 1)])], now=wall)
 
-    def _on_pause(self, sender: str, incarnation: int, now: float) -> None:
+    def _on_pause(self, sender: str, incarnation: int, number: int, now: float) -> None:
         """``sender`` announced a pause: probes it leaves unanswered are judged only once
         ``pause_grace`` has passed since its latest notice (each notice is another
         collection; between two it runs and answers). Its incarnation may be newer than the
-        one known here (its refutation may not have come round yet), not older."""
+        one known here (its refutation may not have come round yet), not older; its number
+        must be above the last one honoured (a copy or a replay of an older notice holds
+        nothing)."""
         m = self._table.get(sender)
         grace = self.config.pause_grace
         if m is None or sender == self.id or grace <= 0 or incarnation < m.incarnation \
                 or m.state not in (ALIVE_STATE, SUSPECT_STATE):
             self.stats["pause_notices_ignored"] += 1
             return
+        if number <= m.pause_number:
+            self.stats["pause_notices_old"] += 1
+            return
         self.stats["pause_notices"] += 1
+        m.pause_number = number
         m.paused_until = max(m.paused_until, now + grace)
 
     def _paused_until(self, member_id: str, now: float) -> float:

@@ -14,6 +14,7 @@ and logged the first time per kind; the node keeps serving.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import concurrent.futures
 import errno
@@ -22,6 +23,7 @@ import logging
 import os
 import random as _random
 import secrets as _secrets
+import signal
 import socket
 import threading
 import time
@@ -53,6 +55,51 @@ or starved (its timers are never due further apart than a probe interval)."""
 STREAM_BATCH = 16  # TCP requests served back to back before the loop lets its timers and UDP reader run
 STREAM_QUEUE = 1  # TCP requests queued per connection before zmq stops reading it (its default: 1000)
 UDP_BATCH = 256  # datagrams read per call of the UDP reader (the rest: at its next call)
+PAUSE_COPIES = 2
+"""Datagrams per member and full garbage collection (numbered apart): one lost is covered."""
+
+_announcing: tuple = ()  # the started nodes whose process's full collections they announce
+_announcing_lock = threading.Lock()  # (changes only; the collector's callback reads the tuple)
+_collector_hooked = False
+
+
+_held_signal: int | None = None  # a signal whose handler raised while a notice went out
+
+
+def _on_collection(phase: str, info: dict) -> None:
+    """Python's garbage collector starts or ends a collection, on whichever thread made it:
+    at the start of a full one, every node announcing collections says so (see
+    ``GossipNode._announce_pause``). One callback for every node, registered once and never
+    removed: the collector walks its list while a callback runs, and a node stopped meanwhile
+    on another thread would shift it. An exception raised here would be dropped by the
+    collector: a signal handler's (Ctrl-C, ftcomm's SIGTERM) is raised again once the
+    collection ended, by handing the signal to the main thread again."""
+    global _held_signal
+    if phase == "stop":
+        if _held_signal is not None:
+            held, _held_signal = _held_signal, None
+            # From another thread, which runs once this one lets go of the GIL, past the
+            # collector: its handler then runs where the script is.
+            _thread.start_new_thread(_thread.interrupt_main, (held,))  # (Thread.start would wait for it here)
+        return
+    if info.get("generation") != 2:
+        return
+    try:
+        for node in _announcing:
+            node._announce_pause()
+    except KeyboardInterrupt:
+        _held_signal = signal.SIGINT
+    except SystemExit:
+        _held_signal = signal.SIGTERM
+
+
+def _announce_collections(node: "GossipNode", on: bool) -> None:
+    global _announcing, _collector_hooked
+    with _announcing_lock:
+        _announcing = tuple(n for n in _announcing if n is not node) + ((node,) if on else ())
+        if on and not _collector_hooked:
+            gc.callbacks.append(_on_collection)
+            _collector_hooked = True
 BIND_WAIT_S = 2.0  # how long an explicit port that is in use is tried again (see _bind_sockets)
 
 try:  # pragma: no cover - depends on the platform
@@ -159,7 +206,11 @@ class GossipNode:
         self.connections: connections.ConnectionCap | None = None
         self._snapshot: tuple[Member, ...] = ()
         self.pause_notices = 0  # full garbage collections announced to the other members
+        self.pause_send_errors = 0  # notices a member could not be sent (its address unusable)
         self._pid = 0  # the process whose collections it announces (not a forked child)
+        self._loop_ran_at = 0.0  # when the gossip loop last handled a timer or datagrams (monotonic)
+        self._noticed_at = float("-inf")  # when it last announced a collection
+        self._notices = 0  # numbers its notices carry
         self._member_hosts: tuple[tuple[Member, ...] | None, frozenset[str]] = (None, frozenset())
         self._snapshot_stale = True
         self._subscribers: list[Callable[[GossipEvent], None]] = []
@@ -200,7 +251,7 @@ class GossipNode:
             raise failure[0]
         if self.config.pause_grace > 0:
             self._pid = os.getpid()
-            gc.callbacks.append(self._on_collection)
+            _announce_collections(self, True)
         if dns or [a for a in resolve(seeds) if a != (self.host, self.port)]:
             future = asyncio.run_coroutine_threadsafe(self._join(), self._loop)
             try:
@@ -483,10 +534,7 @@ class GossipNode:
 
     async def _shutdown(self) -> None:
         self._stopping = True
-        try:
-            gc.callbacks.remove(self._on_collection)
-        except ValueError:  # pause notices off
-            pass
+        _announce_collections(self, False)
         if self._timer is not None:
             self._timer.cancel()
         self._loop.remove_reader(self._udp.fileno())
@@ -507,30 +555,46 @@ class GossipNode:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _on_collection(self, phase: str, info: dict) -> None:
-        """Python's garbage collector starts or ends a collection, on whichever thread made
-        it. A full one holds the GIL long enough to look like a stopped process to the
-        members probing this one (see ``GossipConfig.pause_grace``): before it starts, they
-        are told, by one sealed datagram each, sent from here since the gossip thread cannot
-        run meanwhile. Only the socket, the sealer and the published snapshot are read, never
-        the protocol's tables: this thread may have been stopped in the middle of changing
-        them. Nothing may escape into the collector. A process forked from this one (a data
-        loader's worker) inherits the callback and says nothing: it does not pause this one."""
-        if phase != "start" or info.get("generation") != 2 or self._stopping or os.getpid() != self._pid:
+    def _announce_pause(self) -> None:
+        """A full garbage collection starts, on whichever thread made it: it holds the GIL
+        long enough to look like a stopped process to the members probing this one (see
+        ``GossipConfig.pause_grace``), so they are told first, by ``PAUSE_COPIES`` sealed
+        datagrams each, sent from here since the gossip thread cannot run meanwhile. Only
+        the socket, the sealer and the published snapshot are read, never the protocol's
+        tables: this thread may have been stopped in the middle of changing them. Said only
+        when the gossip loop ran since the last notice and within two probe intervals (a
+        wedged loop is not excused by a thread that keeps collecting), at most once per a
+        quarter of ``pause_grace``, and never by a process forked from this one (a data
+        loader's worker inherits the registration; its collections do not pause this one).
+        No error escapes into the collector (a signal handler's exception: see
+        :func:`_on_collection`)."""
+        now = time.monotonic()
+        if self._stopping or os.getpid() != self._pid or self._loop_ran_at <= self._noticed_at \
+                or now - self._loop_ran_at > 2 * self.config.probe_interval \
+                or now - self._noticed_at < self.config.pause_grace / 4:
             return
+        self._noticed_at = now
         try:
-            packet = self._protocol.pause_notice(time.time())
+            wall, number = time.time(), self._notices
+            self._notices += PAUSE_COPIES
+            packets = [self._protocol.pause_notice(wall, number + copy) for copy in range(PAUSE_COPIES)]
             local, faults = (self.host, self.port), self.faults
             for m in self._snapshot:
-                if m.id != self.id and m.state in ("alive", "suspect") and (
-                        faults is None or faults.allows(local, (m.host, m.port))):
-                    self._udp.sendto(packet, (m.host, m.port))
+                if m.id == self.id or m.state not in ("alive", "suspect") or (
+                        faults is not None and not faults.allows(local, (m.host, m.port))):
+                    continue
+                for packet in packets:
+                    try:
+                        self._udp.sendto(packet, (m.host, m.port))
+                    except (OSError, ValueError):  # its address unusable, a full buffer, a closed socket
+                        self.pause_send_errors += 1
             self.pause_notices += 1
-        except Exception:  # a closed socket at shutdown, a full buffer: the probes judge as before
+        except Exception:  # (nothing may escape into the collector) the probes judge as before
             pass
 
     # ------------------------------------------------------------------ driving the protocol
     def _on_readable(self) -> None:
+        self._loop_ran_at = time.monotonic()
         if self._drain_udp():
             self._flush()
 
@@ -556,7 +620,8 @@ class GossipNode:
         return received
 
     def _on_timer(self) -> None:
-        late = time.monotonic() - self._timer_at
+        self._loop_ran_at = time.monotonic()
+        late = self._loop_ran_at - self._timer_at
         if late > STALL_S:  # the whole process was stopped or starved (a timer is never due later than that)
             self.last_stall = time.monotonic()
             log.debug("gossip timer fired %.3f s late: this process was stalled", late)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from .config import GossipConfig, parse_assignments
 from .protocol import MemberEvent, Protocol, StreamRequest
+from .runtime import PAUSE_COPIES
 
 PORT = 7946
 _TIMER, _DELIVER, _STREAM, _STREAM_REPLY, _ACTION = range(5)
@@ -59,6 +60,7 @@ class Simulation:
         self._rng = random.Random(seed)
         self._heap: list[tuple] = []
         self._seq = 0
+        self._pause_numbers: dict[int, int] = {}  # the next number of each member's pause notices
         self._partition: tuple[frozenset[int], frozenset[int]] | None = None
         self.slow: dict[int, float] = {}  # member index -> extra delay of every datagram it sends
         # member index -> its CPU starvation: each of its timers, each datagram it sends or
@@ -167,13 +169,18 @@ class Simulation:
         """Member ``index`` announces a pause of its own (a full garbage collection) to every
         member it knows, as its runtime's collector callback does (see GossipNode)."""
         node = self.nodes[index]
-        packet = node.protocol.pause_notice(self.now)
+        number = self._pause_numbers.get(index, 0)
+        self._pause_numbers[index] = number + PAUSE_COPIES
+        packets = [node.protocol.pause_notice(self.now, number + copy) for copy in range(PAUSE_COPIES)]
         for other in node.protocol.members():
             dst = self._by_address.get((other.host, other.port))
             if dst is None or dst == index or other.state not in ("alive", "suspect") or self._blocked(index, dst):
                 continue
-            self._push(self.now + self._rng.uniform(*self.delay), _DELIVER,
-                       (dst, packet, (node.protocol.id.split(":")[0], PORT)))
+            for packet in packets:  # each lost, delayed and late like any datagram
+                if self.loss and self._rng.random() < self.loss:
+                    continue
+                self._push(self.now + self._rng.uniform(*self.delay) + self.slow.get(index, 0.0) + self.late(dst),
+                           _DELIVER, (dst, packet, (node.protocol.id.split(":")[0], PORT)))
 
     def resume(self, index: int) -> None:
         """A stalled member runs again: it takes what arrived meanwhile and catches up."""

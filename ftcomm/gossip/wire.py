@@ -64,7 +64,7 @@ NACK = 3  # [NACK, seq]
 ALIVE = 4  # [ALIVE, member_id, incarnation, host, port, metadata]
 SUSPECT = 5  # [SUSPECT, member_id, incarnation, from_id]
 DEAD = 6  # [DEAD, member_id, incarnation, from_id(, metadata)]; from_id == member_id means "left" (+ final metadata)
-PAUSE = 7  # [PAUSE, incarnation]: the sender starts a pause of its own (a full garbage collection) now
+PAUSE = 7  # [PAUSE, incarnation, number]: the sender starts a pause of its own (a full garbage collection) now
 
 # Stream (TCP request/response) message types.
 PUSH_PULL = 10  # [PUSH_PULL, join, [member_record, ...]]
@@ -110,7 +110,7 @@ _SCHEMAS: dict[int, tuple[_Field, ...]] = {
     ALIVE: (_ID, _INCARNATION, _HOST, _PORT, _METADATA),
     SUSPECT: (_ID, _INCARNATION, _ID),
     DEAD: (_ID, _INCARNATION, _ID),
-    PAUSE: (_INCARNATION,),
+    PAUSE: (_INCARNATION, _SEQ),
     PUSH_PULL: (_BOOL, _RECORDS),
     MEMBERS_QUERY: (),
     MEMBERS_REPLY: (_RECORDS, _FLAGS),

@@ -449,7 +449,7 @@ def _pause_then_probe(net: MiniNet, announce: bool = True):
     if announce:  # to every member it knows
         for i, node in enumerate(net.nodes):
             if node is not paused:
-                node.receive(paused.pause_notice(0.0), address(1), net.now)
+                node.receive(paused.pause_notice(0.0, 0), address(1), net.now)
     started = net.now
     assert prober.probe_now([member_id(1)], net.now) == 1
     held = [d for d in prober.take_datagrams() if d.address == address(1)]
@@ -492,18 +492,21 @@ def test_a_pause_notice_is_honoured_only_from_a_live_member_at_its_incarnation_o
     net = MiniNet(3)
     net.run(1.0)
     prober = net.nodes[0]
-    prober.receive(packet([wire.PAUSE, 0], sender=member_id(7)), address(7), net.now)  # not a member
+    prober.receive(packet([wire.PAUSE, 0, 0], sender=member_id(7)), address(7), net.now)  # not a member
     net.nodes[1].receive(packet([SUSPECT, member_id(1), 0, member_id(2)], sender=member_id(2)), address(2), net.now)
     net.run(0.5)  # member 1 refuted: incarnation 1, known everywhere
     assert prober._table.get(member_id(1)).incarnation == 1
-    stale = packet([wire.PAUSE, 0], sender=member_id(1))  # older than its incarnation
+    stale = packet([wire.PAUSE, 0, 0], sender=member_id(1))  # older than its incarnation
     prober.receive(stale, address(1), net.now)
     assert prober.stats["pause_notices_ignored"] == 2 and prober._table.get(member_id(1)).paused_until == 0.0
-    prober.receive(packet([wire.PAUSE, 2], sender=member_id(1)), address(1), net.now)  # its refutation still on the way
+    prober.receive(packet([wire.PAUSE, 2, 0], sender=member_id(1)), address(1), net.now)  # its refutation still on the way
     assert prober._table.get(member_id(1)).paused_until == net.now + CFG.pause_grace
-    prober.receive(net.nodes[1].pause_notice(0.0), address(1), net.now + 0.5)  # another collection
+    prober.receive(net.nodes[1].pause_notice(0.0, 1), address(1), net.now + 0.5)  # another collection
     assert prober._table.get(member_id(1)).paused_until == net.now + 0.5 + CFG.pause_grace
+    prober.receive(net.nodes[1].pause_notice(0.0, 1), address(1), net.now + 0.9)  # a copy, or a replay
+    assert prober._table.get(member_id(1)).paused_until == net.now + 0.5 + CFG.pause_grace
+    assert prober.stats["pause_notices_old"] == 1
     off = MiniNet(2, config=GossipConfig(pause_grace=0))
     off.run(1.0)
-    off.nodes[0].receive(off.nodes[1].pause_notice(0.0), address(1), off.now)
+    off.nodes[0].receive(off.nodes[1].pause_notice(0.0, 0), address(1), off.now)
     assert off.nodes[0]._table.get(member_id(1)).paused_until == 0.0

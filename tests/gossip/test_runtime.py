@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from ftcomm.errors import GossipError, JoinError
-from ftcomm.gossip import FaultFilter, GossipConfig, GossipNode, query_members, wire
+from ftcomm.gossip import FaultFilter, GossipConfig, GossipNode, query_members, runtime, wire
 
 from ..polling import wait_until
 
@@ -324,7 +324,7 @@ def test_a_full_garbage_collection_is_announced_to_the_other_members_signed(node
     wait_until(lambda: a.stats().get("pause_notices", 0) >= 1 and b.stats().get("pause_notices", 0) >= 1, 5, "the notices")
     assert a.pause_notices >= 1 and b.stats().get("dropped", 0) == 0
     a.stop()
-    assert a._on_collection not in gc.callbacks and b._on_collection in gc.callbacks
+    assert a not in runtime._announcing and b in runtime._announcing
     gc.collect()  # a stopped node says nothing, and nothing fails
 
 
@@ -332,7 +332,7 @@ def test_pause_notices_are_off_with_no_grace():
     import gc
     node = GossipNode(config=GossipConfig(pause_grace=0)).start()
     try:
-        assert node._on_collection not in gc.callbacks
+        assert node not in runtime._announcing
         gc.collect()
         assert node.pause_notices == 0
     finally:
@@ -359,3 +359,66 @@ def test_a_forked_child_announces_no_collection_of_its_parents():
         for node in (a, b):
             if node is not None:
                 node.stop()
+
+
+def test_a_wedged_gossip_loop_is_not_excused_by_a_thread_that_keeps_collecting():
+    """Member x's gossip thread answers nothing (blocked, as a subscriber callback that
+    blocks would block it) while another thread of its process runs a full collection
+    twice a second: it announces none after its loop stopped, so the others suspect it as
+    they would any silent member."""
+    import gc
+    config = GossipConfig(probe_interval=0.2, probe_timeout=0.08, gossip_interval=0.05, suspicion_mult=3)
+    a = GossipNode(config=config).start()
+    b = x = None
+    release = threading.Event()
+    try:
+        b = GossipNode(config=config).start([a.address])
+        x = GossipNode(config=config).start([a.address])
+        wait_until(lambda: all(len(n.live_members()) == 3 for n in (a, b, x)), 5, "convergence")
+        suspected = threading.Event()
+        a.subscribe(lambda e: e.member.id == x.id and e.kind in ("suspect", "dead") and suspected.set())
+        x._loop.call_soon_threadsafe(lambda: release.wait(15))
+        time.sleep(0.1)
+        announced = x.pause_notices
+        deadline = time.monotonic() + 6
+        while not suspected.is_set() and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.5)
+        assert suspected.is_set(), f"x announced {x.pause_notices - announced} collections with its loop wedged"
+        assert x.pause_notices - announced <= 1
+    finally:
+        release.set()
+        for node in (a, b, x):
+            if node is not None:
+                node.stop()
+
+
+@pytest.mark.parametrize("grace", [-1.0, float("nan"), float("inf"), 1000.0])
+def test_a_pause_grace_that_could_hide_a_stopped_member_for_long_is_refused(grace):
+    with pytest.raises(ValueError, match="pause_grace"):
+        GossipConfig(pause_grace=grace)
+
+
+def test_ctrl_c_while_a_collection_is_announced_still_interrupts_the_script(nodes):
+    """A signal handler that raises while the notices go out (on the main thread, in the
+    collector's callback, where an exception is dropped) raises once the collection ended."""
+    import gc
+    import signal
+
+    class Interrupting(FaultFilter):
+        fired = False
+
+        def allows(self, source, target) -> bool:
+            if not Interrupting.fired and threading.current_thread() is threading.main_thread():  # the notice's
+                Interrupting.fired = True
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C, now
+            return super().allows(source, target)
+    a, b = nodes(2)
+    wait_until(lambda: all(len(n.live_members()) == 2 for n in (a, b)), 5, "convergence")
+    a.faults = Interrupting()
+    time.sleep(0.3)  # a's loop ran since its last notice
+    with pytest.raises(KeyboardInterrupt):
+        gc.collect()
+        for _ in range(100):  # where the script goes on
+            time.sleep(0.001)
+    assert Interrupting.fired

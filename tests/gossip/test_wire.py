@@ -189,6 +189,9 @@ OUT_OF_RANGE = {
     "host name": [ALIVE, member_id(3), 1, "localhost", 7946, b""],
     "host name in a ping request": [PING_REQ, 1, member_id(3), "example.com", 7946],
     "host not in canonical form": [ALIVE, member_id(3), 1, "010.0.0.3", 7946, b""],
+    "pause incarnation": [wire.PAUSE, wire.MAX_INCARNATION + 1, 0],
+    "negative pause number": [wire.PAUSE, 0, -1],
+    "pause number": [wire.PAUSE, 0, wire.MAX_SEQ + 1],
 }
 
 
