@@ -296,7 +296,12 @@ def view_changed(world: "GroupSimulation", w: "Worker") -> None:
         for member in change.removed:
             x = world.by_id.get(member)
             lag = _merely_starved(world, x) if x is not None else None
-            paused = _merely_collecting(world, x, change.members) if x is not None else None
+            # (with sharded replicas, a partner's fault removes the whole replica, whichever
+            # replica the repair put this process in since)
+            partner_struck = world.k > 1 and any(
+                (y := world.by_id.get(m)) is not None and (y.crashed or y.hung or y.gone or y.exited)
+                for m in change.removed if m != member)
+            paused = _merely_collecting(world, x, change.members) if x is not None and not partner_struck else None
             if paused is not None and (lag is None or lag <= STARVED_TOLERATED):
                 world.violation(10, f"view {change.view_id} ({change.reason}) left out {member}, whose process "
                                     f"only paused for a garbage collection of {paused:g} s it announced")
