@@ -126,19 +126,16 @@ class Control:
 
     def grow(self, objects: int) -> None:
         """A large heap: ``objects`` more objects, kept alive (freeing them would add a pause
-        of its own), built while no automatic collection runs."""
+        of its own). Automatic collections stay off until :meth:`full_collection`: a young
+        one over the new objects would be a long pause of its own, and one started on
+        another thread would make that call return at once."""
         gc.disable()
-        try:
-            self.heap += [[] for _ in range(objects)]
-        finally:
-            gc.enable()
+        self.heap += [[] for _ in range(objects)]
 
     def full_collection(self, step: int) -> None:
         """What a script with a large heap does now and then: a full garbage collection,
-        which holds the GIL throughout. Made here, with automatic ones off meanwhile: one
-        started on another thread would make this call return at once."""
+        which holds the GIL throughout; automatic collections on again after it."""
         self.collect = False
-        gc.disable()
         try:
             started = time.perf_counter()
             gc.collect()
