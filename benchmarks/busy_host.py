@@ -13,6 +13,14 @@ committed steps per second, then under the same load a SIGSTOP of one worker and
 of another, each measured from the signal until every survivor committed a step in the
 new view. Level 0 is the baseline of the same run. With ``--replicas`` the group is 2
 sharded replicas of 2 processes instead (see :func:`replica_level`).
+
+    python benchmarks/busy_host.py --collections 16 [--levels 2] [--objects 3000000]
+
+Full garbage collections instead (see :func:`collections_level`): at each level, the
+workers take turns at a full collection over a heap of ``--objects`` objects each (the GIL
+held throughout), ``--collections`` in all, once with the pause notices on (the default
+``pause_grace``) and once off (``pause_grace`` 0), in the same run: the pauses and the view
+changes they caused.
 """
 
 from __future__ import annotations
@@ -93,6 +101,44 @@ def level(busy_per_core: int, args) -> dict:
             group.close()
 
 
+def collections_level(busy_per_core: int, args) -> dict:
+    """``args.collections`` full garbage collections, the workers in turn, one every
+    ``PAUSE_EVERY_S`` (the first on each worker grows its heap by ``args.objects`` objects,
+    three seconds before it collects), with pause notices on and then off, each in a group
+    of its own beside the busy loops: the pauses each worker measured and the view changes
+    the members recorded meanwhile."""
+    result = {"busy_per_core": busy_per_core}
+    with busy_loops(busy_per_core) as loops:
+        result["busy_processes"] = len(loops)
+        for name, grace in (("notices", None), ("no_notices", 0.0)):
+            gossip = "{}" if grace is None else json.dumps({"pause_grace": grace})
+            group = Group(args.workers, ["--hidden", str(args.hidden), "--gossip", gossip])
+            try:
+                before = group.latest_view()
+                started = time.time()
+                pauses = []
+                for i in range(args.collections):
+                    w = group.workers[i % len(group.workers)]
+                    mark = len(w.snapshot())
+                    grow = args.objects if i < len(group.workers) else 0
+                    w.request(cmd="collect", objects=grow, after=3.0 if grow else 0.0, timeout=120)
+                    pauses.append(w.wait_for(lambda e: e["ev"] == "collected", 60, "the collection", mark)["seconds"])
+                    time.sleep(PAUSE_EVERY_S)
+                views = {e["view_id"]: e["reason"] for w in group.workers for e in w.snapshot()
+                         if e["ev"] == "view" and e["view_id"] > before}
+                result[name] = {"collections": len(pauses), "pause_s": {
+                                    "median": round(sorted(pauses)[len(pauses) // 2], 3), "max": round(max(pauses), 3)},
+                                "view_changes": len(views), "reasons": dict(collections.Counter(views.values())),
+                                "seconds": round(time.time() - started, 1)}
+                print(json.dumps({"busy_per_core": busy_per_core, name: result[name]}), flush=True)
+            finally:
+                group.close()
+    return result
+
+
+PAUSE_EVERY_S = 2.0
+
+
 def replica_level(busy_per_core: int, args) -> dict:
     """Sharded replicas, 2 x 2: ``examples/train_hsdp.py`` under ``ftcomm run --replica-size
     2`` (4 processes, FSDP2 inside each replica, ftcomm across), beside the busy loops. The
@@ -161,13 +207,18 @@ def main() -> int:
     parser.add_argument("--loader-workers", type=int, default=0, help="DataLoader processes per worker")
     parser.add_argument("--replicas", action="store_true",
                         help="sharded replicas 2 x 2 (examples/train_hsdp.py) instead of plain workers")
-    parser.add_argument("--out", default=None, help="default: results/busy_host.json (busy_host_replicas.json)")
+    parser.add_argument("--collections", type=int, default=0,
+                        help="full garbage collections in turn, with pause notices and without (see the docstring)")
+    parser.add_argument("--objects", type=int, default=3_000_000, help="each worker's heap with --collections")
+    parser.add_argument("--out", default=None,
+                        help="default: results/busy_host.json (busy_host_replicas.json, busy_host_collections.json)")
     args = parser.parse_args()
-    out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   "busy_host_replicas.json" if args.replicas else "busy_host.json")
+    name = "busy_host_replicas" if args.replicas else "busy_host_collections" if args.collections else "busy_host"
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"{name}.json")
     compile_package()  # as an installed package: each worker reads the compiled modules
-    run = replica_level if args.replicas else level
-    report = {"benchmark": "busy_host", "duration_s": args.duration,
+    run = replica_level if args.replicas else collections_level if args.collections else level
+    report = {"benchmark": name, **({"collections": args.collections, "objects": args.objects} if args.collections
+                                    else {"duration_s": args.duration}),
               **({"replicas": "2x2"} if args.replicas else {"workers": args.workers}),
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
               "levels": [run(int(n), args) for n in args.levels.split(",")]}
