@@ -114,7 +114,7 @@ class GossipConfig:
     """A member announces each full collection of Python's garbage collector to the members
     it knows, as it starts (one signed datagram each): a full collection holds the GIL, so
     its gossip thread answers no probe until it ends (0.07-0.23 s measured in a worker that
-    imports torch, on a host with two busy processes per core; seconds with a large heap).
+    imports torch, on a loaded 2-core host; seconds with a large heap).
     Probes it leaves unanswered are judged only this many seconds after the notice, when
     an answer is still missing. Bounds how much longer a process stopped or lost right
     after such a notice goes undetected (0 to 10 s); 0 neither sends nor honours notices.
