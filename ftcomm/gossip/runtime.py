@@ -55,14 +55,13 @@ or starved (its timers are never due further apart than a probe interval)."""
 STREAM_BATCH = 16  # TCP requests served back to back before the loop lets its timers and UDP reader run
 STREAM_QUEUE = 1  # TCP requests queued per connection before zmq stops reading it (its default: 1000)
 UDP_BATCH = 256  # datagrams read per call of the UDP reader (the rest: at its next call)
+BIND_WAIT_S = 2.0  # how long an explicit port that is in use is tried again (see _bind_sockets)
 PAUSE_COPIES = 2
 """Datagrams per member and full garbage collection (numbered apart): one lost is covered."""
 
 _announcing: tuple = ()  # the started nodes whose process's full collections they announce
 _announcing_lock = threading.Lock()  # (changes only; the collector's callback reads the tuple)
 _collector_hooked = False
-
-
 _held_signal: int | None = None  # a signal whose handler raised while a notice went out
 
 
@@ -94,13 +93,14 @@ def _on_collection(phase: str, info: dict) -> None:
 
 
 def _announce_collections(node: "GossipNode", on: bool) -> None:
+    """``node`` announces its process's full collections from now on (``on``) or no longer."""
     global _announcing, _collector_hooked
     with _announcing_lock:
         _announcing = tuple(n for n in _announcing if n is not node) + ((node,) if on else ())
         if on and not _collector_hooked:
             gc.callbacks.append(_on_collection)
             _collector_hooked = True
-BIND_WAIT_S = 2.0  # how long an explicit port that is in use is tried again (see _bind_sockets)
+
 
 try:  # pragma: no cover - depends on the platform
     import uvloop as _uvloop
