@@ -97,6 +97,14 @@ class TrainCluster:
             w.close(timeout=10)  # resumes a stopped worker first
 
 
+def stalls(worker: ChildProcess) -> list[float]:
+    """How late (seconds) the worker's gossip timer fired each time its whole process was
+    stopped or starved past what the detector tolerates (the runtime logs each one over
+    0.25 s): a loaded machine, which a peer cannot tell from a stopped process."""
+    marker = "gossip timer fired "
+    return [float(line.split(marker)[1].split()[0]) for line in worker.stderr_tail if marker in line]
+
+
 def views_by_id(workers: list[ChildProcess]) -> dict[int, list[dict]]:
     """Every worker's view events grouped by view id."""
     grouped: dict[int, list[dict]] = {}
