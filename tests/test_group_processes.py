@@ -237,11 +237,13 @@ def test_a_full_garbage_collection_in_a_worker_the_others_wait_on_is_not_taken_f
     views = [[(e["view_id"], e["reason"], len(e["members"])) for e in w.snapshot() if e["ev"] == "view"][n:]
              for w, n in zip(workers, views_before)]
     # Unless a process stalled past the detector's window for another reason (an overloaded
-    # machine: the collecting one's own timer late by more than its collection, or another's)
+    # machine: the collecting one's own timer late by more than its collection, or another's),
+    # or the collection outlasted what a notice covers (pause_grace, 1 s: a loaded machine
+    # stretches a 0.25 s collection several times), after which it is a hang by design.
     overloaded = any(stalls(w) for w in workers[1:]) or any(
         late > collected["seconds"] + 0.25 for late in stalls(paused))
-    if not overloaded:
-        assert views == [[], [], []], views
+    if not overloaded and collected["seconds"] < 0.8:
+        assert views == [[], [], []], (views, collected, [stalls(w) for w in workers])
     done = cluster.finish(workers)
     assert_invariants(workers, done)
 
