@@ -183,12 +183,17 @@ def test_mismatched_settings_are_refused_with_a_clear_error(cluster):
     assert "max_workers=8 but the group uses max_workers=4" in text
 
 
+def views_of(worker: ChildProcess) -> list[tuple[int, str, int]]:
+    """The views the worker reported so far: (view id, reason, members)."""
+    return [(e["view_id"], e["reason"], len(e["members"])) for e in worker.snapshot() if e["ev"] == "view"]
+
+
 def test_a_slow_worker_is_reported_as_a_straggler_by_everyone_and_nothing_is_lost(cluster):
     # One OpenMP thread per worker, as `ftcomm run` sets with several workers per node:
     # with torch's default, the spinning threads of one worker slow the others' compute down.
     workers = cluster.start(3, ["--min-workers", "1"], env={"OMP_NUM_THREADS": "1"})
     cluster.wait_view(workers, 3, timeout=60)
-    views_before = [sum(e["ev"] == "view" for e in w.snapshot()) for w in workers]
+    views_before = [len(views_of(w)) for w in workers]
     slow = workers[2]
 
     def report(w, flagged: bool) -> dict:
@@ -205,8 +210,7 @@ def test_a_slow_worker_is_reported_as_a_straggler_by_everyone_and_nothing_is_los
     assert {e["member"] for w in workers for e in w.snapshot() if e["ev"] == "straggler"} == {slow.id}
     # Reported, not excluded: no view formed since the slow phase began leaves it out (a
     # re-formation of the same three would show as a view of three; its reason is printed).
-    views = [[(e["view_id"], e["reason"], len(e["members"])) for e in w.snapshot() if e["ev"] == "view"][n:]
-             for w, n in zip(workers, views_before)]
+    views = [views_of(w)[n:] for w, n in zip(workers, views_before)]
     why = [[line for line in w.stderr_tail if any(k in line for k in ("view broke", "stalled", "members ("))]
            for w in workers]
     # A whole process stopped or starved for more than the detector's window (the machine
@@ -227,15 +231,14 @@ def test_a_full_garbage_collection_in_a_worker_the_others_wait_on_is_not_taken_f
     workers = cluster.start(3, ["--min-workers", "1"], env={"OMP_NUM_THREADS": "1"})
     cluster.wait_view(workers, 3, timeout=60)
     time.sleep(2.0)  # steady: the waits' median is a step's
-    views_before = [sum(e["ev"] == "view" for e in w.snapshot()) for w in workers]
+    views_before = [len(views_of(w)) for w in workers]
     paused = workers[0]
     paused.request(cmd="collect", objects=6_000_000, timeout=60)
     collected = paused.wait_for(lambda e: e["ev"] == "collected", 60, "the collection")
     # what a hang is told from: the others probe 0.05 s into a wait, and give 0.1 s to answer
     assert collected["seconds"] > 0.15, f"a collection of {collected['seconds']:.3f} s cannot tell a hang"
     time.sleep(3.0)
-    views = [[(e["view_id"], e["reason"], len(e["members"])) for e in w.snapshot() if e["ev"] == "view"][n:]
-             for w, n in zip(workers, views_before)]
+    views = [views_of(w)[n:] for w, n in zip(workers, views_before)]
     # Unless a process stalled past the detector's window for another reason (an overloaded
     # machine: the collecting one's own timer late by more than its collection, or another's),
     # or the collection outlasted what a notice covers (pause_grace, 1 s: a loaded machine
