@@ -101,6 +101,9 @@ def level(busy_per_core: int, args) -> dict:
             group.close()
 
 
+PAUSE_EVERY_S = 2.0  # seconds between two workers' collections (see collections_level)
+
+
 def collections_level(busy_per_core: int, args) -> dict:
     """``args.collections`` full garbage collections, the workers in turn, one every
     ``PAUSE_EVERY_S`` (the first on each worker grows its heap by ``args.objects`` objects,
@@ -135,8 +138,6 @@ def collections_level(busy_per_core: int, args) -> dict:
                 group.close()
     return result
 
-
-PAUSE_EVERY_S = 2.0
 
 
 def replica_level(busy_per_core: int, args) -> dict:
