@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     share = sampler.committed
                     idx = [i for part in sampler.committed_parts if part.count for i in sampler.indices(part)]
                     emit(ev="batch", step=ft.step, epoch=share.epoch, start=share.start, size=share.size,
-                         world=share.world, rank=ft.rank, idx=idx)
+                         world=share.world, rank=share.rank, idx=idx)  # the rank it was planned for
                 if checkpoints is not None and args.checkpoint_every and ft.step % args.checkpoint_every == 0:
                     checkpoints.save()
             optimizer.zero_grad()

@@ -417,13 +417,15 @@ def test_two_holders_that_disagree_when_a_worker_joins_stop_instead_of_handing_o
     majority, and every member stops instead of giving rank 0's state to the others."""
     from tests.test_group_threads import join_running
 
-    groups = start_groups(2, fingerprint_every=100)
+    # Neither holder may go on alone: a loaded machine's false hang verdict would otherwise
+    # let one train past the other, which then takes the newer state (no two holders meet).
+    groups = start_groups(2, fingerprint_every=100, min_workers=2)
     joiner = None
     try:
         models, optimizers = models_for(groups)
         train(groups, models, optimizers, 3)
         flip_bit(models[next(i for i, g in enumerate(groups) if g.rank == 0)][0].weight)
-        joiner = join_running(groups, fingerprint_every=100)
+        joiner = join_running(groups, fingerprint_every=100, min_workers=2)
 
         def run(i: int, g):
             try:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def start_groups(n: int, **options) -> list[ftcomm.FaultTolerantGroup]:
-    """``n`` groups in threads starting together (min_workers=n-1, so n-1 may carry on).
+    """``n`` groups in threads starting together (min_workers=n-1 unless given, so n-1 may carry on).
 
     The first view must hold all ``n``: a member that showed up after the others had
     formed theirs would be admitted only at a step boundary, and nobody steps in here. A
@@ -26,10 +26,11 @@ def start_groups(n: int, **options) -> list[ftcomm.FaultTolerantGroup]:
     ports = [free_port() for _ in range(n)]
     groups: list = [None] * n
     options.setdefault("settle_interval", 0.5)
+    options.setdefault("min_workers", max(n - 1, 1))
 
     def start(i: int) -> None:
         groups[i] = ftcomm.init(peers=[f"127.0.0.1:{ports[0]}"] if i else [], bind=f"127.0.0.1:{ports[i]}",
-                                min_workers=max(n - 1, 1), handle_signals=False, init_timeout=30, **options)
+                                handle_signals=False, init_timeout=30, **options)
     threads = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
@@ -81,8 +82,9 @@ def join_running(groups, **options) -> ftcomm.FaultTolerantGroup:
     """A fresh worker started beside the running ``groups`` without its state registered:
     init returns at once, the worker holding back in no view. ``options``: the group's
     that must match (GroupOptions)."""
+    options.setdefault("min_workers", 1)
     joiner = ftcomm.init(peers=[f"127.0.0.1:{groups[0]._membership.node.port}"], bind="127.0.0.1:0",
-                         min_workers=1, handle_signals=False, init_timeout=30, settle_interval=0.5, **options)
+                         handle_signals=False, init_timeout=30, settle_interval=0.5, **options)
     assert joiner._loop.awaiting_state and joiner._loop.view is None
     return joiner
 

@@ -544,7 +544,8 @@ def _resumed(arguments: list[str], first: "Launched", held: int, steps: int) -> 
     survivor = next(e for e in first.of("ready") if e["rank"] == 1)
     before = {e["step"] for e in first.of("batch") if e["pid"] == survivor["pid"]}
     after = sorted({e["step"] for e in second.of("batch")})
-    assert before == set(range(1, held + 1)) and after == list(range(held + 1, steps + 1))
+    assert before == set(range(1, held + 1)) and after == list(range(held + 1, steps + 1)), \
+        f"resumed at {after[:1]}, kept {held}: {''.join(second.log)[-3000:]}"
     return second
 
 
