@@ -177,8 +177,12 @@ class FaultTolerantGroup:
 
     def _start_watch(self) -> None:
         loop = self._loop
-        self._watch = ReplicaWatch(self._replica, self._membership.node, lambda: loop.step,
-                                   lambda: loop.engine.view is not None, self.options.gossip.probe_interval).start()
+        def view() -> int | None:  # not while it re-forms or rejoins: no step is owed then
+            engine = loop.engine
+            current = engine.view
+            return current.id if current is not None and engine.state in core.IN_VIEW else None
+        self._watch = ReplicaWatch(self._replica, self._membership.node, lambda: loop.step, view,
+                                   self.options.gossip.probe_interval).start()
 
     def _check_open(self, where: str = "boundary") -> bool:
         """FtcommError after shutdown. Once the replica's collectives were torn down (a
