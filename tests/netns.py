@@ -115,6 +115,15 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError("no free 10.x.y.0/24 subnet for the test hosts")
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (its main thread's children; none once it exited)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
 class Lab:
     """``hosts`` namespaces; with ``split``, hosts ``0..split-1`` on bridge 0 and the rest on
     bridge 1, the bridges joined by one link. Use as a context manager."""
@@ -180,9 +189,13 @@ class Lab:
     def address(self, i: int) -> str:
         return str(self.subnet.network_address + 10 + i)
 
-    def command(self, i: int, argv: list[str]) -> list[str]:
-        """``argv`` run on host ``i``."""
-        return ["ip", "netns", "exec", self.namespace(i), *argv]
+    def command(self, i: int, argv: list[str], own_pids: bool = False) -> list[str]:
+        """``argv`` run on host ``i``; ``own_pids``: in a pid namespace of its own too, so
+        that processes of other hosts cannot look it up in /proc, as on separate machines,
+        where ``unshare`` exists (it waits for the process and exits with its status; it
+        ignores SIGTERM: signal its child, see :func:`children`)."""
+        own = ["unshare", "--pid", "--kill-child=SIGTERM"] if own_pids and shutil.which("unshare") else []
+        return ["ip", "netns", "exec", self.namespace(i), *own, *argv]
 
     # ------------------------------------------------------------------ faults
     def set_host_link(self, i: int, up: bool) -> None:
