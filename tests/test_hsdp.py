@@ -128,13 +128,15 @@ def started(job: Job) -> list[dict]:
     return job.of("ready")
 
 
-def assert_per_shard_invariants(job: Job, steps: int, first_step: int = 1, stopped: frozenset = frozenset()) -> None:
+def assert_per_shard_invariants(job: Job, steps: int, first_step: int = 1, stopped: frozenset = frozenset(),
+                                replicas_at_end: int = REPLICAS) -> None:
     """Equal state per shard in every view and at the end; exactly-once samples; exit 0.
     ``stopped``: the ranks of processes killed or stopped while training, each of which may
-    have committed one last step without living to report its share."""
+    have committed one last step without living to report its share; ``replicas_at_end``:
+    the replicas that finished the job."""
     done = job.of("done")
-    assert len(done) == REPLICAS * SHARDS, f"{len(done)} processes finished: {''.join(job.log[-40:])}"
-    assert {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {REPLICAS * SHARDS}
+    assert len(done) == replicas_at_end * SHARDS, f"{len(done)} processes finished: {''.join(job.log[-40:])}"
+    assert {d["step"] for d in done} == {steps} and {d["world"] for d in done} == {replicas_at_end * SHARDS}
     for shard in range(SHARDS):
         digests = {d["digest"] for d in done if d["shard"] == shard}
         assert len(digests) == 1, f"shard {shard} ends with {len(digests)} states"
@@ -292,8 +294,8 @@ def test_streaming_diloco_over_sharded_replicas_keeps_one_global_model_per_shard
 
 def test_sigterm_to_a_whole_replica_is_a_graceful_leave():
     # Long enough for the launcher's restart of the replica (Python, torch, the replica's own
-    # group) to rejoin before the others end, on a loaded machine too: with 120 steps the
-    # others once finished before it was back, and it waited alone below min_workers.
+    # group) to rejoin before the others end, as a rule (with 120 steps the others once
+    # finished before it was back; under a heavier load they still may: below).
     steps = 240
     job = Job(steps)
     try:
@@ -309,7 +311,12 @@ def test_sigterm_to_a_whole_replica_is_a_graceful_leave():
     assert after, "no view change after the replica was told to leave"
     assert after[0]["reason"] == "leave" and len(after[0]["members"]) == (REPLICAS - 1) * SHARDS, after[0]
     assert not {e["id"] for e in leaving} & set(after[0]["members"])
-    assert_per_shard_invariants(job, steps, stopped=frozenset(e["rank"] for e in leaving))
+    # The launcher starts the replica that left again; on a loaded machine it may arrive
+    # once the others have ended the job, and is then told so (GroupEnded) rather than
+    # found another group: the job ends with the two replicas that trained to its end.
+    came_late = "GroupEnded: the group of this job trained and ended before this worker arrived" in "".join(job.log)
+    assert_per_shard_invariants(job, steps, stopped=frozenset(e["rank"] for e in leaving),
+                                replicas_at_end=REPLICAS - 1 if came_late else REPLICAS)
 
 
 def test_a_whole_job_restart_restores_every_shard_at_the_newest_step_all_can_load(tmp_path):
