@@ -177,10 +177,11 @@ class FaultTolerantGroup:
 
     def _start_watch(self) -> None:
         loop = self._loop
-        def view() -> int | None:  # not while it re-forms or rejoins: no step is owed then
+        def view() -> int | None:  # no step is owed while it re-forms, rejoins or has yet to reconcile
             engine = loop.engine
             current = engine.view
-            return current.id if current is not None and engine.state in core.IN_VIEW else None
+            owed = engine.state in core.IN_VIEW and engine.state != core.RECONCILE_DUE
+            return current.id if current is not None and owed else None
         self._watch = ReplicaWatch(self._replica, self._membership.node, lambda: loop.step, view,
                                    self.options.gossip.probe_interval).start()
 

@@ -190,11 +190,12 @@ class Lab:
         return str(self.subnet.network_address + 10 + i)
 
     def command(self, i: int, argv: list[str], own_pids: bool = False) -> list[str]:
-        """``argv`` run on host ``i``; ``own_pids``: in a pid namespace of its own too, so
-        that processes of other hosts cannot look it up in /proc, as on separate machines,
-        where ``unshare`` exists (it waits for the process and exits with its status; it
-        ignores SIGTERM: signal its child, see :func:`children`)."""
-        own = ["unshare", "--pid", "--kill-child=SIGTERM"] if own_pids and shutil.which("unshare") else []
+        """``argv`` run on host ``i``; ``own_pids``: in a pid namespace of its own too, with
+        its own /proc, so that neither it nor processes of other hosts can look each other
+        up there, as on separate machines, where ``unshare`` exists. ``unshare`` waits for
+        the process and exits with its status; it ignores SIGTERM (signal its child, see
+        :func:`children`), and a SIGKILL of it kills the process too."""
+        own = ["unshare", "--pid", "--mount-proc", "--kill-child"] if own_pids and shutil.which("unshare") else []
         return ["ip", "netns", "exec", self.namespace(i), *own, *argv]
 
     # ------------------------------------------------------------------ faults

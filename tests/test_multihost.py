@@ -59,7 +59,8 @@ def leave_all(jobs) -> None:
     ignores the signal)."""
     for job in jobs:
         if job.process.poll() is None:
-            for pid in (job.process.pid, *netns.children(job.process.pid)):
+            own_pids = "unshare" in job.process.args
+            for pid in netns.children(job.process.pid) if own_pids else [job.process.pid]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
     for job in jobs:
@@ -257,8 +258,8 @@ def test_three_hosts_each_running_a_sharded_replica_lose_one_and_take_it_back_wh
                            *(["--peers", f"{lab.address(0)}:7946"] if host else []),
                            EXAMPLE, "--steps", "100000000", "--min-workers", "2", "--step-time", "0.03",
                            "--report-every", "1"]
-                # (each in a pid namespace of its own: as on separate machines, the partner
-                # cannot look the lost process up in /proc, and judges it by its silence)
+                # (each in a pid namespace and /proc of its own: as on separate machines, the
+                # partner cannot look the lost process up, and judges it by its silence)
                 jobs.append(Job(0, command=lab.command(host, command, own_pids=True), env=env))
             everyone = lambda: [e for job in jobs for e in job.of("view")]  # noqa: E731
             whole = three_replicas_together(jobs)
@@ -288,9 +289,9 @@ def test_a_replica_split_across_two_hosts_releases_its_partner_when_one_host_is_
     replica 0 goes down: its partner sees nothing refused, only silence; gossip suspects the
     lost process and the replica's collectives and store connection are torn down, so the
     partner is released with ReplicaLost (no launcher here replaces the lost process) long
-    before ``init_timeout`` (120 s): once out of its view, after ``SILENT_REMOTE_S`` of
-    suspicion, well before gossip declares the lost process dead. The other two replicas
-    go on. Once the link returns
+    before ``init_timeout`` (120 s): once its step stalled, after ``SILENT_REMOTE_S`` of
+    suspicion, as a rule before gossip declares the lost process dead (either releases
+    it). The other two replicas go on. Once the link returns
     the lost process, whose partner is gone, exits too: nothing hangs. (A decision waiting on
     a store whose host went silent: tests/test_replica_watch.py.)"""
     import secrets
@@ -310,8 +311,8 @@ def test_a_replica_split_across_two_hosts_releases_its_partner_when_one_host_is_
                        **({"FTCOMM_PEERS": f"{lab.address(0)}:7946"} if host else {})}
                 command = [sys.executable, EXAMPLE, "--steps", "100000000", "--min-workers", "2",
                            "--step-time", "0.03", "--report-every", "1", "--log-level", "INFO"]
-                # (each in a pid namespace of its own: as on separate machines, the partner
-                # cannot look the lost process up in /proc, and judges it by its silence)
+                # (each in a pid namespace and /proc of its own: as on separate machines, the
+                # partner cannot look the lost process up, and judges it by its silence)
                 jobs.append(Job(0, command=lab.command(host, command, own_pids=True), env=env))
             everyone = lambda: [e for job in jobs for e in job.of("view")]  # noqa: E731
             whole = three_replicas_together(jobs)

@@ -16,12 +16,7 @@ its own and tears the replica's collectives down (:meth:`Replica.tear_down`) whe
   runs refutes at once). A partner on this host is looked up in /proc: stopped (``T``) or
   gone after ``SILENT_S`` of suspicion; one that runs (a thread holding the GIL for
   seconds starves its gossip too) only once gossip declares it dead. A partner on another
-  host, which cannot be looked at, after ``SILENT_REMOTE_S``, or
-- this process left its view (the other replicas formed one without its replica, whose
-  partner they found silent) and a partner stays suspected: stopped or gone on this host
-  after ``SILENT_S``; on another host (a lost host: it refuses nothing) after
-  ``SILENT_REMOTE_S``. Before its first view (holding back while a partner builds its
-  model, which may starve its gossip) a partner on another host is waited for.
+  host, which cannot be looked at, after ``SILENT_REMOTE_S``.
 
 Its training thread then raises from torch (or ftcomm raises ReplicaLost); the process
 exits and ``ftcomm run`` starts the whole replica again, instead of after minutes.
@@ -47,11 +42,11 @@ STALL_FACTOR = 4.0
 SILENT_S = 0.4
 """How long a stopped partner on this host stays suspected while the step stalls."""
 SILENT_REMOTE_S = 1.0
-"""How long a partner on another host stays suspected while the step stalls, or once this
-process left its view. A live partner refutes a suspicion as soon as its gossip runs (a
-full garbage collection is announced, and holds the verdicts on it for ``pause_grace``):
-this much silence on top of the stall is a lost host, and the replica is released within
-about 2 s of it going silent instead of the 3-4 s gossip takes to declare it dead."""
+"""How long a partner on another host stays suspected while the step stalls. The stall
+has the partners probed at once, which tells a live partner it is suspected: it refutes
+as soon as its gossip runs (a full garbage collection is announced, and holds the
+verdicts on it for ``pause_grace``). This much silence on top of the stall is a lost
+host: the replica is released within about 2 s of it going silent."""
 STOPPED = ("T", "t", "gone")
 """States of a partner on this host that are a hang (or a death) for sure: stopped,
 traced, or no longer running."""
@@ -61,8 +56,9 @@ class ReplicaWatch:
     """Watches the partners of this process (``replica``: the
     :class:`~ftcomm.training.replica.Replica`; ``node``: this process's
     :class:`~ftcomm.gossip.GossipNode`) while ``step()`` (the committed steps) and
-    ``view()`` (the id of the view this process is in; None while it holds back, re-forms
-    or rejoins) say how training goes; ``probe_interval``: at most one urgent probe of the
+    ``view()`` (the id of the view this process trains in; None while no step is owed: it
+    holds back, re-forms, rejoins, or has not reconciled its first view) say how training
+    goes; ``probe_interval``: at most one urgent probe of the
     partners per this many seconds."""
 
     def __init__(self, replica: Any, node: Any, step: Callable[[], int], view: Callable[[], int | None],
@@ -71,13 +67,12 @@ class ReplicaWatch:
         self.probe_interval, self.clock = probe_interval, clock
         self.partners: dict[str, str] = {}  # partner id -> its gossip state at the last look
         self._last_step: int | None = None
-        self._last_view: int | None = None  # the view the last step committed in
+        self._last_view: int | None = None  # the view of the last commit (None: none seen since a look out of one)
         self._step_at = clock()
         self._intervals: collections.deque[float] = collections.deque(maxlen=16)
         self._suspected: dict[str, float] = {}  # partner -> since when suspected, while stalled
         self._shards: dict[str, int] = {}  # partner -> its shard rank
         self._probed = float("-inf")
-        self._was_in_view = False  # this process has been in a view (out of one now, it left it)
         self.culprit: int | None = None  # the shard rank of the partner the last reason names
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftcomm-replica-watch", daemon=True)
@@ -120,15 +115,17 @@ class ReplicaWatch:
                 return f"{member}, a process of this replica, died"
         step, view = self.step(), self.view()
         in_view = view is not None
-        self._was_in_view = self._was_in_view or in_view
         if not in_view:  # holding back, standing aside, re-forming: no step is owed
-            self._last_step, self._step_at = step, now
+            self._last_step, self._step_at, self._last_view = step, now, None
         elif step != self._last_step:
-            # A typical step is one within a view: not one that waited for a view to form
-            # (early in a job such waits would make the stall seconds long).
-            if self._last_step is not None and view == self._last_view:
+            # A typical step is the time between two commits of one view: not the wait for a
+            # view to form, nor the first step after the watch began or the view was entered
+            # (a model's build, a reconcile, joiners' waits: early in a job such waits made
+            # the stall seconds long).
+            if self._last_view is not None and view == self._last_view:
                 self._intervals.append(now - self._step_at)
-            self._last_step, self._step_at, self._last_view = step, now, view
+            self._last_view = view if self._last_step is not None else None
+            self._last_step, self._step_at = step, now
         typical = STALL_FACTOR * statistics.median(self._intervals) if self._intervals else 0.0
         if not in_view:
             return self._stopped_while_out(now, seen, shards)
@@ -149,21 +146,16 @@ class ReplicaWatch:
 
     def _stopped_while_out(self, now: float, seen: dict[str, str], shards: dict[str, int]) -> str | None:
         """Out of a view (holding back, re-forming, its replica left out of the others' view
-        for the silent partner): no step is owed, so nothing stalls; but a partner on this
+        for the stopped partner): no step is owed, so nothing stalls; but a partner on this
         host that gossip suspects and /proc shows stopped or gone for ``SILENT_S`` keeps the
-        replica out for good, and so does one on another host suspected for
-        ``SILENT_REMOTE_S`` once this process has left a view (its host lost). A reason then
-        (the replica is repaired, the partner replaced); a partner that runs here, or one on
-        another host before this process's first view, is waited for."""
+        replica out for good. A reason then (the replica is repaired, the partner replaced);
+        a partner that runs, or one on another host, is waited for (with no step owed, no
+        probe tells a live one it is suspected: gossip declares a lost one dead)."""
         for member, held, local in self._suspicions(now, seen, shards):
             if local in STOPPED and held >= SILENT_S:
                 self.culprit = shards[member]
                 return (f"{member}, a process of this replica, {'is stopped' if local != 'gone' else 'is gone'} "
                         f"and has not answered for {held + LOOK_S:.1f} s while this process is in no view")
-            if local is None and self._was_in_view and held >= SILENT_REMOTE_S:
-                self.culprit = shards[member]
-                return (f"{member}, a process of this replica on another host, has not answered for "
-                        f"{held + LOOK_S:.1f} s since this process left its view")
         return None
 
     def _suspicions(self, now: float, seen: dict[str, str], shards: dict[str, int]):
