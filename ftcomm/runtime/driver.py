@@ -30,8 +30,7 @@ from ..core import engine as core
 from ..core.engine import (Action, Announce, AwaitState, Engine, Fetch, Form, ProbeGroup, ProbeMembers, ProbeSeeds,
                            Publish, PublishProposal, Recontact, Rejoined, Sync)
 from ..core.view import Status, View, group_ended, group_finished, replica_broken
-from ..errors import (CollectiveAborted, CommunicatorError, ConfigMismatch, FtcommTimeout, GroupEnded,
-                      MembershipChanged, ReplicaLost)
+from ..errors import CollectiveAborted, CommunicatorError, ConfigMismatch, GroupEnded, ReplicaLost
 from ..gossip.addresses import parse_address
 from .news import GossipNews
 from .ports import Address, Counters, Done, Formed, Pending, Ports, Reconciled
