@@ -177,6 +177,7 @@ class FaultTolerantGroup:
 
     def _start_watch(self) -> None:
         loop = self._loop
+
         def view() -> int | None:  # no step is owed while it re-forms, rejoins or has yet to reconcile
             engine = loop.engine
             current = engine.view

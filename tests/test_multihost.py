@@ -258,8 +258,7 @@ def test_three_hosts_each_running_a_sharded_replica_lose_one_and_take_it_back_wh
                            *(["--peers", f"{lab.address(0)}:7946"] if host else []),
                            EXAMPLE, "--steps", "100000000", "--min-workers", "2", "--step-time", "0.03",
                            "--report-every", "1"]
-                # (each in a pid namespace and /proc of its own: as on separate machines, the
-                # partner cannot look the lost process up, and judges it by its silence)
+                # (each host in a pid namespace and /proc of its own, as separate machines are)
                 jobs.append(Job(0, command=lab.command(host, command, own_pids=True), env=env))
             everyone = lambda: [e for job in jobs for e in job.of("view")]  # noqa: E731
             whole = three_replicas_together(jobs)

@@ -58,8 +58,8 @@ class ReplicaWatch:
     :class:`~ftcomm.gossip.GossipNode`) while ``step()`` (the committed steps) and
     ``view()`` (the id of the view this process trains in; None while no step is owed: it
     holds back, re-forms, rejoins, or has not reconciled its first view) say how training
-    goes; ``probe_interval``: at most one urgent probe of the
-    partners per this many seconds."""
+    goes; ``probe_interval``: at most one urgent probe of the partners per this many
+    seconds."""
 
     def __init__(self, replica: Any, node: Any, step: Callable[[], int], view: Callable[[], int | None],
                  probe_interval: float, clock: Callable[[], float] = time.monotonic) -> None:
