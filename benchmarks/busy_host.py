@@ -139,7 +139,6 @@ def collections_level(busy_per_core: int, args) -> dict:
     return result
 
 
-
 def replica_level(busy_per_core: int, args) -> dict:
     """Sharded replicas, 2 x 2: ``examples/train_hsdp.py`` under ``ftcomm run --replica-size
     2`` (4 processes, FSDP2 inside each replica, ftcomm across), beside the busy loops. The
