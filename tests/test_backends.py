@@ -123,3 +123,73 @@ except CollectiveAborted:
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0 and "abandoned" in done.stdout, done.stderr[-2000:]
     assert "still run" not in done.stderr
+
+
+RANK_EXITS_AFTER_ONE_ALLREDUCE = """
+import datetime, sys
+import torch, torch.distributed as dist
+from ftcomm.backends.gloo import quiesce_at_exit
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+if sys.argv[3] == "quiesce":
+    quiesce_at_exit()
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, datetime.timedelta(seconds=30))
+options = dist.ProcessGroupGloo._Options()
+options._timeout = datetime.timedelta(seconds=30)
+options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+group = dist.ProcessGroupGloo(store, rank, 2, options)
+group.allreduce([torch.ones(4)]).wait()  # the script ends here: Gloo's thread still holds the finished work
+"""
+
+
+def test_a_script_that_ends_right_after_a_gloo_collective_exits_0():
+    """Gloo's thread drops a finished collective (freeing its tensors, which takes Python's
+    lock) after the waiting thread returned; without quiesce_at_exit the interpreter may be
+    exiting by then, and the process aborts (about 3 runs in 20 here)."""
+    import subprocess
+    import sys
+
+    from .conftest import free_port
+
+    for _ in range(8):
+        port = free_port()
+        ranks = [subprocess.Popen([sys.executable, "-c", RANK_EXITS_AFTER_ONE_ALLREDUCE, str(rank), str(port),
+                                   "quiesce"], stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        try:
+            ends = [(rank.wait(40), rank.stderr.read()) for rank in ranks]
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+        assert [code for code, _ in ends] == [0, 0], [err[-500:] for _, err in ends]
+
+
+def test_the_exit_waits_while_a_gloo_thread_runs_and_no_longer():
+    """``_quiesce`` lets Python's lock go while a thread named as Gloo's runs (it may want the
+    lock to free a finished collective), and returns once none runs; at most its limit."""
+    import ctypes
+    import time
+
+    from ftcomm.backends import gloo
+
+    stop = threading.Event()
+    spinning = threading.Event()
+    before = len(gloo._runloops())  # (the groups of the tests before, idle)
+
+    def runloop() -> None:
+        ctypes.CDLL(None).prctl(15, b"pt_gloo_runloop", 0, 0, 0)  # PR_SET_NAME
+        while not stop.is_set():
+            spinning.set()
+            sum(range(1000))  # runnable all along
+    thread = threading.Thread(target=runloop, daemon=True)
+    thread.start()
+    spinning.wait(10)
+    assert len(gloo._runloops()) == before + 1  # (found by its name)
+    began = time.monotonic()
+    threading.Timer(0.3, stop.set).start()
+    gloo._quiesce()
+    waited = time.monotonic() - began
+    thread.join(10)
+    assert not thread.is_alive() and stop.is_set() and waited >= 0.25  # waited while it ran
+    began = time.monotonic()
+    gloo._quiesce()  # none left: returns at once
+    assert time.monotonic() - began < gloo.QUIESCE_LIMIT_S

@@ -10,15 +10,24 @@ Measured facts this module is built on (torch 2.13, CPU):
   into Python while the interpreter is exiting crashes the process (SIGSEGV);
 - dropping the last reference to a group whose op is stuck blocks the dropping thread
   until the hung peer's socket closes (tens of seconds). Abandoned groups therefore go
-  to a graveyard that is never freed, not even at interpreter exit.
+  to a graveyard that is never freed, not even at interpreter exit;
+- a group's thread (``pt_gloo_runloop``) drops its finished collective itself, which
+  frees the collective's tensors and so takes Python's lock; when the script ends right
+  after a collective, that can come after the interpreter began to exit, and the thread,
+  ended by Python inside a C++ destructor, aborts the process ("terminate called without
+  an active exception", exit status 134 after a script that completed). See
+  :func:`quiesce_at_exit`.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import logging
+import os
 import threading
+import time
 from typing import Any, Iterable
 
 import torch
@@ -305,3 +314,57 @@ def _seal(made_door: tuple[Any, admission.Door | None] | None) -> None:
     """Close the listening socket of a device taken out of use (None: there was none)."""
     if made_door is not None and made_door[1] is not None:
         made_door[1].seal()
+
+
+QUIESCE_LIMIT_S = 1.0
+"""The longest the interpreter's exit waits for the threads of torch's Gloo groups to drop
+their finished collectives (see :func:`quiesce_at_exit`)."""
+_QUIESCING = threading.Lock()
+_quiesce_registered = False
+
+
+def _runloops() -> list[str] | None:
+    """The scheduler state (``R`` running or runnable, ``S`` waiting, ...) of each thread of
+    torch's Gloo groups in this process; None where /proc cannot tell."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    states = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                if comm.read().strip() != "pt_gloo_runloop":
+                    continue
+            with open(f"/proc/self/task/{task}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        except OSError:  # (the thread ended meanwhile)
+            continue
+    return states
+
+
+def _quiesce() -> None:
+    """Release Python's lock until no thread of a Gloo group runs (twice in a row, 10 ms
+    apart: a thread that finished a collective and waits for the lock gets it meanwhile,
+    frees the collective and waits for the next one), at most QUIESCE_LIMIT_S."""
+    deadline = time.monotonic() + QUIESCE_LIMIT_S
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        states = _runloops()
+        if not states:
+            return
+        time.sleep(0.01)
+        quiet = quiet + 1 if "R" not in states else 0
+
+
+def quiesce_at_exit() -> None:
+    """Before the interpreter exits, let the threads of torch's Gloo groups drop their
+    finished collectives (see the module's notes). For groups whose collectives Python does
+    not hold until they are dropped (a sharded replica's, which FSDP2 and DTensor use
+    directly); registered once, and run after the atexit hooks registered later (a group's
+    shutdown)."""
+    global _quiesce_registered
+    with _QUIESCING:
+        if not _quiesce_registered:
+            _quiesce_registered = True
+            atexit.register(_quiesce)

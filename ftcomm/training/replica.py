@@ -238,6 +238,8 @@ class Replica:
             _install_gloo_group(store, self.shard_rank, self.size, wait, self._group_name, self._host)
         self._owned = True
         self.formations += 1
+        from ..backends.gloo import quiesce_at_exit
+        quiesce_at_exit()
         # Every pair of the replica's Gloo group is connected now (Gloo connects all of them
         # when the group is made): the connections tear_down shuts, with this process's
         # connection to the store. Not the listeners (a listener shut under Gloo's or the
